@@ -1,0 +1,52 @@
+"""Solver statistics: what a solve did, per sample, as tensors (no per-step dicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SolverStats:
+    """Outcome of one fixed-point solve.
+
+    Attributes:
+        nfe: number of f evaluations.
+        abs_residual: per-sample ||f(z) - z|| at the returned iterate, shape (B,).
+        rel_residual: per-sample ||f(z) - z|| / ||f(z)|| at the returned iterate, shape (B,).
+        trace: per-step maximum residual (in the solve's stop mode), shape (steps,).
+        converged: per-sample bool, residual below tolerance, shape (B,).
+        solver: name of the solver that ran.
+        stop_mode: "abs" or "rel".
+        tol: the tolerance asked for.
+        nonfinite: True when f produced non-finite values and the solve stopped early.
+        diverged: True when the residual grew far beyond its best value and the solve stopped early.
+    """
+
+    nfe: int
+    abs_residual: torch.Tensor
+    rel_residual: torch.Tensor
+    trace: torch.Tensor
+    converged: torch.Tensor
+    solver: str = ""
+    stop_mode: str = "rel"
+    tol: float = 0.0
+    nonfinite: bool = False
+    diverged: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """Per-sample residual in the solve's stop mode."""
+        return self.rel_residual if self.stop_mode == "rel" else self.abs_residual
+
+    @property
+    def all_converged(self) -> bool:
+        return bool(self.converged.all())
+
+    def summary(self) -> str:
+        return (
+            f"{self.solver}: nfe={self.nfe} max {self.stop_mode} residual="
+            f"{float(self.residual.max()):.2e} converged={int(self.converged.sum())}/{self.converged.numel()}"
+        )

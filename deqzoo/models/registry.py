@@ -1,0 +1,63 @@
+"""The families of the zoo. Adding a family costs its two files and one entry here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family's classes live, as "module:attribute" strings (imported on demand).
+
+    `models` maps a transformers Auto class name (e.g. "AutoModelForImageClassification") to the model class;
+    `architectures` is the module attribute holding named presets: {name: {"task": ..., "config": {...}}}.
+    """
+
+    model_type: str
+    config: str
+    models: dict[str, str]
+    architectures: str
+    image_processor: str | None = None
+    tokenizer: str | None = None
+    timm_module: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def load(self, path: str):
+        module, _, attr = path.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_M = "deqzoo.models"
+
+FAMILIES: list[Family] = [
+    Family(
+        model_type="mdeq",
+        config=f"{_M}.mdeq.configuration_mdeq:MDEQConfig",
+        models={
+            "AutoModel": f"{_M}.mdeq.modeling_mdeq:MDEQModel",
+            "AutoModelForImageClassification": f"{_M}.mdeq.modeling_mdeq:MDEQForImageClassification",
+            "AutoModelForSemanticSegmentation": f"{_M}.mdeq.modeling_mdeq:MDEQForSemanticSegmentation",
+        },
+        architectures=f"{_M}.mdeq.configuration_mdeq:ARCHITECTURES",
+        image_processor=f"{_M}.mdeq.image_processing_mdeq:MDEQImageProcessor",
+        timm_module="deqzoo.integrations.timm",
+    ),
+    Family(
+        model_type="deq_transformer",
+        config=f"{_M}.deq_transformer.configuration_deq_transformer:DEQTransformerConfig",
+        models={
+            "AutoModel": f"{_M}.deq_transformer.modeling_deq_transformer:DEQTransformerModel",
+            "AutoModelForCausalLM": f"{_M}.deq_transformer.modeling_deq_transformer:DEQTransformerForCausalLM",
+        },
+        architectures=f"{_M}.deq_transformer.configuration_deq_transformer:ARCHITECTURES",
+    ),
+    Family(
+        model_type="ignn",
+        config=f"{_M}.ignn.configuration_ignn:IGNNConfig",
+        models={
+            "AutoModel": f"{_M}.ignn.modeling_ignn:IGNNModel",
+        },
+        architectures=f"{_M}.ignn.configuration_ignn:ARCHITECTURES",
+    ),
+]
