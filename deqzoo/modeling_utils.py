@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .core import DEQ, DEQConfig, SolverStats
+from .core import DEQ, DEQConfig
 
 
 class DEQPretrainedConfig(PretrainedConfig):
@@ -60,15 +61,64 @@ class DEQPreTrainedModel(PreTrainedModel):
         return new
 
     @classmethod
-    def from_pretrained(cls, *args, deq: dict[str, Any] | None = None, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
-        if deq:
-            model.set_deq(**deq)
-        return model
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
+                        **kwargs):
+        """Load a checkpoint (directory, embedded id, or Hub id) from safetensors, verified; never unpickles.
+
+        `deq` overrides solver settings after loading. Errors name the file and list missing, unexpected and
+        mis-shaped keys.
+
+        Example:
+            >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
+            ...     "deqzoo/mdeq-tiny-mnist", deq={"f_solver": "broyden", "f_max_iter": 12})
+        """
+        from .hub.loading import load_pretrained
+
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model arguments")
+        return load_pretrained(cls, pretrained_model_name_or_path, deq=deq, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """Save config.json + model.safetensors atomically: written to a temporary sibling, then renamed.
+
+        A failed save leaves any previous checkpoint in `save_directory` untouched and no partial directory.
+        """
+        from .hub.loading import atomic_save
+
+        kwargs.pop("safe_serialization", None)  # always safetensors
+        if not (args[0] if args else kwargs.get("is_main_process", True)):
+            Path(save_directory).mkdir(parents=True, exist_ok=True)  # other ranks write nothing
+            return
+        repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
+        private = kwargs.pop("private", None)
+        parent_save = super().save_pretrained
+        atomic_save(save_directory, lambda tmp: parent_save(str(tmp), *args, **kwargs))
+        if push_to_hub:
+            from .hub.push import push_folder
+
+            push_folder(save_directory, repo_id=repo_id, private=private, token=kwargs.get("token"))
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload deqzoo model", endpoint: str | None = None,
+                    **_: Any) -> str:
+        """Save to a temporary directory and upload it with huggingface_hub; returns the commit URL.
+
+        Example:
+            >>> model.push_to_hub("me/mdeq-tiny-mnist")  # doctest: +SKIP
+        """
+        import tempfile
+
+        from .hub.push import push_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(Path(tmp) / "checkpoint")
+            return push_folder(Path(tmp) / "checkpoint", repo_id=repo_id, private=private, token=token,
+                               commit_message=commit_message, endpoint=endpoint)
 
 
 @dataclass
 class DEQModelOutput(ModelOutput):
-    """Base output: every zoo output carries the forward solve's statistics as `deq_stats`."""
-
-    deq_stats: SolverStats | None = None
+    """Base of every zoo output. Subclasses declare ``deq_stats: SolverStats | None = None`` as their LAST
+    field: transformers reads ``outputs[0]`` as the loss (or logits) and takes the batch size from the first
+    field, so the solver statistics must not come first. ``deq_stats`` indexes per sample (``stats[i]``),
+    which is how pipelines un-batch it."""

@@ -3,11 +3,32 @@
 from .backward import BACKWARD_MODES, register_backward
 from .config import DEQConfig
 from .deq import DEQ, DEQConvergenceError
+from .norm import NORMS, apply_norm, register_norm, remove_norm, reset_norm
+from .regularize import VariationalDropout, fp_correction, jacobian_reg, mixed_init, reset_dropout
 from .solvers import SOLVERS, get_solver, register_solver, solve
 from .state import StatePacker
 from .stats import SolverStats
 
 __all__ = [
-    "BACKWARD_MODES", "DEQ", "DEQConfig", "DEQConvergenceError", "SOLVERS", "SolverStats", "StatePacker",
-    "get_solver", "register_backward", "register_solver", "solve",
+    "BACKWARD_MODES",
+    "DEQ",
+    "DEQConfig",
+    "DEQConvergenceError",
+    "NORMS",
+    "SOLVERS",
+    "SolverStats",
+    "StatePacker",
+    "VariationalDropout",
+    "apply_norm",
+    "fp_correction",
+    "get_solver",
+    "jacobian_reg",
+    "mixed_init",
+    "register_backward",
+    "register_norm",
+    "register_solver",
+    "remove_norm",
+    "reset_dropout",
+    "reset_norm",
+    "solve",
 ]

@@ -14,9 +14,31 @@ _STOP_MODES = ("abs", "rel")
 class DEQConfig:
     """Configuration of a DEQ layer (forward solver, backward mode, regularization).
 
+    Forward: ``f_solver`` (a registered solver), ``f_max_iter``, ``f_tol``, ``f_stop_mode`` ("rel" or "abs"),
+    ``f_solver_kwargs`` (e.g. ``{"m": 6, "tau": 1.0}`` for anderson, ``{"m": 20}`` for limited-memory
+    broyden).
+    ``f_max_iter_min`` > 0 randomizes the iteration budget in training: each forward with autograd enabled
+    draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
+
+    Backward: ``b_mode`` ("ift", "phantom", "jacobian_free", "shine", "unrolled" or a registered mode),
+    ``b_mode_kwargs`` (see deqzoo.core.backward), and for the adjoint solve ``b_solver``, ``b_max_iter``,
+    ``b_tol``, ``b_stop_mode``, ``b_solver_kwargs``.
+
+    Fixed-point correction: ``n_states`` > 0 returns n states at evenly spaced iterations
+    (round(f_max_iter·i/n) for i = 1..n), or ``state_indices`` lists the iterations explicitly; they appear in
+    ``stats.states`` (first to last; an iteration >= f_max_iter is the output itself). Each earlier state is
+    the solver's best iterate at that iteration followed by ``correction_k`` damped phantom steps
+    (``correction_tau``) with gradient; combine them with `deqzoo.core.fp_correction`.
+
+    Regularization: ``jac_reg_samples`` > 0 puts a Hutchinson estimate of ||J_f||_F²/dim at z* (with graph)
+    into ``stats.jac_loss`` when autograd is enabled.
+
+    ``on_nonconvergence``: "ignore", "warn" or "raise" (`DEQConvergenceError`, carrying the stats) when the
+    forward solve ends above f_tol.
+
     Example:
         >>> from deqzoo.core import DEQConfig
-        >>> cfg = DEQConfig(f_solver="anderson", f_max_iter=30, b_mode="ift")
+        >>> cfg = DEQConfig(f_solver="anderson", f_max_iter=30, b_mode="phantom", b_mode_kwargs={"k": 5})
         >>> DEQConfig.from_json(cfg.to_json()) == cfg
         True
     """
@@ -27,6 +49,7 @@ class DEQConfig:
     f_tol: float = 1e-4
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
+    f_max_iter_min: int = 0
     # backward
     b_mode: str = "ift"
     b_solver: str = "anderson"
@@ -35,12 +58,19 @@ class DEQConfig:
     b_stop_mode: str = "rel"
     b_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     b_mode_kwargs: dict[str, Any] = field(default_factory=dict)
+    # fixed-point correction
+    n_states: int = 0
+    state_indices: list[int] | None = None
+    correction_k: int = 1
+    correction_tau: float = 1.0
     # what the caller sees when the forward solve does not reach f_tol
     on_nonconvergence: str = "ignore"
+    # regularization: Hutchinson samples for stats.jac_loss (0 = off; only computed when grad is enabled)
+    jac_reg_samples: int = 0
 
     def __post_init__(self) -> None:
-        from .backward import BACKWARD_MODES
-        from .solvers import SOLVERS
+        from .backward import BACKWARD_MODES, MODE_KWARGS
+        from .solvers import SOLVERS, solver_kwarg_names
 
         _check_name("f_solver", self.f_solver, SOLVERS)
         _check_name("b_solver", self.b_solver, SOLVERS)
@@ -48,14 +78,57 @@ class DEQConfig:
         _check_name("on_nonconvergence", self.on_nonconvergence, _ON_NONCONVERGENCE)
         _check_name("f_stop_mode", self.f_stop_mode, _STOP_MODES)
         _check_name("b_stop_mode", self.b_stop_mode, _STOP_MODES)
-        for name in ("f_max_iter", "b_max_iter"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DEQConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("f_max_iter", "b_max_iter", "correction_k"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("jac_reg_samples", "n_states", "f_max_iter_min"):
+            _check_int(name, getattr(self, name), 0)
+        if self.f_max_iter_min > self.f_max_iter:
+            raise ValueError(
+                f"DEQConfig.f_max_iter_min={self.f_max_iter_min} exceeds f_max_iter={self.f_max_iter}"
+            )
         for name in ("f_tol", "b_tol"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"DEQConfig.{name} must be > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"DEQConfig.{name} must be a number > 0, got {value!r}")
+        _check_tau("correction_tau", self.correction_tau)
+        if self.state_indices is not None:
+            self.state_indices = list(self.state_indices)
+            for i in self.state_indices:
+                _check_int("state_indices entry", i, 1)
+            if self.n_states:
+                raise ValueError("give DEQConfig.n_states or DEQConfig.state_indices, not both")
+        for prefix, solver in (("f", self.f_solver), ("b", self.b_solver)):
+            kwargs = getattr(self, f"{prefix}_solver_kwargs")
+            accepted = solver_kwarg_names(solver)
+            unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
+            if unknown:
+                raise ValueError(
+                    f"DEQConfig.{prefix}_solver_kwargs has option(s) {unknown} that solver "
+                    f"{solver!r} does not accept; it accepts {sorted(accepted)}"
+                )
+            if "tau" in kwargs:
+                _check_tau(f"{prefix}_solver_kwargs['tau']", kwargs["tau"])
+        accepted = MODE_KWARGS.get(self.b_mode)
+        unknown = sorted(set(self.b_mode_kwargs) - accepted) if accepted is not None else []
+        if unknown:
+            raise ValueError(
+                f"DEQConfig.b_mode_kwargs has option(s) {unknown} that b_mode {self.b_mode!r} "
+                f"does not accept; it accepts {sorted(accepted)}"
+            )
+        if "tau" in self.b_mode_kwargs:
+            _check_tau("b_mode_kwargs['tau']", self.b_mode_kwargs["tau"])
+        if "k" in self.b_mode_kwargs:
+            _check_int("b_mode_kwargs['k']", self.b_mode_kwargs["k"], 1)
+        if self.b_mode_kwargs.get("variant", "upg") not in ("upg", "npg"):
+            raise ValueError(
+                f"DEQConfig.b_mode_kwargs['variant'] must be 'upg' or 'npg', "
+                f"got {self.b_mode_kwargs['variant']!r}"
+            )
+        if self.b_mode == "shine" and self.f_solver != "broyden":
+            raise ValueError(
+                f"b_mode='shine' reuses the forward Broyden inverse estimate, so it needs "
+                f"f_solver='broyden', got {self.f_solver!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +151,32 @@ class DEQConfig:
 
     def update(self, **changes: Any) -> DEQConfig:
         """A validated copy with `changes` applied."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"Unknown DEQConfig key(s) {unknown}; known keys: {sorted(known)}")
         return replace(self, **changes)
+
+    def state_steps(self, max_iter: int | None = None) -> list[int]:
+        """Iterations at which fixed-point correction takes states (empty when off)."""
+        max_iter = max_iter or self.f_max_iter
+        if self.state_indices:
+            return sorted(set(self.state_indices))
+        if self.n_states:
+            return sorted({max(1, round(max_iter * (i + 1) / self.n_states)) for i in range(self.n_states)})
+        return []
 
 
 def _check_name(field_name: str, value: str, known) -> None:
     if value not in known:
         raise ValueError(f"DEQConfig.{field_name}={value!r} is not registered; choose one of {sorted(known)}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"DEQConfig.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_tau(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"DEQConfig.{name} (damping tau) must be in (0, 1], got {value!r}")

@@ -7,9 +7,10 @@ import warnings
 import torch
 from torch import nn
 
-from .backward import BACKWARD_MODES
+from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
 from .config import DEQConfig
-from .solvers import solve
+from .regularize import jacobian_reg
+from .solvers import get_solver
 from .state import State, StatePacker
 from .stats import SolverStats
 
@@ -25,14 +26,20 @@ class DEQConvergenceError(RuntimeError):
 class DEQ(nn.Module):
     """A deep equilibrium layer: z* = f(z*), differentiated by the configured backward mode.
 
+    ``z, stats = deq(f, z0)``: f is a closure over the input injection mapping a state to a state of the
+    same structure (a tensor or a tuple/list of tensors, batch first). Without autograd (inference) z is the
+    solver's z*; with autograd the backward mode attaches the gradient (see deqzoo.core.backward).
+    ``stats`` is a `SolverStats`; in training it may also carry ``jac_loss`` (DEQConfig.jac_reg_samples) and
+    ``states`` (fixed-point correction, DEQConfig.n_states / state_indices).
+
     Example:
         >>> import torch
         >>> from deqzoo.core import DEQ, DEQConfig
         >>> lin = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
         >>> deq = DEQ(DEQConfig(f_solver="anderson", f_max_iter=50, f_tol=1e-6))
         >>> z, stats = deq(lambda z: torch.tanh(0.3 * lin(z) + x), torch.zeros(2, 4))
-        >>> z.shape, stats.nfe > 0
-        (torch.Size([2, 4]), True)
+        >>> z.shape, stats.nfe > 0, bool(stats.converged.all())
+        (torch.Size([2, 4]), True, True)
     """
 
     def __init__(self, config: DEQConfig | None = None, **overrides):
@@ -40,20 +47,84 @@ class DEQ(nn.Module):
         config = config or DEQConfig()
         self.config = config.update(**overrides) if overrides else config
 
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"f_solver={c.f_solver}, f_max_iter={c.f_max_iter}, f_tol={c.f_tol}, b_mode={c.b_mode}"
+
+    def _max_iter(self, training: bool) -> int:
+        cfg = self.config
+        if training and cfg.f_max_iter_min:
+            return int(torch.randint(cfg.f_max_iter_min, cfg.f_max_iter + 1, ()).item())
+        return cfg.f_max_iter
+
     def forward(self, f, z0: State) -> tuple[State, SolverStats]:
         cfg = self.config
-        z_star, stats = solve(f, z0, solver=cfg.f_solver, max_iter=cfg.f_max_iter, tol=cfg.f_tol,
-                              stop_mode=cfg.f_stop_mode, **cfg.f_solver_kwargs)
-        self._report(stats)
-        if not torch.is_grad_enabled():
-            return z_star, stats
-        return BACKWARD_MODES[cfg.b_mode](f, z_star, StatePacker(z0), cfg), stats
+        packer = StatePacker(z0)
+        x0 = packer.flatten(z0)
+        packer.check_finite(x0)
+        g = packer.wrap(f)
+        grad = torch.is_grad_enabled()
+        max_iter = self._max_iter(grad)
+        keep = cfg.state_steps(max_iter) if grad else []
+        mode = BACKWARD_MODES[cfg.b_mode]
+        ctx = BackwardContext(config=cfg, stats=None, x0=x0, max_iter=max_iter, keep_steps=keep)
+        if grad and not getattr(mode, "needs_solve", True):
+            x = mode(g, None, ctx)
+            x_star = x
+            self._report(ctx.stats)
+            stats = ctx.stats
+        else:
+            kwargs = dict(cfg.f_solver_kwargs)
+            solver_keep = [k for k in keep if k < max_iter]
+            if solver_keep:
+                kwargs["keep_steps"] = solver_keep
+            with torch.no_grad():
+                x_star, stats = get_solver(cfg.f_solver)(
+                    g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
+                )
+            self._report(stats)
+            if not grad:
+                return packer.unflatten(x_star), stats
+            ctx.stats = stats
+            x = mode(g, x_star, ctx)
+        if cfg.jac_reg_samples > 0:
+            stats.jac_loss = self._jac_loss(g, x_star if ctx.kept is None else x, ctx)
+        if keep:
+            stats.states = [packer.unflatten(s) for s in self._states(g, x, ctx, keep)]
+        return packer.unflatten(x), stats
+
+    def _jac_loss(self, g, x_star: torch.Tensor, ctx: BackwardContext) -> torch.Tensor:
+        if ctx.fx_pair is not None:
+            xs, fx = ctx.fx_pair
+        else:  # modes without an f call at a leaf z* (phantom UPG, unrolled): one more differentiable call
+            xs = x_star.detach().requires_grad_()
+            fx = g(xs)
+        return jacobian_reg(fx, xs, n_samples=self.config.jac_reg_samples)
+
+    def _states(self, g, x: torch.Tensor, ctx: BackwardContext, keep: list[int]) -> list[torch.Tensor]:
+        cfg = self.config
+        kept_graph = ctx.kept or {}
+        kept_plain = ctx.stats.extra.get("kept", {}) if ctx.stats is not None else {}
+        out = []
+        for k in keep:
+            if k >= ctx.max_iter:
+                out.append(x)
+            elif k in kept_graph:
+                out.append(kept_graph[k])
+            elif k in kept_plain:
+                out.append(phantom_steps(g, kept_plain[k], cfg.correction_k, cfg.correction_tau))
+            else:  # a user solver that does not keep states: fall back to the output
+                out.append(x)
+        return out
 
     def _report(self, stats: SolverStats) -> None:
         mode = self.config.on_nonconvergence
         if mode == "ignore" or stats.all_converged:
             return
-        message = f"DEQ forward solve did not converge: {stats.summary()} (tol={stats.tol})"
+        flags = "".join(
+            [", non-finite values" if stats.nonfinite else "", ", diverged" if stats.diverged else ""]
+        )
+        message = f"DEQ forward solve did not converge: {stats.summary()} (tol={stats.tol}{flags})"
         if mode == "raise":
             raise DEQConvergenceError(message, stats)
         warnings.warn(message, RuntimeWarning, stacklevel=3)

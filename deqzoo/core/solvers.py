@@ -1,12 +1,25 @@
-"""Root solvers for z = f(z), registered by name. They work on flat (B, D) states.
+"""Fixed-point solvers for z = f(z), registered by name. They work on flat (B, D) states.
 
-A solver is `fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)` where g maps (B, D) -> (B, D).
+A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)`` where ``g`` maps
+(B, D) to (B, D) and runs without autograd. Every built-in solver keeps per-sample statistics and returns,
+per sample, the iterate with the lowest residual seen. Hot loops preallocate their buffers, update them in
+place, and cross to the host once per step (one small transfer carrying the per-sample norms the stopping
+check needs; Anderson's small mixing system rides along). Built-ins also accept ``keep_steps`` (iterations
+at which to keep a copy of the best iterate so far, for fixed-point correction) and ``div_factor`` (stop
+when the largest absolute residual exceeds ``div_factor`` times the largest best one: divergence).
+
+Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
+the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
+affine maps such as the adjoint system of implicit differentiation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from .state import State, StatePacker
@@ -14,15 +27,33 @@ from .stats import SolverStats
 
 SOLVERS: dict[str, Callable] = {}
 
+__all__ = [
+    "SOLVERS",
+    "InverseJacobian",
+    "anderson",
+    "broyden",
+    "fixed_point",
+    "get_solver",
+    "gmres",
+    "register_solver",
+    "solve",
+    "solver_kwarg_names",
+]
+
 
 def register_solver(name: str):
     """Register a solver under `name` (decorator). User solvers plug in the same way.
 
     Example:
+        >>> import torch
         >>> from deqzoo.core import register_solver, solve
-        >>> @register_solver("my_fp")
-        ... def my_fp(g, x0, *, max_iter, tol, stop_mode, **kw):
-        ...     return fixed_point(g, x0, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
+        >>> @register_solver("halfway")
+        ... def halfway(g, x0, *, max_iter, tol, stop_mode="rel", **kw):
+        ...     return fixed_point(g, x0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, tau=0.5, **kw)
+        >>> f = lambda z: 0.5 * z + 1
+        >>> z, stats = solve(f, torch.zeros(1, 2), solver="halfway", max_iter=200, tol=1e-6)
+        >>> stats.solver, round(float(z[0, 0]), 4)
+        ('fixed_point', 2.0)
     """
 
     def deco(fn):
@@ -38,98 +69,445 @@ def get_solver(name: str) -> Callable:
     return SOLVERS[name]
 
 
+def solver_kwarg_names(name: str) -> set[str] | None:
+    """Keyword options a registered solver accepts (None when it takes **kwargs, i.e. anything)."""
+    params = inspect.signature(get_solver(name)).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {"max_iter", "tol", "stop_mode"}
+
+
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """The one device-to-host transfer of a step (zero-copy on CPU), as float64."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.cpu().numpy().astype(np.float64, copy=False)
+
+
 class _Tracker:
-    """Per-sample best-iterate bookkeeping, updated in place."""
+    """Per-sample best iterate, residuals, trace and stopping.
 
-    def __init__(self, x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str):
+    A step hands over per-sample ||f(x) - x|| and ||f(x)|| (device tensors; solvers may append their own
+    small per-sample data, such as Anderson's Gram row, to the same transfer); they cross to the host in one
+    transfer, the only synchronisation of the step, and the bookkeeping runs there in numpy on (B,) arrays,
+    which costs far less than a dozen tiny device kernels. Only the masked copy of the best iterate runs on
+    the device.
+    """
+
+    def __init__(
+        self,
+        x0: torch.Tensor,
+        max_iter: int,
+        tol: float,
+        stop_mode: str,
+        name: str,
+        keep_steps: Iterable[int] = (),
+        div_factor: float = 1e6,
+    ):
+        if stop_mode not in ("abs", "rel"):
+            raise ValueError(f"stop_mode must be 'abs' or 'rel', got {stop_mode!r}")
+        if max_iter < 1:
+            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+        if not tol > 0:
+            raise ValueError(f"tol must be > 0, got {tol}")
         b = x0.shape[0]
-        self.best_x = x0.clone()
-        self.best_abs = torch.full((b,), float("inf"), dtype=x0.dtype, device=x0.device)
-        self.best_rel = self.best_abs.clone()
-        self.trace = torch.empty(max_iter, dtype=x0.dtype, device=x0.device)
+        self.x0 = x0
+        # iterates handed to `update` are never modified in place afterwards by the solvers, so the best one
+        # is kept by reference (no copy per step); `result` clones only if that is still the caller's x0
+        self.best_x = x0
+        self.best_abs = np.full(b, np.inf)
+        self.best_rel = np.full(b, np.inf)
+        self.trace: list[float] = []
         self.tol, self.stop_mode, self.name, self.steps = tol, stop_mode, name, 0
+        self.keep_steps = sorted({int(k) for k in keep_steps})
+        self.kept: dict[int, torch.Tensor] = {}
+        self.div_factor = div_factor
+        self.nonfinite = self.diverged = False
 
-    def update(self, x: torch.Tensor, fx: torch.Tensor) -> bool:
-        """Record iterate x with f(x) = fx; return True when every sample has converged."""
-        diff = (fx - x).norm(dim=1)
-        abs_r = torch.nan_to_num(diff, nan=float("inf"))
-        rel_r = abs_r / (fx.norm(dim=1) + 1e-9)
-        r = rel_r if self.stop_mode == "rel" else abs_r
-        best = self.best_rel if self.stop_mode == "rel" else self.best_abs
-        better = r < best
-        self.best_x[better] = x[better]
-        self.best_abs[better] = abs_r[better]
-        self.best_rel[better] = rel_r[better]
-        self.trace[self.steps] = r.max()
-        self.steps += 1
-        return bool((best < self.tol).all())
+    def update(
+        self,
+        x: torch.Tensor,
+        fx: torch.Tensor | None,
+        abs_r: torch.Tensor | None = None,
+        fx_norm: torch.Tensor | None = None,
+    ) -> bool:
+        """Record iterate x with f(x) = fx; abs_r = ||fx - x|| and fx_norm = ||fx|| may be given instead of
+        being computed. Returns True when the solve should stop (converged, non-finite or diverged)."""
+        if abs_r is None:
+            abs_r = torch.linalg.vector_norm(fx - x, dim=1)
+        if fx_norm is None:
+            fx_norm = torch.linalg.vector_norm(fx, dim=1)
+        host = _to_host(torch.stack((abs_r, fx_norm)))
+        return self.update_host(x, host[0], host[1])
 
-    def stats(self, nfe: int) -> SolverStats:
+    def update_host(self, x: torch.Tensor, abs_r: np.ndarray, fx_norm: np.ndarray) -> bool:
+        """As `update`, with the per-sample norms already on the host."""
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            rel_r = abs_r / (fx_norm + 1e-12)
+            r, best = (rel_r, self.best_rel) if self.stop_mode == "rel" else (abs_r, self.best_abs)
+            better = r < best  # False for NaN: a non-finite iterate never becomes the best
+            self.best_abs[better] = abs_r[better]
+            self.best_rel[better] = rel_r[better]
+            finite = bool(np.isfinite(abs_r).all())
+            self.trace.append(float(r.max()))
+            if better.all():
+                self.best_x = x
+            elif better.any():
+                mask = torch.from_numpy(better).to(x.device, non_blocking=True)[:, None]
+                if finite:  # lerp with a 0/1 weight is an exact masked copy, and cheaper than where
+                    self.best_x = torch.lerp(self.best_x, x, mask.to(x.dtype))
+                else:
+                    self.best_x = torch.where(mask, x, self.best_x)
+            self.steps += 1
+            if self.keep_steps and self.steps in self.keep_steps:
+                self.kept[self.steps] = self.best_x
+            self.nonfinite = not finite
+            if finite and abs_r.max() > self.div_factor * max(self.best_abs.max(), 1e-30):
+                self.diverged = True
+            return bool(best.max() < self.tol) or self.nonfinite or self.diverged
+
+    def result(self) -> torch.Tensor:
+        """The best iterate (a fresh tensor, never the caller's x0 itself)."""
+        if self.best_x.data_ptr() == self.x0.data_ptr():
+            return self.best_x.clone()
+        return self.best_x
+
+    def stats(self, nfe: int, **extra) -> SolverStats:
+        as_t = lambda a: torch.from_numpy(a).to(self.x0.device, self.x0.dtype)  # noqa: E731
         r = self.best_rel if self.stop_mode == "rel" else self.best_abs
+        # iterations after the solve ended keep the final best iterate
+        kept = {k: self.kept.get(k, self.best_x) for k in self.keep_steps}
         return SolverStats(
-            nfe=nfe, abs_residual=self.best_abs, rel_residual=self.best_rel, trace=self.trace[: self.steps],
-            converged=r < self.tol, solver=self.name, stop_mode=self.stop_mode, tol=self.tol,
-            nonfinite=bool(torch.isinf(self.best_abs).any()),
+            nfe=nfe,
+            abs_residual=as_t(self.best_abs),
+            rel_residual=as_t(self.best_rel),
+            trace=torch.tensor(self.trace, dtype=torch.float64),
+            converged=torch.from_numpy(r < self.tol),
+            solver=self.name,
+            stop_mode=self.stop_mode,
+            tol=self.tol,
+            nonfinite=self.nonfinite,
+            diverged=self.diverged,
+            extra={"kept": kept, **extra} if self.keep_steps else dict(extra),
         )
 
 
+def _check_tau(tau: float) -> None:
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"damping tau must be in (0, 1], got {tau}")
+
+
 @register_solver("fixed_point")
-def fixed_point(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", tau: float = 1.0, **_):
+def fixed_point(
+    g,
+    x0,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    tau: float = 1.0,
+    keep_steps: Iterable[int] = (),
+    div_factor: float = 1e6,
+):
     """Damped fixed-point iteration x <- (1 - tau) x + tau g(x)."""
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "fixed_point")
+    _check_tau(tau)
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "fixed_point", keep_steps, div_factor)
     x, nfe = x0, 0
     for _ in range(max_iter):
         fx = g(x)
         nfe += 1
-        if tracker.update(x, fx):
+        if tracker.update(x, fx) or nfe == max_iter:
             break
-        x = fx if tau == 1.0 else (1 - tau) * x + tau * fx
-    return tracker.best_x, tracker.stats(nfe)
+        if tau == 1.0:
+            x = fx
+        else:
+            x = torch.lerp(x, fx, tau)
+    return tracker.result(), tracker.stats(nfe)
 
 
 @register_solver("anderson")
-def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int = 5, lam: float = 1e-4,
-             tau: float = 1.0, **_):
-    """Anderson acceleration with memory m (provisional; see the engine issue)."""
+def anderson(
+    g,
+    x0,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    m: int = 6,
+    lam: float = 1e-5,
+    tau: float = 1.0,
+    keep_steps: Iterable[int] = (),
+    div_factor: float = 1e6,
+):
+    """Anderson acceleration (type I, constrained least squares over the last m residuals).
+
+    The Gram matrix of the stored residuals is updated one row per step (one batched product, O(m·D)), never
+    recomputed; that row crosses to the host in the step's single transfer together with ||f(x)||, and the
+    tiny (B, m, m) mixing system is solved there in float64. The newest residual norm is the row's diagonal
+    entry, so it costs nothing. The regularization is relative, lam · max_j ||g_j||² over the window (so
+    cond(H + reg I) <= m / lam), and keeps working when
+    residuals become tiny (an absolute lam swamps the Gram matrix near convergence and stalls the method).
+    A sample whose mixing system is singular or not finite falls back to a plain damped fixed-point step;
+    nothing here raises.
+    """
+    _check_tau(tau)
+    if m < 1:
+        raise ValueError(f"anderson memory m must be >= 1, got {m}")
+    if not lam > 0:
+        raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
     b, d = x0.shape
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson")
-    X = x0.new_zeros(b, m, d)
-    F = x0.new_zeros(b, m, d)
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
+    Fb = x0.new_zeros(b, m, d)  # f(x_j)
+    G = x0.new_zeros(b, m, d)  # g_j = f(x_j) - x_j
+    H = np.zeros((b, m, m))  # Gram matrix of the g_j, on the host
+    on_cpu = x0.device.type == "cpu"
     x, nfe = x0, 0
     for k in range(max_iter):
         fx = g(x)
         nfe += 1
-        if tracker.update(x, fx):
+        i, n = k % m, min(k + 1, m)
+        gi = torch.sub(fx, x, out=G[:, i])
+        Fb[:, i].copy_(fx)
+        row = torch.bmm(gi.unsqueeze(1), G.transpose(1, 2)).view(b, m)  # g_i · g_j for every slot
+        fx_norm = torch.linalg.vector_norm(fx, dim=1, keepdim=True)
+        if on_cpu:  # zero-copy views, no transfer to batch
+            host_row, host_norm = _to_host(row), _to_host(fx_norm)[:, 0]
+        else:  # one transfer for both
+            host = _to_host(torch.cat((row, fx_norm), 1))
+            host_row, host_norm = host[:, :m], host[:, m]
+        H[:, i, :] = host_row
+        H[:, :, i] = host_row
+        gi_sq = H[:, i, i].copy()
+        if tracker.update_host(x, np.sqrt(np.maximum(gi_sq, 0)), host_norm) or nfe == max_iter:
             break
-        i = k % m
-        X[:, i], F[:, i] = x, fx
-        n = min(k + 1, m)
-        G = F[:, :n] - X[:, :n]
-        H = torch.bmm(G, G.transpose(1, 2)) + lam * torch.eye(n, dtype=x0.dtype, device=x0.device)
-        ones = x0.new_ones(b, n, 1)
-        alpha = torch.linalg.solve(H, ones)
-        alpha = alpha / alpha.sum(1, keepdim=True)
-        x = (tau * torch.bmm(alpha.transpose(1, 2), F[:, :n]) + (1 - tau) * torch.bmm(alpha.transpose(1, 2), X[:, :n]))[:, 0]
-    return tracker.best_x, tracker.stats(nfe)
+        if n == 1:
+            x = fx if tau == 1.0 else torch.lerp(x, fx, tau)
+            continue
+        # relative regularization, scaled by the largest residual in the window: cond(H + reg I) <= n / lam
+        alpha = _mixing_weights(H[:, :n, :n], H[:, range(n), range(n)].max(1) * lam, i)
+        alpha = torch.from_numpy(alpha).to(x0.device, x0.dtype, non_blocking=True).unsqueeze(1)  # (B, 1, n)
+        x = torch.bmm(alpha, Fb[:, :n]).view(b, d)  # sum_j alpha_j f(x_j)
+        if tau != 1.0:
+            # damped: sum_j alpha_j ((1 - tau) x_j + tau f(x_j)) = sum alpha f - (1 - tau) sum alpha g
+            x.sub_(torch.bmm(alpha, G[:, :n]).view(b, d), alpha=1.0 - tau)
+    return tracker.result(), tracker.stats(nfe)
 
 
-def solve(f: Callable[[State], State], z0: State, solver: str = "anderson", max_iter: int = 50, tol: float = 1e-4,
-          stop_mode: str = "rel", **solver_kwargs) -> tuple[State, SolverStats]:
+def _mixing_weights(Hn: np.ndarray, reg: np.ndarray, newest: int) -> np.ndarray:
+    """alpha = (H + reg I)^{-1} 1 / (1ᵀ (H + reg I)^{-1} 1) per sample; e_newest where that fails."""
+    b, n, _ = Hn.shape
+    A = Hn + (reg + 1e-300)[:, None, None] * np.eye(n)
+    ones = np.ones((b, n, 1))
+    with np.errstate(all="ignore"):
+        try:
+            a = np.linalg.solve(A, ones)[:, :, 0]
+        except np.linalg.LinAlgError:  # some sample exactly singular: solve them one by one
+            a = np.full((b, n), np.nan)
+            for s in range(b):
+                try:
+                    a[s] = np.linalg.solve(A[s], ones[s])[:, 0]
+                except np.linalg.LinAlgError:
+                    pass
+        alpha = a / a.sum(1, keepdims=True)
+    bad = ~np.isfinite(alpha).all(1)
+    if bad.any():
+        alpha[bad] = 0.0
+        alpha[bad, newest] = 1.0
+    return alpha
+
+
+class InverseJacobian:
+    """Broyden's low-rank estimate B ≈ (J_f - I)^{-1} = -I + Σ_j u_j v_jᵀ per sample (used by SHINE).
+
+    `rmatvec(y)` returns yᵀ B per sample, so the adjoint of implicit differentiation, w = (I - J_f)^{-T} g,
+    is approximated by ``-rmatvec(g)``.
+    """
+
+    def __init__(self, W: torch.Tensor):
+        self.W = W  # (B, 2n, D): rows 2j = u_j, 2j+1 = v_j
+
+    def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
+        if self.W.shape[1] == 0:
+            return -y
+        U, V = self.W[:, 0::2], self.W[:, 1::2]
+        c = torch.bmm(y.unsqueeze(1).to(U.dtype), U.transpose(1, 2))  # (B, 1, n): y · u_j
+        return -y + torch.bmm(c, V)[:, 0].to(y.dtype)
+
+    def matvec(self, y: torch.Tensor) -> torch.Tensor:
+        if self.W.shape[1] == 0:
+            return -y
+        U, V = self.W[:, 0::2], self.W[:, 1::2]
+        c = torch.bmm(y.unsqueeze(1).to(U.dtype), V.transpose(1, 2))
+        return -y + torch.bmm(c, U)[:, 0].to(y.dtype)
+
+
+@register_solver("broyden")
+def broyden(
+    g,
+    x0,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    m: int | None = None,
+    keep_steps: Iterable[int] = (),
+    div_factor: float = 1e6,
+):
+    """Broyden's ("good") method on the inverse Jacobian of g(x) - x, unit steps, no line search.
+
+    The estimate is B = -I + Σ_j u_j v_jᵀ. `m=None` keeps every rank-one update (full memory); an integer m
+    restarts from B = -I whenever m updates are stored (limited memory; dropping only the oldest pair breaks
+    the secant conditions the later pairs were built on, and can diverge). With unit steps a step needs four
+    batched products over the stored pairs (TorchDEQ's form needs six): the dot products u_j·Δx and v_j·g
+    and the two combinations giving B g and Bᵀ Δx; B Δg then follows from B g_old = -Δx.
+    The final estimate is exposed as ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`) for SHINE.
+    """
+    b, d = x0.shape
+    m = max_iter if m is None else int(m)
+    if m < 1:
+        raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
+    # empty, not zeros: with full memory m = max_iter, and only the slots in use are ever touched (zeroing
+    # the whole buffer would fault in every page of a (B, max_iter, D) allocation up front)
+    U = x0.new_empty(b, m, d)
+    V = x0.new_empty(b, m, d)
+    x = x0
+    fx = g(x)
+    nfe, stored = 1, 0
+    gx = fx - x
+    stop = tracker.update(x, fx, torch.linalg.vector_norm(gx, dim=1))
+    p = gx  # step = -B0 g with B0 = -I: the first step is a plain fixed-point step
+    while not stop and nfe < max_iter:
+        x = x + p
+        fx = g(x)
+        nfe += 1
+        g_new = fx - x
+        if tracker.update(x, fx, torch.linalg.vector_norm(g_new, dim=1)) or nfe == max_iter:
+            break
+        n = stored
+        if n:
+            Un, Vn = U[:, :n], V[:, :n]
+            c = torch.bmm(g_new.unsqueeze(1), Vn.transpose(1, 2))  # v_j · g
+            e = torch.bmm(p.unsqueeze(1), Un.transpose(1, 2))  # u_j · Δx
+            q = torch.baddbmm(g_new.unsqueeze(1), c, Un, alpha=1.0, beta=-1.0).view(
+                b, d
+            )  # B g = -g + Σ u_j c_j
+            v = torch.baddbmm(p.unsqueeze(1), e, Vn, alpha=1.0, beta=-1.0).view(
+                b, d
+            )  # Bᵀ Δx = -Δx + Σ v_j e_j
+        else:
+            q, v = -g_new, -p
+        # u = (Δx - B Δg) / (vᵀ Δg) with B Δg = B g_new - B g_old = q + Δx, so u = -q / (vᵀ Δg)
+        dv = torch.stack((torch.linalg.vecdot(v, g_new - gx), torch.linalg.vecdot(v, g_new)), 1)  # (B, 2)
+        denom, vg = dv[:, :1], dv[:, 1:]
+        denom = torch.where(
+            denom.abs() > 1e-30, denom, torch.full_like(denom, math.inf)
+        )  # degenerate: no update
+        u = q.div(denom).neg_()
+        if stored == m:
+            stored = 0
+        U[:, stored].copy_(u)
+        V[:, stored].copy_(v)
+        stored += 1
+        p = torch.addcmul(q, u, vg).neg_()  # -B_{k+1} g_new = -(q + u (vᵀ g_new))
+        gx = g_new
+    W = torch.stack((U[:, :stored], V[:, :stored]), 2).view(b, 2 * stored, d)
+    return tracker.result(), tracker.stats(nfe, inverse_jacobian=InverseJacobian(W))
+
+
+@register_solver("gmres")
+def gmres(
+    g,
+    x0,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    keep_steps: Iterable[int] = (),
+    div_factor: float = 1e6,
+):
+    """GMRES for an affine map g(x) = M x + c (solves (I - M) x = c), e.g. the adjoint system of IFT.
+
+    Batched Arnoldi with classical Gram-Schmidt applied twice (one batched product each), a per-sample least
+    squares problem on the small Hessenberg matrix, and the true residual measured at the returned iterate.
+    Costs one more evaluation of g than steps (to get c = g(0) - ... from g(x0)).
+    """
+    del div_factor  # GMRES residuals are monotone; divergence cannot happen
+    b, d = x0.shape
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "gmres", keep_steps)
+    k_max = max(max_iter - 1, 1)
+    V = x0.new_empty(b, k_max + 1, d)
+    Hs = torch.zeros(b, k_max + 1, k_max, dtype=torch.float64, device=x0.device)
+    gx0 = g(x0)
+    nfe = 1
+    r0 = gx0 - x0  # residual of (I - M) x = c at x0
+    stop = tracker.update(x0, gx0, torch.linalg.vector_norm(r0, dim=1))
+    beta = torch.linalg.vector_norm(r0, dim=1)
+    V[:, 0] = r0 / beta.clamp_min(1e-300)[:, None]
+    e1 = torch.zeros(b, k_max + 1, 1, dtype=torch.float64, device=x0.device)
+    e1[:, 0, 0] = beta.double()
+    x = x0
+    for j in range(k_max):
+        if stop or nfe >= max_iter:
+            break
+        vj = V[:, j]
+        w = vj - (g(vj + x0) - gx0)  # (I - M) v_j, using g(v + x0) - g(x0) = M v_j
+        nfe += 1
+        h = torch.bmm(w.unsqueeze(1), V[:, : j + 1].transpose(1, 2))[:, 0]
+        w = w - torch.bmm(h.unsqueeze(1), V[:, : j + 1])[:, 0]
+        h2 = torch.bmm(w.unsqueeze(1), V[:, : j + 1].transpose(1, 2))[:, 0]
+        w = w - torch.bmm(h2.unsqueeze(1), V[:, : j + 1])[:, 0]
+        hn = torch.linalg.vector_norm(w, dim=1)
+        Hs[:, : j + 1, j] = (h + h2).double()
+        Hs[:, j + 1, j] = hn.double()
+        V[:, j + 1] = w / hn.clamp_min(1e-300)[:, None]
+        y = torch.linalg.lstsq(Hs[:, : j + 2, : j + 1], e1[:, : j + 2]).solution  # (B, j+1, 1)
+        y = torch.nan_to_num(y)
+        x = x0 + torch.bmm(y.transpose(1, 2).to(x0.dtype), V[:, : j + 1])[:, 0]
+        res = torch.linalg.vector_norm(e1[:, : j + 2] - Hs[:, : j + 2, : j + 1] @ y, dim=(1, 2)).to(x0.dtype)
+        # ||g(x)|| >= ||x|| - residual: a conservative denominator for the relative residual
+        fx_norm = (torch.linalg.vector_norm(x, dim=1) - res).clamp_min(0)
+        stop = tracker.update(x, None, res, fx_norm)
+    # measure the true residual at the returned iterate (one more evaluation, keeps the stats honest)
+    x_best = tracker.result()
+    fx = g(x_best)
+    nfe += 1
+    stats = tracker.stats(nfe)
+    abs_r = torch.linalg.vector_norm(fx - x_best, dim=1)
+    stats.abs_residual = abs_r
+    stats.rel_residual = abs_r / (torch.linalg.vector_norm(fx, dim=1) + 1e-12)
+    stats.converged = stats.residual < tol
+    return x_best, stats
+
+
+def solve(
+    f: Callable[[State], State],
+    z0: State,
+    solver: str = "anderson",
+    max_iter: int = 50,
+    tol: float = 1e-4,
+    stop_mode: str = "rel",
+    **solver_kwargs,
+) -> tuple[State, SolverStats]:
     """Find z* = f(z*) starting at z0 (no autograd graph is built).
+
+    z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
+    structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned.
 
     Example:
         >>> import torch
         >>> from deqzoo.core import solve
         >>> A = 0.5 * torch.eye(3, dtype=torch.float64); b = torch.ones(1, 3, dtype=torch.float64)
         >>> z, stats = solve(lambda z: z @ A + b, torch.zeros(1, 3, dtype=torch.float64), tol=1e-10)
-        >>> torch.allclose(z, 2 * b)
-        True
+        >>> torch.allclose(z, 2 * b), bool(stats.converged.all())
+        (True, True)
     """
     packer = StatePacker(z0)
     x0 = packer.flatten(z0)
-    if not torch.isfinite(x0).all():
-        raise ValueError("z0 contains non-finite values (NaN or Inf)")
+    packer.check_finite(x0)
     with torch.no_grad():
-        x, stats = get_solver(solver)(packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode,
-                                      **solver_kwargs)
+        x, stats = get_solver(solver)(
+            packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode, **solver_kwargs
+        )
     return packer.unflatten(x), stats

@@ -9,20 +9,36 @@ import torch
 State = torch.Tensor | Sequence[torch.Tensor]
 
 
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {tuple(obj.shape)}"
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)}"
+    return f"a {type(obj).__name__}"
+
+
 class StatePacker:
-    """Flattens a state into (B, D) and back; checks that f keeps the state's structure."""
+    """Flattens a state into (B, D) and back; checks that f keeps the state's structure, shapes and dtype."""
 
     def __init__(self, z0: State):
         self.is_tensor = isinstance(z0, torch.Tensor)
-        tensors = [z0] if self.is_tensor else list(z0)
+        tensors = [z0] if self.is_tensor else list(z0) if isinstance(z0, (tuple, list)) else []
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise TypeError(f"z0 must be a tensor or a non-empty tuple/list of tensors, got {type(z0).__name__}")
+            raise TypeError(f"z0 must be a tensor or a non-empty tuple/list of tensors, got {_describe(z0)}")
         self.container = None if self.is_tensor else type(z0)
         self.shapes = [tuple(t.shape) for t in tensors]
-        self.dtype = tensors[0].dtype
+        self.dtype, self.device = tensors[0].dtype, tensors[0].device
+        if not self.dtype.is_floating_point:
+            raise TypeError(f"the state must be floating point, got dtype {self.dtype}")
+        for i, t in enumerate(tensors):
+            if t.dtype != self.dtype or t.device != self.device:
+                raise TypeError(
+                    f"every state tensor needs the same dtype and device: tensor 0 is "
+                    f"{self.dtype} on {self.device}, tensor {i} is {t.dtype} on {t.device}"
+                )
         batch = {s[0] if s else None for s in self.shapes}
         if len(batch) != 1 or None in batch:
-            raise ValueError(f"every tensor of the state needs the same leading batch dimension, got shapes {self.shapes}")
+            raise ValueError(f"every state tensor needs the same leading batch dimension, got {self.shapes}")
         self.batch = batch.pop()
         self.sizes = [int(torch.Size(s[1:]).numel()) for s in self.shapes]
 
@@ -38,20 +54,35 @@ class StatePacker:
         parts = torch.split(x, self.sizes, dim=1)
         return self.container(p.reshape(s) for p, s in zip(parts, self.shapes))
 
+    def check_finite(self, x: torch.Tensor, what: str = "z0") -> None:
+        if not torch.isfinite(x).all():
+            bad = (~torch.isfinite(x)).any(1).nonzero()[:, 0].tolist()
+            raise ValueError(f"{what} contains non-finite values (NaN or Inf) in batch sample(s) {bad[:10]}")
+
     def check(self, out: State, where: str = "f") -> None:
         """Raise a clear error if `out` does not have this state's structure, shapes and dtype."""
-        if isinstance(out, torch.Tensor) != self.is_tensor:
-            got = "a tensor" if isinstance(out, torch.Tensor) else type(out).__name__
-            want = "a tensor" if self.is_tensor else f"a {self.container.__name__} of {len(self.shapes)} tensors"
-            raise TypeError(f"{where} returned {got}, but the state z0 is {want}")
+        want = "a tensor" if self.is_tensor else f"a {self.container.__name__} of {len(self.shapes)} tensors"
+        if isinstance(out, torch.Tensor) != self.is_tensor or not isinstance(
+            out, (torch.Tensor, tuple, list)
+        ):
+            raise TypeError(f"{where} returned {_describe(out)}, but the state z0 is {want}")
         tensors = [out] if self.is_tensor else list(out)
         if len(tensors) != len(self.shapes):
-            raise TypeError(f"{where} returned {len(tensors)} tensors, but the state z0 has {len(self.shapes)}")
+            raise TypeError(
+                f"{where} returned {len(tensors)} tensors, but the state z0 has {len(self.shapes)}"
+            )
         for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where} returned {_describe(t)} as state tensor {i}, expected a tensor")
             if tuple(t.shape) != self.shapes[i]:
-                raise ValueError(f"{where} returned shape {tuple(t.shape)} for state tensor {i}, expected {self.shapes[i]}")
+                raise ValueError(
+                    f"{where} returned shape {tuple(t.shape)} for state tensor {i}, but z0 has "
+                    f"shape {self.shapes[i]}"
+                )
             if t.dtype != self.dtype:
-                raise TypeError(f"{where} returned dtype {t.dtype} for state tensor {i}, expected {self.dtype}")
+                raise TypeError(
+                    f"{where} returned dtype {t.dtype} for state tensor {i}, but z0 has dtype {self.dtype}"
+                )
 
     def wrap(self, f: Callable[[State], State]) -> Callable[[torch.Tensor], torch.Tensor]:
         """f on flat (B, D) matrices; checks the structure on the first call only (it does not change)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,7 +34,34 @@ class SolverStats:
     tol: float = 0.0
     nonfinite: bool = False
     diverged: bool = False
+    jac_loss: torch.Tensor | None = None
+    states: list | None = None
     extra: dict = field(default_factory=dict)
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> SolverStats:
+        """The statistics of the samples at `index` (an int keeps a batch dimension of one, as pipelines
+        expect when they un-batch outputs). Batch-level fields (nfe, trace, flags) are shared.
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import solve
+            >>> _, stats = solve(lambda z: 0.5 * z + 1, torch.zeros(3, 2))
+            >>> stats[1].rel_residual.shape
+            torch.Size([1])
+        """
+        if isinstance(index, int):
+            n = self.converged.shape[0]
+            if not -n <= index < n:
+                raise IndexError(f"sample index {index} out of range for a batch of {n}")
+            index = slice(index % n, index % n + 1)
+        per_sample = lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
+        return replace(
+            self,
+            abs_residual=self.abs_residual[index],
+            rel_residual=self.rel_residual[index],
+            converged=self.converged[index],
+            states=[per_sample(s) for s in self.states] if self.states is not None else None,
+        )
 
     @property
     def residual(self) -> torch.Tensor:

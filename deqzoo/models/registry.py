@@ -11,6 +11,7 @@ class Family:
     """Where a family's classes live, as "module:attribute" strings (imported on demand).
 
     `models` maps a transformers Auto class name (e.g. "AutoModelForImageClassification") to the model class;
+    `heads` names model classes with no transformers Auto class (found through config.architectures);
     `architectures` is the module attribute holding named presets: {name: {"task": ..., "config": {...}}}.
     """
 
@@ -21,7 +22,7 @@ class Family:
     image_processor: str | None = None
     tokenizer: str | None = None
     timm_module: str | None = None
-    extra: dict = field(default_factory=dict)
+    heads: dict[str, str] = field(default_factory=dict)
 
     def load(self, path: str):
         module, _, attr = path.partition(":")
@@ -29,6 +30,7 @@ class Family:
 
 
 _M = "deqzoo.models"
+_DT = f"{_M}.deq_transformer"
 
 FAMILIES: list[Family] = [
     Family(
@@ -45,18 +47,23 @@ FAMILIES: list[Family] = [
     ),
     Family(
         model_type="deq_transformer",
-        config=f"{_M}.deq_transformer.configuration_deq_transformer:DEQTransformerConfig",
+        config=f"{_DT}.configuration_deq_transformer:DEQTransformerConfig",
         models={
-            "AutoModel": f"{_M}.deq_transformer.modeling_deq_transformer:DEQTransformerModel",
-            "AutoModelForCausalLM": f"{_M}.deq_transformer.modeling_deq_transformer:DEQTransformerForCausalLM",
+            "AutoModel": f"{_DT}.modeling_deq_transformer:DEQTransformerModel",
+            "AutoModelForCausalLM": f"{_DT}.modeling_deq_transformer:DEQTransformerForCausalLM",
         },
-        architectures=f"{_M}.deq_transformer.configuration_deq_transformer:ARCHITECTURES",
+        architectures=f"{_DT}.configuration_deq_transformer:ARCHITECTURES",
     ),
     Family(
         model_type="ignn",
         config=f"{_M}.ignn.configuration_ignn:IGNNConfig",
         models={
             "AutoModel": f"{_M}.ignn.modeling_ignn:IGNNModel",
+        },
+        # transformers has no Auto class for graph tasks: the heads are found by config.architectures
+        heads={
+            "IGNNForNodeClassification": f"{_M}.ignn.modeling_ignn:IGNNForNodeClassification",
+            "IGNNForGraphClassification": f"{_M}.ignn.modeling_ignn:IGNNForGraphClassification",
         },
         architectures=f"{_M}.ignn.configuration_ignn:ARCHITECTURES",
     ),

@@ -1,0 +1,196 @@
+"""Convert locuslab/deq DEQ-Sequence (DEQ-Transformer, Bai et al. 2019) checkpoints to deqzoo.
+
+Input: the state dict the original ``train_transformer.py`` saves (``model.save_weights`` ->
+``pretrained_deq.pth``
+or ``torch.save(model.state_dict(), ...)``), loaded with ``torch.load(weights_only=True)``; a whole pickled
+model
+(``model.pt``) is refused. Architecture sizes are read from tensor shapes; what shapes cannot tell (LayerNorm
+placement, adaptive-softmax cutoffs when ``div_val == 1``, segment and memory lengths) comes from options with
+the WikiText-103 script's values as defaults.
+
+Mapping: Conv1d(k=1) weights become Linear weights; weight-normalized layers (``*_g``, ``*_v``) are folded
+into
+plain weights (w = g * v / ||v|| per output, exactly the original's formula); output layers and projections
+tied
+to the embedding are checked equal and dropped (the deqzoo head reads the embedding).
+
+    deqzoo convert deq-transformer-locuslab pretrained_deq.pth out_dir --option pre_lnorm=false --option
+    mem_len=150
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_ATTN = "model.func.blocks.0.dec_attn."
+_FF = "model.func.blocks.0.pos_ff."
+
+
+def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
+    """An original-format state dict (plain, or under 'model_state_dict'/'state_dict'); never unpickles."""
+    src = Path(src)
+    if not src.is_file():
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    try:
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"{src}: not a weights-only torch state dict ({err}); whole pickled models are "
+                         "refused, save model.state_dict() instead") from err
+    for key in ("model_state_dict", "state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def fold_weight_norm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Replace every ``X_g``/``X_v`` pair by ``X = v * g / ||v||`` (norm over all dims but the first)."""
+    out = dict(sd)
+    for key in [k for k in sd if k.endswith("_g")]:
+        base = key[:-2]
+        if base + "_v" not in sd:
+            continue
+        g, v = out.pop(key), out.pop(base + "_v")
+        norm = v.reshape(v.shape[0], -1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
+        out[base] = v * (g / norm)
+    return out
+
+
+def _take(sd: dict[str, torch.Tensor], key: str, src: str) -> torch.Tensor:
+    if key not in sd:
+        raise KeyError(f"{src}: missing key {key!r} (keys present: {sorted(sd)[:12]}...)")
+    return sd.pop(key)
+
+
+def _linear(w: torch.Tensor) -> torch.Tensor:
+    return w[..., 0] if w.dim() == 3 else w  # Conv1d(kernel_size=1) -> Linear
+
+
+def infer_config(sd: dict[str, torch.Tensor], *, cutoffs: list[int] | None = None, **options: Any) -> dict:
+    """deqzoo config kwargs from the original tensors' shapes plus options."""
+    emb = sorted((int(m.group(1)), v) for k, v in sd.items()
+                 if (m := re.fullmatch(r"word_emb\.emb_layers\.(\d+)\.weight", k)))
+    if not emb:
+        raise KeyError("no word_emb.emb_layers.*.weight in the state dict: not a DEQ-Transformer checkpoint")
+    n_head, d_head = sd["func.dec_attn.r_w_bias"].shape
+    d_model = sd["inject_conv.weight"].shape[1]
+    d_embed = emb[0][1].shape[1]
+    ff1 = sd.get("func.pos_ff.ff1_net.weight", sd.get("func.pos_ff.ff1_net.weight_v"))
+    vocab = sum(v.shape[0] for _, v in emb)
+    if len(emb) > 1:
+        div_val = d_embed // emb[1][1].shape[1]
+        sizes = [v.shape[0] for _, v in emb]
+        cutoffs = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    else:
+        div_val = 1
+        n_clusters = sd["crit.cluster_weight"].shape[0] if "crit.cluster_weight" in sd else 0
+        cutoffs = list(cutoffs or [])
+        if len(cutoffs) != n_clusters:
+            raise ValueError(f"the checkpoint has {n_clusters} adaptive-softmax tail clusters; pass "
+                             f"cutoffs= with {n_clusters} values (got {cutoffs})")
+    def tied_proj(i: int) -> bool:
+        a, b = f"crit.out_projs.{i}.weight", f"word_emb.emb_projs.{i if div_val > 1 else 0}.weight"
+        return a in sd and b in sd and torch.equal(sd[a], sd[b])
+
+    tie_projs = [tied_proj(i) for i in range(len(cutoffs) + 1)]
+    tie_weights = all(f"crit.out_layers.{i}.weight" not in sd
+                      or torch.equal(sd[f"crit.out_layers.{i}.weight"], v) for i, v in emb)
+    return dict(vocab_size=vocab, d_model=d_model, n_head=n_head, d_head=d_head, d_inner=ff1.shape[0],
+                d_embed=d_embed, variant="bai2019", cutoffs=cutoffs, div_val=div_val, tie_weights=tie_weights,
+                tie_projs=tie_projs, pre_lnorm=bool(options.get("pre_lnorm", False)),
+                tgt_len=int(options.get("tgt_len", 150)), mem_len=int(options.get("mem_len", 150)),
+                local_size=int(options.get("local_size", 0)), architectures=["DEQTransformerForCausalLM"],
+                deq=options.get("deq") or {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3})
+
+
+def convert_state_dict(sd: dict[str, torch.Tensor], config: dict,
+                       src: str = "state dict") -> dict[str, torch.Tensor]:
+    """Original keys -> deqzoo keys (after weight-norm folding)."""
+    sd = fold_weight_norm({k: v.float() for k, v in sd.items()})
+    sd.pop("pos_emb.inv_freq", None)
+    out: dict[str, torch.Tensor] = {}
+    n_emb = len(config["cutoffs"]) + 1 if config["div_val"] > 1 else 1
+    for i in range(n_emb):
+        out[f"model.word_emb.emb_layers.{i}.weight"] = _take(sd, f"word_emb.emb_layers.{i}.weight", src)
+        if f"word_emb.emb_projs.{i}.weight" in sd:
+            out[f"model.word_emb.emb_projs.{i}.weight"] = _take(sd, f"word_emb.emb_projs.{i}.weight", src)
+    out["model.injection.weight"] = _linear(_take(sd, "inject_conv.weight", src))
+    out["model.injection.bias"] = _take(sd, "inject_conv.bias", src)
+    for name in ("qkv_net", "r_net", "o_net"):
+        out[_ATTN + name + ".weight"] = _linear(_take(sd, f"func.dec_attn.{name}.weight", src))
+    out[_ATTN + "o_net.bias"] = _take(sd, "func.dec_attn.o_net.bias", src)
+    for name in ("r_w_bias", "r_r_bias"):
+        out[_ATTN + name] = _take(sd, f"func.dec_attn.{name}", src)
+    for name in ("ff1_net", "ff2_net"):
+        out[_FF + name + ".weight"] = _take(sd, f"func.pos_ff.{name}.weight", src)
+        out[_FF + name + ".bias"] = _take(sd, f"func.pos_ff.{name}.bias", src)
+    if config["cutoffs"]:
+        out["crit.cluster_weight"] = _take(sd, "crit.cluster_weight", src)
+        out["crit.cluster_bias"] = _take(sd, "crit.cluster_bias", src)
+    n_out = len(config["cutoffs"]) + 1 if config["div_val"] > 1 else 1
+    for i in range(n_out):
+        out[f"crit.out_biases.{i}"] = _take(sd, f"crit.out_layers.{i}.bias", src)
+        w = _take(sd, f"crit.out_layers.{i}.weight", src)
+        if not config["tie_weights"]:
+            out[f"crit.out_weights.{i}"] = w
+    for i in range(len(config["cutoffs"]) + 1):
+        key = f"crit.out_projs.{i}.weight"
+        if key in sd:
+            w = sd.pop(key)
+            if not config["tie_projs"][i]:
+                out[f"crit.out_projs.{i}"] = w
+    if sd:
+        raise ValueError(f"{src}: unexpected key(s) not understood by the converter: {sorted(sd)}")
+    return out
+
+
+def _write(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out: str | Path, source: str) -> Path:
+    import deqzoo  # noqa: F401 - registers the family
+    from deqzoo.hub.cards import write_model_card
+    from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+
+    config = DEQTransformerConfig(**config_kwargs)
+    model = DEQTransformerForCausalLM(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(model_sd))
+    unexpected = sorted(set(model_sd) - set(expected))
+    shapes = [f"{k}: converted {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+              for k, v in model_sd.items() if k in expected and v.shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"converted weights do not fit DEQTransformerForCausalLM: missing={missing} "
+                         f"unexpected={unexpected} mis-shaped={shapes}")
+    model.load_state_dict(model_sd, strict=True)
+    out = Path(out)
+    model.save_pretrained(out)
+    write_model_card(
+        out, model_id=f"converted/{out.name}", title=f"DEQ-Transformer converted from {source}",
+        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["wikitext-103"],
+        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", "converted"],
+        train_command=f"# trained by the original authors; converted with deqzoo convert ({source})",
+        eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",
+        body_markdown=(f"Weights converted from a {source} checkpoint (`conversion/deq_transformer_*.py`). "
+                       "Parity with the original code is tested on a small fixture."))
+    return out
+
+
+def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
+    """Convert a locuslab/deq DEQ-Sequence state dict into a deqzoo checkpoint directory; returns `out`.
+
+    Options: pre_lnorm (bool, default False), cutoffs (list, only when div_val == 1 with an adaptive softmax),
+    tgt_len, mem_len (default 150), local_size (0), deq (a DEQConfig dict).
+
+    Example:
+        >>> convert("pretrained_deq.pth", "deq-wt103", pre_lnorm=False)  # doctest: +SKIP
+    """
+    sd = load_state_dict(src)
+    folded = fold_weight_norm(sd)
+    kwargs = infer_config(folded, **options)
+    return _write(convert_state_dict(sd, kwargs, str(src)), kwargs, out, "locuslab/deq DEQ-Sequence")
+
+
+FORMATS = {"deq-transformer-locuslab": convert}

@@ -1,0 +1,206 @@
+"""Convert TorchDEQ deq-zoo ``deq-lm`` (DEQ-Transformer, TorchDEQ paper appendix E) checkpoints to deqzoo.
+
+Input: the state dict ``deq-lm/train.py`` saves (``torch.save(model.state_dict(), ...)``), loaded with
+``torch.load(weights_only=True)``. Sizes and the number of blocks in f come from tensor shapes; segment and
+memory
+lengths and the solver come from options (defaults: deq-lm's ``run.sh``: 150/150 and 12 fixed-point
+iterations).
+
+Mapping: TorchDEQ lays out q/k/v per head ((H, 3, d_head) rows); deqzoo chunks q/k/v first ((3, H, d_head)),
+so
+the q/k/v projection and the injection are permuted rows. Weight-normalized layers (``*_g``/``*_v``, TorchDEQ
+names) are folded into plain weights. TorchDEQ's solvers return f of the best iterate, so the converted config
+sets ``final_f_step=True``.
+
+    deqzoo convert deq-transformer-torchdeq ckpt.pth out_dir --option mem_len=150
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# deq-lm's run.sh evaluation: fixed-point iteration, 12 steps
+DEFAULT_DEQ = {"f_solver": "fixed_point", "f_max_iter": 12, "f_tol": 1e-3, "f_stop_mode": "rel"}
+
+
+def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
+    """A deq-lm state dict (plain or nested under 'model_state_dict'/'state_dict'); never unpickles code."""
+    src = Path(src)
+    if not src.is_file():
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    try:
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised naming the file
+        raise ValueError(f"{src}: not a weights-only torch state dict ({err}); "
+                         "save model.state_dict()") from err
+    for key in ("model_state_dict", "state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def fold_norms(sd: dict[str, torch.Tensor], target_norm: float = 1.0, clip: bool = False,
+               clip_value: float = 1.0) -> dict[str, torch.Tensor]:
+    """Fold TorchDEQ weight norm (``X_v`` with ``X_g`` or a fixed ``target_norm``) into plain ``X``."""
+    out = dict(sd)
+    if any(k.endswith("_orig") for k in sd):
+        raise ValueError("spectral-norm checkpoints (keys ending in '_orig') are not supported by this "
+                         "converter")
+    for key in [k for k in sd if k.endswith("_v")]:
+        base = key[:-2]
+        v = out.pop(key)
+        g = out.pop(base + "_g", None)
+        norm = v.reshape(v.shape[0], -1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
+        factor = (g if g is not None else torch.full_like(norm, target_norm)) / norm
+        if clip:
+            factor = factor.clamp(max=clip_value)
+        out[base] = v * factor
+    return out
+
+
+def _qkv_rows(w: torch.Tensor, n_head: int, d_head: int) -> torch.Tensor:
+    """(H, 3, d_head) row layout -> (3, H, d_head)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, 3, d_head, *rest).transpose(0, 1).reshape(3 * n_head * d_head, *rest)
+
+
+def _take(sd: dict[str, torch.Tensor], key: str, src: str) -> torch.Tensor:
+    if key not in sd:
+        raise KeyError(f"{src}: missing key {key!r}")
+    return sd.pop(key)
+
+
+def infer_config(sd: dict[str, torch.Tensor], **options: Any) -> dict:
+    """deqzoo config kwargs from the folded state dict's shapes plus options."""
+    emb = sorted((int(m.group(1)), v) for k, v in sd.items()
+                 if (m := re.fullmatch(r"word_emb\.emb_layers\.(\d+)\.weight", k)))
+    blocks = sorted({int(m.group(1)) for k in sd if (m := re.match(r"func\.dec_attn\.(\d+)\.", k))})
+    if not emb or not blocks:
+        raise KeyError("no word_emb.emb_layers.* or func.dec_attn.* keys: not a TorchDEQ deq-lm checkpoint")
+    n_head, d_head = sd["func.dec_attn.0.r_w_bias"].shape
+    d_embed = emb[0][1].shape[1]
+    if len(emb) > 1:
+        div_val = d_embed // emb[1][1].shape[1]
+        sizes = [v.shape[0] for _, v in emb]
+        cutoffs = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    else:
+        div_val = 1
+        n_clusters = sd["crit.cluster_weight"].shape[0] if "crit.cluster_weight" in sd else 0
+        cutoffs = list(options.get("cutoffs") or [])
+        if len(cutoffs) != n_clusters:
+            raise ValueError(f"the checkpoint has {n_clusters} adaptive-softmax tail clusters; pass "
+                             f"cutoffs= with {n_clusters} values (got {cutoffs})")
+
+    def tied_proj(i: int) -> bool:
+        a, b = f"crit.out_projs.{i}.weight", f"word_emb.emb_projs.{i if div_val > 1 else 0}.weight"
+        return a in sd and b in sd and torch.equal(sd[a], sd[b])
+
+    tie_weights = all(f"crit.out_layers.{i}.weight" not in sd
+                      or torch.equal(sd[f"crit.out_layers.{i}.weight"], v) for i, v in emb)
+    return dict(vocab_size=sum(v.shape[0] for _, v in emb), d_model=sd["injection.weight"].shape[1],
+                n_head=n_head, d_head=d_head, d_inner=sd["func.pos_ff.0.ff1_net.weight"].shape[0],
+                d_embed=d_embed, variant="torchdeq", n_block=len(blocks), cutoffs=cutoffs, div_val=div_val,
+                tie_weights=tie_weights, tie_projs=[tied_proj(i) for i in range(len(cutoffs) + 1)],
+                tgt_len=int(options.get("tgt_len", 150)), mem_len=int(options.get("mem_len", 150)),
+                local_size=int(options.get("local_size", 0)), final_f_step=True,
+                architectures=["DEQTransformerForCausalLM"], deq=options.get("deq") or dict(DEFAULT_DEQ))
+
+
+def convert_state_dict(sd: dict[str, torch.Tensor], config: dict,
+                       src: str = "state dict") -> dict[str, torch.Tensor]:
+    """deq-lm keys (weight norm already folded) -> deqzoo keys."""
+    sd = {k: v.float() for k, v in sd.items()}
+    sd.pop("pos_emb.inv_freq", None)
+    h, dh = config["n_head"], config["d_head"]
+    out: dict[str, torch.Tensor] = {}
+    for i in range(len(config["cutoffs"]) + 1 if config["div_val"] > 1 else 1):
+        out[f"model.word_emb.emb_layers.{i}.weight"] = _take(sd, f"word_emb.emb_layers.{i}.weight", src)
+        if f"word_emb.emb_projs.{i}.weight" in sd:
+            out[f"model.word_emb.emb_projs.{i}.weight"] = _take(sd, f"word_emb.emb_projs.{i}.weight", src)
+    out["model.injection.weight"] = _qkv_rows(_take(sd, "injection.weight", src), h, dh)
+    out["model.injection.bias"] = _qkv_rows(_take(sd, "injection.bias", src), h, dh)
+    for b in range(config["n_block"]):
+        a, f, pa, pf = (f"func.dec_attn.{b}.", f"func.pos_ff.{b}.", f"model.func.blocks.{b}.dec_attn.",
+                        f"model.func.blocks.{b}.pos_ff.")
+        out[pa + "qkv_net.weight"] = _qkv_rows(_take(sd, a + "qkv_net.weight", src), h, dh)
+        for name in ("r_net.weight", "o_net.weight", "o_net.bias", "r_w_bias", "r_r_bias", "ln1.weight",
+                     "ln1.bias", "ln2.weight", "ln2.bias"):
+            out[pa + name] = _take(sd, a + name, src)
+        for name in ("ff1_net.weight", "ff1_net.bias", "ff2_net.weight", "ff2_net.bias", "ln.weight",
+                     "ln.bias"):
+            out[pf + name] = _take(sd, f + name, src)
+    if config["cutoffs"]:
+        out["crit.cluster_weight"] = _take(sd, "crit.cluster_weight", src)
+        out["crit.cluster_bias"] = _take(sd, "crit.cluster_bias", src)
+    for i in range(len(config["cutoffs"]) + 1 if config["div_val"] > 1 else 1):
+        out[f"crit.out_biases.{i}"] = _take(sd, f"crit.out_layers.{i}.bias", src)
+        w = _take(sd, f"crit.out_layers.{i}.weight", src)
+        if not config["tie_weights"]:
+            out[f"crit.out_weights.{i}"] = w
+    for i in range(len(config["cutoffs"]) + 1):
+        w = sd.pop(f"crit.out_projs.{i}.weight", None)
+        if w is not None and not config["tie_projs"][i]:
+            out[f"crit.out_projs.{i}"] = w
+    if sd:
+        raise ValueError(f"{src}: unexpected key(s) not understood by the converter: {sorted(sd)}")
+    return out
+
+
+def _write(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out: str | Path, src: str) -> Path:
+    import deqzoo  # noqa: F401 - registers the family
+    from deqzoo.hub.cards import write_model_card
+    from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+
+    model = DEQTransformerForCausalLM(DEQTransformerConfig(**config_kwargs))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(model_sd))
+    unexpected = sorted(set(model_sd) - set(expected))
+    shapes = [f"{k}: converted {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+              for k, v in model_sd.items() if k in expected and v.shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{src}: converted weights do not fit DEQTransformerForCausalLM: missing={missing} "
+                         f"unexpected={unexpected} mis-shaped={shapes}")
+    model.load_state_dict(model_sd, strict=True)
+    out = Path(out)
+    model.save_pretrained(out)
+    write_model_card(
+        out, model_id=f"converted/{out.name}", title="DEQ-Transformer converted from TorchDEQ deq-lm",
+        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["wikitext-103"],
+        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", "torchdeq", "converted"],
+        train_command=("# trained with TorchDEQ deq-zoo/deq-lm; converted with "
+                       "deqzoo convert deq-transformer-torchdeq"),
+        eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",
+        body_markdown=("Weights converted from a TorchDEQ deq-lm checkpoint "
+                       "(`conversion/deq_transformer_torchdeq.py`). Parity with the original code is tested "
+                       "on a small fixture."))
+    return out
+
+
+def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
+    """Convert a TorchDEQ deq-lm state dict into a deqzoo checkpoint directory; returns `out`.
+
+    Options: tgt_len, mem_len (150), local_size (0), cutoffs (only when div_val == 1 with an adaptive
+    softmax),
+    deq (a DEQConfig dict; default deq-lm's 12 fixed-point steps), norm_target_norm, norm_clip,
+    norm_clip_value
+    (TorchDEQ weight-norm settings, needed only for checkpoints trained without a learned scale or with
+    clipping).
+
+    Example:
+        >>> convert("deq_lm.pth", "deq-lm-wt103")  # doctest: +SKIP
+    """
+    raw = load_state_dict(src)
+    sd = fold_norms(raw, target_norm=float(options.get("norm_target_norm", 1.0)),
+                    clip=bool(options.get("norm_clip", False)),
+                    clip_value=float(options.get("norm_clip_value", 1.0)))
+    kwargs = infer_config(sd, **options)
+    return _write(convert_state_dict(sd, kwargs, str(src)), kwargs, out, str(src))
+
+
+FORMATS = {"deq-transformer-torchdeq": convert}

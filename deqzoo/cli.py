@@ -1,0 +1,316 @@
+"""The `deqzoo` command: list, info, predict, eval, convert, push, bench, demo.
+
+`deqzoo demo` is the main job: it loads every embedded checkpoint offline, runs each on shipped sample inputs
+with every registered solver, prints a table and writes one residual-vs-iteration PNG per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO_SOLVERS = ("fixed_point", "anderson", "broyden")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, row)) for row in rows]
+    lines = [line.rstrip() for line in lines]
+    return "\n".join(lines)
+
+
+def _fmt_params(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
+def _fmt_metrics(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def _task_module(directory: Path, meta: dict[str, Any]):
+    name = meta.get("deqzoo_task")
+    if not name:
+        raise SystemExit(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key "
+                         "naming the task module")
+    return importlib.import_module(name)
+
+
+def _load(name: str, deq: dict[str, Any] | None = None):
+    import deqzoo
+    from deqzoo.factory import checkpoint_card
+
+    directory, meta, metrics = checkpoint_card(name)
+    model = deqzoo.from_pretrained(directory, deq=deq)
+    return model, directory, meta, metrics
+
+
+def cmd_list(args) -> int:
+    import deqzoo
+    from deqzoo.integrations.transformers import unavailable_families
+
+    rows = [[m.name, m.kind, m.model_type or "?", m.task or "?", _fmt_params(m.parameters),
+             _fmt_metrics(m.metrics) if m.kind == "checkpoint" else m.description]
+            for m in deqzoo.list_models(args.kind)]
+    if args.json:
+        print(json.dumps([vars(m) for m in deqzoo.list_models(args.kind)], indent=2))
+        return 0
+    print(_table(rows, ["name", "kind", "model_type", "task", "params", "metrics / description"])
+          if rows else "no models registered")
+    for model_type, reason in unavailable_families().items():
+        print(f"(family {model_type} unavailable: {reason})")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import deqzoo
+    from deqzoo.factory import _find_preset, checkpoint_card
+    from deqzoo.hub.loading import embedded_entry
+
+    family, preset = _find_preset(args.name)
+    if preset is not None:
+        print(json.dumps({"architecture": args.name, "model_type": family.model_type, **preset}, indent=2,
+                         default=str))
+        return 0
+    directory, meta, metrics = checkpoint_card(args.name)
+    config = json.loads((directory / "config.json").read_text())
+    entry = embedded_entry(args.name) or {}
+    info = {"id": entry.get("id", args.name), "directory": str(directory),
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"), "task": meta.get("pipeline_tag"),
+            "deqzoo_task": meta.get("deqzoo_task"), "metrics": metrics, "parameters": entry.get("parameters"),
+            "datasets": meta.get("datasets"), "license": meta.get("license"), "deq": config.get("deq"),
+            "files": entry.get("files") or sorted(p.name for p in directory.iterdir())}
+    print(json.dumps(info, indent=2, default=str))
+    del deqzoo
+    return 0
+
+
+def cmd_predict(args) -> int:
+    model, directory, meta, _ = _load(args.name)
+    print(_task_module(directory, meta).predict(model, args.input))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    model, directory, meta, card = _load(args.name)
+    results = _task_module(directory, meta).evaluate(model, limit=args.limit, progress=not args.no_progress)
+    for key, value in results.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
+def _conversion_formats(root: Path) -> dict[str, Any]:
+    formats: dict[str, Any] = {}
+    for path in sorted((root / "conversion").glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        spec = importlib.util.spec_from_file_location(f"deqzoo_conversion_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        for fmt, fn in getattr(module, "FORMATS", {}).items():
+            formats[fmt] = fn
+    return formats
+
+
+def cmd_convert(args) -> int:
+    from deqzoo.hub.catalog import REPO_ROOT
+
+    root = Path(args.root) if args.root else REPO_ROOT
+    formats = _conversion_formats(root)
+    if args.format is None or args.format == "list":
+        print("\n".join(sorted(formats)) or f"no converters found under {root / 'conversion'}")
+        return 0
+    if args.format not in formats:
+        raise SystemExit(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
+    if not args.src or not args.out:
+        raise SystemExit("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
+    options = {}
+    for item in args.option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option {item!r}: expected key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    out = formats[args.format](args.src, args.out, **options)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_push(args) -> int:
+    from deqzoo.hub.push import push_folder
+
+    url = push_folder(args.directory, repo_id=args.repo_id, private=args.private or None, token=args.token,
+                      endpoint=args.endpoint)
+    print(f"pushed {args.directory} to {args.repo_id}: {url}")
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    try:
+        module = importlib.import_module(f"deqzoo.bench.{args.name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"deqzoo.bench.{args.name}":
+            raise
+        import pkgutil
+
+        import deqzoo.bench as bench
+
+        known = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+        raise SystemExit(f"unknown benchmark {args.name!r}; known benchmarks: {known}") from None
+    return int(module.main(rest) or 0)
+
+
+def _solver_names() -> list[str]:
+    from deqzoo.core import SOLVERS
+
+    return [s for s in DEMO_SOLVERS if s in SOLVERS]
+
+
+def _plot(traces: dict[str, Any], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for solver, (trace, stop_mode) in traces.items():
+        values = [max(float(v), 1e-12) for v in trace]
+        ax.semilogy(range(1, len(values) + 1), values, marker=".", label=f"{solver} ({stop_mode})")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("max residual")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(names: list[str], output_dir: Path, progress: bool = True) -> tuple[list[list[str]], list[str]]:
+    """Run each checkpoint's task demo with every registered solver; returns (table rows, failures)."""
+    from tqdm.auto import tqdm
+
+    rows, failures = [], []
+    solvers = _solver_names()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name in tqdm(names, desc="demo", unit="model", disable=not progress):
+        try:
+            model, directory, meta, _ = _load(name)
+            task = _task_module(directory, meta)
+            default = model.config.deq_config
+            start = time.perf_counter()
+            summary, stats = task.demo(model)
+            elapsed = time.perf_counter() - start
+            traces = {f"{default.f_solver} (card)": (stats.trace.tolist(), stats.stop_mode)}
+            for solver in tqdm(solvers, desc=name, leave=False, disable=not progress):
+                if solver == default.f_solver:
+                    continue
+                model.set_deq(f_solver=solver)
+                _, solver_stats = task.demo(model)
+                traces[solver] = (solver_stats.trace.tolist(), solver_stats.stop_mode)
+            model.set_deq(f_solver=default.f_solver)
+            png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"
+            _plot(traces, f"{name}: forward solve", png)
+            rows.append([str(name), summary, str(stats.nfe), f"{float(stats.residual.max()):.2e}",
+                         f"{elapsed:.2f}s", str(png)])
+        except Exception as err:  # noqa: BLE001 - report every model, then fail
+            failures.append(f"{name}: {type(err).__name__}: {err}")
+            rows.append([str(name), f"FAILED: {type(err).__name__}", "-", "-", "-", "-"])
+    return rows, failures
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from deqzoo.hub.catalog import load_catalog
+
+    torch.manual_seed(0)
+    names = args.names or sorted(load_catalog())
+    if not names:
+        print("deqzoo demo: no embedded checkpoints in the catalog (deqzoo/hub/catalog.json) yet; "
+              "nothing to run. "
+              "Add a folder under model_cards/ and run `python -m deqzoo.hub.catalog`.")
+        return 0
+    rows, failures = run_demo(names, Path(args.output_dir), progress=not args.no_progress)
+    header = ["model", "prediction", "NFE", "final residual", "time", "plot"]
+    print(_table(rows, header))
+    summary = Path(args.output_dir) / "summary.json"
+    summary.write_text(json.dumps([dict(zip(header, row)) for row in rows], indent=2) + "\n")
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deqzoo", description="Deep equilibrium model zoo and hub.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="architectures and checkpoints")
+    p.add_argument("--kind", choices=["architecture", "checkpoint"])
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("info", help="details of an architecture or checkpoint")
+    p.add_argument("name")
+    p = sub.add_parser("predict", help="run a checkpoint on an input (path or text)")
+    p.add_argument("name")
+    p.add_argument("input")
+    p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task module")
+    p.add_argument("name")
+    p.add_argument("--limit", type=int, default=None, help="evaluate on the first N examples")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists)")
+    p.add_argument("format", nargs="?")
+    p.add_argument("src", nargs="?")
+    p.add_argument("out", nargs="?")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE")
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
+    p.add_argument("directory")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--token", default=None)
+    p.add_argument("--endpoint", default=None, help="defaults to $HF_ENDPOINT or huggingface.co")
+    p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)")
+    p.add_argument("name")
+    p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver")
+    p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
+    p.add_argument("--output-dir", default="demo_output")
+    p.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["bench"]:
+        args, rest = parser.parse_known_args(argv[:2])
+        return cmd_bench(args, argv[2:])
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
+    handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
+                "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"deqzoo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

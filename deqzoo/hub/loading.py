@@ -1,0 +1,331 @@
+"""Resolution (local -> embedded -> HF cache -> Hub), safe weight loading and atomic saving.
+
+Weights load only from safetensors; nothing here unpickles. Every mismatch between a config and its weights is
+reported at once: missing, unexpected and mis-shaped keys (with both shapes) and the file they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .catalog import NAMESPACE, REPO_ROOT, load_catalog, sha256_file
+from .safetensors_io import PICKLE_SUFFIXES, CheckpointError, read_safetensors_header, weight_files
+
+logger = logging.getLogger("deqzoo")
+# What we fetch from the Hub: configs, safetensors, cards, tokenizer/processor text files. Never pickles.
+SAFE_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.model", "*.png"]
+_VERIFIED: dict[tuple[str, int, int], str] = {}
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read at call time (tests and users may set them late)."""
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def embedded_entry(name: str) -> dict[str, Any] | None:
+    """The catalog entry for an id (``deqzoo/<short>`` or just ``<short>``), or None."""
+    catalog = load_catalog()
+    return catalog.get(name) or catalog.get(f"{NAMESPACE}/{name}")
+
+
+def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
+    """Check every file's sha256 against the catalog; raise naming the first file that differs."""
+    for rel, expected in entry["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the catalog for {entry['id']} but missing")
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        actual = _VERIFIED.get(key) or sha256_file(path)
+        if actual != expected:
+            raise CheckpointError(
+                f"{path}: sha256 {actual} does not match the catalog ({expected}) for {entry['id']}; "
+                "the embedded checkpoint was modified or corrupted "
+                "(regenerate with `python -m deqzoo.hub.catalog` if intended)")
+        _VERIFIED[key] = actual
+
+
+def resolve(
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    endpoint: str | None = None,
+) -> Path:
+    """Local directory of a checkpoint: an existing directory, an embedded checkpoint, the HF cache, the Hub.
+
+    Embedded checkpoints are checked against the catalog's sha256 of every file. Hub downloads fetch only
+    safetensors, JSON and text files (never pickles).
+
+    Example:
+        >>> from deqzoo.hub import resolve
+        >>> resolve(".").is_dir()
+        True
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    entry = embedded_entry(name)
+    if entry is not None:
+        folder = Path(entry["location"])
+        folder = folder if folder.is_absolute() else REPO_ROOT / folder
+        if folder.is_dir():
+            verify_embedded(entry, folder)
+            return folder
+        name = entry["id"]  # folder not shipped with this install (e.g. a wheel): fall through to cache / Hub
+        missing_embedded = folder
+    else:
+        missing_embedded = None
+    if path.exists():
+        raise CheckpointError(f"{path}: is a file; a checkpoint is a directory "
+                              "(config.json + model.safetensors)")
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise CheckpointError(
+            f"{name!r} is neither a directory nor an embedded checkpoint nor a Hub repo id (owner/name). "
+            f"Embedded checkpoints: {sorted(load_catalog()) or 'none'}")
+    try:
+        return _from_hub(name, revision=revision, cache_dir=cache_dir, token=token,
+                         local_files_only=local_files_only or is_offline(), force_download=force_download,
+                         endpoint=endpoint)
+    except CheckpointError as err:
+        if missing_embedded is None:
+            raise
+        raise CheckpointError(f"{name} is in the catalog but its folder {missing_embedded} is not part of "
+                              "this install (embedded checkpoints ship with an editable install); "
+                              f"{err}") from err
+
+
+def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **kwargs) -> Path:
+    from huggingface_hub import snapshot_download
+
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+    common = dict(repo_id=repo_id, allow_patterns=SAFE_PATTERNS, **kwargs)
+    if not kwargs.get("force_download"):
+        try:  # the HF cache first: no network when the snapshot is already there
+            return Path(snapshot_download(local_files_only=True, **common))
+        except Exception as err:  # noqa: BLE001 - any cache miss falls through to the Hub
+            cache_error = err
+    else:
+        cache_error = None
+    if local_files_only:
+        why = "offline mode is on (HF_HUB_OFFLINE)" if is_offline() else "local_files_only=True"
+        raise CheckpointError(
+            f"{repo_id!r} is not embedded ({sorted(load_catalog()) or 'no embedded checkpoints'}) and not in "
+            f"the Hugging Face cache, and {why} ({cache_error})")
+    return Path(snapshot_download(endpoint=endpoint, **common))
+
+
+def load_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint directory and the file each came from (safetensors only, checked)."""
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for path in weight_files(directory):
+        read_safetensors_header(path)
+        try:
+            part = load_file(str(path))
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
+        for key, value in part.items():
+            tensors[key] = value
+            origin[key] = path
+    return tensors, origin
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise listing missing, unexpected and mis-shaped keys (both shapes); tied duplicates may be absent."""
+    expected = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for key, value in expected.items():
+        groups.setdefault(id(value), []).append(key)
+    missing = [k for k in expected if k not in state and not any(o in state for o in groups[id(expected[k])])]
+    unexpected = [k for k in state if k not in expected]
+    misshaped = [(k, tuple(state[k].shape), tuple(expected[k].shape))
+                 for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if not (missing or unexpected or misshaped):
+        return
+    lines = [f"{source}: weights do not match the model built from its config ({type(model).__name__}):"]
+    if missing:
+        lines.append(f"  missing keys ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        lines.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(unexpected))
+    for key, got, want in misshaped:
+        lines.append(f"  mis-shaped key {key}: checkpoint {list(got)} vs model {list(want)}")
+    raise CheckpointError("\n".join(lines))
+
+
+# Keyword arguments transformers' Auto classes and pipelines pass along that have no meaning for us.
+_IGNORED = {"_from_auto", "_from_pipeline", "trust_remote_code", "code_revision", "low_cpu_mem_usage",
+            "use_safetensors", "attn_implementation", "output_loading_info", "subfolder", "proxies",
+            "adapter_kwargs", "_commit_hash", "user_agent", "local_files_only_fallback"}
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "endpoint")
+
+
+def load_pretrained(
+    model_cls: type,
+    name_or_path: str | os.PathLike,
+    *,
+    config: Any = None,
+    deq: dict[str, Any] | None = None,
+    dtype: Any = None,
+    device_map: Any = None,
+    **kwargs: Any,
+):
+    """Build `model_cls` from its config and load verified safetensors weights (`deqzoo.from_pretrained`)."""
+    if kwargs.pop("use_safetensors", None) is False:
+        raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
+    dtype = dtype if dtype is not None else kwargs.pop("torch_dtype", None)
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    for key in _IGNORED:
+        kwargs.pop(key, None)
+    directory = resolve(name_or_path, **hub)
+    if config is None:
+        config = load_config(model_cls.config_class, directory)
+    for key, value in kwargs.items():  # transformers convention: extra kwargs override config attributes
+        if not hasattr(config, key):
+            raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
+                            f"{key!r}")
+        setattr(config, key, value)
+    state, origin = load_state_dict(directory)
+    model = model_cls(config)
+    state = _strip_head(model, state)
+    files = sorted({str(p) for p in origin.values()}) or [str(directory)]
+    check_state_dict(model, state, ", ".join(files))
+    model.load_state_dict(state, strict=False)
+    if isinstance(dtype, torch.dtype):
+        model.to(dtype)
+    elif isinstance(dtype, str) and dtype != "auto":
+        model.to(getattr(torch, dtype))
+    if isinstance(device_map, (str, torch.device)) and str(device_map) != "auto":
+        model.to(device_map)
+    model.eval()
+    model.name_or_path = str(name_or_path)
+    model.config.name_or_path = str(name_or_path)
+    if deq:
+        model.set_deq(**deq)
+    return model
+
+
+def _strip_head(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base model from a checkpoint with a task head (transformers convention): keep `<prefix>.*` keys."""
+    prefix = getattr(model, "base_model_prefix", "")
+    expected = model.state_dict().keys()
+    if not prefix or any(k.startswith(prefix + ".") for k in expected):
+        return state
+    base = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    if not base or set(base) != set(expected):  # not that case: let check_state_dict report the mismatch
+        return state
+    dropped = sorted(k for k in state if not k.startswith(prefix + "."))
+    logger.warning("Loading %s from a checkpoint with a task head; unused head weights: %s",
+                   type(model).__name__, ", ".join(dropped))
+    return base
+
+
+def load_config(config_cls: type, directory: Path):
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: malformed JSON ({err})") from err
+    want = getattr(config_cls, "model_type", "")
+    if want and data.get("model_type") != want:
+        raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} but {config_cls.__name__} "
+                              f"expects {want!r}")
+    return config_cls.from_pretrained(str(directory))
+
+
+def _is_weights_file(name: str) -> bool:
+    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name.endswith(
+        PICKLE_SUFFIXES)
+
+
+def _normal_permissions(root: Path) -> None:
+    """mkdtemp (and some writers) create owner-only modes; a saved checkpoint gets the umask's usual modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for path in root.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _swappable(target: Path) -> bool:
+    """A directory we may replace wholesale: a flat checkpoint folder (no subfolders), not the cwd."""
+    if target == Path.cwd().resolve():
+        return False
+    entries = list(target.iterdir())
+    return len(entries) <= 64 and all(entry.is_file() for entry in entries)
+
+
+def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *,
+                keep_existing: bool = True) -> Path:
+    """Run `write(tmp_dir)` in a temporary sibling directory, then move the result into place.
+
+    A failure while writing (exception, full disk, interrupt) leaves the previous checkpoint untouched
+    and no partial directory or file behind. A new or flat checkpoint directory is swapped in with one rename;
+    a directory holding subfolders (e.g. a training output dir) gets each new file renamed in atomically and
+    its stale weight files removed. With `keep_existing`, files that `write` did not produce (model card,
+    processor or tokenizer files) stay, as with transformers' in-place saving; old weight files never do.
+    """
+    target = Path(directory).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        _normal_permissions(tmp)
+        if not target.exists() or (target.is_dir() and not any(target.iterdir()) and target != Path.cwd()):
+            if target.exists():
+                target.rmdir()
+            os.replace(tmp, target)
+        elif target.is_dir() and _swappable(target):
+            if keep_existing:
+                for old in target.iterdir():
+                    if not (tmp / old.name).exists() and not _is_weights_file(old.name):
+                        shutil.copy2(old, tmp / old.name)
+            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            backup.rmdir()
+            os.replace(target, backup)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(backup, target)
+                raise
+            shutil.rmtree(backup, ignore_errors=True)
+        elif target.is_dir():
+            produced = {p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()}
+            for rel in sorted(produced):
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp / rel, target / rel)
+            for old in target.iterdir():
+                if old.is_file() and _is_weights_file(old.name) and old.relative_to(target) not in produced:
+                    old.unlink()
+            if not keep_existing:
+                for old in target.iterdir():
+                    if old.is_file() and old.relative_to(target) not in produced:
+                        old.unlink()
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            raise FileExistsError(f"{target}: exists and is not a directory")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

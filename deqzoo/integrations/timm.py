@@ -1,0 +1,222 @@
+"""timm registry entries for MDEQ: ``timm.create_model("mdeq_*")`` after ``import deqzoo``.
+
+* Classification models return logits like any timm model (``forward_features`` / ``forward_head`` split at
+  the original head's pooling).
+* ``features_only=True`` returns one equilibrium feature map per resolution (highest first), with
+  ``feature_info`` giving channels and reductions (stride of the stem times 2**i).
+* ``pretrained=True`` loads deqzoo checkpoints through :func:`deqzoo.from_pretrained` (embedded checkpoints
+  work offline); ``pretrained_cfg["hf_hub_id"]`` names the checkpoint id.
+
+Example:
+    >>> import timm, torch, deqzoo
+    >>> net = timm.create_model("mdeq_tiny_mnist", pretrained=True, features_only=True)
+    >>> [f.shape[1:] for f in net(torch.randn(1, 1, 28, 28))]  # doctest: +SKIP
+    [torch.Size([16, 14, 14]), torch.Size([16, 7, 7])]
+    >>> net.feature_info.reduction()
+    [2, 4]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from torch import nn
+
+from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
+from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
+
+__all__ = ["MDEQTimm", "TIMM_MODELS"]
+
+# timm name -> (deqzoo preset, deqzoo checkpoint id or None)
+TIMM_MODELS: dict[str, tuple[str, str | None]] = {
+    "mdeq_cifar_tiny": ("mdeq-cifar-tiny", None),
+    "mdeq_cifar_large": ("mdeq-cifar-large", None),
+    "mdeq_imagenet_small": ("mdeq-imagenet-small", None),
+    "mdeq_imagenet_large": ("mdeq-imagenet-large", None),
+    "mdeq_imagenet_xl": ("mdeq-imagenet-xl", None),
+    "mdeq_tiny_mnist": ("mdeq-mnist-tiny", "deqzoo/mdeq-tiny-mnist"),
+    "mdeq_lipschitz_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
+}
+
+
+class MDEQTimm(nn.Module):
+    """timm-facing wrapper of :class:`MDEQForImageClassification` (kept as ``self.model``)."""
+
+    def __init__(self, model: MDEQForImageClassification):
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.num_classes = cfg.num_labels
+        self.num_features = self.head_hidden_size = cfg.final_chansize
+        self.in_chans = cfg.in_channels
+        stride = 2**cfg.downsample_times
+        self.feature_info = [
+            dict(num_chs=c, reduction=stride * 2**i, module=f"model.mdeq.fullstage.branches.{i}")
+            for i, c in enumerate(cfg.branch_channels)
+        ]
+
+    @classmethod
+    def create(
+        cls,
+        preset: str,
+        checkpoint: str | None = None,
+        load_weights: bool = False,
+        num_classes: int | None = None,
+        in_chans: int | None = None,
+        **overrides: Any,
+    ) -> MDEQTimm:
+        """Build from a deqzoo preset (random init) or from `checkpoint` (``load_weights``).
+
+        ``deq={...}`` changes solver settings (merged into the preset's); other keyword arguments override
+        MDEQConfig fields of a randomly initialized model.
+        """
+        deq = overrides.pop("deq", None) or {}
+        if load_weights:
+            if checkpoint is None:
+                raise RuntimeError(
+                    f"no deqzoo checkpoint is published for preset {preset!r}; convert an original "
+                    "release with `deqzoo convert` and load it with deqzoo.from_pretrained"
+                )
+            from ..factory import from_pretrained
+
+            if overrides:
+                raise ValueError(
+                    f"pretrained {checkpoint} cannot change architecture fields {sorted(overrides)}"
+                )
+            model = from_pretrained(checkpoint, deq=deq or None)
+            if in_chans is not None and in_chans != model.config.in_channels:
+                raise ValueError(f"{checkpoint} expects in_chans={model.config.in_channels}, got {in_chans}")
+            net = cls(model)
+            if num_classes is not None and num_classes != net.num_classes:
+                net.reset_classifier(num_classes)
+            return net
+        kwargs = dict(ARCHITECTURES[preset]["config"])
+        if num_classes is not None:
+            kwargs["num_labels"] = max(num_classes, 1)
+        if in_chans is not None and in_chans != kwargs.get("in_channels", 3):
+            kwargs["in_channels"] = in_chans
+            kwargs["image_mean"] = [0.5] * in_chans
+            kwargs["image_std"] = [0.5] * in_chans
+        kwargs.update(overrides)
+        kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
+        net = cls(MDEQForImageClassification(MDEQConfig(**kwargs)))
+        if num_classes == 0:
+            net.reset_classifier(0)
+        return net
+
+    # --- timm classification API ---
+    def get_classifier(self) -> nn.Module:
+        return self.model.classifier
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        self.model.classifier = (
+            nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's fused map before pooling (all resolutions merged at the lowest)."""
+        m = self.model
+        states = m.mdeq(x).hidden_states
+        y = m.incre_modules[0](states[0])
+        for i, down in enumerate(m.downsamp_modules):
+            y = m.incre_modules[i + 1](states[i + 1]) + down(y)
+        return m.final_layer(y)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x.flatten(2).mean(dim=2)
+        return x if pre_logits else self.model.classifier(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    # --- timm feature API (features_only uses FeatureGetterNet -> forward_intermediates) ---
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
+        if output_fmt != "NCHW":
+            raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
+        take, _ = feature_take_indices(len(self.feature_info), indices)
+        states = self.model.mdeq(x).hidden_states
+        intermediates = [states[i] for i in take]
+        if intermediates_only:
+            return intermediates
+        return self.forward_features(x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] | None = None, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        take, _ = feature_take_indices(len(self.feature_info), indices)
+        if prune_head:  # the classification head is not needed for feature maps
+            m = self.model
+            m.incre_modules, m.downsamp_modules = nn.ModuleList(), nn.ModuleList()
+            m.final_layer = nn.Identity()
+            self.reset_classifier(0)
+        return take
+
+
+def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:
+    c = ARCHITECTURES[preset]["config"]
+    channels = c.get("in_channels", 3)
+    h, w = c["image_size"]
+    cfg = {
+        "input_size": (channels, h, w),
+        "mean": tuple(c["image_mean"]),
+        "std": tuple(c["image_std"]),
+        "num_classes": c.get("num_labels", 1000),
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "first_conv": "model.mdeq.downsample.0",
+        "classifier": "model.classifier",
+        "license": "apache-2.0",
+        "pool_size": None,
+    }
+    if checkpoint:
+        cfg["hf_hub_id"] = checkpoint
+    return cfg
+
+
+default_cfgs = generate_default_cfgs(
+    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()}
+)
+
+
+def _create(name: str, pretrained: bool = False, **kwargs: Any) -> MDEQTimm:
+    preset, checkpoint = TIMM_MODELS[name]
+    n = len(ARCHITECTURES[preset]["config"]["branch_channels"])
+    builder = partial(MDEQTimm.create, preset, checkpoint, pretrained)
+    # weights are loaded by the builder through deqzoo (offline for embedded checkpoints), so timm's own
+    # loader is told pretrained=False
+    return build_model_with_cfg(
+        builder,
+        name,
+        pretrained=False,
+        feature_cfg={"feature_cls": "getter", "out_indices": tuple(range(n))},
+        **kwargs,
+    )
+
+
+def _register(name: str) -> None:
+    def entry(pretrained: bool = False, **kwargs: Any) -> MDEQTimm:
+        return _create(name, pretrained=pretrained, **kwargs)
+
+    entry.__name__ = name
+    entry.__qualname__ = name
+    entry.__module__ = __name__
+    preset, ckpt = TIMM_MODELS[name]
+    entry.__doc__ = f"MDEQ preset {preset!r} (deqzoo)" + (f"; pretrained: {ckpt}" if ckpt else "")
+    globals()[name] = register_model(entry)
+
+
+for _name in TIMM_MODELS:
+    _register(_name)

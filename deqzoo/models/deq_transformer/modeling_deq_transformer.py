@@ -1,0 +1,569 @@
+"""DEQ-Transformer language model: a weight-tied decoder block solved to its fixed point.
+
+f_θ(z; u, memory) is one decoder block (Bai et al. 2019) or a few blocks (TorchDEQ) with relative positional
+attention over ``[memory, z]``; the injected input ``u`` is added to the q/k/v projections. The equilibrium of
+each segment becomes memory for the next one (Transformer-XL), and in incremental decoding (``generate()``,
+one new token
+per forward) the previous token's fixed point initializes the next solve (``config.fixed_point_reuse``).
+
+All tensors are batch first: states (B, L, d_model), injection (B, L, 3 * n_head * d_head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin
+
+from ...core import DEQ, SolverStats
+from ...core.norm import apply_norm, reset_norm
+from ...core.regularize import VariationalDropout, reset_dropout
+from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from .configuration_deq_transformer import DEQTransformerConfig
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory of past equilibria (the generation cache)
+# --------------------------------------------------------------------------------------------------
+class DEQTransformerCache:
+    """Past equilibria and their injections (the original's ``mems``), plus the last fixed point for reuse.
+
+    Attributes:
+        z_hist: (B, M, d_model) equilibria of the last M positions (M <= mem_len).
+        u_hist: (B, M, 3*n_head*d_head) their input injections.
+        z_last: (B, 1, d_model) the last position's fixed point (initial guess of the next solve).
+        seen: number of tokens processed so far.
+        nfe: f evaluations of every forward solve that used this cache, in order.
+    """
+
+    def __init__(self, z_hist: torch.Tensor | None = None, u_hist: torch.Tensor | None = None,
+                 z_last: torch.Tensor | None = None, seen: int = 0, nfe: list[int] | None = None):
+        self.z_hist, self.u_hist, self.z_last = z_hist, u_hist, z_last
+        self.seen = seen
+        self.nfe = list(nfe or [])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    @property
+    def total_nfe(self) -> int:
+        return sum(self.nfe)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for name in ("z_hist", "u_hist", "z_last"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for name in ("z_hist", "u_hist", "z_last"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.repeat_interleave(repeats, dim=0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class DEQTransformerModelOutput(DEQModelOutput):
+    """Equilibrium states of one segment.
+
+    Attributes:
+        last_hidden_state: (B, L, d_model) the fixed point (after output dropout).
+        past_key_values: :class:`DEQTransformerCache` with the updated memory.
+        jac_loss: Hutchinson estimate of ||J_f||_F^2 / dim (training with ``jac_reg_samples > 0``), else None.
+        deq_stats: the forward solve's :class:`~deqzoo.core.SolverStats` (explicit models: nfe = layers).
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: DEQTransformerCache | None = None
+    jac_loss: torch.Tensor | None = None
+    deq_stats: SolverStats | None = None
+
+
+@dataclass
+class DEQTransformerCausalLMOutput(DEQModelOutput):
+    """Language-model output.
+
+    Attributes:
+        loss: mean next-token cross-entropy (+ jac_reg_weight * jac_loss when training with the regularizer).
+        logits: (B, L, vocab) next-token scores (log-probabilities when the adaptive softmax is used).
+        past_key_values: :class:`DEQTransformerCache`.
+        jac_loss: see :class:`DEQTransformerModelOutput`.
+        deq_stats: solver statistics.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: DEQTransformerCache | None = None
+    jac_loss: torch.Tensor | None = None
+    deq_stats: SolverStats | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding and output head (optionally adaptive, Baevski & Auli 2019)
+# --------------------------------------------------------------------------------------------------
+def _cluster_bounds(config: DEQTransformerConfig) -> list[tuple[int, int]]:
+    ends = [0] + list(config.cutoffs) + [config.vocab_size]
+    return [(ends[i], ends[i + 1]) for i in range(len(ends) - 1)]
+
+
+class DEQTransformerEmbedding(nn.Module):
+    """Token embedding scaled by sqrt(d_model); ``div_val > 1``: one smaller table per frequency cluster."""
+
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__()
+        self.config = config
+        self.scale = config.d_model ** 0.5
+        self.emb_layers = nn.ModuleList()
+        self.emb_projs = nn.ModuleList()
+        if config.div_val == 1:
+            self.emb_layers.append(nn.Embedding(config.vocab_size, config.d_embed))
+            if config.d_embed != config.d_model:
+                self.emb_projs.append(nn.Linear(config.d_embed, config.d_model, bias=False))
+        else:
+            for i, (lo, hi) in enumerate(_cluster_bounds(config)):
+                d = config.d_embed // (config.div_val ** i)
+                self.emb_layers.append(nn.Embedding(hi - lo, d))
+                self.emb_projs.append(nn.Linear(d, config.d_model, bias=False))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.config.div_val == 1:
+            emb = self.emb_layers[0](ids)
+            if len(self.emb_projs):
+                emb = self.emb_projs[0](emb)
+            return emb * self.scale
+        flat = ids.reshape(-1)
+        out = flat.new_zeros((flat.numel(), self.config.d_model), dtype=self.emb_projs[0].weight.dtype)
+        for i, (lo, hi) in enumerate(_cluster_bounds(self.config)):
+            idx = ((flat >= lo) & (flat < hi)).nonzero(as_tuple=True)[0]
+            if idx.numel():
+                out = out.index_copy(0, idx, self.emb_projs[i](self.emb_layers[i](flat[idx] - lo)))
+        return out.view(*ids.shape, -1) * self.scale
+
+
+class DEQTransformerLMHead(nn.Module):
+    """Softmax over the vocabulary; adaptive (head + tail clusters) when ``cutoffs`` is non-empty.
+
+    With tied weights the head reads the embedding's tables (only biases and untied projections are its own).
+    Returns logits for a plain softmax and full log-probabilities for the adaptive one.
+    """
+
+    def __init__(self, config: DEQTransformerConfig, embedding: DEQTransformerEmbedding):
+        super().__init__()
+        self.config = config
+        self.embedding = [embedding]  # a list: not a submodule, its parameters stay registered once
+        bounds = _cluster_bounds(config)
+        self.n_clusters = len(bounds) - 1
+        if self.n_clusters:
+            self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
+            self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
+        sizes = [config.vocab_size] if config.div_val == 1 else [hi - lo for lo, hi in bounds]
+        dims = [config.d_embed] if config.div_val == 1 else [config.d_embed // config.div_val ** i
+                                                             for i in range(len(bounds))]
+        self.out_biases = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
+        if not config.tie_weights:
+            self.out_weights = nn.ParameterList([nn.Parameter(torch.randn(n, d) * 0.02)
+                                                 for n, d in zip(sizes, dims)])
+        # projections d_model -> d_i, one per cluster when div_val > 1 (or d_embed != d_model)
+        self.out_projs = nn.ParameterDict()
+        for i, d in enumerate(dims if config.div_val > 1 else ([config.d_embed] * len(bounds))):
+            if d == config.d_model and config.div_val == 1:
+                continue
+            if not self._proj_tied(i):
+                self.out_projs[str(i)] = nn.Parameter(torch.randn(config.d_model, d) * 0.02)
+
+    def _proj_tied(self, i: int) -> bool:
+        tie = self.config.tie_projs[i] if i < len(self.config.tie_projs) else False
+        return bool(tie) and (self.config.div_val > 1 or self.config.d_embed != self.config.d_model)
+
+    def _weight(self, i: int) -> torch.Tensor:
+        if self.config.tie_weights:
+            return self.embedding[0].emb_layers[i].weight
+        return self.out_weights[i]
+
+    def _proj(self, i: int) -> torch.Tensor | None:
+        j = i if self.config.div_val > 1 else 0
+        if self._proj_tied(i):
+            return self.embedding[0].emb_projs[j].weight
+        return self.out_projs[str(i)] if str(i) in self.out_projs else None
+
+    def _logit(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, proj) -> torch.Tensor:
+        if proj is not None:
+            h = h @ proj  # (.., d_model) @ (d_model, d_i)
+        return F.linear(h, weight, bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.n_clusters:
+            return self._logit(h, self._weight(0), self.out_biases[0], self._proj(0))
+        bounds = _cluster_bounds(self.config)
+        if self.config.div_val == 1:
+            w_all, b_all = self._weight(0), self.out_biases[0]
+            weights = [w_all[lo:hi] for lo, hi in bounds]
+            biases = [b_all[lo:hi] for lo, hi in bounds]
+        else:
+            weights = [self._weight(i) for i in range(len(bounds))]
+            biases = list(self.out_biases)
+        head_w = torch.cat([weights[0], self.cluster_weight], 0)
+        head_b = torch.cat([biases[0], self.cluster_bias], 0)
+        head = F.log_softmax(self._logit(h, head_w, head_b, self._proj(0)), dim=-1)
+        parts = [head[..., : bounds[0][1]]]
+        for i in range(1, len(bounds)):
+            # upstream indexes cluster i's log-probability at head[:, -i]
+            tail = F.log_softmax(self._logit(h, weights[i], biases[i], self._proj(i)), dim=-1)
+            parts.append(head[..., -i, None] + tail)
+        return torch.cat(parts, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# f_θ: attention + feed-forward blocks
+# --------------------------------------------------------------------------------------------------
+def _rel_shift(x: torch.Tensor) -> torch.Tensor:
+    """Transformer-XL's relative shift of (B, H, Lq, Lk) scores."""
+    b, h, q, k = x.shape
+    x = F.pad(x, (1, 0)).view(b, h, k + 1, q)
+    return x[:, :, 1:].reshape(b, h, q, k)
+
+
+class DEQTransformerAttention(nn.Module):
+    """Relative-position multi-head attention over [memory, z] with the input injection added to q/k/v."""
+
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__()
+        self.config = config
+        h, dh, d = config.n_head, config.d_head, config.d_model
+        self.torchdeq = config.variant == "torchdeq"
+        self.pre_ln = self.torchdeq or config.pre_lnorm
+        self.qkv_net = nn.Linear(d, 3 * h * dh, bias=False)
+        self.r_net = nn.Linear(d, h * dh, bias=False)
+        self.r_w_bias = nn.Parameter(torch.empty(h, dh).uniform_(-0.05, 0.05))
+        self.r_r_bias = nn.Parameter(torch.empty(h, dh).uniform_(-0.05, 0.05))
+        self.o_net = nn.Linear(h * dh, d)
+        if self.torchdeq:
+            self.ln1 = nn.LayerNorm(d)
+            self.ln2 = nn.LayerNorm(h * dh)
+        self.dropatt = VariationalDropout(config.dropatt)
+        self.drop = VariationalDropout(config.dropout, shared_dims=(1,))
+
+    def _ln(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        if self.torchdeq:
+            return getattr(self, which)(x)
+        return F.layer_norm(x, (x.shape[-1],))  # bai2019: parameter-free
+
+    def forward(self, z, z_hist, u, pos_emb, mask):
+        b, q, _ = z.shape
+        h, dh = self.config.n_head, self.config.d_head
+        cat = torch.cat([z_hist, z], dim=1)
+        k = cat.shape[1]
+        if self.pre_ln:
+            cat = self._ln(cat, "ln1")
+        heads = self.qkv_net(cat) + u
+        wq, wk, wv = heads.chunk(3, dim=-1)
+        wq = wq[:, -q:].reshape(b, q, h, dh)
+        wk, wv = wk.reshape(b, k, h, dh), wv.reshape(b, k, h, dh)
+        r = self.r_net(pos_emb).reshape(k, h, dh)
+        ac = torch.einsum("bind,bjnd->bnij", wq + self.r_w_bias, wk)
+        bd = _rel_shift(torch.einsum("bind,jnd->bnij", wq + self.r_r_bias, r))
+        score = (ac + bd) * (dh ** -0.5)
+        score = score.masked_fill(mask, float("-inf"))
+        prob = self.dropatt(F.softmax(score, dim=-1))
+        vec = torch.einsum("bnij,bjnd->bind", prob, wv).reshape(b, q, h * dh)
+        if self.torchdeq:
+            vec = self.ln2(vec)
+        out = self.drop(self.o_net(vec))
+        return out + z if self.pre_ln else self._ln(out + z, "ln1")
+
+
+class DEQTransformerFeedForward(nn.Module):
+    """Position-wise feed-forward with the variant's LayerNorm placement."""
+
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__()
+        self.torchdeq = config.variant == "torchdeq"
+        self.pre_ln = self.torchdeq or config.pre_lnorm
+        self.ff1_net = nn.Linear(config.d_model, config.d_inner)
+        self.ff2_net = nn.Linear(config.d_inner, config.d_model)
+        if self.torchdeq:
+            self.ln = nn.LayerNorm(config.d_model)
+        self.drop1 = VariationalDropout(config.dropout, shared_dims=(1,))
+        self.drop2 = VariationalDropout(config.dropout, shared_dims=(1,))
+
+    def _ff(self, x):
+        return self.drop2(self.ff2_net(self.drop1(F.relu(self.ff1_net(x)))))
+
+    def forward(self, x):
+        if self.torchdeq:
+            return x + self._ff(self.ln(x))
+        if self.pre_ln:
+            x = F.layer_norm(x, (x.shape[-1],))  # bai2019 pre-LN: the residual adds the normalized input
+            return x + self._ff(x)
+        return F.layer_norm(x + self._ff(x), (x.shape[-1],))
+
+
+class DEQTransformerBlock(nn.Module):
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__()
+        self.dec_attn = DEQTransformerAttention(config)
+        self.pos_ff = DEQTransformerFeedForward(config)
+
+    def forward(self, z, z_hist, u, pos_emb, mask):
+        return self.pos_ff(self.dec_attn(z, z_hist, u, pos_emb, mask))
+
+
+class DEQTransformerFunction(nn.Module):
+    """f_θ(z) = blocks applied in sequence (one block for bai2019, ``n_block`` for torchdeq)."""
+
+    def __init__(self, config: DEQTransformerConfig, n_block: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([DEQTransformerBlock(config) for _ in range(n_block)])
+
+    def forward(self, z, z_hist, u, pos_emb, mask):
+        for block in self.blocks:
+            z = block(z, z_hist, u, pos_emb, mask)
+        return z
+
+
+class PositionalEmbedding(nn.Module):
+    """Sinusoidal embedding of relative distances [k-1, ..., 0] (sin features, then cos features)."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        inv_freq = 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, k_len: int) -> torch.Tensor:
+        pos = torch.arange(k_len - 1, -1, -1.0, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        x = torch.outer(pos, self.inv_freq)
+        return torch.cat([x.sin(), x.cos()], dim=-1)  # (K, d_model)
+
+
+def causal_memory_mask(q_len: int, m_len: int, local_size: int, device=None) -> torch.Tensor:
+    """(1, 1, Lq, Lk) True where attention is forbidden: the future, and beyond the local horizon."""
+    k_len = q_len + m_len
+    ones = torch.ones(q_len, k_len, device=device)
+    mask = torch.triu(ones, diagonal=1 + m_len) > 0
+    mask |= torch.tril(ones, diagonal=m_len - (local_size or 1000)) > 0
+    return mask[None, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+class DEQTransformerPreTrainedModel(DEQPreTrainedModel):
+    config_class = DEQTransformerConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DEQTransformerBlock"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Transformer-XL style small normal init (upstream: init_std 0.02, LayerNorm weight 1)
+        if isinstance(module, nn.Linear):
+            w = module.weight if "weight" in module._parameters else getattr(module, "weight_v", None)
+            if w is not None:
+                nn.init.normal_(w, 0.0, 0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class DEQTransformerModel(DEQTransformerPreTrainedModel):
+    """The DEQ-Transformer backbone: token ids (+ memory) -> equilibrium states.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerModel
+        >>> cfg = DEQTransformerConfig(vocab_size=50, d_model=16, n_head=2, d_head=8, d_inner=32)
+        >>> model = DEQTransformerModel(cfg).eval()
+        >>> out = model(torch.randint(0, 50, (2, 5)))
+        >>> out.last_hidden_state.shape, out.past_key_values.z_hist.shape
+        (torch.Size([2, 5, 16]), torch.Size([2, 5, 16]))
+    """
+
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__(config)
+        self.word_emb = DEQTransformerEmbedding(config)
+        self.injection = nn.Linear(config.d_model, 3 * config.n_head * config.d_head)
+        self.pos_emb = PositionalEmbedding(config.d_model)
+        if config.explicit_layers > 0:
+            self.layers = nn.ModuleList([DEQTransformerFunction(config, config.n_block)
+                                         for _ in range(config.explicit_layers)])
+        else:
+            self.func = DEQTransformerFunction(config, config.n_block)
+            if config.weight_norm:
+                apply_norm(self.func, "weight_norm")
+            self.deq = DEQ(config.deq_config)
+        self.iodrop = VariationalDropout(config.dropout, shared_dims=(1,))
+        self.pos_drop = VariationalDropout(config.dropout)
+        self.out_drop = VariationalDropout(config.dropout, shared_dims=(1,))
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.word_emb.emb_layers[0]
+
+    def _memory(self, cache: DEQTransformerCache | None, b: int, ref: torch.Tensor):
+        c = self.config
+        if cache is None or cache.z_hist is None or cache.z_hist.shape[1] == 0:
+            return ref.new_zeros(b, 0, c.d_model), ref.new_zeros(b, 0, 3 * c.n_head * c.d_head)
+        if cache.z_hist.shape[0] != b or cache.u_hist.shape[:2] != cache.z_hist.shape[:2]:
+            raise ValueError(f"past_key_values memory shapes z_hist={tuple(cache.z_hist.shape)}, "
+                             f"u_hist={tuple(cache.u_hist.shape)} do not fit a batch of {b}")
+        return cache.z_hist, cache.u_hist
+
+    def _initial_state(self, cache, b: int, q: int, ref: torch.Tensor) -> torch.Tensor:
+        z0 = ref.new_zeros(b, q, self.config.d_model)
+        # incremental decoding (one new token): start at the previous position's equilibrium
+        if q == 1 and self.config.fixed_point_reuse and cache is not None and cache.z_last is not None:
+            z0 = z0 + cache.z_last
+        return z0
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: DEQTransformerCache | None = None,
+        use_cache: bool = True,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> DEQTransformerModelOutput:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        if int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}); got range "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        c = self.config
+        b, q = input_ids.shape
+        reset_dropout(self)
+        if c.weight_norm and c.explicit_layers == 0:
+            reset_norm(self.func)
+        u_now = self.injection(self.iodrop(self.word_emb(input_ids)))
+        z_hist, u_hist = self._memory(past_key_values, b, u_now)
+        m = z_hist.shape[1]
+        u = torch.cat([u_hist, u_now], dim=1)
+        pos = self.pos_drop(self.pos_emb(q + m).to(u.dtype))
+        mask = causal_memory_mask(q, m, c.local_size, device=u.device)
+        z0 = self._initial_state(past_key_values, b, q, u_now)
+
+        jac_loss = None
+        if c.explicit_layers > 0:
+            z = z0
+            for layer in self.layers:
+                z = layer(z, z_hist, u, pos, mask)
+            stats = _explicit_stats(z, len(self.layers))
+        else:
+            def f(s):
+                return self.func(s, z_hist, u, pos, mask)
+
+            z, stats = self.deq(f, z0)
+            jac_loss = getattr(stats, "jac_loss", None)
+            if c.final_f_step:
+                z = f(z)
+                stats.nfe += 1
+
+        cache = None
+        if use_cache:
+            cache = self._update_memory(past_key_values, z, z_hist, u, q, stats)
+        out = DEQTransformerModelOutput(last_hidden_state=self.out_drop(z), past_key_values=cache,
+                                        jac_loss=jac_loss, deq_stats=stats)
+        return out if return_dict else out.to_tuple()
+
+    @torch.no_grad()
+    def _update_memory(self, old, z, z_hist, u, q, stats) -> DEQTransformerCache:
+        keep = self.config.mem_len
+        zs = torch.cat([z_hist, z.detach()], dim=1)
+        start = max(0, zs.shape[1] - keep)
+        return DEQTransformerCache(
+            z_hist=zs[:, start:], u_hist=u.detach()[:, start:], z_last=z.detach()[:, -1:],
+            seen=(old.seen if old is not None else 0) + q,
+            nfe=(old.nfe if old is not None else []) + [int(stats.nfe)],
+        )
+
+
+def _explicit_stats(z: torch.Tensor, layers: int) -> SolverStats:
+    zeros = z.new_zeros(z.shape[0]).detach()
+    return SolverStats(nfe=layers, abs_residual=zeros, rel_residual=zeros, trace=z.new_zeros(0),
+                       converged=torch.ones(z.shape[0], dtype=torch.bool, device=z.device), solver="explicit")
+
+
+class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
+    """DEQ-Transformer with a (possibly adaptive) softmax head; ``generate()`` reuses memory and fixed points.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+        >>> cfg = DEQTransformerConfig(vocab_size=50, d_model=16, n_head=2, d_head=8, d_inner=32)
+        >>> model = DEQTransformerForCausalLM(cfg).eval()
+        >>> ids = torch.randint(0, 50, (1, 6))
+        >>> out = model(ids, labels=ids)
+        >>> out.logits.shape, out.loss.ndim
+        (torch.Size([1, 6, 50]), 0)
+        >>> model.generate(ids, max_new_tokens=3, do_sample=False).shape
+        torch.Size([1, 9])
+    """
+
+    def __init__(self, config: DEQTransformerConfig):
+        super().__init__(config)
+        self.model = DEQTransformerModel(config)
+        self.crit = DEQTransformerLMHead(config, self.model.word_emb)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the memory of equilibria is our own cache type
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return None  # tying is internal to the head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: DEQTransformerCache | None = None,
+        labels: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool = True,
+        return_dict: bool = True,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> DEQTransformerCausalLMOutput:
+        """Labels follow the transformers convention: aligned with input_ids, shifted here (-100 ignored)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("DEQTransformerForCausalLM does not support padding (attention_mask has zeros); "
+                             "generate one sequence per call or use equal-length prompts")
+        out = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        h = out.last_hidden_state
+        if logits_to_keep and labels is None:
+            h = h[:, -logits_to_keep:]
+        logits = self.crit(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+            if out.jac_loss is not None and self.config.jac_reg_weight > 0:
+                loss = loss + self.config.jac_reg_weight * out.jac_loss
+        result = DEQTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                              jac_loss=out.jac_loss, deq_stats=out.deq_stats)
+        return result if return_dict else result.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      use_cache=True, **kwargs):
+        # with memory, only the tokens not yet seen are fed; the memory holds the rest
+        if past_key_values is not None:
+            input_ids = input_ids[:, past_key_values.seen:]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
+                "attention_mask": attention_mask, "logits_to_keep": 1}
+
+    def _reorder_cache(self, past_key_values, beam_idx):
+        past_key_values.reorder_cache(beam_idx)
+        return past_key_values

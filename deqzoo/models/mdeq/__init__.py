@@ -1,0 +1,34 @@
+"""MDEQ family: multiscale deep equilibrium models (Bai et al. 2020) and Lipschitz MDEQ (Sato & Iiduka).
+
+Example:
+    >>> from deqzoo.models.mdeq import lipschitz_bound
+    >>> round(lipschitz_bound(0.5, 0.3, 2.0, 1.0, 0.35, 4, 0.3), 2)
+    0.9
+"""
+
+from .configuration_mdeq import ARCHITECTURES, ORIGINAL_PARAMETER_COUNTS, MDEQConfig
+from .lipschitz import LipschitzProjectionCallback, conv_operator_norm, lipschitz_bound, project_lipschitz
+from .modeling_mdeq import (
+    ORIGINAL_KEY_MAP,
+    MDEQForImageClassification,
+    MDEQForSemanticSegmentation,
+    MDEQModel,
+    MDEQPreTrainedModel,
+    convert_original_state_dict,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "ORIGINAL_KEY_MAP",
+    "ORIGINAL_PARAMETER_COUNTS",
+    "LipschitzProjectionCallback",
+    "MDEQConfig",
+    "MDEQForImageClassification",
+    "MDEQForSemanticSegmentation",
+    "MDEQModel",
+    "MDEQPreTrainedModel",
+    "conv_operator_norm",
+    "convert_original_state_dict",
+    "lipschitz_bound",
+    "project_lipschitz",
+]

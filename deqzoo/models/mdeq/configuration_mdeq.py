@@ -1,0 +1,480 @@
+"""MDEQConfig: the multiscale deep equilibrium model of Bai, Koltun & Kolter (NeurIPS 2020), and its Lipschitz
+variant (Sato & Iiduka), with presets for every original release.
+
+Field names follow the original yaml files (locuslab/mdeq, locuslab/deq ``MDEQ-Vision``) in snake case:
+
+================================  =======================================================================
+yaml key                          MDEQConfig field
+================================  =======================================================================
+MODEL.EXTRA.FULL_STAGE.NUM_CHANNELS   ``branch_channels`` (one per resolution; NUM_BRANCHES = its length)
+MODEL.EXTRA.FULL_STAGE.NUM_BLOCKS     ``num_blocks``
+MODEL.EXTRA.FULL_STAGE.BIG_KERNELS    ``big_kernels`` (0: 3x3 convs, 1: conv1 5x5, 2: both 5x5)
+MODEL.EXTRA.FULL_STAGE.HEAD_CHANNELS  ``head_channels``
+MODEL.EXTRA.FULL_STAGE.FINAL_CHANSIZE ``final_chansize``
+MODEL.EXTRA.FINAL_CONV_KERNEL         ``final_conv_kernel`` (segmentation head)
+MODEL.EXPANSION_FACTOR / NUM_GROUPS   ``expansion_factor`` / ``num_groups``
+MODEL.DROPOUT / WNORM                 ``dropout`` / ``wnorm``
+MODEL.DOWNSAMPLE_TIMES                ``downsample_times``
+MODEL.{BLOCK,FUSE,POST}_GN_AFFINE     ``block_gn_affine`` / ``fuse_gn_affine`` / ``post_gn_affine``
+MODEL.NUM_LAYERS                      ``num_layers`` (depth of the unrolled pretraining stack)
+MODEL.NUM_CLASSES / DATASET.NUM_CLASSES  ``num_labels``
+DEQ.F_SOLVER / F_THRES / STOP_MODE    ``deq = {"f_solver", "f_max_iter", "f_stop_mode"}``
+DEQ.B_SOLVER / B_THRES                ``deq = {"b_solver", "b_max_iter"}``
+================================  =======================================================================
+
+Lipschitz MDEQ (``lipschitz=True``) swaps f_θ for the variant with a provable Lipschitz bound; see
+:func:`deqzoo.models.mdeq.lipschitz.lipschitz_bound` for the pieces and the derivation.
+
+Example:
+    >>> from deqzoo.models.mdeq import MDEQConfig
+    >>> cfg = MDEQConfig(**ARCHITECTURES["mdeq-cifar-tiny"]["config"])
+    >>> cfg.num_branches, cfg.branch_channels
+    (2, [24, 24])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...modeling_utils import DEQPretrainedConfig
+
+__all__ = ["ARCHITECTURES", "MDEQConfig", "ORIGINAL_PARAMETER_COUNTS"]
+
+
+class MDEQConfig(DEQPretrainedConfig):
+    """Configuration of an MDEQ backbone and its heads.
+
+    Args:
+        in_channels: image channels (3 for RGB, 1 for grayscale).
+        branch_channels: channels of each resolution stream, highest resolution first.
+        num_blocks: residual blocks per stream (the originals use 1).
+        big_kernels: per stream, 0 = 3x3 convs, 1 = 5x5 conv1, 2 = 5x5 conv1 and conv2.
+        expansion_factor: width multiplier of the block's inner conv.
+        num_groups: GroupNorm groups (post-fusion GroupNorms use num_groups // 2).
+        dropout: variational (per-forward) channel dropout inside the residual blocks.
+        wnorm: weight normalization of the blocks' and post-fusion convs (as the originals).
+        downsample_times: stride-2 convs in the stem (0 for CIFAR, 2 for ImageNet/Cityscapes).
+        block_gn_affine, fuse_gn_affine, post_gn_affine: affine GroupNorms in blocks / fusion / post-fusion.
+        head_channels, final_chansize: classification head (bottleneck widths per stream, final width).
+        final_conv_kernel: kernel of the segmentation head's last conv (1 or 3).
+        bn_momentum: BatchNorm momentum of stem and heads (0.1 classification, 0.01 segmentation).
+        num_layers: depth of the unrolled f_θ stack for warm-up pretraining (``unrolled_forward``).
+        image_size: nominal input size (H, W), used by the image processor and timm's pretrained_cfg.
+        image_mean, image_std: input normalization used by the image processor.
+        lipschitz: use the Lipschitz MDEQ f_θ (Sato & Iiduka) with the five constants below.
+        residual_alpha: α₁, block output = α₁·z + (1-α₁)·branch(z).
+        fusion_alpha: α₂, fused_i = (1-α₂)·b_i + α₂·Σ_j softmax(w_i)_j·T_ij(b_j).
+        conv_norm: c, bound on every f_θ conv's operator norm, kept by :func:`project_lipschitz`.
+        gamma_bound: γ̄, bound on |γ| of the mean-only GroupNorms.
+        relu_slope: a, f_θ's activation is a·ReLU.
+        spectral_fft_size: FFT grid for the conv operator norm (exact bound for inputs up to size-2 pixels).
+        init_std: std of the normal init of stem and head convs (the originals use 0.01).
+        jac_loss_weight: weight of the engine's Jacobian regularizer (``deq={"jac_reg_samples": k}``) added to
+            the training loss (the originals' JAC_LOSS_WEIGHT, Bai et al. 2021).
+        deq: solver settings (a serialised :class:`~deqzoo.core.DEQConfig`).
+    """
+
+    model_type = "mdeq"
+
+    def __init__(
+        self,
+        in_channels: int = 3,
+        branch_channels: list[int] | tuple[int, ...] = (24, 24),
+        num_blocks: list[int] | tuple[int, ...] | None = None,
+        big_kernels: list[int] | tuple[int, ...] | None = None,
+        expansion_factor: float = 5,
+        num_groups: int = 8,
+        dropout: float = 0.0,
+        wnorm: bool = True,
+        downsample_times: int = 0,
+        block_gn_affine: bool = True,
+        fuse_gn_affine: bool = True,
+        post_gn_affine: bool = True,
+        head_channels: list[int] | tuple[int, ...] | None = None,
+        final_chansize: int = 200,
+        final_conv_kernel: int = 1,
+        bn_momentum: float = 0.1,
+        num_layers: int = 10,
+        image_size: list[int] | tuple[int, int] = (32, 32),
+        image_mean: list[float] | tuple[float, ...] | None = None,
+        image_std: list[float] | tuple[float, ...] | None = None,
+        lipschitz: bool = False,
+        residual_alpha: float = 0.5,
+        fusion_alpha: float = 0.3,
+        conv_norm: float = 2.0,
+        gamma_bound: float = 1.0,
+        relu_slope: float = 0.35,
+        spectral_fft_size: int = 64,
+        init_std: float = 0.01,
+        jac_loss_weight: float = 0.0,
+        deq: dict[str, Any] | None = None,
+        **kwargs,
+    ):
+        branch_channels = [int(c) for c in branch_channels]
+        n = len(branch_channels)
+        self.in_channels = int(in_channels)
+        self.branch_channels = branch_channels
+        self.num_blocks = [int(b) for b in (num_blocks if num_blocks is not None else [1] * n)]
+        self.big_kernels = [int(b) for b in (big_kernels if big_kernels is not None else [0] * n)]
+        self.expansion_factor = expansion_factor
+        self.num_groups = int(num_groups)
+        self.dropout = float(dropout)
+        self.wnorm = bool(wnorm)
+        self.downsample_times = int(downsample_times)
+        self.block_gn_affine = bool(block_gn_affine)
+        self.fuse_gn_affine = bool(fuse_gn_affine)
+        self.post_gn_affine = bool(post_gn_affine)
+        self.head_channels = [
+            int(c)
+            for c in (
+                head_channels if head_channels is not None else [max(1, c // 4) for c in branch_channels]
+            )
+        ]
+        self.final_chansize = int(final_chansize)
+        self.final_conv_kernel = int(final_conv_kernel)
+        self.bn_momentum = float(bn_momentum)
+        self.num_layers = int(num_layers)
+        self.image_size = [int(s) for s in image_size]
+        self.image_mean = list(image_mean) if image_mean is not None else [0.5] * self.in_channels
+        self.image_std = list(image_std) if image_std is not None else [0.5] * self.in_channels
+        self.lipschitz = bool(lipschitz)
+        self.residual_alpha = float(residual_alpha)
+        self.fusion_alpha = float(fusion_alpha)
+        self.conv_norm = float(conv_norm)
+        self.gamma_bound = float(gamma_bound)
+        self.relu_slope = float(relu_slope)
+        self.spectral_fft_size = int(spectral_fft_size)
+        self.init_std = float(init_std)
+        self.jac_loss_weight = float(jac_loss_weight)
+        super().__init__(deq=deq, **kwargs)
+        self._validate()
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.branch_channels)
+
+    def _validate(self) -> None:
+        n = self.num_branches
+        if n < 1:
+            raise ValueError("MDEQConfig.branch_channels must name at least one resolution")
+        for name in ("num_blocks", "big_kernels", "head_channels"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"MDEQConfig.{name}={getattr(self, name)} has {len(getattr(self, name))} entries "
+                    f"but branch_channels={self.branch_channels} has {n}"
+                )
+        groups = {
+            "num_groups": self.num_groups,
+            "num_groups // 2 (post-fusion)": max(1, self.num_groups // 2),
+        }
+        for label, g in groups.items():
+            for c in self.branch_channels:
+                if c % g:
+                    raise ValueError(f"MDEQConfig.branch_channels entry {c} is not divisible by {label}={g}")
+        inner = [int(self.expansion_factor * c) for c in self.branch_channels]
+        for c in inner:
+            if c % self.num_groups:
+                raise ValueError(
+                    f"expansion_factor*channels={c} is not divisible by num_groups={self.num_groups}"
+                )
+        if any(k not in (0, 1, 2) for k in self.big_kernels):
+            raise ValueError(f"MDEQConfig.big_kernels entries must be 0, 1 or 2, got {self.big_kernels}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"MDEQConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.final_conv_kernel not in (1, 3):
+            raise ValueError(f"MDEQConfig.final_conv_kernel must be 1 or 3, got {self.final_conv_kernel}")
+        if len(self.image_mean) != self.in_channels or len(self.image_std) != self.in_channels:
+            raise ValueError(
+                f"image_mean/image_std need {self.in_channels} entries (in_channels), got "
+                f"{self.image_mean} / {self.image_std}"
+            )
+        if self.lipschitz:
+            if self.wnorm:
+                raise ValueError("lipschitz=True keeps conv norms by projection; set wnorm=False")
+            checks = {
+                "residual_alpha": 0.0 <= self.residual_alpha <= 1.0,
+                "fusion_alpha": 0.0 <= self.fusion_alpha <= 1.0,
+                "conv_norm": self.conv_norm > 0,
+                "gamma_bound": self.gamma_bound > 0,
+                "relu_slope": self.relu_slope > 0,
+            }
+            for name, ok in checks.items():
+                if not ok:
+                    raise ValueError(f"MDEQConfig.{name}={getattr(self, name)} is out of range")
+            if self.spectral_fft_size < max(self.image_size) + 4:
+                raise ValueError(
+                    f"spectral_fft_size={self.spectral_fft_size} must be >= max(image_size)+4 "
+                    f"={max(self.image_size) + 4} for the conv-norm bound to hold"
+                )
+
+
+# ---- presets: the original releases and ours --------------------------------------------------------------
+
+
+def _deq(f_solver: str, f_thres: int, b_thres: int, stop_mode: str) -> dict[str, Any]:
+    return {
+        "f_solver": f_solver,
+        "f_max_iter": f_thres,
+        "f_stop_mode": stop_mode,
+        "f_tol": 1e-3,
+        "b_mode": "ift",
+        "b_solver": f_solver,
+        "b_max_iter": b_thres,
+        "b_stop_mode": stop_mode,
+        "b_tol": 1e-3,
+    }
+
+
+_IMAGENET = {
+    "image_size": [224, 224],
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+}
+_CITYSCAPES = {
+    "image_size": [1024, 2048],
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+    "bn_momentum": 0.01,
+    "final_conv_kernel": 1,
+    "num_labels": 19,
+}
+_CIFAR = {
+    "image_size": [32, 32],
+    "image_mean": [0.4914, 0.4822, 0.4465],
+    "image_std": [0.2023, 0.1994, 0.2010],
+    "num_labels": 10,
+}
+
+# Hyperparameters from locuslab/deq MDEQ-Vision/experiments/*/*.yaml (the maintained release; the CIFAR and
+# Cityscapes files equal locuslab/mdeq's except POST_GN_AFFINE=false for CIFAR in MDEQ-Vision).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "mdeq-cifar-tiny": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "MDEQ-Tiny for CIFAR-10 (cls_mdeq_TINY.yaml): 2 streams of 24 channels",
+        "config": {
+            **_CIFAR,
+            "branch_channels": [24, 24],
+            "head_channels": [8, 16],
+            "final_chansize": 200,
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.25,
+            "downsample_times": 0,
+            "post_gn_affine": False,
+            "num_layers": 10,
+            "deq": _deq("broyden", 18, 20, "rel"),
+        },
+    },
+    "mdeq-cifar-large": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "MDEQ-Large for CIFAR-10 (cls_mdeq_LARGE.yaml): 4 streams 32-256 channels",
+        "config": {
+            **_CIFAR,
+            "branch_channels": [32, 64, 128, 256],
+            "head_channels": [14, 28, 56, 112],
+            "final_chansize": 1680,
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.3,
+            "downsample_times": 0,
+            "post_gn_affine": False,
+            "num_layers": 10,
+            "deq": _deq("broyden", 18, 20, "rel"),
+        },
+    },
+    "mdeq-imagenet-small": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "MDEQ-Small for ImageNet (cls_mdeq_SMALL.yaml)",
+        "config": {
+            **_IMAGENET,
+            "num_labels": 1000,
+            "branch_channels": [32, 64, 128, 256],
+            "head_channels": [24, 48, 96, 192],
+            "final_chansize": 2048,
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.0,
+            "downsample_times": 2,
+            "num_layers": 5,
+            "deq": _deq("broyden", 26, 27, "abs"),
+        },
+    },
+    "mdeq-imagenet-large": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "MDEQ-Large for ImageNet (cls_mdeq_LARGE.yaml of MDEQ-Vision)",
+        "config": {
+            **_IMAGENET,
+            "num_labels": 1000,
+            "branch_channels": [80, 160, 320, 640],
+            "head_channels": [32, 64, 128, 256],
+            "final_chansize": 2048,
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.0,
+            "downsample_times": 2,
+            "num_layers": 4,
+            "deq": _deq("broyden", 26, 27, "abs"),
+        },
+    },
+    "mdeq-imagenet-xl": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "MDEQ-XL for ImageNet (cls_mdeq_XL.yaml)",
+        "config": {
+            **_IMAGENET,
+            "num_labels": 1000,
+            "branch_channels": [88, 176, 352, 704],
+            "head_channels": [32, 64, 128, 256],
+            "final_chansize": 2048,
+            "expansion_factor": 6,
+            "num_groups": 8,
+            "dropout": 0.0,
+            "downsample_times": 2,
+            "num_layers": 4,
+            "deq": _deq("broyden", 26, 27, "abs"),
+        },
+    },
+    "mdeq-cityscapes-small": {
+        "task": "image-segmentation",
+        "auto": "AutoModelForSemanticSegmentation",
+        "description": "MDEQ-Small for Cityscapes (seg_mdeq_SMALL.yaml)",
+        "config": {
+            **_CITYSCAPES,
+            "branch_channels": [32, 64, 128, 256],
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.05,
+            "downsample_times": 2,
+            "num_layers": 3,
+            "deq": _deq("broyden", 27, 30, "abs"),
+        },
+    },
+    "mdeq-cityscapes-large": {
+        "task": "image-segmentation",
+        "auto": "AutoModelForSemanticSegmentation",
+        "description": "MDEQ-Large for Cityscapes (seg_mdeq_LARGE.yaml)",
+        "config": {
+            **_CITYSCAPES,
+            "branch_channels": [80, 160, 320, 640],
+            "expansion_factor": 5,
+            "num_groups": 8,
+            "dropout": 0.03,
+            "downsample_times": 2,
+            "num_layers": 3,
+            "deq": _deq("broyden", 27, 30, "abs"),
+        },
+    },
+    "mdeq-cityscapes-xl": {
+        "task": "image-segmentation",
+        "auto": "AutoModelForSemanticSegmentation",
+        "description": "MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)",
+        "config": {
+            **_CITYSCAPES,
+            "branch_channels": [88, 176, 352, 704],
+            "expansion_factor": 6,
+            "num_groups": 8,
+            "dropout": 0.04,
+            "downsample_times": 2,
+            "num_layers": 3,
+            "deq": _deq("broyden", 27, 30, "abs"),
+        },
+    },
+    # ours: the embedded MNIST checkpoints (28x28 grayscale, 2 streams)
+    "mdeq-mnist-tiny": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 channels at "
+        "14x14 "
+        "and 7x7); deqzoo/mdeq-tiny-mnist",
+        "config": {
+            "in_channels": 1,
+            "image_size": [28, 28],
+            "image_mean": [0.1307],
+            "image_std": [0.3081],
+            "num_labels": 10,
+            "branch_channels": [16, 16],
+            "head_channels": [8, 16],
+            "final_chansize": 64,
+            "expansion_factor": 2,
+            "num_groups": 4,
+            "dropout": 0.0,
+            "downsample_times": 1,
+            "num_layers": 4,
+            "deq": {
+                "f_solver": "anderson",
+                "f_max_iter": 20,
+                "f_tol": 1e-3,
+                "b_mode": "ift",
+                "b_solver": "anderson",
+                "b_max_iter": 12,
+                "b_tol": 1e-3,
+            },
+        },
+    },
+    "lipschitz-mdeq-mnist-tiny": {
+        "task": "image-classification",
+        "auto": "AutoModelForImageClassification",
+        "description": "Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
+        "deqzoo/lipschitz-mdeq-tiny-mnist",
+        "config": {
+            "in_channels": 1,
+            "image_size": [28, 28],
+            "image_mean": [0.1307],
+            "image_std": [0.3081],
+            "num_labels": 10,
+            "branch_channels": [16, 16],
+            "head_channels": [8, 16],
+            "final_chansize": 64,
+            "expansion_factor": 2,
+            "num_groups": 4,
+            "dropout": 0.0,
+            "downsample_times": 1,
+            "wnorm": False,
+            "lipschitz": True,
+            "residual_alpha": 0.5,
+            "fusion_alpha": 0.3,
+            "conv_norm": 2.0,
+            "gamma_bound": 1.0,
+            "relu_slope": 0.35,
+            "spectral_fft_size": 32,
+            "num_layers": 4,
+            "deq": {
+                "f_solver": "anderson",
+                "f_max_iter": 20,
+                "f_tol": 1e-3,
+                "b_mode": "ift",
+                "b_solver": "anderson",
+                "b_max_iter": 12,
+                "b_tol": 1e-3,
+            },
+        },
+    },
+}
+
+# Trainable parameter counts of the original implementations, obtained by building the upstream model classes
+# (locuslab/deq MDEQ-Vision/lib/models/mdeq.py: MDEQClsNet / MDEQSegNet, commit of the deqzoo mirror) from the
+# yaml files named above and summing p.numel() over parameters with requires_grad (weight norm counted as the
+# original's weight_g + weight_v). For reference, the paper (Bai et al. 2020, Tables 1-3) rounds these as
+# 170K / 10M (CIFAR), 18M / 63M / 81M (ImageNet), 7.8M / 53M / 70M (Cityscapes).
+ORIGINAL_PARAMETER_COUNTS: dict[str, int] = {
+    "mdeq-cifar-tiny": 158_890,
+    "mdeq-cifar-large": 11_097_438,
+    "mdeq-imagenet-small": 16_808_936,
+    "mdeq-imagenet-large": 67_063_624,
+    "mdeq-imagenet-xl": 90_463_280,
+    "mdeq-cityscapes-small": 8_968_467,
+    "mdeq-cityscapes-large": 55_955_859,
+    "mdeq-cityscapes-xl": 79_551_755,
+}
+# locuslab/mdeq (the 2020 release) differs only where its yaml differs: CIFAR uses affine post-fusion
+# GroupNorms (TINY 158_986, LARGE 11_098_398 = MDEQ-Vision + 2·Σ channels), and its
+# imagenet/cls_mdeq_LARGE.yaml repeats the XL widths (90_463_280). Its models additionally hold a frozen copy
+# of f_θ (`fullstage_copy`), not counted.
+ORIGINAL_PARAMETER_COUNTS_LOCUSLAB_MDEQ: dict[str, int] = {
+    "mdeq-cifar-tiny": 158_986,
+    "mdeq-cifar-large": 11_098_398,
+}

@@ -1,0 +1,155 @@
+"""Language modelling on Python's ``pydoc_data.topics`` (shipped with CPython, so it is always offline).
+
+Data split (deterministic, documented on the card): the help topics are sorted by name; a topic is held out
+when the first byte of sha256(name) is below 26 (about 10% of topics), everything else is training text. Each
+split is the concatenation of its topics in name order, each topic's text followed by a blank line.
+
+Evaluation follows Transformer-XL/DEQ: the held-out token stream is cut into consecutive chunks of
+``config.tgt_len`` tokens, processed in order with the memory of past equilibria carried from chunk to chunk;
+perplexity = exp(mean next-token NLL over every predicted token), mean NFE = mean forward-solve f evaluations
+per chunk (explicit models report their layer count).
+
+Example:
+    >>> from deqzoo.tasks import pydoc_lm
+    >>> train, held_out = pydoc_lm.split_topics()
+    >>> len(held_out) > 0 and not set(train) & set(held_out)
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..core import SolverStats
+
+DEMO_PROMPT = "The for statement is used to"
+_HELD_OUT_BELOW = 26  # first sha256 byte threshold: 26/256 ~ 10% of topics
+
+
+def _topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return dict(topics)
+
+
+def is_held_out(topic: str) -> bool:
+    """True when `topic` belongs to the held-out split."""
+    return hashlib.sha256(topic.encode("utf-8")).digest()[0] < _HELD_OUT_BELOW
+
+
+def split_topics() -> tuple[list[str], list[str]]:
+    """(train topic names, held-out topic names), each sorted."""
+    names = sorted(_topics())
+    return [n for n in names if not is_held_out(n)], [n for n in names if is_held_out(n)]
+
+
+def split_text(split: str) -> str:
+    """The concatenated text of one split ("train" or "held_out")."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    train, held = split_topics()
+    topics = _topics()
+    return "".join(topics[n].strip() + "\n\n" for n in (train if split == "train" else held))
+
+
+def token_stream(tokenizer, split: str) -> torch.Tensor:
+    """All token ids of one split as a 1-D LongTensor."""
+    return torch.tensor(tokenizer(split_text(split))["input_ids"], dtype=torch.long)
+
+
+def load_tokenizer(model):
+    """The tokenizer saved with the checkpoint the model was loaded from."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if path and not (Path(path) / "tokenizer.json").is_file():
+        from ..hub import resolve  # a hub id (e.g. the embedded checkpoint): its local directory
+
+        try:
+            path = str(resolve(path))
+        except Exception:  # noqa: BLE001 - reported below with the name that failed
+            pass
+    if not path or not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
+                                "model from a checkpoint directory that contains its tokenizer")
+    return AutoTokenizer.from_pretrained(path)
+
+
+@torch.no_grad()
+def stream_nll(model, ids: torch.Tensor, *, limit: int | None = None, progress: bool = True
+               ) -> tuple[float, int, list[int]]:
+    """Next-token NLL over a token stream, chunk by chunk with memory: (nll_sum, n_tokens, nfe_per_chunk)."""
+    model.eval()
+    seg = model.config.tgt_len
+    n_chunks = math.ceil((ids.numel() - 1) / seg)
+    if limit is not None:
+        n_chunks = min(n_chunks, limit)
+    cache, nll, count, nfes = None, 0.0, 0, []
+    for i in tqdm(range(n_chunks), desc="pydoc held-out", disable=not progress):
+        x = ids[i * seg: (i + 1) * seg]
+        y = ids[i * seg + 1: (i + 1) * seg + 1]
+        x = x[: y.numel()]
+        out = model(x[None], past_key_values=cache)  # chunks start from zeros (reuse is for one-token steps)
+        cache = out.past_key_values
+        nll += float(F.cross_entropy(out.logits[0].float(), y, reduction="sum"))
+        count += y.numel()
+        nfes.append(int(out.deq_stats.nfe))
+    return nll, count, nfes
+
+
+def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
+    """Held-out perplexity and mean NFE (limit = number of held-out chunks; None = all).
+
+    Example:
+        >>> import deqzoo  # doctest: +SKIP
+        >>> model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc")  # doctest: +SKIP
+        >>> evaluate(model, limit=4, progress=False)  # doctest: +SKIP
+        {'perplexity': ..., 'mean_nfe': ...}
+    """
+    tok = load_tokenizer(model)
+    nll, count, nfes = stream_nll(model, token_stream(tok, "held_out"), limit=limit, progress=progress)
+    return {"perplexity": round(math.exp(nll / count), 4), "mean_nfe": round(sum(nfes) / len(nfes), 4)}
+
+
+def unigram_perplexity(tokenizer) -> float:
+    """Baseline: unigram model of the training tokens (add-one smoothing) on the same held-out predictions."""
+    train = token_stream(tokenizer, "train")
+    held = token_stream(tokenizer, "held_out")[1:]  # the tokens evaluate() predicts
+    counts = torch.bincount(train, minlength=len(tokenizer)).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return round(math.exp(-float(logp[held].mean())), 4)
+
+
+def _generate(model, text: str, max_new_tokens: int = 24):
+    tok = load_tokenizer(model)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty after tokenization")
+    model.eval()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    text_out = tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    return text_out, out.past_key_values
+
+
+def demo(model) -> tuple[str, SolverStats]:
+    """Greedy continuation of a fixed prompt: (prompt + continuation on one line, the prompt's stats)."""
+    tok = load_tokenizer(model)
+    model.eval()
+    with torch.no_grad():
+        stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
+    text, _ = _generate(model, DEMO_PROMPT)
+    return (DEMO_PROMPT + text).replace("\n", " "), stats
+
+
+def predict(model, input: str) -> str:
+    """Greedy continuation (24 tokens) of `input` (a text, or a path to a text file)."""
+    path = Path(input)
+    text = path.read_text(encoding="utf-8") if len(input) < 4096 and path.is_file() else input
+    return _generate(model, text)[0]

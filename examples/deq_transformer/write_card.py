@@ -1,0 +1,168 @@
+"""Write the model card of deqzoo/deq-transformer-tiny-pydoc from measured numbers.
+
+    python examples/deq_transformer/compare_pydoc.py model_cards/deq-transformer-tiny-pydoc /tmp/explicit-
+    pydoc \\
+        /tmp/deq-jr03-pydoc /tmp/deq-jr2-pydoc --json /tmp/pydoc_compare.json
+    python examples/deq_transformer/write_card.py model_cards/deq-transformer-tiny-pydoc \\
+        --compare /tmp/pydoc_compare.json
+
+Card metrics are exactly what ``deqzoo eval deqzoo/deq-transformer-tiny-pydoc`` prints (evaluate() is re-run
+here); baselines and the Jacobian-regularization rows come from the comparison JSON (same evaluate()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from deqzoo.hub.cards import write_model_card
+from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
+from deqzoo.tasks import pydoc_lm
+
+
+def _train_command(a: dict) -> str:
+    cmd = (f"python examples/deq_transformer/train_pydoc.py --steps {a['steps']} --dropout {a['dropout']} "
+           f"--variant {a.get('variant', 'bai2019')} --b-mode {a['b_mode']} "
+           f"--train-f-iter {a['train_f_iter']}")
+    return cmd + " --out model_cards/deq-transformer-tiny-pydoc"
+
+
+def _label(path: str, v: dict, ckpt: Path) -> str:
+    if v.get("explicit_layers"):
+        return f"Explicit transformer, {v['explicit_layers']} untied blocks"
+    this = " (this checkpoint)" if Path(path).resolve() == ckpt.resolve() else ""
+    return f"DEQ-Transformer {v['variant']}, {v['b_mode']} training{this}"
+
+
+def reuse_measurement(model, max_new_tokens: int = 32) -> dict:
+    """Greedy generation of the demo prompt with and without fixed-point reuse (tight solves)."""
+    tok = pydoc_lm.load_tokenizer(model)
+    ids = tok(pydoc_lm.DEMO_PROMPT, return_tensors="pt")["input_ids"]
+    old = dict(model.config.deq)
+    # the checkpoint's own tolerance, with room to converge (every solve below reaches it)
+    model.set_deq(f_solver="anderson", f_max_iter=100, f_tol=1e-3, f_stop_mode="rel")
+    rows = {}
+    for reuse in (True, False):
+        model.config.fixed_point_reuse = reuse
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+        cache = out.past_key_values
+        rows[reuse] = {"tokens": out.sequences[0].tolist(), "total_nfe": cache.total_nfe, "nfe": cache.nfe,
+                       "incremental_nfe": sum(cache.nfe[1:]), "steps": len(cache.nfe) - 1}
+    model.config.fixed_point_reuse = True
+    model.set_deq(**{k: old[k] for k in ("f_solver", "f_max_iter", "f_tol", "f_stop_mode")})
+    converged = max(rows[True]["nfe"] + rows[False]["nfe"]) < 100
+    solver = ("Anderson to rel. tol 1e-3, at most 100 iterations (every solve "
+              + ("converged)" if converged else "did NOT converge)"))
+    return {"same_tokens": rows[True]["tokens"] == rows[False]["tokens"], "with_reuse": rows[True],
+            "without_reuse": rows[False], "text": tok.decode(rows[True]["tokens"]), "solver": solver,
+            "converged": converged}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("--compare", required=True, help="JSON written by compare_pydoc.py")
+    p.add_argument("--train-log", required=True, help="the checkpoint's train_pydoc.py --log JSON")
+    p.add_argument("--json", default=None, help="also write every number here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    ckpt = Path(args.checkpoint)
+    model = DEQTransformerForCausalLM.from_pretrained(ckpt).eval()
+    full = pydoc_lm.evaluate(model)
+    sub = pydoc_lm.evaluate(model, limit=8, progress=False)
+    reuse = reuse_measurement(model)
+    cmp = json.loads(Path(args.compare).read_text())
+    explicit = next(v for k, v in cmp.items() if k != "unigram" and v.get("explicit_layers"))
+    unigram = cmp["unigram"]["perplexity"]
+    train_topics, held_topics = pydoc_lm.split_topics()
+    n_params = sum(t.numel() for t in model.parameters())
+    jr_base = [v for k, v in cmp.items() if k != "unigram" and not v.get("explicit_layers")
+               and v["variant"] == "bai2019" and v["b_mode"] == "ift"]
+    jr_rows = "\n".join(f"| {v['jac_reg_weight']} | {v['perplexity']} | {v['mean_nfe']} |"
+                        for v in sorted(jr_base, key=lambda v: v["jac_reg_weight"]))
+    model_rows = "\n".join(
+        f"| {_label(k, v, ckpt)} | {v['params']:,} | {v['perplexity']} | {v['mean_nfe']} |"
+        for k, v in cmp.items() if k != "unigram" and not v["jac_reg_weight"])
+    ratio = full["perplexity"] / explicit["perplexity"]
+    w, wo = reuse["with_reuse"], reuse["without_reuse"]
+    cfg = model.config
+    targs = json.loads(Path(args.train_log).read_text())["meta"]["args"]
+    train_cmd = _train_command(targs)
+    variant = ("TorchDEQ's redesigned DEQ-Transformer (pre-LayerNorm, LayerNorm after attention; "
+               f"{cfg.n_block} block(s) in f)" if cfg.variant == "torchdeq" else
+               "Bai et al. (2019) DEQ-Transformer (one weight-tied decoder block, post-LayerNorm)")
+    grad = ({"unrolled": f"backpropagation through the {targs['train_f_iter']} fixed-point iterations of f "
+                         "from z0 = 0 (TorchDEQ deq-lm's recipe)",
+             "ift": "implicit differentiation (Anderson backward, 10 iterations) at the forward solve's "
+                    f"answer (Anderson, {targs['train_f_iter']} iterations, tol 1e-3)",
+             "phantom": "phantom gradients"}[targs["b_mode"]])
+    body = f"""
+A tiny DEQ-Transformer language model: {variant}, relative positional attention over a memory of past
+equilibria (Transformer-XL style), input injection into q/k/v. Trained here on the English text of Python's
+`pydoc_data.topics` with a byte-level BPE tokenizer (`tokenizers`, {cfg.vocab_size} tokens) trained on the
+training topics only. {n_params:,} parameters.
+
+**Data.** The {len(train_topics) + len(held_topics)} pydoc help topics are split by topic: a topic is held out
+when the first byte of sha256(topic name) is below 26 ({len(held_topics)} held-out topics:
+{", ".join(held_topics)}; see `deqzoo/tasks/pydoc_lm.py`). Evaluation runs over the held-out token
+stream in chunks of {cfg.tgt_len} tokens with the memory of past equilibria carried over ({cfg.mem_len}
+positions); perplexity is over every predicted token, mean NFE is the forward-solve f evaluations per
+chunk ({cfg.deq['f_solver']},
+f_max_iter={cfg.deq['f_max_iter']}, f_tol={cfg.deq['f_tol']}).
+
+**Recipe.** {targs['steps']} steps of Adam (lr {targs['lr']}, 5% warmup, cosine), batch {targs['batch']} x
+{targs['seg']} tokens ({targs['steps'] * targs['batch'] * targs['seg']:,} training tokens), variational
+dropout {targs['dropout']}, gradient clipping 0.25; gradient: {grad}. Seed {targs['seed']}, one CPU thread.
+
+**Baselines** (same data, tokenizer, steps, batch and tokens; every row is `evaluate()` on the same split):
+
+| Model | Parameters | Held-out perplexity | Mean NFE |
+|---|---|---|---|
+{model_rows}
+| Unigram (add-one smoothed training counts) | - | {unigram} | - |
+
+This checkpoint / explicit perplexity ratio: {ratio:.3f}. The explicit baseline is `train_pydoc.py --explicit`
+(two distinct bai2019 blocks applied once each, d_inner shrunk to 96 so the parameter count matches).
+The bai2019 + implicit-differentiation run hit its 14-iteration training cap from step ~150 on (the implicit
+gradient was taken at unconverged points) and stays far behind.
+
+**Jacobian regularization** (`train_pydoc.py --jac-reg W`: bai2019, implicit differentiation, one Hutchinson
+sample, otherwise the same recipe):
+
+| Weight | Held-out perplexity | Mean NFE |
+|---|---|---|
+{jr_rows}
+
+Large weights drive the Hutchinson estimate of ||J_f||_F^2/d to about 0 within 50 steps: the model
+collapses to near-unigram predictions while its forward solve needs only 3-4 iterations.
+
+**Generation with fixed-point reuse.** Greedy `generate()` of 32 tokens after "{pydoc_lm.DEMO_PROMPT}",
+solving each step with {reuse['solver']}: the same tokens with and without reuse: {reuse['same_tokens']};
+total NFE {w['total_nfe']} with reuse vs {wo['total_nfe']} without (incremental steps only:
+{w['incremental_nfe']} vs {wo['incremental_nfe']} over {w['steps']} one-token steps).
+Text: `{reuse['text']!r}`
+
+**Subset check used by the test suite** (`evaluate(model, limit=8)`):
+limit=8: perplexity {sub['perplexity']:.4f}, mean NFE {sub['mean_nfe']:.4f}.
+"""
+    write_model_card(
+        ckpt, model_id="deqzoo/deq-transformer-tiny-pydoc", title="DEQ-Transformer tiny (pydoc topics)",
+        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["python-pydoc-topics"],
+        dataset_name="Python pydoc_data.topics (held-out topics)",
+        metrics=[{"type": "perplexity", "name": "Held-out perplexity", "value": full["perplexity"]},
+                 {"type": "mean_nfe", "name": "Mean forward NFE per chunk", "value": full["mean_nfe"]}],
+        tags=["deq-transformer", "language-modeling", "text-generation"], train_command=train_cmd,
+        eval_command="deqzoo eval deqzoo/deq-transformer-tiny-pydoc", body_markdown=body)
+    result = {"eval": full, "eval_limit8": sub, "reuse": reuse, "compare": cmp, "ratio_to_explicit": ratio}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "compare"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Fine-tune an MDEQ image classifier on MNIST with the transformers Trainer (single process or DDP).
+
+    # one process
+    python examples/mdeq/finetune_trainer.py --model deqzoo/mdeq-tiny-mnist --out /tmp/ft --max-steps 50
+    # two CPU processes (gloo), e.g. as the test suite does at toy scale
+    torchrun --nproc_per_node 2 examples/mdeq/finetune_trainer.py --model mdeq-mnist-tiny --out /tmp/ft \
+        --max-steps 3 --dump-params
+
+`--model` is a checkpoint (id or directory, loaded with deqzoo.from_pretrained) or an architecture preset
+(random init). Lipschitz models get :class:`LipschitzProjectionCallback`. With `--dump-params` every rank
+writes its final parameters (not buffers) to ``OUT/params_rank{R}.safetensors`` (to check that DDP kept
+the replicas identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+import deqzoo
+from deqzoo.models.mdeq.lipschitz import LipschitzProjectionCallback
+from deqzoo.tasks import mnist
+
+
+class MnistDataset(Dataset):
+    """The training split of deqzoo.tasks.mnist as Trainer-ready dicts."""
+
+    def __init__(self, model, limit: int | None = None):
+        x, y = mnist.load_split("train")
+        if limit:
+            step = max(1, len(y) // limit)
+            x, y = x[::step][:limit], y[::step][:limit]
+        self.pixels = mnist.to_pixel_values(x, model)
+        self.labels = torch.from_numpy(y)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
+
+
+def load_model(name: str, seed: int):
+    torch.manual_seed(seed)  # identical random init on every rank
+    labels = {"id2label": {i: str(i) for i in range(10)}, "label2id": {str(i): i for i in range(10)}}
+    if name in {m.name for m in deqzoo.list_models("architecture")}:
+        return deqzoo.create_model(name, **labels)
+    return deqzoo.from_pretrained(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--limit", type=int, default=None, help="use this many training images")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--f-max-iter", type=int, default=None, help="override the forward solver's iteration cap")
+    p.add_argument("--dump-params", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = load_model(args.model, args.seed)
+    if args.f_max_iter:
+        model.set_deq(f_max_iter=args.f_max_iter, b_max_iter=args.f_max_iter)
+    train_args = TrainingArguments(
+        output_dir=str(args.out),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        seed=args.seed,
+        data_seed=args.seed,
+        use_cpu=True,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=False,
+    )
+    callbacks = [LipschitzProjectionCallback()] if model.config.lipschitz else []
+    trainer = Trainer(
+        model=model, args=train_args, train_dataset=MnistDataset(model, args.limit), callbacks=callbacks
+    )
+    trainer.train()
+    if args.dump_params:
+        rank = int(os.environ.get("RANK", "0"))
+        args.out.mkdir(parents=True, exist_ok=True)
+        # parameters only: BatchNorm running statistics are per-replica between DDP's buffer broadcasts
+        state = {k: v.detach().contiguous().clone() for k, v in model.named_parameters()}
+        save_file(state, str(args.out / f"params_rank{rank}.safetensors"))
+    if trainer.is_world_process_zero():
+        trainer.save_model(str(args.out / "final"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""Registry, Auto classes, pipeline, embedded catalog (offline, sha256), model cards and the CLI."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+import deqzoo
+from deqzoo.cli import main as cli_main
+from deqzoo.hub import CheckpointError, read_model_card, resolve
+from deqzoo.hub import catalog as catalog_mod
+
+toy = importlib.import_module("deqzoo_hub_toy_family")
+
+
+@pytest.fixture
+def embedded(toy_checkpoint, tmp_path, monkeypatch):
+    """A catalog (in tmp) listing the toy checkpoint as embedded `deqzoo/toy-deq-tiny`."""
+    directory, model = toy_checkpoint
+    cat = catalog_mod.build_catalog(directory.parent, root=tmp_path / "elsewhere")  # absolute locations
+    path = catalog_mod.write_catalog(cat, tmp_path / "catalog.json")
+    monkeypatch.setattr(catalog_mod, "CATALOG_PATH", path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return directory, model, cat
+
+
+def test_auto_classes_and_pipeline_load_checkpoint(toy_checkpoint):
+    directory, model = toy_checkpoint
+    config = transformers.AutoConfig.from_pretrained(directory)
+    assert isinstance(config, toy.ToyDEQConfig) and config.deq_config.f_max_iter == 40
+    auto = transformers.AutoModelForImageClassification.from_pretrained(directory)
+    assert type(auto) is toy.ToyDEQForImageClassification
+    assert all(torch.equal(v, auto.state_dict()[k]) for k, v in model.state_dict().items())
+    processor = transformers.AutoImageProcessor.from_pretrained(directory)
+    assert isinstance(processor, toy.ToyImageProcessor)
+
+    image = Image.fromarray((np.random.default_rng(0).random((16, 16, 3)) * 255).astype("uint8"))
+    pipe = transformers.pipeline("image-classification", model=str(directory))
+    result = pipe(image, top_k=3)
+    # The pipeline's answer equals running processor + model by hand.
+    with torch.no_grad():
+        probs = auto(**processor(image, return_tensors="pt")).logits.softmax(-1)[0]
+    best = int(probs.argmax())
+    assert result[0]["label"] == model.config.id2label[best]
+    assert result[0]["score"] == pytest.approx(float(probs[best]), abs=1e-6)
+
+
+def test_set_deq_and_from_pretrained_deq_change_solver(toy_checkpoint):
+    directory, _ = toy_checkpoint
+    model = deqzoo.from_pretrained(directory, deq={"f_solver": "fixed_point", "f_max_iter": 3})
+    assert model.deq.config.f_solver == "fixed_point" and model.config.deq["f_max_iter"] == 3
+    x = torch.rand(2, 3, 8, 8)
+    with torch.no_grad():
+        assert model(x).deq_stats.nfe <= 4
+    model.set_deq(f_max_iter=60, f_solver="anderson", f_tol=1e-8)
+    with torch.no_grad():
+        long = model(x)
+    assert long.deq_stats.nfe > 4 and float(long.deq_stats.residual.max()) < 1e-5
+    with pytest.raises(ValueError, match="not registered"):
+        model.set_deq(f_solver="no-such-solver")
+
+
+def test_create_model_and_list_models(toy_family):
+    model = deqzoo.create_model("toy-deq-tiny", hidden_size=5, deq={"f_max_iter": 7})
+    assert isinstance(model, toy.ToyDEQForImageClassification)
+    assert model.mix.weight.shape == (5, 5) and model.deq.config.f_max_iter == 7
+    rows = {m.name: m for m in deqzoo.list_models()}
+    info = rows["toy-deq-tiny"]
+    expected = sum(p.numel() for p in deqzoo.create_model("toy-deq-tiny").parameters())
+    assert (info.kind, info.task, info.parameters) == ("architecture", "image-classification", expected)
+    with pytest.raises(ValueError, match="toy-deq-tiny"):
+        deqzoo.create_model("nonexistent-arch")
+
+
+def test_embedded_checkpoint_loads_offline_and_verifies_sha256(embedded):
+    directory, model, cat = embedded
+    entry = cat["checkpoints"]["deqzoo/toy-deq-tiny"]
+    assert set(entry["files"]) == {"README.md", "config.json", "model.safetensors",
+                                   "preprocessor_config.json"}
+    assert entry["parameters"] == sum(p.numel() for p in model.parameters())  # buffers are not parameters
+    assert entry["task"] == "image-classification" and entry["deqzoo_task"] == toy.TOY_MODULE
+    assert resolve("deqzoo/toy-deq-tiny") == directory and resolve("toy-deq-tiny") == directory
+    loaded = deqzoo.from_pretrained("deqzoo/toy-deq-tiny")
+    assert torch.equal(loaded.head.weight, model.head.weight)
+    listed = {m.name: m for m in deqzoo.list_models("checkpoint")}["deqzoo/toy-deq-tiny"]
+    assert listed.metrics == entry["metrics"] and "mean_max_prob" in listed.metrics
+
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["hidden_size"] = 16  # same value, different bytes: the sha256 check must still notice
+    (directory / "config.json").write_text(json.dumps(cfg, indent=4))
+    with pytest.raises(CheckpointError, match=r"config\.json: sha256 .* does not match the catalog"):
+        deqzoo.from_pretrained("deqzoo/toy-deq-tiny")
+
+
+def test_model_card_metadata(toy_checkpoint):
+    directory, _ = toy_checkpoint
+    meta, body = read_model_card(directory)
+    for key in ("license", "library_name", "tags", "datasets", "metrics", "pipeline_tag", "model-index",
+                "deqzoo_task"):
+        assert key in meta, key
+    assert meta["library_name"] == "deqzoo" and meta["license"] == "apache-2.0"
+    result = meta["model-index"][0]["results"][0]
+    assert result["task"]["type"] == "image-classification"
+    assert result["metrics"][0]["type"] == "mean_max_prob"
+    assert "## Training" in body and "## Evaluation" in body and "deqzoo eval DIR" in body
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(directory / "README.md")  # the Hub's own parser accepts it
+    assert card.data.library_name == "deqzoo"
+    assert card.data.eval_results[0].metric_value == result["metrics"][0]["value"]
+
+
+def test_cli_list_info_eval_predict(embedded, capsys):
+    directory, model, cat = embedded
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "toy-deq-tiny" in out and "deqzoo/toy-deq-tiny" in out and "mean_max_prob=" in out
+    assert cli_main(["info", "deqzoo/toy-deq-tiny"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["task"] == "image-classification" and info["deq"]["f_max_iter"] == 40
+    assert cli_main(["eval", "deqzoo/toy-deq-tiny", "--no-progress"]) == 0
+    card_value = cat["checkpoints"]["deqzoo/toy-deq-tiny"]["metrics"]["mean_max_prob"]
+    assert capsys.readouterr().out.strip() == f"mean_max_prob: {card_value:.4f}"
+    assert cli_main(["predict", "deqzoo/toy-deq-tiny", "sample.png"]) == 0
+    assert capsys.readouterr().out.startswith("sample.png: class ")
+    assert cli_main(["info", "deqzoo/nope"]) == 2
+
+
+def test_cli_demo_writes_png_per_model(embedded, tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    assert cli_main(["demo", "--output-dir", str(out_dir), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "deqzoo/toy-deq-tiny" in text and "NFE" in text and "final residual" in text
+    rows = json.loads((out_dir / "summary.json").read_text())
+    assert rows[0]["model"] == "deqzoo/toy-deq-tiny" and int(rows[0]["NFE"]) > 0
+    pngs = list(out_dir.glob("*.png"))
+    assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_demo_without_checkpoints_exits_zero(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(catalog_mod, "CATALOG_PATH", tmp_path / "missing.json")
+    assert cli_main(["demo", "--output-dir", str(tmp_path / "d")]) == 0
+    assert "no embedded checkpoints" in capsys.readouterr().out
+
+
+def test_cli_convert_discovers_formats(tmp_path, capsys):
+    (tmp_path / "conversion").mkdir()
+    (tmp_path / "conversion" / "toy_upstream.py").write_text(
+        "from pathlib import Path\n"
+        "def convert(src, out, scale=1):\n"
+        "    Path(out).mkdir(parents=True, exist_ok=True)\n"
+        "    (Path(out) / 'seen.txt').write_text(f'{src} {scale}')\n"
+        "    return Path(out)\n"
+        "FORMATS = {'toy-upstream': convert}\n")
+    assert cli_main(["convert", "--root", str(tmp_path)]) == 0
+    assert "toy-upstream" in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert cli_main(["convert", "toy-upstream", "SRC", str(out), "--option", "scale=3", "--root",
+                     str(tmp_path)]) == 0
+    assert (out / "seen.txt").read_text() == "SRC 3"
+    with pytest.raises(SystemExit, match="toy-upstream"):
+        cli_main(["convert", "nope", "a", "b", "--root", str(tmp_path)])
+
+
+def test_catalog_cli_writes_and_checks(toy_checkpoint, tmp_path):
+    directory, _ = toy_checkpoint
+    path = tmp_path / ".out" / "catalog.json"  # hidden folders under model_cards/ are skipped
+    path.parent.mkdir()
+    readme = path.parent / "README.md"
+    readme.write_text("# x\n<!-- catalog:start -->\nold\n<!-- catalog:end -->\ntail\n")
+    args = ["--cards-dir", str(directory.parent), "--output", str(path), "--readme", str(readme)]
+    assert catalog_mod.main([*args, "--check"]) == 1  # nothing written yet
+    assert catalog_mod.main(args) == 0
+    assert catalog_mod.main([*args, "--check"]) == 0
+    table = readme.read_text()
+    assert "| [`deqzoo/toy-deq-tiny`]" in table and "old" not in table and table.endswith("tail\n")
+    (directory / "README.md").write_text((directory / "README.md").read_text() + "\nedited\n")
+    assert catalog_mod.main([*args, "--check"]) == 1
+
+
+def test_cli_bench_dispatches_with_remaining_args(monkeypatch):
+    import types
+
+    seen = {}
+    module = types.ModuleType("deqzoo.bench.hubtoy")
+    module.main = lambda argv=None: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(__import__("sys").modules, "deqzoo.bench.hubtoy", module)
+    assert cli_main(["bench", "hubtoy", "--quick", "--n", "3"]) == 0
+    assert seen["argv"] == ["--quick", "--n", "3"]
+    with pytest.raises(SystemExit, match="unknown benchmark"):
+        cli_main(["bench", "definitely-not-a-bench"])
+
+
+def test_cli_info_architecture(toy_family, capsys):
+    assert cli_main(["info", "toy-deq-tiny"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_type"] == toy.TOY_FAMILY.model_type and info["task"] == "image-classification"

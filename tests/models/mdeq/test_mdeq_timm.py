@@ -1,0 +1,55 @@
+"""timm integration: registered names, features_only (one map per resolution), pretrained loading offline."""
+
+from __future__ import annotations
+
+import timm
+import torch
+
+import deqzoo
+from deqzoo.integrations.timm import TIMM_MODELS
+
+torch.set_num_threads(1)
+
+
+def test_models_are_registered_with_pretrained_tags():
+    assert set(timm.list_models("mdeq_*")) == set(TIMM_MODELS)
+    assert set(timm.list_pretrained("mdeq_*")) == {
+        "mdeq_tiny_mnist.deqzoo",
+        "mdeq_lipschitz_tiny_mnist.deqzoo",
+    }
+    cfg = timm.models.get_pretrained_cfg("mdeq_tiny_mnist")
+    assert cfg.hf_hub_id == "deqzoo/mdeq-tiny-mnist" and cfg.input_size == (1, 28, 28)
+
+
+def test_features_only_one_map_per_resolution_with_channels_and_strides():
+    net = timm.create_model("mdeq_cifar_large", features_only=True, deq={"f_max_iter": 2})
+    assert (
+        net.model.model.config.deq["f_solver"] == "broyden"
+    )  # the preset's solver, with the override merged
+    assert net.feature_info.channels() == [32, 64, 128, 256]
+    assert net.feature_info.reduction() == [1, 2, 4, 8]
+    feats = net(torch.randn(1, 3, 32, 32))
+    assert [tuple(f.shape) for f in feats] == [
+        (1, 32, 32, 32),
+        (1, 64, 16, 16),
+        (1, 128, 8, 8),
+        (1, 256, 4, 4),
+    ]
+    with torch.device("meta"):  # ImageNet layout: stride-4 stem
+        big = timm.create_model("mdeq_imagenet_small", features_only=True, out_indices=(1, 3))
+    assert big.feature_info.channels() == [64, 256] and big.feature_info.reduction() == [8, 32]
+
+
+def test_pretrained_loads_the_embedded_checkpoint_offline():
+    ref = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").eval()
+    x = torch.randn(2, 1, 28, 28)
+    clf = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
+    feats = timm.create_model("mdeq_tiny_mnist", pretrained=True, features_only=True).eval()
+    with torch.no_grad():
+        out = ref(x)
+        assert torch.allclose(clf(x), out.logits, atol=1e-6)
+        got = feats(x)
+    assert feats.feature_info.reduction() == [2, 4] and feats.feature_info.channels() == [16, 16]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, out.hidden_states))
+    new_head = timm.create_model("mdeq_tiny_mnist", pretrained=True, num_classes=3)
+    assert new_head(x).shape == (2, 3)
