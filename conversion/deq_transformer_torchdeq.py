@@ -23,26 +23,10 @@ from typing import Any
 
 import torch
 
+from ._common import load_state_dict
+
 # deq-lm's run.sh evaluation: fixed-point iteration, 12 steps
 DEFAULT_DEQ = {"f_solver": "fixed_point", "f_max_iter": 12, "f_tol": 1e-3, "f_stop_mode": "rel"}
-
-
-def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
-    """A deq-lm state dict (plain or nested under 'model_state_dict'/'state_dict'); never unpickles code."""
-    src = Path(src)
-    if not src.is_file():
-        raise FileNotFoundError(f"checkpoint {src} does not exist")
-    try:
-        obj = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - re-raised naming the file
-        raise ValueError(f"{src}: not a weights-only torch state dict ({err}); "
-                         "save model.state_dict()") from err
-    for key in ("model_state_dict", "state_dict", "model"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
-    return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
 def fold_norms(sd: dict[str, torch.Tensor], target_norm: float = 1.0, clip: bool = False,

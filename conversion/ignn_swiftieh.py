@@ -26,27 +26,9 @@ from typing import Any
 
 import torch
 
+from ._common import load_state_dict
+
 __all__ = ["FORMATS", "convert", "load_state_dict", "save_converted"]
-
-
-def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
-    """An original-format state dict (plain or nested under a common key), never unpickling code."""
-    src = Path(src)
-    if not src.is_file():
-        raise FileNotFoundError(f"checkpoint {src} does not exist")
-    try:
-        obj = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - re-raised with the file named
-        raise ValueError(
-            f"{src}: not a weights-only torch state dict ({err}); whole pickled models are refused, "
-            "save model.state_dict() instead"
-        ) from err
-    for key in ("model_state_dict", "state_dict", "model"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
-    return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
 def layer_ids(sd: dict[str, torch.Tensor], src: Path) -> list[int]:

@@ -18,14 +18,13 @@ skip projections and ELU) is a different architecture and is refused with a clea
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ignn_swiftieh import load_state_dict, save_converted, take  # noqa: E402
+from ._common import load_state_dict
+from .ignn_swiftieh import save_converted, take
 
 __all__ = ["FORMATS", "convert"]
 

@@ -21,30 +21,18 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import mdeq_locuslab
+
 FORMAT = "mdeq-torchdeq"
 
 
-def _sibling():
-    """conversion/mdeq_locuslab.py (conversion/ is a folder of scripts discovered by path, not a package)."""
-    name = "deqzoo_conversion_mdeq_locuslab"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("mdeq_locuslab.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_L = _sibling()
+_L = mdeq_locuslab
 ConversionError = _L.ConversionError
 
 # TorchDEQ deq-zoo prefix -> deqzoo prefix (f_θ is `full_stage` there; everything else as locuslab's).

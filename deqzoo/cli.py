@@ -110,25 +110,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _conversion_formats(root: Path) -> dict[str, Any]:
-    formats: dict[str, Any] = {}
-    for path in sorted((root / "conversion").glob("*.py")):
-        if path.name.startswith("_"):
-            continue
-        spec = importlib.util.spec_from_file_location(f"deqzoo_conversion_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        for fmt, fn in getattr(module, "FORMATS", {}).items():
-            formats[fmt] = fn
-    return formats
-
-
 def cmd_convert(args) -> int:
     from deqzoo.hub.catalog import REPO_ROOT
+    from deqzoo.hub.converters import conversion_formats
 
     root = Path(args.root) if args.root else REPO_ROOT
-    formats = _conversion_formats(root)
+    formats = conversion_formats(root)
     if args.format is None or args.format == "list":
         print("\n".join(sorted(formats)) or f"no converters found under {root / 'conversion'}")
         return 0

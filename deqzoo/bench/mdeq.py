@@ -134,8 +134,9 @@ def measure(zoo: Path | None, *, solver: str = "anderson", f_max_iter: int = 30,
     """One solver setting: both models on the same batches; returns the side-by-side row."""
     import torch
 
-    conv_path = _repo_root() / "conversion" / "mdeq_torchdeq.py"
-    conv = _load_file_module("deqzoo_conversion_mdeq_torchdeq", conv_path)
+    from deqzoo.hub.converters import converter_module
+
+    conv = converter_module("mdeq_torchdeq", _repo_root())
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(batch_size, 3, 32, 32, generator=gen) for _ in range(batches)]

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                    "params": sum(t.numel() for t in model.parameters()),
                    "jac_reg_weight": model.config.jac_reg_weight,
                    "explicit_layers": model.config.explicit_layers, "variant": model.config.variant,
+                   "pre_lnorm": model.config.pre_lnorm,
                    "b_mode": model.config.deq["b_mode"], "f_solver": model.config.deq["f_solver"],
                    "f_max_iter": model.config.deq["f_max_iter"]}
         tok = pydoc_lm.load_tokenizer(model)

@@ -1,17 +1,20 @@
 """Train the tiny DEQ-Transformer (or its explicit baseline) on Python's pydoc topics.
 
-Reproduces ``model_cards/deq-transformer-tiny-pydoc``:
+Reproduces ``model_cards/deq-transformer-tiny-pydoc`` (Bai et al.'s pre-LN block, implicit differentiation):
 
-    python examples/deq_transformer/train_pydoc.py --out model_cards/deq-transformer-tiny-pydoc
+    python examples/deq_transformer/train_pydoc.py --steps 800 --dropout 0.1 --pre-lnorm \\
+        --out model_cards/deq-transformer-tiny-pydoc
 
 The explicit baseline (2 untied blocks with d_inner shrunk to match the DEQ's parameter count, same steps,
 batch and segment length, so the same tokens):
 
-    python examples/deq_transformer/train_pydoc.py --explicit --out /tmp/explicit-pydoc
+    python examples/deq_transformer/train_pydoc.py --steps 800 --dropout 0.1 --explicit \\
+        --out /tmp/explicit-pydoc
 
-Jacobian regularization (weight 2.0, one Hutchinson sample):
+Jacobian regularization (one Hutchinson sample per step):
 
-    python examples/deq_transformer/train_pydoc.py --jac-reg 2.0 --out /tmp/deq-jr-pydoc
+    python examples/deq_transformer/train_pydoc.py --steps 800 --dropout 0.1 --pre-lnorm --jac-reg 0.03 \\
+        --out /tmp/deq-jr-pydoc
 
 The byte-level BPE tokenizer (``tokenizers``, 1024 tokens) is trained on the training topics only and saved
 into the checkpoint, so ``AutoTokenizer`` and ``pipeline("text-generation")`` load it.
@@ -66,8 +69,8 @@ def build_config(args, tokenizer) -> DEQTransformerConfig:
         deq.update(b_mode="phantom", b_mode_kwargs={"k": args.phantom_k, "tau": args.phantom_tau})
     if args.b_mode == "unrolled":  # TorchDEQ deq-lm's recipe: backprop through the fixed-point iterations
         deq.update(f_solver="fixed_point", b_mode="unrolled")
-    return DEQTransformerConfig(**common, d_inner=512, variant=args.variant, jac_reg_weight=args.jac_reg,
-                                deq=deq)
+    return DEQTransformerConfig(**common, d_inner=512, variant=args.variant, pre_lnorm=args.pre_lnorm,
+                                jac_reg_weight=args.jac_reg, deq=deq)
 
 
 def batches(ids: torch.Tensor, batch: int, seg: int):
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jac-reg", type=float, default=0.0, help="Jacobian regularization weight (0 = off)")
     p.add_argument("--b-mode", choices=("ift", "phantom", "unrolled"), default="ift", help="backward mode")
     p.add_argument("--variant", choices=("bai2019", "torchdeq"), default="bai2019")
+    p.add_argument("--pre-lnorm", action="store_true", help="bai2019 with LayerNorm before each sublayer")
     p.add_argument("--phantom-k", type=int, default=5)
     p.add_argument("--phantom-tau", type=float, default=0.6)
     p.add_argument("--train-f-iter", type=int, default=14, help="forward solver iterations in training")

@@ -138,8 +138,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-transformer-tiny": {
         "task": "text-generation",
         "auto": "AutoModelForCausalLM",
-        "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "deq": _DEQ},
-        "description": "Bai et al. (2019) DEQ-Transformer, one weight-tied block, d_model 128 (pydoc)",
+        "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
+        "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
     },
     "deq-transformer-torchdeq-tiny": {
         "task": "text-generation",

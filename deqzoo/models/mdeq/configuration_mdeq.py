@@ -247,6 +247,34 @@ _CIFAR = {
 
 # Hyperparameters from locuslab/deq MDEQ-Vision/experiments/*/*.yaml (the maintained release; the CIFAR and
 # Cityscapes files equal locuslab/mdeq's except POST_GN_AFFINE=false for CIFAR in MDEQ-Vision).
+_MNIST_TINY: dict = {
+    "in_channels": 1,
+    "image_size": [28, 28],
+    "image_mean": [0.1307],
+    "image_std": [0.3081],
+    "num_labels": 10,
+    "branch_channels": [16, 16],
+    "head_channels": [8, 16],
+    "final_chansize": 64,
+    "expansion_factor": 2,
+    "num_groups": 4,
+    "dropout": 0.0,
+    "downsample_times": 1,
+    "num_layers": 4,
+    "deq": {"f_solver": "anderson", "f_max_iter": 20, "f_tol": 1e-3, "b_mode": "ift", "b_solver": "anderson",
+            "b_max_iter": 12, "b_tol": 1e-3},
+}
+_LIPSCHITZ_SWITCHES: dict = {
+    "wnorm": False,
+    "lipschitz": True,
+    "residual_alpha": 0.5,
+    "fusion_alpha": 0.3,
+    "conv_norm": 2.0,
+    "gamma_bound": 1.0,
+    "relu_slope": 0.35,
+    "spectral_fft_size": 32,
+}
+
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mdeq-cifar-tiny": {
         "task": "image-classification",
@@ -388,70 +416,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "task": "image-classification",
         "auto": "AutoModelForImageClassification",
         "description": "Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 channels at "
-        "14x14 "
-        "and 7x7); deqzoo/mdeq-tiny-mnist",
-        "config": {
-            "in_channels": 1,
-            "image_size": [28, 28],
-            "image_mean": [0.1307],
-            "image_std": [0.3081],
-            "num_labels": 10,
-            "branch_channels": [16, 16],
-            "head_channels": [8, 16],
-            "final_chansize": 64,
-            "expansion_factor": 2,
-            "num_groups": 4,
-            "dropout": 0.0,
-            "downsample_times": 1,
-            "num_layers": 4,
-            "deq": {
-                "f_solver": "anderson",
-                "f_max_iter": 20,
-                "f_tol": 1e-3,
-                "b_mode": "ift",
-                "b_solver": "anderson",
-                "b_max_iter": 12,
-                "b_tol": 1e-3,
-            },
-        },
+        "14x14 and 7x7); deqzoo/mdeq-tiny-mnist",
+        "config": _MNIST_TINY,
     },
     "lipschitz-mdeq-mnist-tiny": {
         "task": "image-classification",
         "auto": "AutoModelForImageClassification",
         "description": "Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
         "deqzoo/lipschitz-mdeq-tiny-mnist",
-        "config": {
-            "in_channels": 1,
-            "image_size": [28, 28],
-            "image_mean": [0.1307],
-            "image_std": [0.3081],
-            "num_labels": 10,
-            "branch_channels": [16, 16],
-            "head_channels": [8, 16],
-            "final_chansize": 64,
-            "expansion_factor": 2,
-            "num_groups": 4,
-            "dropout": 0.0,
-            "downsample_times": 1,
-            "wnorm": False,
-            "lipschitz": True,
-            "residual_alpha": 0.5,
-            "fusion_alpha": 0.3,
-            "conv_norm": 2.0,
-            "gamma_bound": 1.0,
-            "relu_slope": 0.35,
-            "spectral_fft_size": 32,
-            "num_layers": 4,
-            "deq": {
-                "f_solver": "anderson",
-                "f_max_iter": 20,
-                "f_tol": 1e-3,
-                "b_mode": "ift",
-                "b_solver": "anderson",
-                "b_max_iter": 12,
-                "b_tol": 1e-3,
-            },
-        },
+        "config": {**_MNIST_TINY, **_LIPSCHITZ_SWITCHES},
     },
 }
 

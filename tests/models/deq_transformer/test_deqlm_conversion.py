@@ -8,7 +8,6 @@ config
 and the original log-probabilities of two consecutive 6-token segments (the second uses the first's memory).
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from deqzoo.hub.converters import converter_module
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,10 +23,7 @@ FIX = ROOT / "conversion" / "fixtures" / "deq_transformer"
 
 
 def _converter(name: str):
-    spec = importlib.util.spec_from_file_location(f"_conv_{name}", ROOT / "conversion" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return converter_module(name)
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,13 @@ SwiftieH/IGNN and TorchDEQ deq-zoo/ignn outside the repo; see conversion/fixture
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from deqzoo.hub.converters import converter_module
 from deqzoo.models.ignn import IGNNForGraphClassification, IGNNForNodeClassification
 
 torch.set_num_threads(1)
@@ -20,10 +20,7 @@ DEQ = {"f_solver": "fixed_point", "f_max_iter": 300, "f_tol": 1e-6, "f_stop_mode
 
 
 def _converter(name: str):
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", ROOT / "conversion" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return converter_module(name)
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,7 @@ fixed-point steps from z = 0 and (b) the equilibrium (200 steps, relative residu
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,21 +18,15 @@ from safetensors.torch import load_file
 
 import deqzoo
 from deqzoo.core import solve
+from deqzoo.hub.converters import converter_module
 
 ROOT = Path(__file__).resolve().parents[3]
 FIX = ROOT / "conversion" / "fixtures" / "mdeq"
 N_STEPS = 6  # fixed-point steps of the fixtures' `logits_fixed_point`
 
 
-def _load(stem: str):
-    name = f"deqzoo_conversion_{stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "conversion" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _load(name: str):
+    return converter_module(name)
 
 
 L = _load("mdeq_locuslab")

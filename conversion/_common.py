@@ -1,0 +1,30 @@
+"""What every converter shares: reading an original state dict without unpickling code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# containers the original training scripts nest their weights under
+_NESTED_KEYS = ("model_state_dict", "state_dict", "model")
+
+
+def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
+    """An original-format state dict (plain, or nested under a training container's key), read with
+    ``torch.load(weights_only=True)``: a whole pickled model, or any pickle that would run code, is refused.
+    DataParallel's ``module.`` prefix is removed."""
+    src = Path(src)
+    if not src.is_file():
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    try:
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"{src}: not a weights-only torch state dict ({err}); whole pickled models are "
+                         "refused, save model.state_dict() instead") from err
+    for key in _NESTED_KEYS:
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
