@@ -258,8 +258,9 @@ def anderson(
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
     b, d = x0.shape
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
-    Fb = x0.new_zeros(b, m, d)  # f(x_j)
-    G = x0.new_zeros(b, m, d)  # g_j = f(x_j) - x_j
+    # slots are read only once written (the products below cover the first n slots), so no zero fill
+    Fb = x0.new_empty(b, m, d)  # f(x_j)
+    G = x0.new_empty(b, m, d)  # g_j = f(x_j) - x_j
     H = np.zeros((b, m, m))  # Gram matrix of the g_j, on the host
     on_cpu = x0.device.type == "cpu"
     x, nfe = x0, 0
@@ -269,15 +270,15 @@ def anderson(
         i, n = k % m, min(k + 1, m)
         gi = torch.sub(fx, x, out=G[:, i])
         Fb[:, i].copy_(fx)
-        row = torch.bmm(gi.unsqueeze(1), G.transpose(1, 2)).view(b, m)  # g_i · g_j for every slot
+        row = torch.bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n)  # g_i · g_j, filled slots
         fx_norm = torch.linalg.vector_norm(fx, dim=1, keepdim=True)
         if on_cpu:  # zero-copy views, no transfer to batch
             host_row, host_norm = _to_host(row), _to_host(fx_norm)[:, 0]
         else:  # one transfer for both
             host = _to_host(torch.cat((row, fx_norm), 1))
-            host_row, host_norm = host[:, :m], host[:, m]
-        H[:, i, :] = host_row
-        H[:, :, i] = host_row
+            host_row, host_norm = host[:, :n], host[:, n]
+        H[:, i, :n] = host_row
+        H[:, :n, i] = host_row
         gi_sq = H[:, i, i].copy()
         if tracker.update_host(x, np.sqrt(np.maximum(gi_sq, 0)), host_norm) or nfe == max_iter:
             break
