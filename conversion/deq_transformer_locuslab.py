@@ -133,29 +133,25 @@ def convert_state_dict(sd: dict[str, torch.Tensor], config: dict,
     return out
 
 
-def _write(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out: str | Path, source: str) -> Path:
+def write_converted(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out: str | Path, *, source: str,
+                    src: str | Path, tags: tuple[str, ...] = ()) -> Path:
+    """Build the model from `config_kwargs`, load the converted weights strictly (an error lists missing,
+    unexpected and mis-shaped keys, naming `src`), save it and write its card."""
     import deqzoo  # noqa: F401 - registers the family
     from deqzoo.hub.cards import write_model_card
+    from deqzoo.hub.loading import check_state_dict
     from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
 
-    config = DEQTransformerConfig(**config_kwargs)
-    model = DEQTransformerForCausalLM(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(model_sd))
-    unexpected = sorted(set(model_sd) - set(expected))
-    shapes = [f"{k}: converted {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-              for k, v in model_sd.items() if k in expected and v.shape != expected[k].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(f"converted weights do not fit DEQTransformerForCausalLM: missing={missing} "
-                         f"unexpected={unexpected} mis-shaped={shapes}")
+    model = DEQTransformerForCausalLM(DEQTransformerConfig(**config_kwargs))
+    check_state_dict(model, model_sd, f"{src} (converted)")
     model.load_state_dict(model_sd, strict=True)
     out = Path(out)
     model.save_pretrained(out)
     write_model_card(
         out, model_id=f"converted/{out.name}", title=f"DEQ-Transformer converted from {source}",
         pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["wikitext-103"],
-        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", "converted"],
-        train_command=f"# trained by the original authors; converted with deqzoo convert ({source})",
+        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", *tags, "converted"],
+        train_command=f"# trained by the original authors ({source}); converted with deqzoo convert",
         eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",
         body_markdown=(f"Weights converted from a {source} checkpoint (`conversion/deq_transformer_*.py`). "
                        "Parity with the original code is tested on a small fixture."))
@@ -174,7 +170,8 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     sd = load_state_dict(src)
     folded = fold_weight_norm(sd)
     kwargs = infer_config(folded, **options)
-    return _write(convert_state_dict(sd, kwargs, str(src)), kwargs, out, "locuslab/deq DEQ-Sequence")
+    return write_converted(convert_state_dict(sd, kwargs, str(src)), kwargs, out,
+                           source="locuslab/deq DEQ-Sequence", src=src)
 
 
 FORMATS = {"deq-transformer-locuslab": convert}

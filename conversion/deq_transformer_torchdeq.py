@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ._common import load_state_dict
+from .deq_transformer_locuslab import write_converted
 
 # deq-lm's run.sh evaluation: fixed-point iteration, 12 steps
 DEFAULT_DEQ = {"f_solver": "fixed_point", "f_max_iter": 12, "f_tol": 1e-3, "f_stop_mode": "rel"}
@@ -136,36 +137,6 @@ def convert_state_dict(sd: dict[str, torch.Tensor], config: dict,
     return out
 
 
-def _write(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out: str | Path, src: str) -> Path:
-    import deqzoo  # noqa: F401 - registers the family
-    from deqzoo.hub.cards import write_model_card
-    from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
-
-    model = DEQTransformerForCausalLM(DEQTransformerConfig(**config_kwargs))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(model_sd))
-    unexpected = sorted(set(model_sd) - set(expected))
-    shapes = [f"{k}: converted {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-              for k, v in model_sd.items() if k in expected and v.shape != expected[k].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(f"{src}: converted weights do not fit DEQTransformerForCausalLM: missing={missing} "
-                         f"unexpected={unexpected} mis-shaped={shapes}")
-    model.load_state_dict(model_sd, strict=True)
-    out = Path(out)
-    model.save_pretrained(out)
-    write_model_card(
-        out, model_id=f"converted/{out.name}", title="DEQ-Transformer converted from TorchDEQ deq-lm",
-        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["wikitext-103"],
-        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", "torchdeq", "converted"],
-        train_command=("# trained with TorchDEQ deq-zoo/deq-lm; converted with "
-                       "deqzoo convert deq-transformer-torchdeq"),
-        eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",
-        body_markdown=("Weights converted from a TorchDEQ deq-lm checkpoint "
-                       "(`conversion/deq_transformer_torchdeq.py`). Parity with the original code is tested "
-                       "on a small fixture."))
-    return out
-
-
 def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     """Convert a TorchDEQ deq-lm state dict into a deqzoo checkpoint directory; returns `out`.
 
@@ -184,7 +155,8 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
                     clip=bool(options.get("norm_clip", False)),
                     clip_value=float(options.get("norm_clip_value", 1.0)))
     kwargs = infer_config(sd, **options)
-    return _write(convert_state_dict(sd, kwargs, str(src)), kwargs, out, str(src))
+    return write_converted(convert_state_dict(sd, kwargs, str(src)), kwargs, out, source="TorchDEQ deq-lm",
+                           src=src, tags=("torchdeq",))
 
 
 FORMATS = {"deq-transformer-torchdeq": convert}
