@@ -55,38 +55,43 @@ def _linear(w: torch.Tensor) -> torch.Tensor:
     return w[..., 0] if w.dim() == 3 else w  # Conv1d(kernel_size=1) -> Linear
 
 
-def infer_config(sd: dict[str, torch.Tensor], *, cutoffs: list[int] | None = None, **options: Any) -> dict:
-    """deqzoo config kwargs from the original tensors' shapes plus options."""
+def adaptive_layout(sd: dict[str, torch.Tensor], cutoffs: list[int] | None, kind: str) -> dict:
+    """The adaptive embedding / softmax layout both DEQ-Transformer releases share (Transformer-XL's):
+    vocabulary, embedding width, cluster cutoffs, div_val and which output layers / projections are tied."""
     emb = sorted((int(m.group(1)), v) for k, v in sd.items()
                  if (m := re.fullmatch(r"word_emb\.emb_layers\.(\d+)\.weight", k)))
     if not emb:
-        raise KeyError("no word_emb.emb_layers.*.weight in the state dict: not a DEQ-Transformer checkpoint")
-    n_head, d_head = sd["func.dec_attn.r_w_bias"].shape
-    d_model = sd["inject_conv.weight"].shape[1]
+        raise KeyError(f"no word_emb.emb_layers.*.weight in the state dict: not a {kind} checkpoint")
     d_embed = emb[0][1].shape[1]
-    ff1 = sd.get("func.pos_ff.ff1_net.weight", sd.get("func.pos_ff.ff1_net.weight_v"))
-    vocab = sum(v.shape[0] for _, v in emb)
-    if len(emb) > 1:
+    if len(emb) > 1:  # the cluster sizes are the embedding tables' sizes
         div_val = d_embed // emb[1][1].shape[1]
         sizes = [v.shape[0] for _, v in emb]
         cutoffs = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-    else:
+    else:  # one table: the cutoffs are not in the weights, only their number
         div_val = 1
         n_clusters = sd["crit.cluster_weight"].shape[0] if "crit.cluster_weight" in sd else 0
         cutoffs = list(cutoffs or [])
         if len(cutoffs) != n_clusters:
             raise ValueError(f"the checkpoint has {n_clusters} adaptive-softmax tail clusters; pass "
                              f"cutoffs= with {n_clusters} values (got {cutoffs})")
+
     def tied_proj(i: int) -> bool:
         a, b = f"crit.out_projs.{i}.weight", f"word_emb.emb_projs.{i if div_val > 1 else 0}.weight"
         return a in sd and b in sd and torch.equal(sd[a], sd[b])
 
-    tie_projs = [tied_proj(i) for i in range(len(cutoffs) + 1)]
     tie_weights = all(f"crit.out_layers.{i}.weight" not in sd
                       or torch.equal(sd[f"crit.out_layers.{i}.weight"], v) for i, v in emb)
-    return dict(vocab_size=vocab, d_model=d_model, n_head=n_head, d_head=d_head, d_inner=ff1.shape[0],
-                d_embed=d_embed, variant="bai2019", cutoffs=cutoffs, div_val=div_val, tie_weights=tie_weights,
-                tie_projs=tie_projs, pre_lnorm=bool(options.get("pre_lnorm", False)),
+    return dict(vocab_size=sum(v.shape[0] for _, v in emb), d_embed=d_embed, cutoffs=cutoffs, div_val=div_val,
+                tie_weights=tie_weights, tie_projs=[tied_proj(i) for i in range(len(cutoffs) + 1)])
+
+
+def infer_config(sd: dict[str, torch.Tensor], *, cutoffs: list[int] | None = None, **options: Any) -> dict:
+    """deqzoo config kwargs from the original tensors' shapes plus options."""
+    layout = adaptive_layout(sd, cutoffs, "DEQ-Transformer")
+    n_head, d_head = sd["func.dec_attn.r_w_bias"].shape
+    ff1 = sd.get("func.pos_ff.ff1_net.weight", sd.get("func.pos_ff.ff1_net.weight_v"))
+    return dict(**layout, d_model=sd["inject_conv.weight"].shape[1], n_head=n_head, d_head=d_head,
+                d_inner=ff1.shape[0], variant="bai2019", pre_lnorm=bool(options.get("pre_lnorm", False)),
                 tgt_len=int(options.get("tgt_len", 150)), mem_len=int(options.get("mem_len", 150)),
                 local_size=int(options.get("local_size", 0)), architectures=["DEQTransformerForCausalLM"],
                 deq=options.get("deq") or {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3})

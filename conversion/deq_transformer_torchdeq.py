@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ._common import load_state_dict
-from .deq_transformer_locuslab import write_converted
+from .deq_transformer_locuslab import _take, adaptive_layout, write_converted
 
 # deq-lm's run.sh evaluation: fixed-point iteration, 12 steps
 DEFAULT_DEQ = {"f_solver": "fixed_point", "f_max_iter": 12, "f_tol": 1e-3, "f_stop_mode": "rel"}
@@ -55,43 +55,15 @@ def _qkv_rows(w: torch.Tensor, n_head: int, d_head: int) -> torch.Tensor:
     return w.reshape(n_head, 3, d_head, *rest).transpose(0, 1).reshape(3 * n_head * d_head, *rest)
 
 
-def _take(sd: dict[str, torch.Tensor], key: str, src: str) -> torch.Tensor:
-    if key not in sd:
-        raise KeyError(f"{src}: missing key {key!r}")
-    return sd.pop(key)
-
-
 def infer_config(sd: dict[str, torch.Tensor], **options: Any) -> dict:
     """deqzoo config kwargs from the folded state dict's shapes plus options."""
-    emb = sorted((int(m.group(1)), v) for k, v in sd.items()
-                 if (m := re.fullmatch(r"word_emb\.emb_layers\.(\d+)\.weight", k)))
+    layout = adaptive_layout(sd, options.get("cutoffs"), "TorchDEQ deq-lm")
     blocks = sorted({int(m.group(1)) for k in sd if (m := re.match(r"func\.dec_attn\.(\d+)\.", k))})
-    if not emb or not blocks:
-        raise KeyError("no word_emb.emb_layers.* or func.dec_attn.* keys: not a TorchDEQ deq-lm checkpoint")
+    if not blocks:
+        raise KeyError("no func.dec_attn.* keys: not a TorchDEQ deq-lm checkpoint")
     n_head, d_head = sd["func.dec_attn.0.r_w_bias"].shape
-    d_embed = emb[0][1].shape[1]
-    if len(emb) > 1:
-        div_val = d_embed // emb[1][1].shape[1]
-        sizes = [v.shape[0] for _, v in emb]
-        cutoffs = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-    else:
-        div_val = 1
-        n_clusters = sd["crit.cluster_weight"].shape[0] if "crit.cluster_weight" in sd else 0
-        cutoffs = list(options.get("cutoffs") or [])
-        if len(cutoffs) != n_clusters:
-            raise ValueError(f"the checkpoint has {n_clusters} adaptive-softmax tail clusters; pass "
-                             f"cutoffs= with {n_clusters} values (got {cutoffs})")
-
-    def tied_proj(i: int) -> bool:
-        a, b = f"crit.out_projs.{i}.weight", f"word_emb.emb_projs.{i if div_val > 1 else 0}.weight"
-        return a in sd and b in sd and torch.equal(sd[a], sd[b])
-
-    tie_weights = all(f"crit.out_layers.{i}.weight" not in sd
-                      or torch.equal(sd[f"crit.out_layers.{i}.weight"], v) for i, v in emb)
-    return dict(vocab_size=sum(v.shape[0] for _, v in emb), d_model=sd["injection.weight"].shape[1],
-                n_head=n_head, d_head=d_head, d_inner=sd["func.pos_ff.0.ff1_net.weight"].shape[0],
-                d_embed=d_embed, variant="torchdeq", n_block=len(blocks), cutoffs=cutoffs, div_val=div_val,
-                tie_weights=tie_weights, tie_projs=[tied_proj(i) for i in range(len(cutoffs) + 1)],
+    return dict(**layout, d_model=sd["injection.weight"].shape[1], n_head=n_head, d_head=d_head,
+                d_inner=sd["func.pos_ff.0.ff1_net.weight"].shape[0], variant="torchdeq", n_block=len(blocks),
                 tgt_len=int(options.get("tgt_len", 150)), mem_len=int(options.get("mem_len", 150)),
                 local_size=int(options.get("local_size", 0)), final_f_step=True,
                 architectures=["DEQTransformerForCausalLM"], deq=options.get("deq") or dict(DEFAULT_DEQ))
