@@ -75,6 +75,8 @@ class DEQ(nn.Module):
             stats = ctx.stats
         else:
             kwargs = dict(cfg.f_solver_kwargs)
+            if cfg.b_mode == "shine":  # SHINE reuses the forward solver's inverse-Jacobian estimate
+                kwargs.setdefault("return_inverse", True)
             solver_keep = [k for k in keep if k < max_iter]
             if solver_keep:
                 kwargs["keep_steps"] = solver_keep

@@ -11,6 +11,12 @@ when the largest absolute residual exceeds ``div_factor`` times the largest best
 Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
 the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
 affine maps such as the adjoint system of implicit differentiation).
+
+On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel
+(`deqzoo.core._kernels`), with their buffers from a per-thread pool (`deqzoo.core.workspace`); elsewhere, or
+with ``DEQZOO_KERNELS=0``, they run the torch path below, which implements the same method (the tests run both
+and compare them). The fused path also freezes each sample at its own convergence, so a sample's result does
+not depend on the rest of its batch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from . import _kernels, workspace
 from .state import State, StatePacker
 from .stats import SolverStats
 
@@ -30,6 +37,8 @@ SOLVERS: dict[str, Callable] = {}
 __all__ = [
     "SOLVERS",
     "InverseJacobian",
+    "LowRankInverse",
+    "StepProductInverse",
     "anderson",
     "broyden",
     "fixed_point",
@@ -167,6 +176,16 @@ class _Tracker:
                 self.diverged = True
             return bool(best.max() < self.tol) or self.nonfinite or self.diverged
 
+    def record(self, r_max: float, abs_max: float, n_bad: int, best_max: float, best_abs_max: float) -> bool:
+        """Bookkeeping after a fused kernel step (which already updated the per-sample best residuals): the
+        step's maxima come from the kernel. Returns True when the solve should stop, as `update_host`."""
+        self.trace.append(r_max if n_bad == 0 else math.nan)
+        self.steps += 1
+        self.nonfinite = n_bad > 0
+        if not self.nonfinite and abs_max > self.div_factor * max(best_abs_max, 1e-30):
+            self.diverged = True
+        return best_max < self.tol or self.nonfinite or self.diverged
+
     def result(self) -> torch.Tensor:
         """The best iterate (a fresh tensor, never the caller's x0 itself)."""
         if self.best_x.data_ptr() == self.x0.data_ptr():
@@ -196,6 +215,46 @@ class _Tracker:
 def _check_tau(tau: float) -> None:
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"damping tau must be in (0, 1], got {tau}")
+
+
+_BROYDEN_STORAGE = {torch.float32: torch.int16, torch.float64: torch.int32}
+
+
+class _FusedRun:
+    """Iterates and best-iterate state of a solve driven by a fused CPU kernel (see `_kernels`).
+
+    X (2, B, D) comes from the workspace pool; step k evaluates f at X[k % 2]. The returned best iterate is a
+    fresh tensor, initialised to x0 (kept for samples that never had a finite residual).
+    """
+
+    def __init__(self, x0: torch.Tensor, tracker: _Tracker, X: torch.Tensor):
+        self.tracker, self.X, self.Xn = tracker, X, _kernels.as_array(X)
+        X[0].copy_(x0)
+        b = x0.shape[0]
+        self.best_x = x0.clone()
+        self.best_np = _kernels.as_array(self.best_x)
+        self.loc = np.full(b, -1, dtype=np.int64)
+        self.active = np.ones(b, dtype=bool)
+
+    def best(self) -> torch.Tensor:
+        _kernels.gather_best(self.Xn, self.loc, self.best_np)
+        return self.best_x
+
+    def run(self, g, max_iter: int, step) -> int:
+        """Iterate ``step(cur, fx) -> summary`` until the tracker stops; returns the number of f calls."""
+        tracker, nfe = self.tracker, 0
+        for k in range(max_iter):
+            cur = k & 1
+            fx = g(self.X[cur])
+            nfe += 1
+            fx_np = fx.numpy() if fx.is_contiguous() and not fx.requires_grad else _kernels.as_array(fx)
+            stop = tracker.record(*step(cur, fx_np))
+            if tracker.keep_steps and tracker.steps in tracker.keep_steps:
+                tracker.kept[tracker.steps] = self.best().clone()
+            if stop or nfe == max_iter:
+                break
+        tracker.best_x = self.best()
+        return nfe
 
 
 @register_solver("fixed_point")
@@ -249,7 +308,8 @@ def anderson(
     cond(H + reg I) <= m / lam), and keeps working when
     residuals become tiny (an absolute lam swamps the Gram matrix near convergence and stalls the method).
     A sample whose mixing system is singular or not finite falls back to a plain damped fixed-point step;
-    nothing here raises.
+    nothing here raises. On CPU the step is one fused kernel (`_kernels.anderson_step`, same method, the
+    small system solved per sample by Cholesky).
     """
     _check_tau(tau)
     if m < 1:
@@ -258,6 +318,24 @@ def anderson(
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
     b, d = x0.shape
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
+    if _kernels.usable(x0):
+        H, rel = np.zeros((b, m, m)), stop_mode == "rel"
+        with workspace.borrow(x0, G=(b, m, d), Y=(b, m, d), X=(2, b, d)) as ws:
+            G, Y, run = (
+                _kernels.as_array(ws["G"]),
+                _kernels.as_array(ws["Y"]),
+                _FusedRun(x0, tracker, ws["X"]),
+            )
+
+            def step(cur, fx):
+                k = tracker.steps
+                return _kernels.anderson_step(
+                    run.Xn, cur, fx, G, Y, H, k % m, min(k + 1, m), lam, tau, run.active, run.best_np,
+                    run.loc, tracker.best_abs, tracker.best_rel, rel, tol,
+                )  # fmt: skip
+
+            nfe = run.run(g, max_iter, step)
+        return tracker.result(), tracker.stats(nfe)
     # slots are read only once written (the products below cover the first n slots), so no zero fill
     Fb = x0.new_empty(b, m, d)  # f(x_j)
     G = x0.new_empty(b, m, d)  # g_j = f(x_j) - x_j
@@ -319,28 +397,77 @@ def _mixing_weights(Hn: np.ndarray, reg: np.ndarray, newest: int) -> np.ndarray:
 
 
 class InverseJacobian:
-    """Broyden's low-rank estimate B ≈ (J_f - I)^{-1} = -I + Σ_j u_j v_jᵀ per sample (used by SHINE).
+    """Broyden's estimate B ≈ (J_f - I)^{-1} per sample (used by SHINE).
 
-    `rmatvec(y)` returns yᵀ B per sample, so the adjoint of implicit differentiation, w = (I - J_f)^{-T} g,
-    is approximated by ``-rmatvec(g)``.
+    `matvec(y)` returns B y and `rmatvec(y)` returns yᵀ B per sample, so the adjoint of implicit
+    differentiation, w = (I - J_f)^{-T} g, is approximated by ``-rmatvec(g)``. `rank` is the number of stored
+    updates (the largest over the batch).
     """
+
+    rank: int
+
+    def matvec(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LowRankInverse(InverseJacobian):
+    """B = -I + Σ_j u_j v_jᵀ, from the torch path of `broyden`."""
 
     def __init__(self, W: torch.Tensor):
         self.W = W  # (B, 2n, D): rows 2j = u_j, 2j+1 = v_j
+        self.rank = W.shape[1] // 2
 
     def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
-        if self.W.shape[1] == 0:
+        if self.rank == 0:
             return -y
         U, V = self.W[:, 0::2], self.W[:, 1::2]
         c = torch.bmm(y.unsqueeze(1).to(U.dtype), U.transpose(1, 2))  # (B, 1, n): y · u_j
         return -y + torch.bmm(c, V)[:, 0].to(y.dtype)
 
     def matvec(self, y: torch.Tensor) -> torch.Tensor:
-        if self.W.shape[1] == 0:
+        if self.rank == 0:
             return -y
         U, V = self.W[:, 0::2], self.W[:, 1::2]
         c = torch.bmm(y.unsqueeze(1).to(U.dtype), V.transpose(1, 2))
         return -y + torch.bmm(c, U)[:, 0].to(y.dtype)
+
+
+class StepProductInverse(InverseJacobian):
+    """B = P_k ... P_1 (-I) with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|², from the fused path of `broyden`.
+
+    S (B, L, D) holds the steps, sn (B, L) their squared norms and count (B,) how many are stored per sample.
+    """
+
+    def __init__(self, S: torch.Tensor, sn: torch.Tensor, count: torch.Tensor):
+        self.S, self.count = S, count
+        self.sn = sn[:, : S.shape[1]].clamp_min(1e-300)
+        self.rank = S.shape[1]
+
+    def _coef(self, a: torch.Tensor, j_norm: int, j_used: int) -> torch.Tensor:
+        # pairs beyond a sample's own count do not exist for it
+        live = (j_used < self.count).to(a.dtype)
+        return (a / self.sn[:, j_norm].to(a.dtype) * live)[:, None]
+
+    def matvec(self, y: torch.Tensor) -> torch.Tensor:
+        w = -y.to(torch.float64)
+        for j in range(1, self.rank):
+            w += (
+                self._coef(torch.linalg.vecdot(self.S[:, j - 1].double(), w), j - 1, j)
+                * self.S[:, j].double()
+            )
+        return w.to(y.dtype)
+
+    def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
+        r = y.to(torch.float64, copy=True)  # updated in place below: never the caller's tensor
+        for j in range(self.rank - 1, 0, -1):
+            r += (
+                self._coef(torch.linalg.vecdot(self.S[:, j].double(), r), j - 1, j)
+                * self.S[:, j - 1].double()
+            )
+        return (-r).to(y.dtype)
 
 
 @register_solver("broyden")
@@ -352,6 +479,7 @@ def broyden(
     tol: float,
     stop_mode: str = "rel",
     m: int | None = None,
+    return_inverse: bool = False,
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
 ):
@@ -362,13 +490,43 @@ def broyden(
     the secant conditions the later pairs were built on, and can diverge). With unit steps a step needs four
     batched products over the stored pairs (TorchDEQ's form needs six): the dot products u_j·Δx and v_j·g
     and the two combinations giving B g and Bᵀ Δx; B Δg then follows from B g_old = -Δx.
-    The final estimate is exposed as ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`) for SHINE.
+    On CPU the step is one fused kernel (`_kernels.broyden_step`) in the product form of the same estimate,
+    which stores one vector per step (the step, rounded to int16/int32 with a scale) instead of two and sweeps
+    it once. With ``return_inverse=True`` the final estimate is exposed as ``stats.extra["inverse_jacobian"]``
+    (an `InverseJacobian`) for SHINE (the DEQ module asks for it when b_mode is "shine").
     """
     b, d = x0.shape
     m = max_iter if m is None else int(m)
     if m < 1:
         raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
+    if _kernels.usable(x0):
+        sn, count, rel = np.ones((b, m)), np.zeros(b, dtype=np.int64), stop_mode == "rel"
+        scale = np.zeros((b, m))
+        qtype = _BROYDEN_STORAGE.get(x0.dtype, x0.dtype)  # see _kernels.broyden_step
+        qmax = float(torch.iinfo(qtype).max) if not qtype.is_floating_point else 0.0
+        # the steps stay with the returned inverse estimate, so then they cannot come from the pool
+        pooled = {} if return_inverse else {"S": (b, m, d)}
+        with (
+            workspace.borrow(x0, X=(2, b, d)) as ws,
+            workspace.borrow(x0.new_empty(0, dtype=qtype), **pooled) as qs,
+        ):
+            S_t = x0.new_empty(b, m, d, dtype=qtype) if return_inverse else qs["S"]
+            S, run = _kernels.as_array(S_t), _FusedRun(x0, tracker, ws["X"])
+
+            def step(cur, fx):
+                return _kernels.broyden_step(
+                    run.Xn, cur, fx, S, qmax, scale, sn, count, run.active, run.best_np, run.loc,
+                    tracker.best_abs, tracker.best_rel, rel, tol,
+                )  # fmt: skip
+
+            nfe = run.run(g, max_iter, step)
+        if not return_inverse:
+            return tracker.result(), tracker.stats(nfe)
+        L = int(count.max())
+        steps = S_t[:, :L].to(x0.dtype) * torch.from_numpy(scale[:, :L]).to(x0.dtype)[:, :, None]
+        inverse = StepProductInverse(steps, torch.from_numpy(sn), torch.from_numpy(count))
+        return tracker.result(), tracker.stats(nfe, inverse_jacobian=inverse)
     # empty, not zeros: with full memory m = max_iter, and only the slots in use are ever touched (zeroing
     # the whole buffer would fault in every page of a (B, max_iter, D) allocation up front)
     U = x0.new_empty(b, m, d)
@@ -414,7 +572,9 @@ def broyden(
         p = torch.addcmul(q, u, vg).neg_()  # -B_{k+1} g_new = -(q + u (vᵀ g_new))
         gx = g_new
     W = torch.stack((U[:, :stored], V[:, :stored]), 2).view(b, 2 * stored, d)
-    return tracker.result(), tracker.stats(nfe, inverse_jacobian=InverseJacobian(W))
+    if not return_inverse:
+        return tracker.result(), tracker.stats(nfe)
+    return tracker.result(), tracker.stats(nfe, inverse_jacobian=LowRankInverse(W))
 
 
 @register_solver("gmres")

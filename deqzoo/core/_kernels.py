@@ -1,0 +1,361 @@
+"""Fused per-sample CPU steps for Anderson and Broyden, compiled with numba.
+
+Why: on CPU a solver step written as torch ops pays several microseconds of dispatch per op and streams the
+solver's history through memory once per op, which costs more than f itself for small f. Here one call does a
+whole step for every sample: residual and norms, best-iterate bookkeeping, the history update, the small
+mixing or quasi-Newton system, and the next iterate, visiting each sample's history while it is in cache.
+Samples that have converged are frozen at their best iterate and skipped, so a sample's trajectory does not
+depend on the rest of its batch. Dot products accumulate in float64.
+
+Iterates live in X (2, B, D): step k evaluates X[k % 2] and writes the next iterate to the other half. The
+best iterate of a sample is not copied when it improves; ``loc[b]`` records which half holds it (-1:
+``best_x``), and it is copied to ``best_x`` only when that half is about to be overwritten, on freezing, or by
+`gather_best`.
+
+The solvers use these kernels for CPU float32/float64 states when numba imports and ``DEQZOO_KERNELS`` is not
+``0``; otherwise they run their torch path (same method; the tests check the two agree).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps a broken install usable
+    numba = None
+    AVAILABLE = False
+
+ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
+
+__all__ = ["AVAILABLE", "ENABLED", "anderson_step", "as_array", "broyden_step", "gather_best", "usable"]
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on states like `x`."""
+    return AVAILABLE and ENABLED and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def as_array(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a CPU tensor (contiguous first, if it is not)."""
+    return t.detach().contiguous().numpy()
+
+
+# reassociation and contraction let LLVM vectorise the reductions; no "nnan"/"ninf": NaN detection must work
+_FLAGS = {"reassoc", "contract", "nsz"}
+_GROUP = 4  # samples swept in lockstep by broyden_step
+
+
+def _jit(fn):
+    if numba is None:  # pragma: no cover
+        return fn
+    return numba.njit(cache=True, fastmath=_FLAGS, nogil=True)(fn)
+
+
+@_jit
+def _copy(dst, src):
+    """dst[:] = src for 1-D views (an explicit loop vectorises; numba's slice assignment does not)."""
+    for i in range(dst.shape[0]):
+        dst[i] = src[i]
+
+
+@_jit
+def _dot(u, v):
+    """u·v (u may be an integer row), summed in v's dtype over 256-element blocks (vectorised reductions
+    with one horizontal sum per block), the blocks summed in float64. (Loop bounds must be plain: a
+    min() in the bound stops LLVM from vectorising.)"""
+    d = u.shape[0]
+    s = 0.0
+    i0 = 0
+    while i0 + 256 <= d:
+        p = v.dtype.type(0.0)
+        for i in range(i0, i0 + 256):
+            p += v.dtype.type(u[i]) * v[i]
+        s += np.float64(p)
+        i0 += 256
+    p = v.dtype.type(0.0)
+    for i in range(i0, d):
+        p += v.dtype.type(u[i]) * v[i]
+    return s + np.float64(p)
+
+
+@_jit
+def _release(b, X, half, best_x, loc):
+    """Sample b's row of X[half] is about to be overwritten: save it first if it is the best iterate."""
+    if loc[b] == half:
+        _copy(best_x[b], X[half, b])
+        loc[b] = -1
+
+
+@_jit
+def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq):
+    """Record sample b's residual at X[cur, b]. Returns (residual in the stop mode, NaN if not finite;
+    status: 0 go on, 1 non-finite, 2 converged, now frozen at its best iterate in both halves of X)."""
+    a = np.sqrt(g_sq)
+    rel = a / (np.sqrt(fx_sq) + 1e-12)
+    r = rel if rel_mode else a
+    if not np.isfinite(r):
+        return r, 1
+    if r < (best_rel[b] if rel_mode else best_abs[b]):
+        best_abs[b] = a
+        best_rel[b] = rel
+        loc[b] = cur
+    if (best_rel[b] if rel_mode else best_abs[b]) < tol:
+        _release(b, X, cur, best_x, loc)
+        _release(b, X, 1 - cur, best_x, loc)
+        _copy(X[cur, b], best_x[b])
+        _copy(X[1 - cur, b], best_x[b])
+        active[b] = False
+        return r, 2
+    return r, 0
+
+
+@_jit
+def _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad):
+    """The kernels' return value: (max residual this step, max finite absolute residual this step,
+    non-finite count, max best residual in the stop mode, max best absolute residual)."""
+    best_max = 0.0
+    best_abs_max = 0.0
+    for b in range(best_abs.shape[0]):
+        best_max = max(best_max, best_rel[b] if rel_mode else best_abs[b])
+        best_abs_max = max(best_abs_max, best_abs[b])
+    return r_max, abs_max, n_bad, best_max, best_abs_max
+
+
+@_jit
+def gather_best(X, loc, best_x):
+    """Copy into best_x the best iterates that still live in X (loc is left as is)."""
+    for b in range(best_x.shape[0]):
+        if loc[b] >= 0:
+            _copy(best_x[b], X[loc[b], b])
+
+
+@_jit
+def anderson_step(
+    X, cur, fx, G, Y, H, slot, n, lam, tau, active, best_x, loc, best_abs, best_rel, rel_mode, tol
+):
+    """One Anderson step for every active sample, from X[cur] to X[1 - cur].
+
+    G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
+    Gram matrix (float64). The newest residual goes to `slot`; `n` slots are filled. The mixing weights solve
+    (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky); a non-positive pivot or a
+    non-finite value falls back to a plain damped step. Returns `_summary`.
+    """
+    B, d = fx.shape
+    nxt = 1 - cur
+    r_max = 0.0
+    abs_max = 0.0
+    n_bad = 0
+    A = np.empty((n, n))
+    a = np.empty(n)
+    acc = np.empty(d, fx.dtype)
+    keep = fx.dtype.type(1.0 - tau)
+    for b in range(B):
+        if not active[b]:
+            r_max = max(r_max, best_rel[b] if rel_mode else best_abs[b])
+            continue
+        # one pass: the residual and the damped image go straight into their history slots
+        gs, ys, xb, fb = G[b, slot], Y[b, slot], X[cur, b], fx[b]
+        g_sq = 0.0
+        fx_sq = 0.0
+        for i in range(d):
+            gi = fb[i] - xb[i]
+            gs[i] = gi
+            ys[i] = fb[i] - keep * gi
+            g_sq += np.float64(gi) * np.float64(gi)
+            fx_sq += np.float64(fb[i]) * np.float64(fb[i])
+        r, status = _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq)
+        if status == 1:
+            n_bad += 1
+            continue
+        r_max = max(r_max, r)
+        abs_max = max(abs_max, np.sqrt(g_sq))
+        if status == 2:
+            continue
+        _release(b, X, nxt, best_x, loc)
+        ob = X[nxt, b]
+        H[b, slot, slot] = g_sq
+        for j in range(n):
+            if j != slot:
+                s = _dot(G[b, j], gs)
+                H[b, slot, j] = s
+                H[b, j, slot] = s
+        ok = n > 1
+        total = 1.0
+        if ok:
+            reg = 0.0
+            for j in range(n):
+                reg = max(reg, H[b, j, j])
+            for j in range(n):
+                a[j] = 1.0
+            ok = _cholesky_solve(H[b], n, reg * lam + 1e-300, A, a)
+            total = 0.0
+            for j in range(n):
+                total += a[j]
+            ok = ok and np.isfinite(total) and total != 0.0
+        if not ok:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
+            _copy(ob, ys)
+            continue
+        # sum_j alpha_j Y_j: the first term initialises the L1-resident accumulator, the last writes out
+        w = fx.dtype.type(a[0] / total)
+        y0 = Y[b, 0]
+        for i in range(d):
+            acc[i] = w * y0[i]
+        for j in range(1, n - 1):
+            w = fx.dtype.type(a[j] / total)
+            yj = Y[b, j]
+            for i in range(d):
+                acc[i] += w * yj[i]
+        w = fx.dtype.type(a[n - 1] / total)
+        yl = Y[b, n - 1]
+        for i in range(d):
+            ob[i] = acc[i] + w * yl[i]
+    return _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad)
+
+
+@_jit
+def _cholesky_solve(Mb, n, reg, A, c):
+    """Solve (Mb[:n, :n] + reg I) y = c by Cholesky, in place in c; False on a non-positive pivot."""
+    for i in range(n):
+        for j in range(i + 1):
+            s = Mb[i, j] + (reg if i == j else 0.0)
+            for k in range(j):
+                s -= A[i, k] * A[j, k]
+            if i == j:
+                if not s > 0.0:  # also catches NaN
+                    return False
+                A[i, i] = np.sqrt(s)
+            else:
+                A[i, j] = s / A[j, j]
+    for i in range(n):  # forward: L z = c
+        s = c[i]
+        for k in range(i):
+            s -= A[i, k] * c[k]
+        c[i] = s / A[i, i]
+    for i in range(n - 1, -1, -1):  # backward: Lᵀ y = z
+        s = c[i]
+        for k in range(i + 1, n):
+            s -= A[k, i] * c[k]
+        c[i] = s / A[i, i]
+    return True
+
+
+@_jit
+def broyden_step(
+    X, cur, fx, S, qmax, scale, sn, count, active, best_x, loc, best_abs, best_rel, rel_mode, tol
+):
+    """One step of Broyden's good method for every active sample, from X[cur] to X[1 - cur], in the product
+    form of its inverse estimate.
+
+    With unit steps and B_0 = -I the inverse estimate after steps s_0..s_k is
+    B_k = (I + s_k s_{k-1}ᵀ / |s_{k-1}|²) ... (I + s_1 s_0ᵀ / |s_0|²) B_0 (Deuflhard's recursion), so only
+    the steps are stored, one vector per iteration, and w = B_k g is one sweep over them:
+    w = -g; w += s_j (s_{j-1}·w) / |s_{j-1}|² for j = 1..k. The next step is
+    s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²).
+
+    The sweep reads every stored step once per step, so memory traffic is much of its cost: the steps are
+    stored as integers (int16 for float32 states, int32 for float64) with one scale per step,
+    s_j ≈ scale[b, j] · S[b, j], half the bytes of the state's dtype, to 2^-15 (2^-31) of the step's largest
+    entry. Only the stored copy is rounded: every iterate takes its step in full precision and every residual
+    is exact, so the rounding perturbs the inverse-Jacobian estimate slightly and never limits the accuracy
+    reached. ``qmax = 0`` stores float steps as they are.
+    S[b, :count[b]] holds the steps and sn their squared norms (of the stored values, float64). A full memory
+    (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I, keeping the new step.
+    Returns `_summary`.
+    """
+    B, d = fx.shape
+    m = S.shape[1]
+    nxt = 1 - cur
+    r_max = 0.0
+    abs_max = 0.0
+    n_bad = 0
+    V = np.empty((B, d), fx.dtype)  # w per sample; dot products accumulate in float64
+    todo = np.empty(B, np.int64)
+    n_todo = 0
+    for b in range(B):  # residuals and bookkeeping; w = -g
+        if not active[b]:
+            r_max = max(r_max, best_rel[b] if rel_mode else best_abs[b])
+            continue
+        xb, fb, v = X[cur, b], fx[b], V[b]
+        g_sq = 0.0
+        fx_sq = 0.0
+        for i in range(d):
+            gi = fb[i] - xb[i]
+            v[i] = -gi
+            g_sq += np.float64(gi) * np.float64(gi)
+            fx_sq += np.float64(fb[i]) * np.float64(fb[i])
+        r, status = _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq)
+        if status == 1:
+            n_bad += 1
+            continue
+        r_max = max(r_max, r)
+        abs_max = max(abs_max, np.sqrt(g_sq))
+        if status == 0:
+            todo[n_todo] = b
+            n_todo += 1
+    # the sweep is a chain (each dot needs the previous update), so a lone sample waits on latency; running
+    # _GROUP samples in lockstep gives the core independent chains to overlap
+    for g0 in range(0, n_todo, _GROUP):
+        g1 = min(g0 + _GROUP, n_todo)
+        L_max = 0
+        for t in range(g0, g1):
+            L_max = max(L_max, count[todo[t]])
+        for j in range(1, L_max):
+            for t in range(g0, g1):
+                b = todo[t]
+                if j < count[b]:
+                    v = V[b]
+                    c = fx.dtype.type(_dot(S[b, j - 1], v) * scale[b, j - 1] / sn[b, j - 1] * scale[b, j])
+                    sj = S[b, j]
+                    for i in range(d):
+                        v[i] += c * fx.dtype.type(sj[i])
+    for t in range(n_todo):  # the new step, the next iterate and the stored (rounded) step
+        b = todo[t]
+        xb, fb, v = X[cur, b], fx[b], V[b]
+        _release(b, X, nxt, best_x, loc)
+        L = count[b]
+        factor = (
+            -1.0
+        )  # new step = factor * w; with no stored step w = -g and the step is g (fixed-point step)
+        if L > 0:
+            den = _dot(S[b, L - 1], v) * scale[b, L - 1] + sn[b, L - 1]
+            if np.isfinite(den) and abs(den) > 1e-12 * sn[b, L - 1]:
+                factor = -sn[b, L - 1] / den
+            else:  # degenerate secant equation: restart from B_0 = -I
+                L = 0
+                for i in range(d):
+                    v[i] = xb[i] - fb[i]
+        if L == m:  # memory full: restart, keeping this step as the first of the new cycle
+            L = 0
+        f = fx.dtype.type(factor)
+        ob = X[nxt, b]
+        s_max = 0.0
+        for i in range(d):
+            si = f * v[i]
+            v[i] = si
+            ob[i] = xb[i] + si
+            s_max = max(s_max, abs(np.float64(si)))
+        sl = S[b, L]
+        q_sq = 0.0
+        if qmax > 0.0:
+            sc = s_max / qmax
+            inv = fx.dtype.type(1.0 / sc) if sc > 0.0 else fx.dtype.type(0.0)
+            for i in range(d):
+                t_ = v[i] * inv
+                qi = S.dtype.type(t_ + (0.5 if t_ >= 0 else -0.5))  # round half away from zero
+                sl[i] = qi
+                q_sq += np.float64(qi) * np.float64(qi)
+        else:  # stored as is
+            sc = 1.0
+            for i in range(d):
+                sl[i] = v[i]
+                q_sq += np.float64(v[i]) * np.float64(v[i])
+        scale[b, L] = sc
+        sn[b, L] = q_sq * sc * sc
+        count[b] = L + 1
+    return _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad)

@@ -1,0 +1,115 @@
+"""The fused CPU kernels (numba) against the torch path of the same solvers, and their extra guarantees:
+batch invariance, the caller's x0 untouched, the same inverse-Jacobian estimate, pooled workspaces."""
+
+import pytest
+import torch
+
+from deqzoo.core import _kernels, workspace
+from deqzoo.core.solvers import anderson, broyden
+
+pytestmark = pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed")
+
+
+def _both(monkeypatch, solver, f, x0, **kw):
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(_kernels, "ENABLED", fused)
+        out[fused] = solver(f, x0, **kw)
+    return out[True], out[False]
+
+
+def _tanh_layer(d=48, b=5, norm=0.9, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=dtype))[0] * norm
+    inj = torch.randn(b, d, generator=g, dtype=dtype)
+    return (lambda z: torch.tanh(z @ W.T + inj)), torch.zeros(b, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("solver,kw", [(anderson, {}), (anderson, {"m": 3, "tau": 0.7}), (broyden, {})])
+@pytest.mark.parametrize("norm", [0.9, 1.2])
+def test_fused_and_torch_paths_agree(monkeypatch, solver, kw, norm):
+    f, x0 = _tanh_layer(norm=norm)
+    (z1, s1), (z2, s2) = _both(monkeypatch, solver, f, x0, max_iter=600, tol=1e-10, **kw)
+    assert s1.converged.all() and s2.converged.all(), (s1.nfe, s2.nfe)
+    # same method: same step count (a converged sample stops changing in the fused path, so iterates
+    # agree to the tolerance, not bitwise)
+    assert abs(s1.nfe - s2.nfe) <= 1, (s1.nfe, s2.nfe)
+    torch.testing.assert_close(z1, z2, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(s1.abs_residual, (f(z1) - z1).norm(dim=1), rtol=1e-6, atol=1e-14)
+
+
+def test_float32_broyden_steps_stored_as_int16_keep_the_step_count(monkeypatch):
+    f, x0 = _tanh_layer(d=128, b=8, norm=1.5, dtype=torch.float32)
+    (z1, s1), (z2, s2) = _both(monkeypatch, broyden, f, x0, max_iter=200, tol=1e-5)
+    assert s1.converged.all() and s2.converged.all() and abs(s1.nfe - s2.nfe) <= 2, (s1.nfe, s2.nfe)
+
+
+def test_batch_invariance(monkeypatch):
+    """Each sample stops at its own tolerance and is then frozen: its result and its residual do not depend
+    on the other samples of the batch."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    g = torch.Generator().manual_seed(1)
+    W = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))[0] * 0.95
+    scales = torch.logspace(-1, 0.5, 6, dtype=torch.float64)[:, None]  # samples converge at different steps
+    inj = torch.randn(6, 48, generator=g, dtype=torch.float64) * scales
+    x0 = torch.zeros(6, 48, dtype=torch.float64)
+    for solver in (anderson, broyden):
+        z, st = solver(lambda z: torch.tanh(z @ W.T + inj), x0, max_iter=300, tol=1e-9)
+        assert st.converged.all()
+        for i in range(6):
+            zi, si = solver(
+                lambda z, i=i: torch.tanh(z @ W.T + inj[i : i + 1]), x0[i : i + 1], max_iter=300, tol=1e-9
+            )
+            torch.testing.assert_close(zi, z[i : i + 1], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(si.abs_residual, st.abs_residual[i : i + 1], rtol=1e-6, atol=1e-15)
+
+
+def test_caller_x0_is_never_written_and_result_is_fresh(monkeypatch):
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    f, _ = _tanh_layer(norm=0.9)
+    x0 = torch.randn(5, 48, dtype=torch.float64)
+    x0_copy = x0.clone()
+    for solver in (anderson, broyden):
+        z, _ = solver(f, x0, max_iter=50, tol=1e-8)
+        assert torch.equal(x0, x0_copy) and z.data_ptr() != x0.data_ptr()
+        z2, _ = solver(f, x0, max_iter=50, tol=1e-8)  # the next solve reuses the pooled buffers...
+        assert z.data_ptr() != z2.data_ptr()  # ...but never the returned tensors
+        torch.testing.assert_close(z, z2)
+
+
+def test_same_inverse_jacobian_estimate_in_both_paths(monkeypatch):
+    """The fused path stores Broyden's steps (product form), the torch path rank-one pairs: the same
+    matrix, compared on random vectors. (One sample: in a batch the fused path stops updating a sample's
+    estimate once it converges, the torch path goes on until the whole batch has.)"""
+    f, x0 = _tanh_layer(d=24, b=1, norm=1.2)
+    (_, s1), (_, s2) = _both(monkeypatch, broyden, f, x0, max_iter=100, tol=1e-10, return_inverse=True)
+    assert s1.nfe == s2.nfe
+    v = torch.randn(1, 24, dtype=torch.float64)
+    a, b = s1.extra["inverse_jacobian"], s2.extra["inverse_jacobian"]
+    torch.testing.assert_close(a.matvec(v), b.matvec(v), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(a.rmatvec(v), b.rmatvec(v), rtol=1e-6, atol=1e-8)
+
+
+def test_keep_steps_match(monkeypatch):
+    f, x0 = _tanh_layer(norm=0.9)
+    (_, s1), (_, s2) = _both(monkeypatch, anderson, f, x0, max_iter=40, tol=1e-12, keep_steps=[2, 5])
+    for k in (2, 5):
+        torch.testing.assert_close(s1.extra["kept"][k], s2.extra["kept"][k], rtol=1e-10, atol=1e-10)
+
+
+def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
+    like = torch.zeros(1)
+    workspace.clear()
+    with workspace.borrow(like, a=(4, 8)) as outer:
+        with workspace.borrow(like, a=(4, 8)) as inner:  # nested: never the same memory
+            assert outer["a"].data_ptr() != inner["a"].data_ptr()
+    assert workspace.pooled_bytes() == 4 * 8 * 4
+    with workspace.borrow(like, a=(2, 8)) as again:  # a smaller request reuses the pooled buffer
+        ptr = again["a"].data_ptr()
+    with workspace.borrow(like, a=(2, 8)) as again:
+        assert again["a"].data_ptr() == ptr
+    workspace.clear()
+    monkeypatch.setenv("DEQZOO_WORKSPACE_MB", "0")
+    with workspace.borrow(like, a=(4, 8)):
+        pass
+    assert workspace.pooled_bytes() == 0
