@@ -16,8 +16,10 @@ CPU time of the (single) compute thread, `time.thread_time`: on a shared machine
 the other processes. Runs are
 interleaved (every library and solver once per round) and the median over rounds is reported, because the
 machine is shared. TorchDEQ runs with its defaults (Anderson m=6, lam=1e-4; full-memory Broyden), ours with
-deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden); both stop on the per-sample maximum
-relative residual. TorchDEQ receives the same flat f (TorchDEQ's own DEQ core flattens tuple states too).
+deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden), i.e. on CPU the fused numba kernels
+(``DEQZOO_KERNELS=0`` benchmarks the torch path instead); both stop on the per-sample maximum relative
+residual. The first round also compiles or loads the kernels; the median over rounds leaves that out.
+TorchDEQ receives the same flat f (TorchDEQ's own DEQ core flattens tuple states too).
 Writes JSON (default ``bench_results/solvers.json``) and prints a table.
 """
 
