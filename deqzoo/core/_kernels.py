@@ -277,17 +277,15 @@ def broyden_step(
     r_max = 0.0
     abs_max = 0.0
     n_bad = 0
-    V = np.empty((B, d), fx.dtype)  # w per sample
-    todo = np.empty(B, np.int64)
-    n_todo = 0
-    for b in range(B):  # residuals and bookkeeping; w = -g
+    v = np.empty(d, fx.dtype)  # w
+    for b in range(B):
         if not active[b]:
             r_max = max(r_max, best_rel[b] if rel_mode else best_abs[b])
             continue
-        xb, fb, v = X[cur, b], fx[b], V[b]
+        xb, fb = X[cur, b], fx[b]
         g_sq = 0.0
         fx_sq = 0.0
-        for i in range(d):
+        for i in range(d):  # w = -g
             gi = fb[i] - xb[i]
             v[i] = -gi
             g_sq += np.float64(gi) * np.float64(gi)
@@ -298,20 +296,13 @@ def broyden_step(
             continue
         r_max = max(r_max, r)
         abs_max = max(abs_max, np.sqrt(g_sq))
-        if status == 0:
-            todo[n_todo] = b
-            n_todo += 1
-    for t in range(n_todo):
-        b = todo[t]
-        _sweep(S[b], scale[b], sn[b], count[b], V[b])
-    for t in range(n_todo):  # the new step, the next iterate and the stored (rounded) step
-        b = todo[t]
-        xb, fb, v = X[cur, b], fx[b], V[b]
+        if status == 2:
+            continue
         _release(b, X, nxt, best_x, loc)
+        _sweep(S[b], scale[b], sn[b], count[b], v)
         L = count[b]
-        factor = (
-            -1.0
-        )  # new step = factor * w; with no stored step w = -g and the step is g (fixed-point step)
+        # new step = factor * w; with no stored step w = -g and the step is g (a fixed-point step)
+        factor = -1.0
         if L > 0:
             den = _dot(S[b, L - 1], v) * scale[b, L - 1] + sn[b, L - 1]
             if np.isfinite(den) and abs(den) > 1e-12 * sn[b, L - 1]:
@@ -336,8 +327,8 @@ def broyden_step(
             sc = s_max / qmax
             inv = fx.dtype.type(1.0 / sc) if sc > 0.0 else fx.dtype.type(0.0)
             for i in range(d):
-                t_ = v[i] * inv
-                qi = S.dtype.type(t_ + (0.5 if t_ >= 0 else -0.5))  # round half away from zero
+                t = v[i] * inv
+                qi = S.dtype.type(t + (0.5 if t >= 0 else -0.5))  # round half away from zero
                 sl[i] = qi
                 q_sq += np.float64(qi) * np.float64(qi)
         else:  # stored as is

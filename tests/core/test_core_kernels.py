@@ -44,6 +44,20 @@ def test_float32_broyden_steps_stored_as_int16_keep_the_step_count(monkeypatch):
     assert s1.converged.all() and s2.converged.all() and abs(s1.nfe - s2.nfe) <= 2, (s1.nfe, s2.nfe)
 
 
+def test_broyden_float_step_storage_agrees(monkeypatch):
+    """The kernel also stores float steps as they are (qmax = 0); same iterates as the int16 storage up to
+    the rounding of the stored steps."""
+    from deqzoo.core import solvers
+
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    f, x0 = _tanh_layer(d=64, b=4, norm=1.2, dtype=torch.float32)
+    z_q, s_q = broyden(f, x0, max_iter=200, tol=1e-5)
+    monkeypatch.setitem(solvers._BROYDEN_STORAGE, torch.float32, torch.float32)
+    z_f, s_f = broyden(f, x0, max_iter=200, tol=1e-5)
+    assert s_q.converged.all() and s_f.converged.all() and abs(s_q.nfe - s_f.nfe) <= 1
+    torch.testing.assert_close(z_q, z_f, rtol=1e-4, atol=1e-4)
+
+
 def test_batch_invariance(monkeypatch):
     """Each sample stops at its own tolerance and is then frozen: its result and its residual do not depend
     on the other samples of the batch."""
