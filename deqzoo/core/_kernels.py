@@ -83,14 +83,29 @@ def _release(b, X, half, best_x, loc):
 
 
 @_jit
-def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq):
-    """Record sample b's residual at X[cur, b]. Returns (residual in the stop mode, NaN if not finite;
-    status: 0 go on, 1 non-finite, 2 converged, now frozen at its best iterate in both halves of X)."""
+def _begin(active, best_abs, best_rel, rel_mode):
+    """Per-step residual record (stop mode, absolute), pre-filled for frozen samples with their best."""
+    B = active.shape[0]
+    step_r = np.empty(B)
+    step_abs = np.zeros(B)
+    for b in range(B):
+        if not active[b]:
+            step_r[b] = best_rel[b] if rel_mode else best_abs[b]
+    return step_r, step_abs
+
+
+@_jit
+def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs):
+    """Record sample b's residual at X[cur, b] in step_r/step_abs and its best iterate. Returns True when
+    the sample takes a step; False when its residual is not finite or it has converged (it is then frozen
+    at its best iterate, in both halves of X)."""
     a = np.sqrt(g_sq)
     rel = a / (np.sqrt(fx_sq) + 1e-12)
     r = rel if rel_mode else a
+    step_r[b] = r
     if not np.isfinite(r):
-        return r, 1
+        return False
+    step_abs[b] = a
     if r < (best_rel[b] if rel_mode else best_abs[b]):
         best_abs[b] = a
         best_rel[b] = rel
@@ -101,20 +116,25 @@ def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g
         _copy(X[cur, b], best_x[b])
         _copy(X[1 - cur, b], best_x[b])
         active[b] = False
-        return r, 2
-    return r, 0
+        return False
+    _release(b, X, 1 - cur, best_x, loc)  # the next iterate goes there
+    return True
 
 
 @_jit
-def _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad):
+def _summary(step_r, step_abs, best_abs, best_rel, rel_mode):
     """The kernels' return value: (max residual this step, max finite absolute residual this step,
     non-finite count, max best residual in the stop mode, max best absolute residual)."""
+    r_max = 0.0
+    n_bad = 0
     best_max = 0.0
-    best_abs_max = 0.0
-    for b in range(best_abs.shape[0]):
+    for b in range(step_r.shape[0]):
+        if np.isfinite(step_r[b]):
+            r_max = max(r_max, step_r[b])
+        else:
+            n_bad += 1
         best_max = max(best_max, best_rel[b] if rel_mode else best_abs[b])
-        best_abs_max = max(best_abs_max, best_abs[b])
-    return r_max, abs_max, n_bad, best_max, best_abs_max
+    return r_max, step_abs.max(), n_bad, best_max, best_abs.max()
 
 
 @_jit
@@ -138,16 +158,13 @@ def anderson_step(
     """
     B, d = fx.shape
     nxt = 1 - cur
-    r_max = 0.0
-    abs_max = 0.0
-    n_bad = 0
+    step_r, step_abs = _begin(active, best_abs, best_rel, rel_mode)
     A = np.empty((n, n))
     a = np.empty(n)
     acc = np.empty(d, fx.dtype)
     keep = fx.dtype.type(1.0 - tau)
     for b in range(B):
         if not active[b]:
-            r_max = max(r_max, best_rel[b] if rel_mode else best_abs[b])
             continue
         # one pass: the residual and the damped image go straight into their history slots
         gs, ys, xb, fb = G[b, slot], Y[b, slot], X[cur, b], fx[b]
@@ -159,15 +176,10 @@ def anderson_step(
             ys[i] = fb[i] - keep * gi
             g_sq += np.float64(gi) * np.float64(gi)
             fx_sq += np.float64(fb[i]) * np.float64(fb[i])
-        r, status = _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq)
-        if status == 1:
-            n_bad += 1
+        if not _accept(
+            b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
+        ):
             continue
-        r_max = max(r_max, r)
-        abs_max = max(abs_max, np.sqrt(g_sq))
-        if status == 2:
-            continue
-        _release(b, X, nxt, best_x, loc)
         ob = X[nxt, b]
         H[b, slot, slot] = g_sq
         for j in range(n):
@@ -205,7 +217,7 @@ def anderson_step(
         yl = Y[b, n - 1]
         for i in range(d):
             ob[i] = acc[i] + w * yl[i]
-    return _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad)
+    return _summary(step_r, step_abs, best_abs, best_rel, rel_mode)
 
 
 @_jit
@@ -274,13 +286,10 @@ def broyden_step(
     B, d = fx.shape
     m = S.shape[1]
     nxt = 1 - cur
-    r_max = 0.0
-    abs_max = 0.0
-    n_bad = 0
+    step_r, step_abs = _begin(active, best_abs, best_rel, rel_mode)
     v = np.empty(d, fx.dtype)  # w
     for b in range(B):
         if not active[b]:
-            r_max = max(r_max, best_rel[b] if rel_mode else best_abs[b])
             continue
         xb, fb = X[cur, b], fx[b]
         g_sq = 0.0
@@ -290,15 +299,10 @@ def broyden_step(
             v[i] = -gi
             g_sq += np.float64(gi) * np.float64(gi)
             fx_sq += np.float64(fb[i]) * np.float64(fb[i])
-        r, status = _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq)
-        if status == 1:
-            n_bad += 1
+        if not _accept(
+            b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
+        ):
             continue
-        r_max = max(r_max, r)
-        abs_max = max(abs_max, np.sqrt(g_sq))
-        if status == 2:
-            continue
-        _release(b, X, nxt, best_x, loc)
         _sweep(S[b], scale[b], sn[b], count[b], v)
         L = count[b]
         # new step = factor * w; with no stored step w = -g and the step is g (a fixed-point step)
@@ -339,4 +343,4 @@ def broyden_step(
         scale[b, L] = sc
         sn[b, L] = q_sq * sc * sc
         count[b] = L + 1
-    return _summary(best_abs, best_rel, rel_mode, r_max, abs_max, n_bad)
+    return _summary(step_r, step_abs, best_abs, best_rel, rel_mode)

@@ -242,10 +242,10 @@ class _FusedRun:
 
     def run(self, g, max_iter: int, step) -> int:
         """Iterate ``step(cur, fx) -> summary`` until the tracker stops; returns the number of f calls."""
-        tracker, nfe = self.tracker, 0
+        tracker, nfe, halves = self.tracker, 0, (self.X[0], self.X[1])
         for k in range(max_iter):
             cur = k & 1
-            fx = g(self.X[cur])
+            fx = g(halves[cur])
             nfe += 1
             fx_np = fx.numpy() if fx.is_contiguous() and not fx.requires_grad else _kernels.as_array(fx)
             stop = tracker.record(*step(cur, fx_np))
