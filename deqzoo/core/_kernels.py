@@ -153,16 +153,16 @@ def anderson_step(
 
     G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
     Gram matrix (float64). The newest residual goes to `slot`; `n` slots are filled. The mixing weights solve
-    (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky); a non-positive pivot or a
-    non-finite value falls back to a plain damped step. Returns `_summary`.
+    (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky, `_mixing_weights`); a
+    non-positive pivot or a non-finite value falls back to a plain damped step. Returns `_summary`.
     """
     B, d = fx.shape
     nxt = 1 - cur
     step_r, step_abs = _begin(active, best_abs, best_rel, rel_mode)
-    A = np.empty((n, n))
-    a = np.empty(n)
-    acc = np.empty(d, fx.dtype)
     keep = fx.dtype.type(1.0 - tau)
+    # 1. residuals and the Gram row, per sample; the samples that take a step
+    go = np.empty(B, np.int64)
+    n_go = 0
     for b in range(B):
         if not active[b]:
             continue
@@ -180,40 +180,38 @@ def anderson_step(
             b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
         ):
             continue
-        ob = X[nxt, b]
+        go[n_go] = b
+        n_go += 1
         H[b, slot, slot] = g_sq
         for j in range(n):
             if j != slot:
                 s = _dot(G[b, j], gs)
                 H[b, slot, j] = s
                 H[b, j, slot] = s
-        ok = n > 1
-        total = 1.0
-        if ok:
-            reg = 0.0
-            for j in range(n):
-                reg = max(reg, H[b, j, j])
-            for j in range(n):
-                a[j] = 1.0
-            ok = _cholesky_solve(H[b], n, reg * lam + 1e-300, A, a)
-            total = 0.0
-            for j in range(n):
-                total += a[j]
-            ok = ok and np.isfinite(total) and total != 0.0
-        if not ok:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
-            _copy(ob, ys)
+    # 2. the mixing weights of all stepping samples at once
+    W = np.empty((n, n_go))
+    ok = np.zeros(n_go, np.bool_)
+    if n > 1:
+        _mixing_weights(H, go, n_go, n, lam, W, ok)
+    # 3. the next iterates
+    acc = np.empty(d, fx.dtype)
+    for k in range(n_go):
+        b = go[k]
+        ob = X[nxt, b]
+        if not ok[k]:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
+            _copy(ob, Y[b, slot])
             continue
         # sum_j alpha_j Y_j: the first term initialises the L1-resident accumulator, the last writes out
-        w = fx.dtype.type(a[0] / total)
+        w = fx.dtype.type(W[0, k])
         y0 = Y[b, 0]
         for i in range(d):
             acc[i] = w * y0[i]
         for j in range(1, n - 1):
-            w = fx.dtype.type(a[j] / total)
+            w = fx.dtype.type(W[j, k])
             yj = Y[b, j]
             for i in range(d):
                 acc[i] += w * yj[i]
-        w = fx.dtype.type(a[n - 1] / total)
+        w = fx.dtype.type(W[n - 1, k])
         yl = Y[b, n - 1]
         for i in range(d):
             ob[i] = acc[i] + w * yl[i]
@@ -221,48 +219,112 @@ def anderson_step(
 
 
 @_jit
-def _cholesky_solve(Mb, n, reg, A, c):
-    """Solve (Mb[:n, :n] + reg I) y = c by Cholesky, in place in c; False on a non-positive pivot."""
+def _mixing_weights(H, go, n_go, n, lam, W, ok):
+    """alpha = a / sum(a) with (H[b] + reg I) a = 1, reg = lam * max_j H[b]_jj, for the samples b = go[k],
+    into W[:, k]; ok[k] is False where a Cholesky pivot is not positive or alpha is not finite.
+
+    All samples at once, samples innermost: a 6x6 Cholesky is a chain of divisions and square roots, so one
+    system at a time is latency-bound, while across samples every operation is a vector operation."""
+    A = np.empty((n, n, n_go))  # lower factor, reciprocal diagonal
+    c = np.empty((n, n_go))
+    s = np.empty(n_go)
+    for k in range(n_go):
+        hb = H[go[k]]
+        reg = 0.0
+        for i in range(n):
+            reg = max(reg, hb[i, i])
+            for j in range(i + 1):
+                A[i, j, k] = hb[i, j]
+        reg = reg * lam + 1e-300
+        for i in range(n):
+            A[i, i, k] += reg
+        ok[k] = True
     for i in range(n):
         for j in range(i + 1):
-            s = Mb[i, j] + (reg if i == j else 0.0)
-            for k in range(j):
-                s -= A[i, k] * A[j, k]
+            for k in range(n_go):
+                s[k] = A[i, j, k]
+            for p in range(j):
+                for k in range(n_go):
+                    s[k] -= A[i, p, k] * A[j, p, k]
             if i == j:
-                if not s > 0.0:  # also catches NaN
-                    return False
-                A[i, i] = np.sqrt(s)
+                for k in range(n_go):
+                    ok[k] = ok[k] and s[k] > 0.0  # also catches NaN
+                    A[i, i, k] = 1.0 / np.sqrt(abs(s[k]) + 1e-300)
             else:
-                A[i, j] = s / A[j, j]
-    for i in range(n):  # forward: L z = c
-        s = c[i]
-        for k in range(i):
-            s -= A[i, k] * c[k]
-        c[i] = s / A[i, i]
-    for i in range(n - 1, -1, -1):  # backward: Lᵀ y = z
-        s = c[i]
-        for k in range(i + 1, n):
-            s -= A[k, i] * c[k]
-        c[i] = s / A[i, i]
-    return True
+                for k in range(n_go):
+                    A[i, j, k] = s[k] * A[j, j, k]
+    for i in range(n):  # forward: L z = 1
+        for k in range(n_go):
+            s[k] = 1.0
+        for p in range(i):
+            for k in range(n_go):
+                s[k] -= A[i, p, k] * c[p, k]
+        for k in range(n_go):
+            c[i, k] = s[k] * A[i, i, k]
+    for i in range(n - 1, -1, -1):  # backward: Lᵀ a = z
+        for k in range(n_go):
+            s[k] = c[i, k]
+        for p in range(i + 1, n):
+            for k in range(n_go):
+                s[k] -= A[p, i, k] * c[p, k]
+        for k in range(n_go):
+            c[i, k] = s[k] * A[i, i, k]
+    for k in range(n_go):
+        total = 0.0
+        for i in range(n):
+            total += c[i, k]
+        ok[k] = ok[k] and np.isfinite(total) and total != 0.0
+        for i in range(n):
+            W[i, k] = c[i, k] / total
 
 
 @_jit
-def _sweep(Sb, scb, snb, L, v):
-    """v <- P_{L-1} ... P_1 v with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² (one sample; s_j = scb[j] · Sb[j]).
+def _sweep(Sb, cb, L, v):
+    """v <- P_{L-1} ... P_1 v with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² for one sample (L >= 1), where row
+    Sb[j] is s_j / scale_j and cb[j] = scale_{j-1} scale_j / |s_{j-1}|². Returns Sb[L-1]·v (the step's
+    denominator needs it).
 
-    A chain: each dot product needs the previous update. (Blocking rows with the Gram band to break it ran
-    slower under numba than this plain loop.)"""
+    A chain: each coefficient needs the previous update. Each row is read once: the pass that adds row j to
+    v also takes row j's dot product with the updated v, which gives the next coefficient. (Interleaving two
+    samples' chains, or blocking rows with the Gram band, measured no faster in place: after f the rows
+    stream from L3.)"""
+    d = _dot(Sb[0], v)
     for j in range(1, L):
-        c = v.dtype.type(_dot(Sb[j - 1], v) * scb[j - 1] / snb[j - 1] * scb[j])
+        c = v.dtype.type(d * cb[j])
         row = Sb[j]
+        s = v.dtype.type(0.0)
         for i in range(v.shape[0]):
-            v[i] += c * v.dtype.type(row[i])
+            t = v[i] + c * v.dtype.type(row[i])
+            v[i] = t
+            s += v.dtype.type(row[i]) * t
+        d = np.float64(s)
+    return d
+
+
+@_jit
+def _absmax(v):
+    """max_i |v_i| as float64, NaN if any v_i is NaN. The bit patterns of |x| order like the values (NaN
+    above inf), and an integer max reduction vectorises where numba's NaN-aware float max does not."""
+    if v.itemsize == 4:
+        u = v.view(np.uint32)
+        m = np.uint32(0)
+        for i in range(u.shape[0]):
+            m = max(m, u[i] & np.uint32(0x7FFFFFFF))
+        box = np.empty(1, np.uint32)
+        box[0] = m
+        return np.float64(box.view(np.float32)[0])
+    w = v.view(np.uint64)
+    m64 = np.uint64(0)
+    for i in range(w.shape[0]):
+        m64 = max(m64, w[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
+    box64 = np.empty(1, np.uint64)
+    box64[0] = m64
+    return np.float64(box64.view(np.float64)[0])
 
 
 @_jit
 def broyden_step(
-    X, cur, fx, S, qmax, scale, sn, count, active, best_x, loc, best_abs, best_rel, rel_mode, tol
+    X, cur, fx, S, qmax, scale, sn, coef, count, active, best_x, loc, best_abs, best_rel, rel_mode, tol
 ):
     """One step of Broyden's good method for every active sample, from X[cur] to X[1 - cur], in the product
     form of its inverse estimate.
@@ -279,7 +341,8 @@ def broyden_step(
     entry. Only the stored copy is rounded: every iterate takes its step in full precision and every residual
     is exact, so the rounding perturbs the inverse-Jacobian estimate slightly and never limits the accuracy
     reached. ``qmax = 0`` stores float steps as they are.
-    S[b, :count[b]] holds the steps and sn their squared norms (of the stored values, float64). A full memory
+    S[b, :count[b]] holds the steps, sn their squared norms (of the stored values, float64) and coef[b, j] the
+    sweep's constant factor scale[b, j-1] scale[b, j] / sn[b, j-1], set when step j is stored. A full memory
     (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I, keeping the new step.
     Returns `_summary`.
     """
@@ -303,12 +366,11 @@ def broyden_step(
             b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
         ):
             continue
-        _sweep(S[b], scale[b], sn[b], count[b], v)
         L = count[b]
         # new step = factor * w; with no stored step w = -g and the step is g (a fixed-point step)
         factor = -1.0
         if L > 0:
-            den = _dot(S[b, L - 1], v) * scale[b, L - 1] + sn[b, L - 1]
+            den = _sweep(S[b], coef[b], L, v) * scale[b, L - 1] + sn[b, L - 1]
             if np.isfinite(den) and abs(den) > 1e-12 * sn[b, L - 1]:
                 factor = -sn[b, L - 1] / den
             else:  # degenerate secant equation: restart from B_0 = -I
@@ -319,21 +381,18 @@ def broyden_step(
             L = 0
         f = fx.dtype.type(factor)
         ob = X[nxt, b]
-        s_max = 0.0
         for i in range(d):
             si = f * v[i]
             v[i] = si
             ob[i] = xb[i] + si
-            s_max = max(s_max, abs(np.float64(si)))
         sl = S[b, L]
         q_sq = 0.0
         if qmax > 0.0:
-            sc = s_max / qmax
+            sc = _absmax(v) / qmax
             inv = fx.dtype.type(1.0 / sc) if sc > 0.0 else fx.dtype.type(0.0)
             for i in range(d):
-                t = v[i] * inv
-                qi = S.dtype.type(t + (0.5 if t >= 0 else -0.5))  # round half away from zero
-                sl[i] = qi
+                qi = np.rint(v[i] * inv)  # |qi| <= qmax by the choice of sc
+                sl[i] = S.dtype.type(qi)
                 q_sq += np.float64(qi) * np.float64(qi)
         else:  # stored as is
             sc = 1.0
@@ -342,5 +401,6 @@ def broyden_step(
                 q_sq += np.float64(v[i]) * np.float64(v[i])
         scale[b, L] = sc
         sn[b, L] = q_sq * sc * sc
+        coef[b, L] = scale[b, L - 1] * sc / sn[b, L - 1] if L > 0 else 0.0
         count[b] = L + 1
     return _summary(step_r, step_abs, best_abs, best_rel, rel_mode)

@@ -193,7 +193,14 @@ class _Tracker:
         return self.best_x
 
     def stats(self, nfe: int, **extra) -> SolverStats:
-        as_t = lambda a: torch.from_numpy(a).to(self.x0.device, self.x0.dtype)  # noqa: E731
+        # converted on the numpy side: torch.tensor(list) and .to(dtype) cost microseconds each
+        np_dtype = _NUMPY_DTYPES.get(self.x0.dtype)
+
+        def as_t(a: np.ndarray) -> torch.Tensor:
+            if np_dtype is None:
+                return torch.from_numpy(a).to(self.x0.device, self.x0.dtype)
+            return torch.from_numpy(a.astype(np_dtype)).to(self.x0.device)
+
         r = self.best_rel if self.stop_mode == "rel" else self.best_abs
         # iterations after the solve ended keep the final best iterate
         kept = {k: self.kept.get(k, self.best_x) for k in self.keep_steps}
@@ -201,7 +208,7 @@ class _Tracker:
             nfe=nfe,
             abs_residual=as_t(self.best_abs),
             rel_residual=as_t(self.best_rel),
-            trace=torch.tensor(self.trace, dtype=torch.float64),
+            trace=torch.from_numpy(np.array(self.trace, dtype=np.float64)),
             converged=torch.from_numpy(r < self.tol),
             solver=self.name,
             stop_mode=self.stop_mode,
@@ -210,6 +217,9 @@ class _Tracker:
             diverged=self.diverged,
             extra={"kept": kept, **extra} if self.keep_steps else dict(extra),
         )
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _check_tau(tau: float) -> None:
@@ -502,7 +512,7 @@ def broyden(
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
     if _kernels.usable(x0):
         sn, count, rel = np.ones((b, m)), np.zeros(b, dtype=np.int64), stop_mode == "rel"
-        scale = np.zeros((b, m))
+        scale, coef = np.zeros((b, m)), np.zeros((b, m))
         qtype = _BROYDEN_STORAGE.get(x0.dtype, x0.dtype)  # see _kernels.broyden_step
         qmax = float(torch.iinfo(qtype).max) if not qtype.is_floating_point else 0.0
         # the steps stay with the returned inverse estimate, so then they cannot come from the pool
@@ -516,7 +526,7 @@ def broyden(
 
             def step(cur, fx):
                 return _kernels.broyden_step(
-                    run.Xn, cur, fx, S, qmax, scale, sn, count, run.active, run.best_np, run.loc,
+                    run.Xn, cur, fx, S, qmax, scale, sn, coef, count, run.active, run.best_np, run.loc,
                     tracker.best_abs, tracker.best_rel, rel, tol,
                 )  # fmt: skip
 

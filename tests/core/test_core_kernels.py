@@ -127,3 +127,39 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
     with workspace.borrow(like, a=(4, 8)):
         pass
     assert workspace.pooled_bytes() == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_absmax_matches_numpy_and_propagates_nan(dtype):
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal(515).astype(dtype)  # odd length: the vector loop's remainder counts too
+    v[514] = -7.5
+    assert _kernels._absmax(v) == float(np.abs(v).max()) == 7.5
+    v[3] = -np.inf
+    assert _kernels._absmax(v) == np.inf
+    v[100] = np.nan  # above inf: a non-finite step must not get a finite scale
+    assert np.isnan(_kernels._absmax(v))
+    assert _kernels._absmax(np.zeros(8, dtype)) == 0.0
+
+
+def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
+    """The batched Cholesky (samples innermost) against numpy's solver, one sample at a time."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(1)
+    B, n, lam = 8, 5, 1e-5
+    R = rng.standard_normal((B, n, 32))
+    H = R @ R.transpose(0, 2, 1)
+    H[2] = -np.eye(n)  # a negative pivot
+    H[4, 0, 0] = np.nan
+    H[5] = 0.0  # a constant f: zero residuals; every combination is as good, the weights stay finite
+    go = np.array([0, 2, 3, 4, 5, 7])
+    W, ok = np.empty((n, go.size)), np.zeros(go.size, bool)
+    _kernels._mixing_weights(H, go, go.size, n, lam, W, ok)
+    assert ok.tolist() == [True, False, True, False, True, True]
+    np.testing.assert_allclose(W[:, 4], np.full(n, 1 / n))
+    for k, b in enumerate(go):
+        if ok[k] and b != 5:
+            reg = lam * H[b].diagonal().max()
+            a = np.linalg.solve(H[b] + reg * np.eye(n), np.ones(n))
+            np.testing.assert_allclose(W[:, k], a / a.sum(), rtol=1e-9)
