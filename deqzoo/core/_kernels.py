@@ -302,23 +302,25 @@ def _sweep(Sb, cb, L, v):
 
 
 @_jit
+def _bits_max(u, mask):
+    """max_i (u_i & mask) over unsigned integers (an integer max reduction vectorises)."""
+    m = u.dtype.type(0)
+    for i in range(u.shape[0]):
+        m = max(m, u[i] & mask)
+    return m
+
+
+@_jit
 def _absmax(v):
-    """max_i |v_i| as float64, NaN if any v_i is NaN. The bit patterns of |x| order like the values (NaN
-    above inf), and an integer max reduction vectorises where numba's NaN-aware float max does not."""
+    """max_i |v_i| as float64, NaN if any v_i is NaN. The bit patterns of |x| (sign bit cleared) order like
+    the values, NaN above inf, so the max is taken over them: numba's NaN-aware float max does not
+    vectorise."""
     if v.itemsize == 4:
-        u = v.view(np.uint32)
-        m = np.uint32(0)
-        for i in range(u.shape[0]):
-            m = max(m, u[i] & np.uint32(0x7FFFFFFF))
         box = np.empty(1, np.uint32)
-        box[0] = m
+        box[0] = _bits_max(v.view(np.uint32), np.uint32(0x7FFFFFFF))
         return np.float64(box.view(np.float32)[0])
-    w = v.view(np.uint64)
-    m64 = np.uint64(0)
-    for i in range(w.shape[0]):
-        m64 = max(m64, w[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
     box64 = np.empty(1, np.uint64)
-    box64[0] = m64
+    box64[0] = _bits_max(v.view(np.uint64), np.uint64(0x7FFFFFFFFFFFFFFF))
     return np.float64(box64.view(np.float64)[0])
 
 

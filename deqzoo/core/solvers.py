@@ -319,7 +319,7 @@ def anderson(
     residuals become tiny (an absolute lam swamps the Gram matrix near convergence and stalls the method).
     A sample whose mixing system is singular or not finite falls back to a plain damped fixed-point step;
     nothing here raises. On CPU the step is one fused kernel (`_kernels.anderson_step`, same method, the
-    small system solved per sample by Cholesky).
+    small systems of all samples solved together by Cholesky).
     """
     _check_tau(tau)
     if m < 1:
