@@ -12,6 +12,10 @@ best iterate of a sample is not copied when it improves; ``loc[b]`` records whic
 ``best_x``), and it is copied to ``best_x`` only when that half is about to be overwritten, on freezing, or by
 `gather_best`.
 
+A step also does the solve's bookkeeping (the per-step trace entry and the stop test) and returns one integer
+of status flags, so between two calls of f the host runs only the call itself: on CPU, f evicts the
+caches, and there every Python-level operation costs several times its warm price.
+
 The solvers use these kernels for CPU float32/float64 states when numba imports and ``DEQZOO_KERNELS`` is not
 ``0``; otherwise they run their torch path (same method; the tests check the two agree).
 """
@@ -33,7 +37,10 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 
 ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
-__all__ = ["AVAILABLE", "ENABLED", "anderson_step", "as_array", "broyden_step", "gather_best", "usable"]
+__all__ = [
+    "AVAILABLE", "BAD_SHAPE", "CONVERGED", "DIVERGED", "ENABLED", "NONFINITE", "anderson_step", "as_array",
+    "broyden_step", "gather_best", "start", "usable",
+]  # fmt: skip
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -83,22 +90,23 @@ def _release(b, X, half, best_x, loc):
 
 
 @_jit
-def _begin(active, best_abs, best_rel, rel_mode):
+def _begin(active, best, rel_mode):
     """Per-step residual record (stop mode, absolute), pre-filled for frozen samples with their best."""
     B = active.shape[0]
     step_r = np.empty(B)
     step_abs = np.zeros(B)
     for b in range(B):
         if not active[b]:
-            step_r[b] = best_rel[b] if rel_mode else best_abs[b]
+            step_r[b] = best[1, b] if rel_mode else best[0, b]
     return step_r, step_abs
 
 
 @_jit
-def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs):
-    """Record sample b's residual at X[cur, b] in step_r/step_abs and its best iterate. Returns True when
-    the sample takes a step; False when its residual is not finite or it has converged (it is then frozen
-    at its best iterate, in both halves of X)."""
+def _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs):
+    """Record sample b's residual at X[cur, b] in step_r/step_abs and its best iterate (best[0] holds the
+    absolute residuals, best[1] the relative ones). Returns True when the sample takes a step; False when its
+    residual is not finite or it has converged (it is then frozen at its best iterate,
+    in both halves of X)."""
     a = np.sqrt(g_sq)
     rel = a / (np.sqrt(fx_sq) + 1e-12)
     r = rel if rel_mode else a
@@ -106,11 +114,11 @@ def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g
     if not np.isfinite(r):
         return False
     step_abs[b] = a
-    if r < (best_rel[b] if rel_mode else best_abs[b]):
-        best_abs[b] = a
-        best_rel[b] = rel
+    if r < (best[1, b] if rel_mode else best[0, b]):
+        best[0, b] = a
+        best[1, b] = rel
         loc[b] = cur
-    if (best_rel[b] if rel_mode else best_abs[b]) < tol:
+    if (best[1, b] if rel_mode else best[0, b]) < tol:
         _release(b, X, cur, best_x, loc)
         _release(b, X, 1 - cur, best_x, loc)
         _copy(X[cur, b], best_x[b])
@@ -121,20 +129,47 @@ def _accept(b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g
     return True
 
 
+CONVERGED, NONFINITE, DIVERGED, BAD_SHAPE = 1, 2, 4, 8  # the kernels' status flags (0: keep going)
+
+
 @_jit
-def _summary(step_r, step_abs, best_abs, best_rel, rel_mode):
-    """The kernels' return value: (max residual this step, max finite absolute residual this step,
-    non-finite count, max best residual in the stop mode, max best absolute residual)."""
+def _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k):
+    """End of step k: its max residual (NaN if any is not finite) goes to trace[k]; returns the status flags:
+    CONVERGED when every sample's best residual is below tol, NONFINITE when a residual is not finite,
+    DIVERGED when the largest absolute residual exceeds div_factor times the largest best one."""
     r_max = 0.0
     n_bad = 0
     best_max = 0.0
+    best_abs_max = 0.0
     for b in range(step_r.shape[0]):
         if np.isfinite(step_r[b]):
             r_max = max(r_max, step_r[b])
         else:
             n_bad += 1
-        best_max = max(best_max, best_rel[b] if rel_mode else best_abs[b])
-    return r_max, step_abs.max(), n_bad, best_max, best_abs.max()
+        best_max = max(best_max, best[1, b] if rel_mode else best[0, b])
+        best_abs_max = max(best_abs_max, best[0, b])
+    trace[k] = r_max if n_bad == 0 else np.nan
+    flags = CONVERGED if best_max < tol else 0
+    if n_bad > 0:
+        flags |= NONFINITE
+    elif step_abs.max() > div_factor * max(best_abs_max, 1e-30):
+        flags |= DIVERGED
+    return flags
+
+
+@_jit
+def start(X, x0, best_x, loc, active, best, count):
+    """Per-solve reset of pooled state: X[0] = best_x = x0, no best iterate in X, every sample active, no
+    residual seen, no stored step (count)."""
+    for b in range(x0.shape[0]):
+        _copy(X[0, b], x0[b])
+        _copy(best_x[b], x0[b])
+        loc[b] = -1
+        active[b] = True
+        best[0, b] = np.inf
+        best[1, b] = np.inf
+    for b in range(count.shape[0]):
+        count[b] = 0
 
 
 @_jit
@@ -146,19 +181,23 @@ def gather_best(X, loc, best_x):
 
 
 @_jit
-def anderson_step(
-    X, cur, fx, G, Y, H, slot, n, lam, tau, active, best_x, loc, best_abs, best_rel, rel_mode, tol
-):
-    """One Anderson step for every active sample, from X[cur] to X[1 - cur].
+def anderson_step(k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace, rel_mode, tol, div_factor):
+    """Step k of Anderson for every active sample, from X[k % 2] to the other half.
 
     G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
-    Gram matrix (float64). The newest residual goes to `slot`; `n` slots are filled. The mixing weights solve
+    Gram matrix (float64), m = G.shape[1] slots used in turn. The mixing weights solve
     (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky, `_mixing_weights`); a
-    non-positive pivot or a non-finite value falls back to a plain damped step. Returns `_summary`.
+    non-positive pivot or a non-finite value falls back to a plain damped step. Returns `_finish`'s flags
+    (BAD_SHAPE, touching nothing, when fx is not shaped like X[0]).
     """
     B, d = fx.shape
+    if B != X.shape[1] or d != X.shape[2]:
+        return BAD_SHAPE
+    m = G.shape[1]
+    slot, n = k % m, min(k + 1, m)
+    cur = k & 1
     nxt = 1 - cur
-    step_r, step_abs = _begin(active, best_abs, best_rel, rel_mode)
+    step_r, step_abs = _begin(active, best, rel_mode)
     keep = fx.dtype.type(1.0 - tau)
     # 1. residuals and the Gram row, per sample; the samples that take a step
     go = np.empty(B, np.int64)
@@ -177,7 +216,7 @@ def anderson_step(
             g_sq += np.float64(gi) * np.float64(gi)
             fx_sq += np.float64(fb[i]) * np.float64(fb[i])
         if not _accept(
-            b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
+            b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
         ):
             continue
         go[n_go] = b
@@ -195,27 +234,27 @@ def anderson_step(
         _mixing_weights(H, go, n_go, n, lam, W, ok)
     # 3. the next iterates
     acc = np.empty(d, fx.dtype)
-    for k in range(n_go):
-        b = go[k]
+    for q in range(n_go):
+        b = go[q]
         ob = X[nxt, b]
-        if not ok[k]:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
+        if not ok[q]:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
             _copy(ob, Y[b, slot])
             continue
         # sum_j alpha_j Y_j: the first term initialises the L1-resident accumulator, the last writes out
-        w = fx.dtype.type(W[0, k])
+        w = fx.dtype.type(W[0, q])
         y0 = Y[b, 0]
         for i in range(d):
             acc[i] = w * y0[i]
         for j in range(1, n - 1):
-            w = fx.dtype.type(W[j, k])
+            w = fx.dtype.type(W[j, q])
             yj = Y[b, j]
             for i in range(d):
                 acc[i] += w * yj[i]
-        w = fx.dtype.type(W[n - 1, k])
+        w = fx.dtype.type(W[n - 1, q])
         yl = Y[b, n - 1]
         for i in range(d):
             ob[i] = acc[i] + w * yl[i]
-    return _summary(step_r, step_abs, best_abs, best_rel, rel_mode)
+    return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)
 
 
 @_jit
@@ -325,11 +364,9 @@ def _absmax(v):
 
 
 @_jit
-def broyden_step(
-    X, cur, fx, S, qmax, scale, sn, coef, count, active, best_x, loc, best_abs, best_rel, rel_mode, tol
-):
-    """One step of Broyden's good method for every active sample, from X[cur] to X[1 - cur], in the product
-    form of its inverse estimate.
+def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, rel_mode, tol, div_factor):
+    """Step k of Broyden's good method for every active sample, from X[k % 2] to the other half, in the
+    product form of its inverse estimate.
 
     With unit steps and B_0 = -I the inverse estimate after steps s_0..s_k is
     B_k = (I + s_k s_{k-1}ᵀ / |s_{k-1}|²) ... (I + s_1 s_0ᵀ / |s_0|²) B_0 (Deuflhard's recursion), so only
@@ -343,15 +380,20 @@ def broyden_step(
     entry. Only the stored copy is rounded: every iterate takes its step in full precision and every residual
     is exact, so the rounding perturbs the inverse-Jacobian estimate slightly and never limits the accuracy
     reached. ``qmax = 0`` stores float steps as they are.
-    S[b, :count[b]] holds the steps, sn their squared norms (of the stored values, float64) and coef[b, j] the
-    sweep's constant factor scale[b, j-1] scale[b, j] / sn[b, j-1], set when step j is stored. A full memory
-    (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I, keeping the new step.
-    Returns `_summary`.
+    S[b, :count[b]] holds the steps; Q = (scale, sn, coef) their scales, squared norms (of the stored values)
+    and the sweep's constant factors coef[b, j] = scale[b, j-1] scale[b, j] / sn[b, j-1], all set when step j
+    is stored. A full memory (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I,
+    keeping the new step. Returns `_finish`'s flags (BAD_SHAPE, touching nothing, when fx is not shaped like
+    X[0]).
     """
     B, d = fx.shape
+    if B != X.shape[1] or d != X.shape[2]:
+        return BAD_SHAPE
+    scale, sn, coef = Q[0], Q[1], Q[2]
     m = S.shape[1]
+    cur = k & 1
     nxt = 1 - cur
-    step_r, step_abs = _begin(active, best_abs, best_rel, rel_mode)
+    step_r, step_abs = _begin(active, best, rel_mode)
     v = np.empty(d, fx.dtype)  # w
     for b in range(B):
         if not active[b]:
@@ -365,7 +407,7 @@ def broyden_step(
             g_sq += np.float64(gi) * np.float64(gi)
             fx_sq += np.float64(fb[i]) * np.float64(fb[i])
         if not _accept(
-            b, X, cur, best_x, loc, best_abs, best_rel, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
+            b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs
         ):
             continue
         L = count[b]
@@ -405,4 +447,4 @@ def broyden_step(
         sn[b, L] = q_sq * sc * sc
         coef[b, L] = scale[b, L - 1] * sc / sn[b, L - 1] if L > 0 else 0.0
         count[b] = L + 1
-    return _summary(step_r, step_abs, best_abs, best_rel, rel_mode)
+    return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)

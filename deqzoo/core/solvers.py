@@ -94,6 +94,23 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy().astype(np.float64, copy=False)
 
 
+def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
+    if stop_mode not in ("abs", "rel"):
+        raise ValueError(f"stop_mode must be 'abs' or 'rel', got {stop_mode!r}")
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}")
+
+
+def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: dict) -> dict:
+    """stats.extra: the copies kept for fixed-point correction (steps after the solve ended keep the final
+    best iterate) and the solver's own entries."""
+    if not keep_steps:
+        return dict(extra)
+    return {"kept": {k: kept.get(k, best_x) for k in keep_steps}, **extra}
+
+
 class _Tracker:
     """Per-sample best iterate, residuals, trace and stopping.
 
@@ -114,12 +131,7 @@ class _Tracker:
         keep_steps: Iterable[int] = (),
         div_factor: float = 1e6,
     ):
-        if stop_mode not in ("abs", "rel"):
-            raise ValueError(f"stop_mode must be 'abs' or 'rel', got {stop_mode!r}")
-        if max_iter < 1:
-            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-        if not tol > 0:
-            raise ValueError(f"tol must be > 0, got {tol}")
+        _check_solve_args(max_iter, tol, stop_mode)
         b = x0.shape[0]
         self.x0 = x0
         # iterates handed to `update` are never modified in place afterwards by the solvers, so the best one
@@ -202,8 +214,6 @@ class _Tracker:
             return torch.from_numpy(a.astype(np_dtype)).to(self.x0.device)
 
         r = self.best_rel if self.stop_mode == "rel" else self.best_abs
-        # iterations after the solve ended keep the final best iterate
-        kept = {k: self.kept.get(k, self.best_x) for k in self.keep_steps}
         return SolverStats(
             nfe=nfe,
             abs_residual=as_t(self.best_abs),
@@ -215,11 +225,9 @@ class _Tracker:
             tol=self.tol,
             nonfinite=self.nonfinite,
             diverged=self.diverged,
-            extra={"kept": kept, **extra} if self.keep_steps else dict(extra),
+            extra=_kept_extra(self.keep_steps, self.kept, self.best_x, extra),
         )
 
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _check_tau(tau: float) -> None:
@@ -228,43 +236,89 @@ def _check_tau(tau: float) -> None:
 
 
 _BROYDEN_STORAGE = {torch.float32: torch.int16, torch.float64: torch.int32}
+_NUMPY_DTYPES = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.int16: np.int16, torch.int32: np.int32,
+}  # fmt: skip
+
+
+_NO_COUNT = np.empty(0, np.int64)
 
 
 class _FusedRun:
-    """Iterates and best-iterate state of a solve driven by a fused CPU kernel (see `_kernels`).
+    """The buffers and per-sample state of solves driven by a fused CPU kernel (see `_kernels`), made once per
+    thread and shape and then lent from the workspace pool (`take`/`give`), numpy views included.
 
-    X (2, B, D) comes from the workspace pool; step k evaluates f at X[k % 2]. The returned best iterate is a
-    fresh tensor, initialised to x0 (kept for samples that never had a finite residual).
+    X (2, B, D) holds the iterates (step k evaluates f at X[k % 2]), `best` (2, B) each sample's best absolute
+    and relative residual, `trace` the per-step max residual, `arrays` the solver's own history.
     """
 
-    def __init__(self, x0: torch.Tensor, tracker: _Tracker, X: torch.Tensor):
-        self.tracker, self.X, self.Xn = tracker, X, _kernels.as_array(X)
-        X[0].copy_(x0)
-        b = x0.shape[0]
-        self.best_x = x0.clone()
-        self.best_np = _kernels.as_array(self.best_x)
-        self.loc = np.full(b, -1, dtype=np.int64)
-        self.active = np.ones(b, dtype=bool)
+    def __init__(self, x0: torch.Tensor, max_iter: int, arrays: dict[str, tuple[tuple[int, ...], type]]):
+        b, d = x0.shape
+        self.X = x0.new_empty(2, b, d)
+        self.halves, self.Xn = (self.X[0], self.X[1]), self.X.numpy()
+        self.loc, self.active = np.empty(b, np.int64), np.empty(b, np.bool_)
+        self.best, self.trace = np.empty((2, b)), np.empty(max_iter)
+        self.arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in arrays.items()}
+        parts = (self.Xn, self.loc, self.active, self.best, self.trace, *self.arrays.values())
+        self.nbytes = sum(a.nbytes for a in parts)
 
-    def best(self) -> torch.Tensor:
-        _kernels.gather_best(self.Xn, self.loc, self.best_np)
-        return self.best_x
+    @classmethod
+    def take(cls, key: tuple, x0: torch.Tensor, max_iter: int, arrays: dict) -> _FusedRun:
+        run = workspace.take(key)
+        return run if run is not None else cls(x0, max_iter, arrays)
 
-    def run(self, g, max_iter: int, step) -> int:
-        """Iterate ``step(cur, fx) -> summary`` until the tracker stops; returns the number of f calls."""
-        tracker, nfe, halves = self.tracker, 0, (self.X[0], self.X[1])
+    def solve(self, g, x0: torch.Tensor, kernel, args: tuple, *, name: str, max_iter: int, tol: float,
+              stop_mode: str, keep_steps: Iterable[int], div_factor: float,
+              count: np.ndarray = _NO_COUNT, **extra) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
+        """Run ``kernel(k, f(X[k % 2]), X, *args, active, best_x, loc, best, trace, rel, tol, div_factor)``
+        from x0 until its status flags say stop; `count` is zeroed first (Broyden's stored-step counts)."""
+        best_x = x0.new_empty(x0.shape)  # the result: fresh, and it starts as x0
+        best_np, rel = best_x.numpy(), stop_mode == "rel"
+        _kernels.start(self.Xn, _kernels.as_array(x0), best_np, self.loc, self.active, self.best, count)
+        args = (self.Xn, *args, self.active, best_np, self.loc, self.best, self.trace, rel, tol, div_factor)
+        halves, keep = self.halves, sorted({int(k) for k in keep_steps})
+        kept: dict[int, torch.Tensor] = {}
+        # between two calls of f as little as possible runs here: f evicts the caches, and then every
+        # Python-level operation costs several times its warm price
         for k in range(max_iter):
-            cur = k & 1
-            fx = g(halves[cur])
-            nfe += 1
-            fx_np = fx.numpy() if fx.is_contiguous() and not fx.requires_grad else _kernels.as_array(fx)
-            stop = tracker.record(*step(cur, fx_np))
-            if tracker.keep_steps and tracker.steps in tracker.keep_steps:
-                tracker.kept[tracker.steps] = self.best().clone()
-            if stop or nfe == max_iter:
-                break
-        tracker.best_x = self.best()
-        return nfe
+            fx = g(halves[k & 1])
+            try:
+                fx_np = fx.numpy()
+            except (AttributeError, RuntimeError):
+                fx_np = _host_view(fx, self.Xn)
+            if not fx_np.flags.c_contiguous:  # else the kernel would compile again for strided arrays
+                fx_np = np.ascontiguousarray(fx_np)
+            flags = kernel(k, fx_np, *args)
+            if flags:
+                if flags & _kernels.BAD_SHAPE:
+                    raise ValueError(f"f returned shape {tuple(fx_np.shape)}, expected {tuple(x0.shape)}")
+                break  # steps in `keep` from here on keep the final best iterate
+            if keep and k + 1 in keep:
+                _kernels.gather_best(self.Xn, self.loc, best_np)
+                kept[k + 1] = best_x.clone()
+        nfe = k + 1
+        _kernels.gather_best(self.Xn, self.loc, best_np)
+        residuals = torch.from_numpy(self.best.astype(_NUMPY_DTYPES[x0.dtype]))  # (abs, rel)
+        return best_x, SolverStats(
+            nfe=nfe,
+            abs_residual=residuals[0],
+            rel_residual=residuals[1],
+            trace=torch.from_numpy(self.trace[:nfe].copy()),
+            converged=torch.from_numpy(self.best[1 if rel else 0] < tol),
+            solver=name,
+            stop_mode=stop_mode,
+            tol=tol,
+            nonfinite=bool(flags & _kernels.NONFINITE),
+            diverged=bool(flags & _kernels.DIVERGED),
+            extra=_kept_extra(keep, kept, best_x, extra),
+        )
+
+
+def _host_view(fx, X: np.ndarray) -> np.ndarray:
+    """f's output as a numpy array where `Tensor.numpy` refuses it: it requires grad, or it is no tensor."""
+    if not isinstance(fx, torch.Tensor):
+        raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(X.shape[1:])}")
+    return fx.detach().numpy()
 
 
 @register_solver("fixed_point")
@@ -327,25 +381,22 @@ def anderson(
     if not lam > 0:
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
     b, d = x0.shape
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
     if _kernels.usable(x0):
-        H, rel = np.zeros((b, m, m)), stop_mode == "rel"
-        with workspace.borrow(x0, G=(b, m, d), Y=(b, m, d), X=(2, b, d)) as ws:
-            G, Y, run = (
-                _kernels.as_array(ws["G"]),
-                _kernels.as_array(ws["Y"]),
-                _FusedRun(x0, tracker, ws["X"]),
-            )
-
-            def step(cur, fx):
-                k = tracker.steps
-                return _kernels.anderson_step(
-                    run.Xn, cur, fx, G, Y, H, k % m, min(k + 1, m), lam, tau, run.active, run.best_np,
-                    run.loc, tracker.best_abs, tracker.best_rel, rel, tol,
-                )  # fmt: skip
-
-            nfe = run.run(g, max_iter, step)
-        return tracker.result(), tracker.stats(nfe)
+        _check_solve_args(max_iter, tol, stop_mode)
+        dt = _NUMPY_DTYPES[x0.dtype]
+        # no zero fill: the kernel reads a slot of G, Y or H only once written
+        arrays = {"G": ((b, m, d), dt), "Y": ((b, m, d), dt), "H": ((b, m, m), np.float64)}
+        key = ("anderson", b, d, m, max_iter, x0.dtype)
+        run = _FusedRun.take(key, x0, max_iter, arrays)
+        try:
+            a = run.arrays
+            return run.solve(
+                g, x0, _kernels.anderson_step, (a["G"], a["Y"], a["H"], lam, tau), name="anderson",
+                max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
+            )  # fmt: skip
+        finally:
+            workspace.give(key, run, run.nbytes)
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
     # slots are read only once written (the products below cover the first n slots), so no zero fill
     Fb = x0.new_empty(b, m, d)  # f(x_j)
     G = x0.new_empty(b, m, d)  # g_j = f(x_j) - x_j
@@ -445,6 +496,17 @@ class LowRankInverse(InverseJacobian):
         return -y + torch.bmm(c, U)[:, 0].to(y.dtype)
 
 
+def _step_product_inverse(S: np.ndarray, Q: np.ndarray, count: np.ndarray, dtype: torch.dtype):
+    """The fused Broyden's final estimate from its stored steps (rounded values times their scales); slots
+    past a sample's own count hold no step and get a zero step and unit norm."""
+    L = int(count.max())
+    live = np.arange(L) < count[:, None]
+    steps = np.where(live[:, :, None], S[:, :L], 0).astype(_NUMPY_DTYPES[dtype])
+    steps *= np.where(live, Q[0, :, :L], 0.0)[:, :, None].astype(steps.dtype)
+    sn = np.where(live, Q[1, :, :L], 1.0)
+    return StepProductInverse(torch.from_numpy(steps), torch.from_numpy(sn), torch.from_numpy(count.copy()))
+
+
 class StepProductInverse(InverseJacobian):
     """B = P_k ... P_1 (-I) with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|², from the fused path of `broyden`.
 
@@ -505,38 +567,34 @@ def broyden(
     it once. With ``return_inverse=True`` the final estimate is exposed as ``stats.extra["inverse_jacobian"]``
     (an `InverseJacobian`) for SHINE (the DEQ module asks for it when b_mode is "shine").
     """
+    _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
     m = max_iter if m is None else int(m)
     if m < 1:
         raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
     if _kernels.usable(x0):
-        sn, count, rel = np.ones((b, m)), np.zeros(b, dtype=np.int64), stop_mode == "rel"
-        scale, coef = np.zeros((b, m)), np.zeros((b, m))
         qtype = _BROYDEN_STORAGE.get(x0.dtype, x0.dtype)  # see _kernels.broyden_step
         qmax = float(torch.iinfo(qtype).max) if not qtype.is_floating_point else 0.0
-        # the steps stay with the returned inverse estimate, so then they cannot come from the pool
-        pooled = {} if return_inverse else {"S": (b, m, d)}
-        with (
-            workspace.borrow(x0, X=(2, b, d)) as ws,
-            workspace.borrow(x0.new_empty(0, dtype=qtype), **pooled) as qs,
-        ):
-            S_t = x0.new_empty(b, m, d, dtype=qtype) if return_inverse else qs["S"]
-            S, run = _kernels.as_array(S_t), _FusedRun(x0, tracker, ws["X"])
-
-            def step(cur, fx):
-                return _kernels.broyden_step(
-                    run.Xn, cur, fx, S, qmax, scale, sn, coef, count, run.active, run.best_np, run.loc,
-                    tracker.best_abs, tracker.best_rel, rel, tol,
-                )  # fmt: skip
-
-            nfe = run.run(g, max_iter, step)
-        if not return_inverse:
-            return tracker.result(), tracker.stats(nfe)
-        L = int(count.max())
-        steps = S_t[:, :L].to(x0.dtype) * torch.from_numpy(scale[:, :L]).to(x0.dtype)[:, :, None]
-        inverse = StepProductInverse(steps, torch.from_numpy(sn), torch.from_numpy(count))
-        return tracker.result(), tracker.stats(nfe, inverse_jacobian=inverse)
+        # no zero fill: the kernel reads a stored step, scale, norm or factor only once written
+        arrays = {
+            "S": ((b, m, d), _NUMPY_DTYPES[qtype]), "Q": ((3, b, m), np.float64), "count": ((b,), np.int64),
+        }  # fmt: skip
+        key = ("broyden", b, d, m, max_iter, x0.dtype, qtype)
+        # the steps stay with a returned inverse estimate, so then they are the solve's own
+        run = _FusedRun(x0, max_iter, arrays) if return_inverse else _FusedRun.take(key, x0, max_iter, arrays)
+        S, Q, count = run.arrays["S"], run.arrays["Q"], run.arrays["count"]
+        try:
+            z, stats = run.solve(
+                g, x0, _kernels.broyden_step, (S, qmax, Q, count), count=count, name="broyden",
+                max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
+            )  # fmt: skip
+        finally:
+            if not return_inverse:
+                workspace.give(key, run, run.nbytes)
+        if return_inverse:
+            stats.extra["inverse_jacobian"] = _step_product_inverse(S, Q, count, x0.dtype)
+        return z, stats
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
     # empty, not zeros: with full memory m = max_iter, and only the slots in use are ever touched (zeroing
     # the whole buffer would fault in every page of a (B, max_iter, D) allocation up front)
     U = x0.new_empty(b, m, d)

@@ -163,3 +163,61 @@ def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
             reg = lam * H[b].diagonal().max()
             a = np.linalg.solve(H[b] + reg * np.eye(n), np.ones(n))
             np.testing.assert_allclose(W[:, k], a / a.sum(), rtol=1e-9)
+
+
+def test_step_status_flags_and_trace_entry():
+    """The kernels' end-of-step bookkeeping: trace entry, convergence, non-finite and divergence flags."""
+    np = pytest.importorskip("numpy")
+    best = np.array([[1.0, 2.0], [1e-6, 1e-7]])  # best absolute residuals, best relative ones
+    step_r, step_abs, trace = np.array([0.5, 0.25]), np.array([1.0, 3.0]), np.zeros(3)
+    # rel mode: every best relative residual is below tol; 3 <= 10 x (largest best absolute 2)
+    assert _kernels._finish(step_r, step_abs, best, True, 1e-5, 10.0, trace, 1) == _kernels.CONVERGED
+    assert trace.tolist() == [0.0, 0.5, 0.0]
+    step_abs[1] = 30.0  # abs mode: not converged, and 30 > 10 x 2 is divergence
+    assert _kernels._finish(step_r, step_abs, best, False, 1e-5, 10.0, trace, 2) == _kernels.DIVERGED
+    step_r[0] = np.nan  # a non-finite residual: flagged (and no divergence test), NaN in the trace
+    flags = _kernels._finish(step_r, step_abs, best, True, 1e-5, 10.0, trace, 0)
+    assert flags == _kernels.CONVERGED | _kernels.NONFINITE and np.isnan(trace[0])
+
+
+@pytest.mark.parametrize("solver", [anderson, broyden])
+def test_fused_path_checks_what_f_returns(monkeypatch, solver):
+    """Called directly (not through `solve`, which checks f's output itself), the fused path never reads past
+    its buffers: a misshapen output is an error naming both shapes; strided or grad-requiring outputs work."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    x0 = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"f returned shape \(5, 8\), expected \(4, 8\)"):
+        solver(lambda z: torch.zeros(5, 8), x0, max_iter=5, tol=1e-6)
+    with pytest.raises(TypeError, match="f returned tuple, expected a tensor of shape"):
+        solver(lambda z: (z,), x0, max_iter=5, tol=1e-6)
+    one = torch.ones(4, 8, requires_grad=True)
+    for f in (lambda z: (0.5 * z + 1).t().contiguous().t(), lambda z: 0.5 * z + one):
+        z, stats = solver(f, x0, max_iter=50, tol=1e-6)
+        assert stats.converged.all() and not z.requires_grad
+        torch.testing.assert_close(z, torch.full((4, 8), 2.0))
+
+
+@pytest.mark.parametrize("solver", [anderson, broyden])
+def test_nested_solves_of_one_shape_never_share_pooled_buffers(monkeypatch, solver):
+    """f itself runs a solve of the same shape and settings (the same pooled buffers, if they were shared)."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    g = torch.Generator().manual_seed(3)
+    W = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))[0] * 0.9
+    inj = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    x0 = torch.zeros(5, 16, dtype=torch.float64)
+
+    def f_direct(z):
+        return torch.tanh(z @ W.T + inj)
+
+    def f_nested(z):  # the pre-activation as the fixed point of y = (y + z Wᵀ + inj) / 2
+        pre = z @ W.T + inj
+        y, st = solver(lambda y: 0.5 * (y + pre), x0, max_iter=200, tol=1e-13)
+        assert st.converged.all()
+        return torch.tanh(y)
+
+    workspace.clear()
+    z_direct, _ = solver(f_direct, x0, max_iter=200, tol=1e-10)
+    pooled = workspace.pooled_bytes()
+    z_nested, _ = solver(f_nested, x0, max_iter=200, tol=1e-10)
+    torch.testing.assert_close(z_nested, z_direct, rtol=1e-8, atol=1e-8)
+    assert pooled > 0 and workspace.pooled_bytes() == pooled  # the solve's buffers are pooled once
