@@ -39,7 +39,7 @@ ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
 __all__ = [
     "AVAILABLE", "BAD_SHAPE", "CONVERGED", "DIVERGED", "ENABLED", "NONFINITE", "anderson_step", "as_array",
-    "broyden_step", "gather_best", "start", "usable",
+    "broyden_step", "gather_best", "outcome", "start", "usable",
 ]  # fmt: skip
 
 
@@ -178,6 +178,21 @@ def gather_best(X, loc, best_x):
     for b in range(best_x.shape[0]):
         if loc[b] >= 0:
             _copy(best_x[b], X[loc[b], b])
+
+
+@_jit
+def outcome(X, loc, best_x, best, trace, nfe, rel_mode, tol):
+    """End of a solve, in one call: the best iterates still in X copied to best_x, and fresh arrays of the
+    per-sample residuals (absolute, relative; in best_x's dtype), the converged flags and the trace."""
+    gather_best(X, loc, best_x)
+    B = best_x.shape[0]
+    res = np.empty((2, B), best_x.dtype)
+    conv = np.empty(B, np.bool_)
+    for b in range(B):
+        res[0, b] = best[0, b]
+        res[1, b] = best[1, b]
+        conv[b] = (best[1, b] if rel_mode else best[0, b]) < tol
+    return res, conv, trace[:nfe].copy()
 
 
 @_jit

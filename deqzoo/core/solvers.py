@@ -236,6 +236,7 @@ def _check_tau(tau: float) -> None:
 
 
 _BROYDEN_STORAGE = {torch.float32: torch.int16, torch.float64: torch.int32}
+_QMAX = {torch.int16: float(torch.iinfo(torch.int16).max), torch.int32: float(torch.iinfo(torch.int32).max)}
 _NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float64: np.float64, torch.int16: np.int16, torch.int32: np.int32,
 }  # fmt: skip
@@ -297,20 +298,20 @@ class _FusedRun:
                 _kernels.gather_best(self.Xn, self.loc, best_np)
                 kept[k + 1] = best_x.clone()
         nfe = k + 1
-        _kernels.gather_best(self.Xn, self.loc, best_np)
-        residuals = torch.from_numpy(self.best.astype(_NUMPY_DTYPES[x0.dtype]))  # (abs, rel)
+        res, conv, trace = _kernels.outcome(self.Xn, self.loc, best_np, self.best, self.trace, nfe, rel, tol)
+        abs_residual, rel_residual = torch.from_numpy(res).unbind(0)
         return best_x, SolverStats(
             nfe=nfe,
-            abs_residual=residuals[0],
-            rel_residual=residuals[1],
-            trace=torch.from_numpy(self.trace[:nfe].copy()),
-            converged=torch.from_numpy(self.best[1 if rel else 0] < tol),
+            abs_residual=abs_residual,
+            rel_residual=rel_residual,
+            trace=torch.from_numpy(trace),
+            converged=torch.from_numpy(conv),
             solver=name,
             stop_mode=stop_mode,
             tol=tol,
             nonfinite=bool(flags & _kernels.NONFINITE),
             diverged=bool(flags & _kernels.DIVERGED),
-            extra=_kept_extra(keep, kept, best_x, extra),
+            extra=_kept_extra(keep, kept, best_x, extra) if keep else extra,
         )
 
 
@@ -574,7 +575,7 @@ def broyden(
         raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
     if _kernels.usable(x0):
         qtype = _BROYDEN_STORAGE.get(x0.dtype, x0.dtype)  # see _kernels.broyden_step
-        qmax = float(torch.iinfo(qtype).max) if not qtype.is_floating_point else 0.0
+        qmax = _QMAX.get(qtype, 0.0)  # 0: float storage
         # no zero fill: the kernel reads a stored step, scale, norm or factor only once written
         arrays = {
             "S": ((b, m, d), _NUMPY_DTYPES[qtype]), "Q": ((3, b, m), np.float64), "count": ((b,), np.int64),
