@@ -104,9 +104,8 @@ def _begin(active, best, rel_mode):
 @_jit
 def _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs):
     """Record sample b's residual at X[cur, b] in step_r/step_abs and its best iterate (best[0] holds the
-    absolute residuals, best[1] the relative ones). Returns True when the sample takes a step; False when its
-    residual is not finite or it has converged (it is then frozen at its best iterate,
-    in both halves of X)."""
+    absolute residuals, best[1] the relative ones). Returns True when the sample takes a step; False when
+    its residual is not finite or it has converged (then it is frozen at its best iterate in both halves)."""
     a = np.sqrt(g_sq)
     rel = a / (np.sqrt(fx_sq) + 1e-12)
     r = rel if rel_mode else a
@@ -158,9 +157,9 @@ def _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k):
 
 
 @_jit
-def start(X, x0, best_x, loc, active, best, count):
+def start(X, x0, best_x, loc, active, best):
     """Per-solve reset of pooled state: X[0] = best_x = x0, no best iterate in X, every sample active, no
-    residual seen, no stored step (count)."""
+    residual seen."""
     for b in range(x0.shape[0]):
         _copy(X[0, b], x0[b])
         _copy(best_x[b], x0[b])
@@ -168,8 +167,6 @@ def start(X, x0, best_x, loc, active, best, count):
         active[b] = True
         best[0, b] = np.inf
         best[1, b] = np.inf
-    for b in range(count.shape[0]):
-        count[b] = 0
 
 
 @_jit
@@ -405,6 +402,8 @@ def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, 
     if B != X.shape[1] or d != X.shape[2]:
         return BAD_SHAPE
     scale, sn, coef = Q[0], Q[1], Q[2]
+    if k == 0:  # a solve starts with no stored step
+        count[:] = 0
     m = S.shape[1]
     cur = k & 1
     nxt = 1 - cur

@@ -107,7 +107,7 @@ def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: 
     """stats.extra: the copies kept for fixed-point correction (steps after the solve ended keep the final
     best iterate) and the solver's own entries."""
     if not keep_steps:
-        return dict(extra)
+        return extra
     return {"kept": {k: kept.get(k, best_x) for k in keep_steps}, **extra}
 
 
@@ -242,9 +242,6 @@ _NUMPY_DTYPES = {
 }  # fmt: skip
 
 
-_NO_COUNT = np.empty(0, np.int64)
-
-
 class _FusedRun:
     """The buffers and per-sample state of solves driven by a fused CPU kernel (see `_kernels`), made once per
     thread and shape and then lent from the workspace pool (`take`/`give`), numpy views included.
@@ -270,12 +267,12 @@ class _FusedRun:
 
     def solve(self, g, x0: torch.Tensor, kernel, args: tuple, *, name: str, max_iter: int, tol: float,
               stop_mode: str, keep_steps: Iterable[int], div_factor: float,
-              count: np.ndarray = _NO_COUNT, **extra) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
+              **extra) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
         """Run ``kernel(k, f(X[k % 2]), X, *args, active, best_x, loc, best, trace, rel, tol, div_factor)``
-        from x0 until its status flags say stop; `count` is zeroed first (Broyden's stored-step counts)."""
+        from x0 until its status flags say stop."""
         best_x = x0.new_empty(x0.shape)  # the result: fresh, and it starts as x0
         best_np, rel = best_x.numpy(), stop_mode == "rel"
-        _kernels.start(self.Xn, _kernels.as_array(x0), best_np, self.loc, self.active, self.best, count)
+        _kernels.start(self.Xn, _kernels.as_array(x0), best_np, self.loc, self.active, self.best)
         args = (self.Xn, *args, self.active, best_np, self.loc, self.best, self.trace, rel, tol, div_factor)
         halves, keep = self.halves, sorted({int(k) for k in keep_steps})
         kept: dict[int, torch.Tensor] = {}
@@ -311,7 +308,7 @@ class _FusedRun:
             tol=tol,
             nonfinite=bool(flags & _kernels.NONFINITE),
             diverged=bool(flags & _kernels.DIVERGED),
-            extra=_kept_extra(keep, kept, best_x, extra) if keep else extra,
+            extra=_kept_extra(keep, kept, best_x, extra),
         )
 
 
@@ -381,9 +378,9 @@ def anderson(
         raise ValueError(f"anderson memory m must be >= 1, got {m}")
     if not lam > 0:
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
+    _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
     if _kernels.usable(x0):
-        _check_solve_args(max_iter, tol, stop_mode)
         dt = _NUMPY_DTYPES[x0.dtype]
         # no zero fill: the kernel reads a slot of G, Y or H only once written
         arrays = {"G": ((b, m, d), dt), "Y": ((b, m, d), dt), "H": ((b, m, m), np.float64)}
@@ -586,7 +583,7 @@ def broyden(
         S, Q, count = run.arrays["S"], run.arrays["Q"], run.arrays["count"]
         try:
             z, stats = run.solve(
-                g, x0, _kernels.broyden_step, (S, qmax, Q, count), count=count, name="broyden",
+                g, x0, _kernels.broyden_step, (S, qmax, Q, count), name="broyden",
                 max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
         finally:
