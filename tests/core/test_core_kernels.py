@@ -78,6 +78,30 @@ def test_batch_invariance(monkeypatch):
             torch.testing.assert_close(si.abs_residual, st.abs_residual[i : i + 1], rtol=1e-6, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_broyden_samples_swept_in_pairs_match_their_own_solves(monkeypatch, dtype, tol):
+    """The kernel sweeps two samples' stored steps side by side; a sample paired with another that holds a
+    different number of steps (samples 1 and 4 restart at every step: their residual never changes, so
+    every secant denominator is 0) still gets exactly its own solve."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    g = torch.Generator().manual_seed(2)
+    W = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))[0].to(dtype) * 1.2
+    inj = torch.randn(6, 40, generator=g, dtype=torch.float64).to(dtype)
+    stuck = torch.zeros(6, 1, dtype=torch.bool)
+    stuck[[1, 4]] = True
+
+    def f(z, rows=slice(None)):
+        return torch.where(stuck[rows], z + 1.0, torch.tanh(z @ W.T + inj[rows]))
+
+    x0 = torch.zeros(6, 40, dtype=dtype)
+    z, st = broyden(f, x0, max_iter=60, tol=tol)
+    assert st.converged.tolist() == [True, False, True, True, False, True]
+    for i in range(6):
+        zi, si = broyden(lambda z, i=i: f(z, slice(i, i + 1)), x0[i : i + 1], max_iter=60, tol=tol)
+        torch.testing.assert_close(zi, z[i : i + 1], rtol=10 * tol, atol=10 * tol)
+        assert si.converged.item() == st.converged[i].item()
+
+
 def test_caller_x0_is_never_written_and_result_is_fresh(monkeypatch):
     monkeypatch.setattr(_kernels, "ENABLED", True)
     f, _ = _tanh_layer(norm=0.9)
@@ -125,17 +149,28 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_absmax_matches_numpy_and_propagates_nan(dtype):
+def test_abs_bits_max_matches_numpy_and_propagates_nan(dtype):
+    """Broyden's kernel scales a stored step by its largest |entry|, taken as an integer max over
+    `_abs_bits` (vectorises, unlike numba's float max): that max must order like |x| with NaN above inf."""
     np = pytest.importorskip("numpy")
+    numba = pytest.importorskip("numba")
+
+    @numba.njit
+    def absmax(v):
+        m = _kernels._abs_bits(v[0])
+        for i in range(1, v.shape[0]):
+            m = max(m, _kernels._abs_bits(v[i]))
+        return _kernels._from_bits(m)
+
     rng = np.random.default_rng(0)
     v = rng.standard_normal(515).astype(dtype)  # odd length: the vector loop's remainder counts too
     v[514] = -7.5
-    assert _kernels._absmax(v) == float(np.abs(v).max()) == 7.5
+    assert absmax(v) == float(np.abs(v).max()) == 7.5
     v[3] = -np.inf
-    assert _kernels._absmax(v) == np.inf
+    assert absmax(v) == np.inf
     v[100] = np.nan  # above inf: a non-finite step must not get a finite scale
-    assert np.isnan(_kernels._absmax(v))
-    assert _kernels._absmax(np.zeros(8, dtype)) == 0.0
+    assert np.isnan(absmax(v))
+    assert absmax(np.zeros(8, dtype)) == 0.0
 
 
 def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
@@ -216,3 +251,17 @@ def test_nested_solves_of_one_shape_never_share_pooled_buffers(monkeypatch, solv
     z_nested, _ = solver(f_nested, x0, max_iter=200, tol=1e-10)
     torch.testing.assert_close(z_nested, z_direct, rtol=1e-8, atol=1e-8)
     assert pooled > 0 and workspace.pooled_bytes() == pooled  # the solve's buffers are pooled once
+
+
+@pytest.mark.parametrize("solver", [anderson, broyden])
+def test_float32_norms_fall_back_to_float64_past_overflow(monkeypatch, solver):
+    """The kernels sum float32 squares in float32; where that overflows (|f|² ~ 7e39 here, float32 stops at
+    3.4e38) they sum again in float64, so a finite state never reads as non-finite."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    c = torch.full((2, 8), 3e19)
+    z, st = solver(lambda z: 0.5 * z + c, torch.zeros(2, 8), max_iter=50, tol=1e-5)
+    assert not st.nonfinite and st.converged.all()
+    torch.testing.assert_close(z, 2 * c, rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        st.abs_residual.double(), (0.5 * z + c - z).double().norm(dim=1), rtol=1e-5, atol=0
+    )
