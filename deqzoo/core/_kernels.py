@@ -463,25 +463,26 @@ def _broyden_store(b, v, dL, k, fx, X, S, qmax, Q, count):
         L = 0
     f = T(factor)
     top = _abs_bits(T(0.0))
-    for i in range(d):  # the step, the next iterate, and the step's largest |entry| (for its scale)
-        si = f * v[i]
-        v[i] = si
-        ob[i] = xb[i] + si
-        top = max(top, _abs_bits(si))
+    for i in range(d):  # largest |w_i|: the step's is |factor| times it (rounding is monotone)
+        top = max(top, _abs_bits(v[i]))
     sl = S[b, L]
     q_sq = 0.0
     if qmax > 0.0:
-        sc = np.float64(_from_bits(top)) / qmax
+        sc = np.float64(abs(f) * _from_bits(top)) / qmax
         inv = T(1.0 / sc) if sc > 0.0 else T(0.0)
-        for i in range(d):
-            qi = np.rint(v[i] * inv)  # |qi| <= qmax by the choice of sc
+        for i in range(d):  # the step, the next iterate and the stored step in one pass
+            si = f * v[i]
+            ob[i] = xb[i] + si
+            qi = np.rint(si * inv)  # |qi| <= qmax by the choice of sc
             sl[i] = S.dtype.type(qi)
             q_sq += np.float64(qi) * np.float64(qi)
     else:  # stored as is
         sc = 1.0
         for i in range(d):
-            sl[i] = v[i]
-            q_sq += np.float64(v[i]) * np.float64(v[i])
+            si = f * v[i]
+            ob[i] = xb[i] + si
+            sl[i] = si
+            q_sq += np.float64(si) * np.float64(si)
     scale[b, L] = sc
     sn[b, L] = np.float64(q_sq) * sc * sc
     coef[b, L] = scale[b, L - 1] * sc / sn[b, L - 1] if L > 0 else 0.0
