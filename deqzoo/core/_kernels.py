@@ -164,6 +164,21 @@ def _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, st
     return True
 
 
+@_jit(inline="always")
+def _sq_norms(g_sq, fx_sq, fb, xb):
+    """|f - x|², |f|² as float64 from sums taken in fb's dtype; where those overflowed, summed again in
+    float64 (exact), so a finite state never reads as non-finite."""
+    g2, f2 = np.float64(g_sq), np.float64(fx_sq)
+    if np.isfinite(g2) and np.isfinite(f2):
+        return g2, f2
+    g2, f2 = 0.0, 0.0
+    for i in range(fb.shape[0]):
+        gi = np.float64(fb[i]) - np.float64(xb[i])
+        g2 += gi * gi
+        f2 += np.float64(fb[i]) * np.float64(fb[i])
+    return g2, f2
+
+
 CONVERGED, NONFINITE, DIVERGED, BAD_SHAPE = 1, 2, 4, 8  # the kernels' status flags (0: keep going)
 
 
@@ -263,9 +278,7 @@ def anderson_step(k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace,
             ys[i] = fb[i] - keep * gi
             g_sq += gi * gi
             fx_sq += fb[i] * fb[i]
-        g2, f2 = np.float64(g_sq), np.float64(fx_sq)
-        if not (np.isfinite(g2) and np.isfinite(f2)):
-            g2, f2 = _sq_norms64(fb, xb)
+        g2, f2 = _sq_norms(g_sq, fx_sq, fb, xb)
         if not _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g2, f2, step_r, step_abs):
             continue
         go[n_go] = b
@@ -391,18 +404,6 @@ def _sweep(Sb, cb, L, v, d):
             s += r * t
         e = s
     return np.float64(e)
-
-
-@_jit
-def _sq_norms64(fb, xb):
-    """|f - x|², |f|² accumulated in float64: the exact fallback when a sum in fb's dtype overflowed."""
-    g_sq = 0.0
-    fx_sq = 0.0
-    for i in range(fb.shape[0]):
-        gi = np.float64(fb[i]) - np.float64(xb[i])
-        g_sq += gi * gi
-        fx_sq += np.float64(fb[i]) * np.float64(fb[i])
-    return g_sq, fx_sq
 
 
 @_jit
@@ -537,9 +538,7 @@ def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, 
             g_sq += gi * gi
             fx_sq += fb[i] * fb[i]
             d0 -= T(row0[i]) * gi  # row 0 is garbage (unused) with no stored step, but finite: ints or floats
-        g2, f2 = np.float64(g_sq), np.float64(fx_sq)
-        if not (np.isfinite(g2) and np.isfinite(f2)):
-            g2, f2 = _sq_norms64(fb, xb)
+        g2, f2 = _sq_norms(g_sq, fx_sq, fb, xb)
         if not _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g2, f2, step_r, step_abs):
             continue
         if held < 0:
