@@ -11,9 +11,9 @@ Problems (float32, CPU, one thread):
 
 For each (problem, solver, library) it records NFE, the final residual (recomputed independently at the
 returned state: max over samples of ||f(z) - z|| / ||f(z)||), the time of the solve, the time spent
-inside f (f wrapped by a timer), the overhead share (1 - time in f / time), and ratios to TorchDEQ. Times are
-CPU time of the (single) compute thread, `time.thread_time`: on a shared machine wall time mostly measures
-the other processes. Runs are
+inside f (f wrapped by a timer), the overhead share (1 - time in f / time), and ratios to TorchDEQ, with the
+range over rounds of the share and the ratio. Times are CPU time of the (single) compute thread,
+`time.thread_time`: on a shared machine wall time mostly measures the other processes. Runs are
 interleaved (every library and solver once per round) and the median over rounds is reported, because the
 machine is shared. TorchDEQ runs with its defaults (Anderson m=6, lam=1e-4; full-memory Broyden), ours with
 deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden), i.e. on CPU the fused numba kernels
@@ -173,7 +173,7 @@ def run(
         for (solver, lib), rs in runs.items():
             med_time = statistics.median(r["time"] for r in rs)
             med_f = statistics.median(r["time_in_f"] for r in rs)
-            overhead = statistics.median(1 - r["time_in_f"] / r["time"] for r in rs)
+            shares = [1 - r["time_in_f"] / r["time"] for r in rs]
             residual = _max_rel_residual(f_raw, rs[-1]["z"])
             table.setdefault(solver, {})[lib] = {
                 "nfe": rs[-1]["nfe"],
@@ -181,7 +181,9 @@ def run(
                 "converged": residual < tol,
                 "time_s": med_time,
                 "time_in_f_s": med_f,
-                "overhead_share": overhead,
+                "overhead_share": statistics.median(shares),
+                # the spread over rounds: how much the machine's load moved the median
+                "overhead_share_range": [min(shares), max(shares)],
                 "time_per_nfe_ms": 1e3 * med_time / rs[-1]["nfe"],
             }
         for solver, by_lib in table.items():
@@ -193,6 +195,7 @@ def run(
                     for a, b in zip(runs[(solver, "deqzoo")], runs[(solver, "torchdeq")])
                 ]
                 ours["time_ratio_to_torchdeq"] = statistics.median(ratios)
+                ours["time_ratio_range"] = [min(ratios), max(ratios)]
                 ours["nfe_ratio_to_torchdeq"] = ours["nfe"] / ref["nfe"]
         results[pname] = table
     return {

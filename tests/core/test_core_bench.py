@@ -26,6 +26,10 @@ def test_bench_solvers_quick(tmp_path, capsys):
                 "nfe_ratio_to_torchdeq",
             ):
                 assert key in ours, key
+            lo, hi = ours["overhead_share_range"]
+            assert lo <= ours["overhead_share"] <= hi, (pname, solver, ours)
+            lo, hi = ours["time_ratio_range"]
+            assert lo <= ours["time_ratio_to_torchdeq"] <= hi, (pname, solver, ours)
             # independently recomputed residual agrees with the claim of convergence
             assert ours["converged"] and ours["final_rel_residual"] < res["tol"], (pname, solver, ours)
             if ref["converged"]:
