@@ -18,7 +18,8 @@ interleaved (every library and solver once per round) and the median over rounds
 machine is shared. TorchDEQ runs with its defaults (Anderson m=6, lam=1e-4; full-memory Broyden), ours with
 deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden), i.e. on CPU the fused numba kernels
 (``DEQZOO_KERNELS=0`` benchmarks the torch path instead); both stop on the per-sample maximum relative
-residual. The first round also compiles or loads the kernels; the median over rounds leaves that out.
+residual. A first, unrecorded round compiles or loads the kernels and fills the buffer pools (of both
+libraries' first solves); the medians and ranges are over the rounds after it.
 TorchDEQ receives the same flat f (TorchDEQ's own DEQ core flattens tuple states too).
 Writes JSON (default ``bench_results/solvers.json``) and prints a table.
 """
@@ -161,14 +162,15 @@ def run(
     for pname, (f_raw, x0) in problems(quick).items():
         f = TimedF(f_raw)
         runs: dict[tuple[str, str], list[dict]] = {}
-        for _ in range(repeats):
+        for round_ in range(1 + repeats):  # round 0 warms up: kernels compiled or loaded, buffers pooled
             for solver in solvers:
                 for lib, runner in libs.items():
                     f.reset()
                     z, seconds = runner(solver, f, x0.clone(), tol, max_iter)
-                    runs.setdefault((solver, lib), []).append(
-                        {"time": seconds, "time_in_f": f.seconds, "nfe": f.calls, "z": z}
-                    )
+                    if round_ > 0:
+                        runs.setdefault((solver, lib), []).append(
+                            {"time": seconds, "time_in_f": f.seconds, "nfe": f.calls, "z": z}
+                        )
         table = {}
         for (solver, lib), rs in runs.items():
             med_time = statistics.median(r["time"] for r in rs)
@@ -230,7 +232,9 @@ def format_table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deqzoo bench solvers", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes (CI)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="rounds after a warm-up round (default 5, quick 2)"
+    )
     parser.add_argument("--tol", type=float, default=1e-5)
     parser.add_argument("--max-iter", type=int, default=200)
     parser.add_argument("--solvers", default=",".join(SOLVERS))
