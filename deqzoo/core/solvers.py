@@ -188,16 +188,6 @@ class _Tracker:
                 self.diverged = True
             return bool(best.max() < self.tol) or self.nonfinite or self.diverged
 
-    def record(self, r_max: float, abs_max: float, n_bad: int, best_max: float, best_abs_max: float) -> bool:
-        """Bookkeeping after a fused kernel step (which already updated the per-sample best residuals): the
-        step's maxima come from the kernel. Returns True when the solve should stop, as `update_host`."""
-        self.trace.append(r_max if n_bad == 0 else math.nan)
-        self.steps += 1
-        self.nonfinite = n_bad > 0
-        if not self.nonfinite and abs_max > self.div_factor * max(best_abs_max, 1e-30):
-            self.diverged = True
-        return best_max < self.tol or self.nonfinite or self.diverged
-
     def result(self) -> torch.Tensor:
         """The best iterate (a fresh tensor, never the caller's x0 itself)."""
         if self.best_x.data_ptr() == self.x0.data_ptr():
@@ -227,7 +217,6 @@ class _Tracker:
             diverged=self.diverged,
             extra=_kept_extra(self.keep_steps, self.kept, self.best_x, extra),
         )
-
 
 
 def _check_tau(tau: float) -> None:

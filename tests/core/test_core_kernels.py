@@ -143,17 +143,15 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
     assert workspace.pooled_bytes() == 100
     assert workspace.take("k") == "first" and workspace.take("k") is None  # on loan: not lent twice
     assert workspace.pooled_bytes() == 0
-    monkeypatch.setenv("DEQZOO_WORKSPACE_MB", "0")
-    workspace.give("k", "first", nbytes=100)  # the variable is read at import: still pooled
-    assert workspace.pooled_bytes() == 100 and workspace.take("k") == "first"
     try:
-        workspace.set_limit(None)  # re-read: 0 MiB
-        workspace.give("k", "first", nbytes=100)  # over the limit: dropped
-        assert workspace.pooled_bytes() == 0 and workspace.take("k") is None
         workspace.set_limit(1e-4)  # 104 bytes
-        workspace.give("k", "first", nbytes=100)
+        monkeypatch.setenv("DEQZOO_WORKSPACE_MB", "0")
+        workspace.give("k", "first", nbytes=100)  # the variable is not read per call: still pooled
         workspace.give("j", "second", nbytes=100)  # 200 > 104: dropped
         assert workspace.pooled_bytes() == 100 and workspace.take("j") is None
+        workspace.set_limit(None)  # re-read: 0 MiB, so nothing more fits
+        workspace.give("j", "second", nbytes=1)
+        assert workspace.take("j") is None and workspace.take("k") == "first"
     finally:
         monkeypatch.delenv("DEQZOO_WORKSPACE_MB")
         workspace.set_limit(None)
