@@ -40,8 +40,9 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
 __all__ = [
-    "AVAILABLE", "BAD_SHAPE", "CONVERGED", "DIVERGED", "ENABLED", "NONFINITE", "anderson_step", "as_array",
-    "broyden_step", "gather_best", "outcome", "start", "usable",
+    "AVAILABLE", "BAD_SHAPE", "CONVERGED", "DIVERGED", "ENABLED", "H_BEST_X", "NONFINITE", "address",
+    "anderson_entry", "anderson_step", "as_array", "broyden_entry", "broyden_step", "entry_point",
+    "gather_best", "header", "outcome", "start", "usable",
 ]  # fmt: skip
 
 
@@ -98,6 +99,18 @@ if numba is not None:
             return None
         to = _FLOATS[u]
         return to(u), lambda context, builder, sig, args: builder.bitcast(args[0], context.get_value_type(to))
+
+    @_intrinsic
+    def _pointer(typingctx, addr, like):
+        """The integer address `addr` as a pointer to elements of the type of the scalar `like`."""
+        if not isinstance(addr, _types.Integer) or not isinstance(like, (_types.Number, _types.Boolean)):
+            return None
+        ptr = _types.CPointer(like)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(addr, like), codegen
 
 
 @_jit
@@ -555,3 +568,88 @@ def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, 
         dL = _sweep(S[held], coef[held], count[held], V[0], held_d)
         _broyden_store(held, V[0], dL, k, fx, X, S, qmax, Q, count)
     return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)
+
+
+# A run's header: the shapes and buffer addresses a step reads (an int64 array built by `header`). Steps
+# called through it take plain integers and scalars: with cold caches after f, the dispatcher's type
+# resolution and the unboxing of a dozen arrays cost ~10 us per call, about as much as 20% of a step.
+H_B, H_D, H_T, H_M = 0, 1, 2, 3  # batch, state size, trace length, history length (axis 1 of the first array)
+H_X, H_BEST_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE = 4, 5, 6, 7, 8, 9
+H_ARRAYS = 10  # the solver's own arrays from here (Broyden S, Q, count; Anderson G, Y, H)
+HEADER = 13
+
+
+def address(a: np.ndarray) -> int:
+    """The address of a numpy array's first element."""
+    return a.__array_interface__["data"][0]
+
+
+def header(X: np.ndarray, loc, active, best, trace, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The header of a run whose buffers are these arrays (C-contiguous, owned by the caller for as long as
+    the header is used). The result's address (H_BEST_X) is set per solve."""
+    h = np.zeros(HEADER, np.int64)
+    h[[H_B, H_D, H_T, H_M]] = X.shape[1], X.shape[2], trace.shape[0], arrays[0].shape[1]
+    for i, a in zip((H_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE), (X, loc, active, best, trace)):
+        h[i] = address(a)
+    for i, a in enumerate(arrays):
+        if not a.flags.c_contiguous:  # a step would read it as contiguous
+            raise ValueError(f"run buffer {i} is not C-contiguous (strides {a.strides})")
+        h[H_ARRAYS + i] = address(a)
+    return h
+
+
+@_jit
+def _run_views(header_addr, x_like):
+    """The header and the buffers every step uses, as arrays over the addresses the header holds."""
+    h = numba.carray(_pointer(header_addr, np.int64(0)), HEADER)
+    B, d = h[H_B], h[H_D]
+    X = numba.carray(_pointer(h[H_X], x_like), (2, B, d))
+    best_x = numba.carray(_pointer(h[H_BEST_X], x_like), (B, d))
+    loc = numba.carray(_pointer(h[H_LOC], np.int64(0)), B)
+    active = numba.carray(_pointer(h[H_ACTIVE], False), B)
+    best = numba.carray(_pointer(h[H_BEST], 0.0), (2, B))
+    trace = numba.carray(_pointer(h[H_TRACE], 0.0), h[H_T])
+    return h, X, best_x, loc, active, best, trace
+
+
+@_jit
+def broyden_entry(k, fx_addr, header_addr, x_like, s_like, qmax, rel_mode, tol, div_factor):
+    """`broyden_step` on the run described by the header at `header_addr`, with f's output at `fx_addr` (a
+    C-contiguous (B, D) block of x_like's type); s_like has the stored steps' type."""
+    h, X, best_x, loc, active, best, trace = _run_views(header_addr, x_like)
+    B, d, m = h[H_B], h[H_D], h[H_M]
+    fx = numba.carray(_pointer(fx_addr, x_like), (B, d))
+    S = numba.carray(_pointer(h[H_ARRAYS], s_like), (B, m, d))
+    Q = numba.carray(_pointer(h[H_ARRAYS + 1], 0.0), (3, B, m))
+    count = numba.carray(_pointer(h[H_ARRAYS + 2], np.int64(0)), B)
+    return broyden_step(
+        k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, rel_mode, tol, div_factor
+    )
+
+
+@_jit
+def anderson_entry(k, fx_addr, header_addr, x_like, lam, tau, rel_mode, tol, div_factor):
+    """`anderson_step` on the run described by the header at `header_addr` (see `broyden_entry`)."""
+    h, X, best_x, loc, active, best, trace = _run_views(header_addr, x_like)
+    B, d, m = h[H_B], h[H_D], h[H_M]
+    fx = numba.carray(_pointer(fx_addr, x_like), (B, d))
+    G = numba.carray(_pointer(h[H_ARRAYS], x_like), (B, m, d))
+    Y = numba.carray(_pointer(h[H_ARRAYS + 1], x_like), (B, m, d))
+    H = numba.carray(_pointer(h[H_ARRAYS + 2], 0.0), (B, m, m))
+    return anderson_step(
+        k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace, rel_mode, tol, div_factor
+    )
+
+
+_ENTRIES: dict = {}
+
+
+def entry_point(kernel, args: tuple):
+    """`kernel` compiled for the types of `args`, as its bare compiled entry: a call skips the dispatcher's
+    type resolution, so every later call must pass arguments of the same types (numbers, not arrays)."""
+    key = (kernel, tuple(type(a) for a in args))
+    ep = _ENTRIES.get(key)
+    if ep is None:
+        ep = kernel.compile(tuple(numba.typeof(a) for a in args))
+        _ENTRIES[key] = ep if callable(ep) else kernel  # the dispatcher itself is always a correct fallback
+    return ep

@@ -229,6 +229,7 @@ _QMAX = {torch.int16: float(torch.iinfo(torch.int16).max), torch.int32: float(to
 _NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float64: np.float64, torch.int16: np.int16, torch.int32: np.int32,
 }  # fmt: skip
+_SCALAR = {t: np_t(0) for t, np_t in _NUMPY_DTYPES.items()}  # the kernel entries' element-type tokens
 
 
 class _FusedRun:
@@ -248,38 +249,47 @@ class _FusedRun:
         self.arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in arrays.items()}
         parts = (self.Xn, self.loc, self.active, self.best, self.trace, *self.arrays.values())
         self.nbytes = sum(a.nbytes for a in parts)
+        # the kernels' entries read the buffers through this header; it lives (and dies) with them
+        self.header = _kernels.header(
+            self.Xn, self.loc, self.active, self.best, self.trace, tuple(self.arrays.values())
+        )
+        self.header_addr = _kernels.address(self.header)
 
     @classmethod
     def take(cls, key: tuple, x0: torch.Tensor, max_iter: int, arrays: dict) -> _FusedRun:
         run = workspace.take(key)
         return run if run is not None else cls(x0, max_iter, arrays)
 
-    def solve(self, g, x0: torch.Tensor, kernel, args: tuple, *, name: str, max_iter: int, tol: float,
+    def solve(self, g, x0: torch.Tensor, entry, consts: tuple, *, name: str, max_iter: int, tol: float,
               stop_mode: str, keep_steps: Iterable[int], div_factor: float,
               **extra) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
-        """Run ``kernel(k, f(X[k % 2]), X, *args, active, best_x, loc, best, trace, rel, tol, div_factor)``
-        from x0 until its status flags say stop."""
+        """Run ``entry(k, address of f(X[k % 2]), header address, *consts, rel, tol, div_factor)`` (a
+        `_kernels` entry: numbers in, status flags out) from x0 until its flags say stop."""
         # the result: fresh, and it starts as x0 (`new_empty` costs twice as much with cold caches)
         best_x = torch.empty_like(x0, memory_format=torch.contiguous_format)
         best_np, rel = best_x.numpy(), stop_mode == "rel"
         _kernels.start(self.Xn, _kernels.as_array(x0), best_np, self.loc, self.active, self.best)
-        args = (self.Xn, *args, self.active, best_np, self.loc, self.best, self.trace, rel, tol, div_factor)
-        halves, keep = self.halves, sorted({int(k) for k in keep_steps})
+        self.header[_kernels.H_BEST_X] = best_x.data_ptr()
+        args = (*consts, rel, float(tol), float(div_factor))
+        step, head = _kernels.entry_point(entry, (0, 0, 0, *args)), self.header_addr
+        halves, shape, dtype = self.halves, x0.shape, x0.dtype
+        keep = sorted({int(k) for k in keep_steps})
         kept: dict[int, torch.Tensor] = {}
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
-        # Python-level operation costs several times its warm price
+        # Python-level operation costs several times its warm price (a few attribute reads and one call of
+        # the compiled step on plain integers; `Tensor.numpy` alone would cost ~9 us)
         for k in range(max_iter):
             fx = g(halves[k & 1])
-            try:
-                fx_np = fx.numpy()
-            except (AttributeError, RuntimeError):
-                fx_np = _host_view(fx, self.Xn)
-            if not fx_np.flags.c_contiguous:  # else the kernel would compile again for strided arrays
-                fx_np = np.ascontiguousarray(fx_np)
-            flags = kernel(k, fx_np, *args)
+            try:  # the common case: f's output can be read in place
+                plain = fx.shape == shape and fx.dtype is dtype and fx.is_contiguous()
+                plain = plain and fx.is_cpu and not fx.is_neg()
+            except AttributeError:
+                plain = False
+            if not plain:
+                fx = _conform(fx, shape, dtype)
+            # fx stays referenced until the step returns, so the address stays valid
+            flags = step(k, fx.data_ptr(), head, *args)
             if flags:
-                if flags & _kernels.BAD_SHAPE:
-                    raise ValueError(f"f returned shape {tuple(fx_np.shape)}, expected {tuple(x0.shape)}")
                 break  # steps in `keep` from here on keep the final best iterate
             if keep and k + 1 in keep:
                 _kernels.gather_best(self.Xn, self.loc, best_np)
@@ -303,11 +313,14 @@ class _FusedRun:
         )
 
 
-def _host_view(fx, X: np.ndarray) -> np.ndarray:
-    """f's output as a numpy array where `Tensor.numpy` refuses it: it requires grad, or it is no tensor."""
+def _conform(fx, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """f's output as a contiguous CPU tensor of the state's dtype (a copy where it is strided, a view, of
+    another dtype or requires grad), or an error naming what f returned and what was expected."""
     if not isinstance(fx, torch.Tensor):
-        raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(X.shape[1:])}")
-    return fx.detach().numpy()
+        raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(shape)}")
+    if fx.shape != shape:
+        raise ValueError(f"f returned shape {tuple(fx.shape)}, expected {tuple(shape)}")
+    return fx.detach().to("cpu", dtype).resolve_neg().contiguous()
 
 
 @register_solver("fixed_point")
@@ -378,9 +391,8 @@ def anderson(
         key = ("anderson", b, d, m, max_iter, x0.dtype)
         run = _FusedRun.take(key, x0, max_iter, arrays)
         try:
-            a = run.arrays
             return run.solve(
-                g, x0, _kernels.anderson_step, (a["G"], a["Y"], a["H"], lam, tau), name="anderson",
+                g, x0, _kernels.anderson_entry, (_SCALAR[x0.dtype], float(lam), float(tau)), name="anderson",
                 max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
         finally:
@@ -574,7 +586,7 @@ def broyden(
         S, Q, count = run.arrays["S"], run.arrays["Q"], run.arrays["count"]
         try:
             z, stats = run.solve(
-                g, x0, _kernels.broyden_step, (S, qmax, Q, count), name="broyden",
+                g, x0, _kernels.broyden_entry, (_SCALAR[x0.dtype], _SCALAR[qtype], qmax), name="broyden",
                 max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
         finally:
