@@ -16,7 +16,11 @@ best iterate of a sample is not copied when it improves; ``loc[b]`` records whic
 
 A step also does the solve's bookkeeping (the per-step trace entry and the stop test) and returns one integer
 of status flags, so between two calls of f the host runs only the call itself: on CPU, f evicts the
-caches, and there every Python-level operation costs several times its warm price.
+caches, and there every Python-level operation costs several times its warm price. For the same reason the
+solvers call a step through its entry (`broyden_entry`, `anderson_entry`) on plain numbers: the address of
+f's output and of a run header holding the buffers' shapes and addresses (`header`), with the compiled
+entry itself (`entry_point`), not numba's dispatcher. With cold caches, the dispatcher's type resolution
+and the unboxing of a dozen arrays cost ~10 us per call, as much as 20% of a small step.
 
 The solvers use these kernels for CPU float32/float64 states when numba imports and ``DEQZOO_KERNELS`` is not
 ``0``; otherwise they run their torch path (same method; the tests check the two agree).
@@ -570,9 +574,8 @@ def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, 
     return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)
 
 
-# A run's header: the shapes and buffer addresses a step reads (an int64 array built by `header`). Steps
-# called through it take plain integers and scalars: with cold caches after f, the dispatcher's type
-# resolution and the unboxing of a dozen arrays cost ~10 us per call, about as much as 20% of a step.
+# A run's header: the shapes and buffer addresses a step reads (an int64 array built by `header`; see the
+# module docstring for why steps take addresses).
 H_B, H_D, H_T, H_M = 0, 1, 2, 3  # batch, state size, trace length, history length (axis 1 of the first array)
 H_X, H_BEST_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE = 4, 5, 6, 7, 8, 9
 H_ARRAYS = 10  # the solver's own arrays from here (Broyden S, Q, count; Anderson G, Y, H)

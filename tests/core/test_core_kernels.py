@@ -223,15 +223,33 @@ def test_step_status_flags_and_trace_entry():
 @pytest.mark.parametrize("solver", [anderson, broyden])
 def test_fused_path_checks_what_f_returns(monkeypatch, solver):
     """Called directly (not through `solve`, which checks f's output itself), the fused path never reads past
-    its buffers: a misshapen output is an error naming both shapes; strided or grad-requiring outputs work."""
+    its buffers: a misshapen output is an error naming both shapes, and so is a misshapen output after good
+    ones; strided, grad-requiring, other-dtype or negated-view outputs are read as their values."""
     monkeypatch.setattr(_kernels, "ENABLED", True)
     x0 = torch.zeros(4, 8)
     with pytest.raises(ValueError, match=r"f returned shape \(5, 8\), expected \(4, 8\)"):
         solver(lambda z: torch.zeros(5, 8), x0, max_iter=5, tol=1e-6)
+    calls = []
+
+    def shrinks(z):  # fine twice, then one sample short
+        calls.append(1)
+        return 0.5 * z + 1 if len(calls) < 3 else torch.zeros(3, 8)
+
+    with pytest.raises(ValueError, match=r"f returned shape \(3, 8\), expected \(4, 8\)"):
+        solver(shrinks, x0, max_iter=50, tol=1e-6)
     with pytest.raises(TypeError, match="f returned tuple, expected a tensor of shape"):
         solver(lambda z: (z,), x0, max_iter=5, tol=1e-6)
     one = torch.ones(4, 8, requires_grad=True)
-    for f in (lambda z: (0.5 * z + 1).t().contiguous().t(), lambda z: 0.5 * z + one):
+
+    def negated_view(z):  # the imaginary part of a conjugate: a tensor with the negative bit set
+        return torch.complex(torch.zeros_like(z), -(0.5 * z + 1)).conj().imag
+
+    for f in (
+        lambda z: (0.5 * z + 1).t().contiguous().t(),
+        lambda z: 0.5 * z + one,
+        lambda z: (0.5 * z + 1).double(),
+        negated_view,
+    ):
         z, stats = solver(f, x0, max_iter=50, tol=1e-6)
         assert stats.converged.all() and not z.requires_grad
         torch.testing.assert_close(z, torch.full((4, 8), 2.0))
@@ -275,3 +293,36 @@ def test_float32_norms_fall_back_to_float64_past_overflow(monkeypatch, solver):
     torch.testing.assert_close(
         st.abs_residual.double(), (0.5 * z + c - z).double().norm(dim=1), rtol=1e-5, atol=0
     )
+
+
+def test_run_header_holds_the_buffers_and_entries_are_the_compiled_steps():
+    """The header a step reads its buffers through: shapes and addresses of the run's own arrays (a strided
+    buffer is refused); an entry point is compiled once per argument types and computes what the dispatcher
+    computes (a direct call of the same step on a copy of the state)."""
+    import numpy as np
+
+    b, d, m = 3, 8, 4
+    X, loc, active = np.zeros((2, b, d), np.float32), np.zeros(b, np.int64), np.ones(b, np.bool_)
+    best, trace = np.full((2, b), np.inf), np.zeros(10)
+    S, Q, count = np.zeros((b, m, d), np.int16), np.zeros((3, b, m)), np.zeros(b, np.int64)
+    h = _kernels.header(X, loc, active, best, trace, (S, Q, count))
+    assert list(h[:4]) == [b, d, 10, m] and h[4] == X.ctypes.data and h[10] == S.ctypes.data
+    with pytest.raises(ValueError, match="run buffer 1 is not C-contiguous"):
+        _kernels.header(X, loc, active, best, trace, (S, np.zeros((b, 3, m)).transpose(1, 0, 2), count))
+
+    best_x = np.zeros((b, d), np.float32)
+    h[_kernels.H_BEST_X] = best_x.ctypes.data
+    args = (np.float32(0), np.int16(0), 32767.0, True, 1e-6, 1e6)
+    step = _kernels.entry_point(_kernels.broyden_entry, (0, 0, 0, *args))
+    assert step is _kernels.entry_point(_kernels.broyden_entry, (1, 2, 3, *args))  # compiled once
+    fx = np.random.default_rng(0).standard_normal((b, d)).astype(np.float32)
+    copies = [a.copy() for a in (X, S, Q, count, active, best_x, loc, best, trace)]
+    for k in range(3):  # the same three steps, through the header and directly on the copies
+        flags = step(k, fx.ctypes.data, _kernels.address(h), *args)
+        X2, S2, Q2, c2, a2, bx2, l2, b2, t2 = copies
+        flags2 = _kernels.broyden_step(k, fx, X2, S2, 32767.0, Q2, c2, a2, bx2, l2, b2, t2, True, 1e-6, 1e6)
+        assert flags == flags2
+        np.testing.assert_array_equal(X, X2)
+        np.testing.assert_array_equal(S, S2)
+        np.testing.assert_array_equal(best, b2)
+        fx = fx * 0.5 + 0.1
