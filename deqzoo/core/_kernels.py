@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
 __all__ = [
-    "AVAILABLE", "BAD_SHAPE", "CONVERGED", "DIVERGED", "ENABLED", "H_BEST_X", "NONFINITE", "address",
+    "AVAILABLE", "CONVERGED", "DIVERGED", "ENABLED", "H_BEST_X", "NONFINITE", "address",
     "anderson_entry", "anderson_step", "as_array", "broyden_entry", "broyden_step", "entry_point",
     "gather_best", "header", "outcome", "start", "usable",
 ]  # fmt: skip
@@ -197,7 +197,7 @@ def _sq_norms(g_sq, fx_sq, fb, xb):
     return g2, f2
 
 
-CONVERGED, NONFINITE, DIVERGED, BAD_SHAPE = 1, 2, 4, 8  # the kernels' status flags (0: keep going)
+CONVERGED, NONFINITE, DIVERGED = 1, 2, 4  # the kernels' status flags (0: keep going)
 
 
 @_jit
@@ -268,12 +268,10 @@ def anderson_step(k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace,
     G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
     Gram matrix (float64), m = G.shape[1] slots used in turn. The mixing weights solve
     (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky, `_mixing_weights`); a
-    non-positive pivot or a non-finite value falls back to a plain damped step. Returns `_finish`'s flags
-    (BAD_SHAPE, touching nothing, when fx is not shaped like X[0]).
+    non-positive pivot or a non-finite value falls back to a plain damped step. fx is shaped like X[0] (the
+    entries build it so; the solvers check f's output). Returns `_finish`'s flags.
     """
     B, d = fx.shape
-    if B != X.shape[1] or d != X.shape[2]:
-        return BAD_SHAPE
     m = G.shape[1]
     slot, n = k % m, min(k + 1, m)
     cur = k & 1
@@ -528,12 +526,9 @@ def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, 
     S[b, :count[b]] holds the steps; Q = (scale, sn, coef) their scales, squared norms (of the stored values)
     and the sweep's constant factors coef[b, j] = scale[b, j-1] scale[b, j] / sn[b, j-1], all set when step j
     is stored. A full memory (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I,
-    keeping the new step. Returns `_finish`'s flags (BAD_SHAPE, touching nothing, when fx is not shaped like
-    X[0]).
+    keeping the new step. fx is shaped like X[0], as in `anderson_step`. Returns `_finish`'s flags.
     """
     B, d = fx.shape
-    if B != X.shape[1] or d != X.shape[2]:
-        return BAD_SHAPE
     coef = Q[2]
     if k == 0:  # a solve starts with no stored step
         count[:] = 0
@@ -592,12 +587,11 @@ def header(X: np.ndarray, loc, active, best, trace, arrays: tuple[np.ndarray, ..
     the header is used). The result's address (H_BEST_X) is set per solve."""
     h = np.zeros(HEADER, np.int64)
     h[[H_B, H_D, H_T, H_M]] = X.shape[1], X.shape[2], trace.shape[0], arrays[0].shape[1]
-    for i, a in zip((H_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE), (X, loc, active, best, trace)):
-        h[i] = address(a)
-    for i, a in enumerate(arrays):
-        if not a.flags.c_contiguous:  # a step would read it as contiguous
-            raise ValueError(f"run buffer {i} is not C-contiguous (strides {a.strides})")
-        h[H_ARRAYS + i] = address(a)
+    slots = (H_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE, *range(H_ARRAYS, H_ARRAYS + len(arrays)))
+    for slot, a in zip(slots, (X, loc, active, best, trace, *arrays)):
+        if not a.flags.c_contiguous:  # a step reads every buffer as contiguous
+            raise ValueError(f"run buffer at header slot {slot} is not C-contiguous (strides {a.strides})")
+        h[slot] = address(a)
     return h
 
 

@@ -307,7 +307,7 @@ def test_run_header_holds_the_buffers_and_entries_are_the_compiled_steps():
     S, Q, count = np.zeros((b, m, d), np.int16), np.zeros((3, b, m)), np.zeros(b, np.int64)
     h = _kernels.header(X, loc, active, best, trace, (S, Q, count))
     assert list(h[:4]) == [b, d, 10, m] and h[4] == X.ctypes.data and h[10] == S.ctypes.data
-    with pytest.raises(ValueError, match="run buffer 1 is not C-contiguous"):
+    with pytest.raises(ValueError, match="run buffer at header slot 11 is not C-contiguous"):
         _kernels.header(X, loc, active, best, trace, (S, np.zeros((b, 3, m)).transpose(1, 0, 2), count))
 
     best_x = np.zeros((b, d), np.float32)
