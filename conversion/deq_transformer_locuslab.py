@@ -154,7 +154,7 @@ def write_converted(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out:
     model.save_pretrained(out)
     write_model_card(
         out, model_id=f"converted/{out.name}", title=f"DEQ-Transformer converted from {source}",
-        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["wikitext-103"],
+        pipeline_tag="text-generation", task_module="pydoc_lm", datasets=["wikitext-103"],
         dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", *tags, "converted"],
         train_command=f"# trained by the original authors ({source}); converted with deqzoo convert",
         eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",

@@ -39,11 +39,16 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
 
 
 def _task_module(directory: Path, meta: dict[str, Any]):
+    from deqzoo.tasks import task_module
+
     name = meta.get("deqzoo_task")
     if not name:
         raise SystemExit(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key "
-                         "naming the task module")
-    return importlib.import_module(name)
+                         "naming the task")
+    try:
+        return task_module(name)
+    except ValueError as err:
+        raise SystemExit(f"{directory / 'README.md'}: {err}") from None
 
 
 def _load(name: str, deq: dict[str, Any] | None = None):

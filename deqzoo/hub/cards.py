@@ -102,7 +102,7 @@ def write_model_card(
         >>> from deqzoo.hub.cards import write_model_card, read_model_card
         >>> d = tempfile.mkdtemp()
         >>> _ = write_model_card(d, model_id="deqzoo/mdeq-tiny-mnist", title="MDEQ tiny (MNIST)",
-        ...     pipeline_tag="image-classification", task_module="deqzoo.tasks.mnist", datasets=["mnist"],
+        ...     pipeline_tag="image-classification", task_module="mnist", datasets=["mnist"],
         ...     dataset_name="MNIST", metrics=[{"type": "accuracy", "name": "Test accuracy", "value": 0.98}],
         ...     tags=["mdeq"], train_command="python examples/mdeq/train_mnist.py",
         ...     eval_command="deqzoo eval deqzoo/mdeq-tiny-mnist", body_markdown="Trained on MNIST.")

@@ -1,0 +1,45 @@
+"""Task modules: data, `evaluate`, `demo` and `predict` for each kind of checkpoint.
+
+A model card's `deqzoo_task` metadata selects one of the tasks registered here by name; it never names code to
+import. A new task costs its module and one entry in `TASKS`.
+
+Example:
+    >>> from deqzoo.tasks import TASKS, task_module
+    >>> "mnist" in TASKS
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module; the only modules a checkpoint's card can select
+TASKS: dict[str, str] = {
+    "mnist": "deqzoo.tasks.mnist",
+    "pydoc_lm": "deqzoo.tasks.pydoc_lm",
+    "chains": "deqzoo.tasks.chains",
+}
+
+
+def register_task(name: str, module: str) -> None:
+    """Register a task module by name (for code that ships its own task, e.g. a plugin or a test)."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"task name must be a non-empty string, got {name!r}")
+    TASKS[name] = module
+
+
+def task_name(value: object) -> str:
+    """The registered task a card's `deqzoo_task` value selects (short name or the module's full name)."""
+    if isinstance(value, str):
+        if value in TASKS:
+            return value
+        for name, module in TASKS.items():  # cards written before the registry named the module
+            if module == value:
+                return name
+    raise ValueError(f"deqzoo_task {value!r} is not a registered task; registered tasks: {sorted(TASKS)}")
+
+
+def task_module(value: object) -> ModuleType:
+    """Import the module of the registered task a card's `deqzoo_task` value selects."""
+    return importlib.import_module(TASKS[task_name(value)])

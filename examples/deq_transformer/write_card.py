@@ -164,7 +164,7 @@ limit=8: perplexity {sub['perplexity']:.4f}, mean NFE {sub['mean_nfe']:.4f}.
 """
     write_model_card(
         ckpt, model_id="deqzoo/deq-transformer-tiny-pydoc", title="DEQ-Transformer tiny (pydoc topics)",
-        pipeline_tag="text-generation", task_module="deqzoo.tasks.pydoc_lm", datasets=["python-pydoc-topics"],
+        pipeline_tag="text-generation", task_module="pydoc_lm", datasets=["python-pydoc-topics"],
         dataset_name="Python pydoc_data.topics (held-out topics)",
         metrics=[{"type": "perplexity", "name": "Held-out perplexity", "value": full["perplexity"]},
                  {"type": "mean_nfe", "name": "Mean forward NFE per chunk", "value": full["mean_nfe"]}],

@@ -103,7 +103,7 @@ pred2 = model(ds.x, adjacency=ds.adjacency()).logits.argmax(-1)  # torch sparse 
         model_id="deqzoo/ignn-chains",
         title=f"IGNN on chains (length {length})",
         pipeline_tag="graph-ml",
-        task_module="deqzoo.tasks.chains",
+        task_module="chains",
         datasets=["chains-synthetic"],
         dataset_name=f"Synthetic chains (length {length}, seed 42)",
         metrics=metric_list,

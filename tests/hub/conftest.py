@@ -124,8 +124,12 @@ sys.modules.setdefault(TOY_MODULE, sys.modules[__name__])
 def toy_family():
     from deqzoo.integrations.transformers import register_family, unregister_family
 
+    from deqzoo.tasks import TASKS, register_task
+
     register_family(TOY_FAMILY)
+    register_task(TOY_MODULE, TOY_MODULE)
     yield TOY_FAMILY
+    TASKS.pop(TOY_MODULE, None)
     unregister_family(TOY_FAMILY.model_type)
 
 
