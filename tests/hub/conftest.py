@@ -123,7 +123,6 @@ sys.modules.setdefault(TOY_MODULE, sys.modules[__name__])
 @pytest.fixture
 def toy_family():
     from deqzoo.integrations.transformers import register_family, unregister_family
-
     from deqzoo.tasks import TASKS, register_task
 
     register_family(TOY_FAMILY)
