@@ -10,6 +10,16 @@ import torch
 _NESTED_KEYS = ("model_state_dict", "state_dict", "model")
 
 
+def check_output(src: str | Path, out: str | Path) -> None:
+    """Refuse an output folder that is, or contains, the source file (a save there must never touch it), or
+    that is an existing file."""
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if src_path == out_path or out_path in src_path.parents:
+        raise ValueError(f"output {out} contains the source {src}; choose an output folder outside it")
+    if out_path.exists() and not out_path.is_dir():
+        raise FileExistsError(f"output {out} exists and is a file; a checkpoint is a folder")
+
+
 def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
     """An original-format state dict (plain, or nested under a training container's key), read with
     ``torch.load(weights_only=True)``: a whole pickled model, or any pickle that would run code, is refused.

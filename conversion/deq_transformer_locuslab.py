@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._common import load_state_dict
+from ._common import check_output, load_state_dict
 
 _ATTN = "model.func.blocks.0.dec_attn."
 _FF = "model.func.blocks.0.pos_ff."
@@ -172,6 +172,7 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     Example:
         >>> convert("pretrained_deq.pth", "deq-wt103", pre_lnorm=False)  # doctest: +SKIP
     """
+    check_output(src, out)
     sd = load_state_dict(src)
     folded = fold_weight_norm(sd)
     kwargs = infer_config(folded, **options)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._common import load_state_dict
+from ._common import check_output, load_state_dict
 from .deq_transformer_locuslab import _take, adaptive_layout, write_converted
 
 # deq-lm's run.sh evaluation: fixed-point iteration, 12 steps
@@ -122,6 +122,7 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     Example:
         >>> convert("deq_lm.pth", "deq-lm-wt103")  # doctest: +SKIP
     """
+    check_output(src, out)
     raw = load_state_dict(src)
     sd = fold_norms(raw, target_norm=float(options.get("norm_target_norm", 1.0)),
                     clip=bool(options.get("norm_clip", False)),

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._common import load_state_dict
+from ._common import check_output, load_state_dict
 
 __all__ = ["FORMATS", "convert", "load_state_dict", "save_converted"]
 
@@ -103,6 +103,7 @@ def convert(
     """
     from deqzoo.models.ignn import IGNNConfig, IGNNForGraphClassification, IGNNForNodeClassification
 
+    check_output(src, out)
     src = Path(src)
     sd = load_state_dict(src)
     ids = layer_ids(sd, src)

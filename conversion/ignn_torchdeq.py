@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._common import load_state_dict
+from ._common import check_output, load_state_dict
 from .ignn_swiftieh import save_converted, take
 
 __all__ = ["FORMATS", "convert"]
@@ -59,6 +59,7 @@ def convert(
     """Convert a TorchDEQ deq-zoo/ignn chains-style state dict into a deqzoo checkpoint directory `out`."""
     from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
 
+    check_output(src, out)
     src = Path(src)
     sd = load_state_dict(src)
     if any(k.startswith(("ignn.", "proj.")) for k in sd):

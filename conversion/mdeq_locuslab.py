@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import yaml
 
+from ._common import check_output
+
 __all__ = [
     "DROPPED", "FORMATS", "KEY_MAP", "ConversionError", "KeyMapEntry", "apply_key_map", "canonical_locuslab",
     "config_from_yaml", "convert", "convert_state_dict", "infer_structure", "key_map", "load_checkpoint",
@@ -661,6 +663,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> P
         >>> convert("MDEQ_S.pkl", "out/mdeq-imagenet-small", arch="mdeq-imagenet-small")  # doctest: +SKIP
         PosixPath('out/mdeq-imagenet-small')
     """
+    check_output(src, out)
     src, out = Path(src), Path(out)
     sd = canonical_locuslab(load_checkpoint(src), src)
     model, info = convert_state_dict(sd, options, src)

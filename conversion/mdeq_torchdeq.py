@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from . import mdeq_locuslab
+from ._common import check_output
 
 FORMAT = "mdeq-torchdeq"
 
@@ -81,6 +82,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> P
         >>> convert("final_state.pth.tar", "out/tiny", arch="mdeq-cifar-tiny")   # doctest: +SKIP
         PosixPath('out/tiny')
     """
+    check_output(src, out)
     src, out = Path(src), Path(out)
     model, info = convert_state_dict(_L.load_checkpoint(src), options, src)
     return _L.write_converted(model, info, src, out, FORMAT, "TorchDEQ deq-zoo MDEQ")

@@ -137,6 +137,12 @@ def cmd_convert(args) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    src, out = Path(args.src).resolve(), Path(args.out).resolve()
+    if out == src or out in src.parents:
+        raise ValueError(f"output {args.out} contains the source {args.src}; choose an output folder "
+                         "outside it (the source is never modified)")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {args.out} exists and is a file; a checkpoint is a folder")
     out = formats[args.format](args.src, args.out, **options)
     print(f"wrote {out}")
     return 0

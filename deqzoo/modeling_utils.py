@@ -83,7 +83,7 @@ class DEQPreTrainedModel(PreTrainedModel):
 
         A failed save leaves any previous checkpoint in `save_directory` untouched and no partial directory.
         """
-        from .hub.loading import atomic_save
+        from .hub.saving import atomic_save
 
         kwargs.pop("safe_serialization", None)  # always safetensors
         if not (args[0] if args else kwargs.get("is_main_process", True)):

@@ -2,9 +2,10 @@
 
 from .cards import read_model_card, write_model_card
 from .catalog import load_catalog
-from .loading import atomic_save, is_offline, load_state_dict, resolve
+from .loading import is_offline, load_state_dict, resolve
 from .push import push_folder
 from .safetensors_io import CheckpointError
+from .saving import atomic_save
 
 
 def save(model, directory, processor=None):

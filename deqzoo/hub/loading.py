@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .catalog import NAMESPACE, REPO_ROOT, load_catalog, sha256_file
-from .safetensors_io import PICKLE_SUFFIXES, CheckpointError, read_safetensors_header, weight_files
+from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
+from .saving import recover
 
 logger = logging.getLogger("deqzoo")
 # What we fetch from the Hub: configs, safetensors, cards, tokenizer/processor text files. Never pickles.
@@ -81,6 +79,7 @@ def resolve(
         True
     """
     path = Path(name_or_path).expanduser()
+    recover(path)  # a save of this folder was interrupted: finish or undo it first
     if path.is_dir():
         return path
     name = str(name_or_path)
@@ -252,80 +251,3 @@ def load_config(config_cls: type, directory: Path):
         raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} but {config_cls.__name__} "
                               f"expects {want!r}")
     return config_cls.from_pretrained(str(directory))
-
-
-def _is_weights_file(name: str) -> bool:
-    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name.endswith(
-        PICKLE_SUFFIXES)
-
-
-def _normal_permissions(root: Path) -> None:
-    """mkdtemp (and some writers) create owner-only modes; a saved checkpoint gets the umask's usual modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for path in root.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def _swappable(target: Path) -> bool:
-    """A directory we may replace wholesale: a flat checkpoint folder (no subfolders), not the cwd."""
-    if target == Path.cwd().resolve():
-        return False
-    entries = list(target.iterdir())
-    return len(entries) <= 64 and all(entry.is_file() for entry in entries)
-
-
-def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *,
-                keep_existing: bool = True) -> Path:
-    """Run `write(tmp_dir)` in a temporary sibling directory, then move the result into place.
-
-    A failure while writing (exception, full disk, interrupt) leaves the previous checkpoint untouched
-    and no partial directory or file behind. A new or flat checkpoint directory is swapped in with one rename;
-    a directory holding subfolders (e.g. a training output dir) gets each new file renamed in atomically and
-    its stale weight files removed. With `keep_existing`, files that `write` did not produce (model card,
-    processor or tokenizer files) stay, as with transformers' in-place saving; old weight files never do.
-    """
-    target = Path(directory).resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        _normal_permissions(tmp)
-        if not target.exists() or (target.is_dir() and not any(target.iterdir()) and target != Path.cwd()):
-            if target.exists():
-                target.rmdir()
-            os.replace(tmp, target)
-        elif target.is_dir() and _swappable(target):
-            if keep_existing:
-                for old in target.iterdir():
-                    if not (tmp / old.name).exists() and not _is_weights_file(old.name):
-                        shutil.copy2(old, tmp / old.name)
-            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            backup.rmdir()
-            os.replace(target, backup)
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                os.replace(backup, target)
-                raise
-            shutil.rmtree(backup, ignore_errors=True)
-        elif target.is_dir():
-            produced = {p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()}
-            for rel in sorted(produced):
-                (target / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp / rel, target / rel)
-            for old in target.iterdir():
-                if old.is_file() and _is_weights_file(old.name) and old.relative_to(target) not in produced:
-                    old.unlink()
-            if not keep_existing:
-                for old in target.iterdir():
-                    if old.is_file() and old.relative_to(target) not in produced:
-                        old.unlink()
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            raise FileExistsError(f"{target}: exists and is not a directory")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target

@@ -179,16 +179,17 @@ def test_copy_of_checkpoint_loads_identically(toy_checkpoint, tmp_path):
         assert torch.equal(value, loaded.state_dict()[key])
 
 
-def test_resave_keeps_card_and_processor_but_not_old_weights(toy_checkpoint):
+def test_resave_keeps_card_processor_and_user_files(toy_checkpoint):
+    """A save replaces only what it writes: a .bin beside the checkpoint is the user's file (issue 17)."""
     directory, _ = toy_checkpoint
     card = (directory / "README.md").read_bytes()
-    (directory / "pytorch_model.bin").write_bytes(b"stale pickle")
+    (directory / "pytorch_model.bin").write_bytes(b"user pickle")
     torch.manual_seed(5)
     other = toy.ToyDEQForImageClassification(toy.ToyDEQConfig())
     other.save_pretrained(directory)
     assert (directory / "README.md").read_bytes() == card
     assert (directory / "preprocessor_config.json").is_file()
-    assert not (directory / "pytorch_model.bin").exists()
+    assert (directory / "pytorch_model.bin").read_bytes() == b"user pickle"
     assert torch.equal(deqzoo.from_pretrained(directory).mix.weight, other.mix.weight)
 
 
