@@ -62,7 +62,7 @@ def _which(directory, old, new) -> str:
 
 def _fork_save(model, target, *, stage: str | None = None, env: dict | None = None, chdir=None,
                mid_write: bool = False) -> int:
-    """Save `model` to `target` in a forked child killed at `stage`; returns the child's signal (0 if none)."""
+    """Save `model` to `target` in a child killed at `stage`; returns the child's signal (0 if none)."""
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
         try:
