@@ -53,6 +53,14 @@ class DEQTransformerConfig(DEQPretrainedConfig):
     """
 
     model_type = "deq_transformer"
+    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
+    value_ranges = {
+        "vocab_size": (1, 10_000_000), "d_model": (1, 65536), "n_head": (1, 1024), "d_head": (1, 65536),
+        "d_inner": (1, 1 << 20), "d_embed": (1, 65536), "n_block": (1, 64), "explicit_layers": (0, 1024),
+        "cutoffs": (1, 10_000_000), "div_val": (1, 64), "tgt_len": (1, 1 << 20), "mem_len": (0, 1 << 20),
+        "local_size": (0, 1 << 20), "dropout": (0.0, 1.0), "dropatt": (0.0, 1.0),
+        "jac_reg_weight": (0.0, None),
+    }
 
     def __init__(
         self,

@@ -62,6 +62,12 @@ class IGNNConfig(DEQPretrainedConfig):
     """
 
     model_type = "ignn"
+    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
+    value_ranges = {
+        "in_features": (1, 1 << 24), "hidden_size": (1, 65536), "num_layers": (1, 64), "kappa": (0.0, None),
+        "spectral_radius": (0.0, None), "pf_tol": (0.0, 1.0), "pf_max_iter": (1, 1_000_000),
+        "norm_clip_value": (0.0, None), "dropout": (0.0, 1.0), "graph_head_hidden": (1, 65536),
+    }
 
     def __init__(
         self,

@@ -75,6 +75,15 @@ class MDEQConfig(DEQPretrainedConfig):
     """
 
     model_type = "mdeq"
+    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
+    value_ranges = {
+        "in_channels": (1, 1024), "branch_channels": (1, 65536), "num_blocks": (1, 64), "big_kernels": (0, 2),
+        "expansion_factor": (1e-3, 64), "num_groups": (1, 4096), "dropout": (0.0, 1.0),
+        "downsample_times": (0, 8), "head_channels": (1, 65536), "final_chansize": (1, 65536),
+        "final_conv_kernel": (1, 3), "bn_momentum": (0.0, 1.0), "num_layers": (0, 1024),
+        "image_size": (1, 65536), "spectral_fft_size": (1, 8192), "init_std": (0.0, None),
+        "jac_loss_weight": (0.0, None),
+    }
 
     def __init__(
         self,
