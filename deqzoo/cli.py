@@ -81,6 +81,7 @@ def cmd_info(args) -> int:
     import deqzoo
     from deqzoo.factory import _find_preset, checkpoint_card
     from deqzoo.hub.loading import embedded_entry
+    from deqzoo.hub.validation import confined, read_json
 
     family, preset = _find_preset(args.name)
     if preset is not None:
@@ -88,7 +89,7 @@ def cmd_info(args) -> int:
                          default=str))
         return 0
     directory, meta, metrics = checkpoint_card(args.name)
-    config = json.loads((directory / "config.json").read_text())
+    config = read_json(confined(directory, "config.json", directory))
     entry = embedded_entry(args.name) or {}
     info = {"id": entry.get("id", args.name), "directory": str(directory),
             "model_type": config.get("model_type"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from .hub.cards import card_metrics, read_model_card
 from .hub.catalog import load_catalog
 from .hub.loading import CheckpointError, resolve
+from .hub.validation import confined, read_json
 from .integrations.transformers import family_for, register_all, registered_families
 
 
@@ -86,19 +86,24 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only", "force_download")
            if k in kwargs}
     directory = resolve(name_or_path, **hub)
-    config_path = directory / "config.json"
+    config_path = confined(directory, "config.json", directory)
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_path}: malformed JSON ({err})") from err
+    raw = read_json(config_path)
     model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{config_path}: key 'model_type' must be a string naming the family, "
+                              f"got {model_type!r}")
     try:
         family = family_for(model_type)
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from err
-    cls = _model_class(family, architectures=raw.get("architectures"))
+    architectures = raw.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        raise CheckpointError(f"{config_path}: key 'architectures' must be a list of class names, "
+                              f"got {architectures!r}")
+    cls = _model_class(family, architectures=architectures)
     model = cls.from_pretrained(directory, deq=deq, **kwargs)
     model.name_or_path = str(name_or_path)
     return model

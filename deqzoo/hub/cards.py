@@ -13,7 +13,10 @@ from typing import Any
 
 import yaml
 
+from .validation import confined, load_yaml
+
 CARD_NAME = "README.md"
+MAX_CARD_BYTES = 16 * 1024 * 1024
 _FRONT = "---"
 
 
@@ -179,17 +182,20 @@ def read_model_card(directory: str | os.PathLike) -> tuple[dict[str, Any], str]:
     """
     path = Path(directory)
     if path.is_dir():
-        path = path / CARD_NAME
-    text = path.read_text(encoding="utf-8")
+        path = confined(path, CARD_NAME, path)
+    size = path.stat().st_size
+    if size > MAX_CARD_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, above the limit of {MAX_CARD_BYTES:,} for a model card")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: a model card must be UTF-8 text ({err})") from err
     lines = text.splitlines(keepends=True)
     if not lines or lines[0].strip() != _FRONT:
         return {}, text
     for end in range(1, len(lines)):
         if lines[end].strip() == _FRONT:
-            try:
-                meta = yaml.safe_load("".join(lines[1:end])) or {}
-            except yaml.YAMLError as err:
-                raise ValueError(f"{path}: malformed YAML front matter: {err}") from err
+            meta = load_yaml("".join(lines[1:end]), path) or {}
             if not isinstance(meta, dict):
                 raise ValueError(f"{path}: YAML front matter must be a mapping, got {type(meta).__name__}")
             return meta, "".join(lines[end + 1:]).lstrip("\n")
@@ -199,9 +205,14 @@ def read_model_card(directory: str | os.PathLike) -> tuple[dict[str, Any], str]:
 def card_metrics(metadata: dict[str, Any]) -> dict[str, float]:
     """Flatten model-index results into {metric type: value}."""
     out: dict[str, float] = {}
-    for entry in metadata.get("model-index") or []:
-        for result in entry.get("results") or []:
-            for metric in result.get("metrics") or []:
+
+    def items(value: Any, key: str) -> list[dict]:  # card metadata comes from anyone: skip malformed parts
+        found = value.get(key) if isinstance(value, dict) else None
+        return [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
+
+    for entry in items(metadata, "model-index"):
+        for result in items(entry, "results"):
+            for metric in items(result, "metrics"):
                 out[str(metric.get("type") or metric.get("name"))] = metric.get("value")
     return out
 

@@ -6,7 +6,6 @@ reported at once: missing, unexpected and mis-shaped keys (with both shapes) and
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from .catalog import NAMESPACE, REPO_ROOT, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
+from .validation import check_budget, confined, read_json
 
 logger = logging.getLogger("deqzoo")
 # What we fetch from the Hub: configs, safetensors, cards, tokenizer/processor text files. Never pickles.
@@ -150,7 +150,8 @@ def load_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tenso
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Raise listing missing, unexpected and mis-shaped keys (both shapes); tied duplicates may be absent."""
+    """Raise listing missing, unexpected, mis-shaped keys (both shapes) and dtypes that would need more than a
+    floating-point cast; tied duplicates may be absent."""
     expected = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for key, value in expected.items():
@@ -159,7 +160,10 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     unexpected = [k for k in state if k not in expected]
     misshaped = [(k, tuple(state[k].shape), tuple(expected[k].shape))
                  for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)]
-    if not (missing or unexpected or misshaped):
+    mistyped = [(k, state[k].dtype, expected[k].dtype) for k in state if k in expected
+                and state[k].dtype != expected[k].dtype
+                and not (state[k].dtype.is_floating_point and expected[k].dtype.is_floating_point)]
+    if not (missing or unexpected or misshaped or mistyped):
         return
     lines = [f"{source}: weights do not match the model built from its config ({type(model).__name__}):"]
     if missing:
@@ -168,6 +172,9 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         lines.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(unexpected))
     for key, got, want in misshaped:
         lines.append(f"  mis-shaped key {key}: checkpoint {list(got)} vs model {list(want)}")
+    for key, got, want in mistyped:
+        lines.append(f"  dtype of key {key}: checkpoint {got} vs model {want} (only floating-point weights "
+                     "may be cast)")
     raise CheckpointError("\n".join(lines))
 
 
@@ -186,9 +193,14 @@ def load_pretrained(
     deq: dict[str, Any] | None = None,
     dtype: Any = None,
     device_map: Any = None,
+    max_parameters: int | None = None,
     **kwargs: Any,
 ):
-    """Build `model_cls` from its config and load verified safetensors weights (`deqzoo.from_pretrained`)."""
+    """Build `model_cls` from its config and load verified safetensors weights (`deqzoo.from_pretrained`).
+
+    Before anything is allocated, the model is built on the meta device: its size is checked against the
+    parameter budget (`max_parameters`, $DEQZOO_MAX_PARAMETERS, 1e9) and its keys, shapes and dtypes against
+    the safetensors headers."""
     if kwargs.pop("use_safetensors", None) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
     dtype = dtype if dtype is not None else kwargs.pop("torch_dtype", None)
@@ -203,6 +215,7 @@ def load_pretrained(
             raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
                             f"{key!r}")
         setattr(config, key, value)
+    precheck(model_cls, config, directory, max_parameters=max_parameters)
     state, origin = load_state_dict(directory)
     model = model_cls(config)
     state = _strip_head(model, state)
@@ -223,7 +236,44 @@ def load_pretrained(
     return model
 
 
-def _strip_head(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def header_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Meta tensors (shape and dtype, no data) for every weight of a checkpoint, from the headers only."""
+    state: dict[str, torch.Tensor] = {}
+    files = []
+    for path in weight_files(directory):
+        files.append(str(path))
+        for key, info in read_safetensors_header(path).items():
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which no deqzoo "
+                                      "model uses")
+            state[key] = torch.empty(info["shape"], dtype=dtype, device="meta")
+    return state, files
+
+
+def precheck(model_cls: type, config: Any, directory: Path, *, max_parameters: int | None = None) -> None:
+    """Build the model on the meta device (nothing allocated) and check its size against the budget and its
+    keys, shapes and dtypes against the safetensors headers, before the real model or any tensor exists."""
+    source = str(Path(directory) / "config.json")
+    try:
+        with torch.device("meta"):
+            meta_model = model_cls(config)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{source}: {err}") from err
+    tensors = list(meta_model.parameters()) + list(meta_model.buffers())
+    count = sum(t.numel() for t in tensors)
+    check_budget(count, sum(t.numel() * t.element_size() for t in tensors), source, max_parameters)
+    state, files = header_state(directory)
+    check_state_dict(meta_model, _strip_head(meta_model, state, quiet=True), ", ".join(files) or source)
+
+
+def _strip_head(model: torch.nn.Module, state: dict[str, torch.Tensor], quiet: bool = False
+                ) -> dict[str, torch.Tensor]:
     """Base model from a checkpoint with a task head (transformers convention): keep `<prefix>.*` keys."""
     prefix = getattr(model, "base_model_prefix", "")
     expected = model.state_dict().keys()
@@ -233,21 +283,25 @@ def _strip_head(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
     if not base or set(base) != set(expected):  # not that case: let check_state_dict report the mismatch
         return state
     dropped = sorted(k for k in state if not k.startswith(prefix + "."))
+    if quiet:
+        return base
     logger.warning("Loading %s from a checkpoint with a task head; unused head weights: %s",
                    type(model).__name__, ", ".join(dropped))
     return base
 
 
 def load_config(config_cls: type, directory: Path):
-    path = Path(directory) / "config.json"
+    """The config of a checkpoint folder, read with size/depth limits and validated (types, ranges) before
+    anything is built; errors name the file and the key."""
+    path = confined(directory, "config.json", directory)
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: malformed JSON ({err})") from err
+    data = read_json(path)
     want = getattr(config_cls, "model_type", "")
     if want and data.get("model_type") != want:
         raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} but {config_cls.__name__} "
                               f"expects {want!r}")
-    return config_cls.from_pretrained(str(directory))
+    try:
+        return config_cls.from_dict(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise CheckpointError(f"{path}: {err}") from err

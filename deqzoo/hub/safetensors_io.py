@@ -51,8 +51,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
         raise CheckpointError(f"{path}: weights file not found") from err
     try:
         header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({err})") from err
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({type(err).__name__}: {err})") from err
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
@@ -87,15 +87,23 @@ def refuse_pickles(directory: str | os.PathLike) -> None:
 
 def weight_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint (single file or sharded via the index)."""
+    from .validation import confined, read_json
+
     directory = Path(directory)
     refuse_pickles(directory)
     single = directory / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    index_path = directory / WEIGHTS_INDEX_NAME
-    try:
-        index = json.loads(index_path.read_text())
-        shards = sorted(set(index["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{index_path}: malformed safetensors index ({err})") from err
-    return [directory / shard for shard in shards]
+    if single.is_file() or single.is_symlink():
+        return [confined(directory, WEIGHTS_NAME, directory)]
+    index_path = confined(directory, WEIGHTS_INDEX_NAME, directory)
+    index = read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: malformed safetensors index (key 'weight_map' must be a "
+                              "non-empty mapping of tensor name -> shard file)")
+    shards = []
+    for key, shard in weight_map.items():
+        path = confined(directory, shard, f"{index_path} (weight_map[{key!r}])")
+        if not str(shard).endswith(".safetensors"):
+            raise CheckpointError(f"{index_path}: shard {shard!r} of {key!r} is not a .safetensors file")
+        shards.append(path)
+    return sorted(set(shards))
