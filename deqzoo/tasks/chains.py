@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +175,11 @@ def demo(model) -> tuple[str, SolverStats]:
     return line, stats
 
 
+# Documented limits of `deqzoo predict` for graphs: generated chain length, size of a graph JSON file.
+MAX_CHAIN_LENGTH = 100_000
+MAX_GRAPH_FILE_BYTES = 64 * 1024 * 1024
+
+
 def predict(model, input: str) -> str:
     """Predict chain classes. INPUT is a chain length (e.g. ``"40"``: a fresh chains graph of that length,
     generated with the checkpoint's other settings) or a path to a JSON graph file
@@ -186,6 +190,8 @@ def predict(model, input: str) -> str:
     """
     text = str(input).strip()
     if text.isdigit():
+        if not 1 <= int(text) <= MAX_CHAIN_LENGTH:
+            raise ValueError(f"chain length {text} is outside [1, {MAX_CHAIN_LENGTH:,}] (MAX_CHAIN_LENGTH)")
         settings = {**chains_settings(model), "chain_length": int(text)}
         ds = make_chains(**settings)
         pred, stats = _run(model, ds)
@@ -206,18 +212,24 @@ def predict(model, input: str) -> str:
         raise ValueError(
             f"predict input {text!r} is neither a chain length (an integer) nor an existing JSON file"
         )
-    try:
-        graph = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    from ..hub.validation import read_json
+
+    graph = read_json(path, max_bytes=MAX_GRAPH_FILE_BYTES, max_depth=4)
     for key in ("x", "edge_index"):
         if key not in graph:
             raise ValueError(
                 f"{path}: missing key {key!r}; expected {{'x': [[...]], 'edge_index': [[...], [...]]}}"
             )
-    x = torch.tensor(graph["x"], dtype=torch.float32)
-    edge_index = torch.tensor(graph["edge_index"], dtype=torch.long).reshape(2, -1)
-    weight = torch.tensor(graph["edge_weight"], dtype=torch.float32) if "edge_weight" in graph else None
+    try:
+        x = torch.tensor(graph["x"], dtype=torch.float32)
+        edge_index = torch.tensor(graph["edge_index"], dtype=torch.long)
+        weight = torch.tensor(graph["edge_weight"], dtype=torch.float32) if "edge_weight" in graph else None
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise ValueError(f"{path}: 'x', 'edge_index' and 'edge_weight' must be numeric arrays "
+                         f"(x: nodes x features, edge_index: 2 x edges) ({err})") from err
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"{path}: key 'edge_index' must be [[sources...], [targets...]], got shape "
+                         f"{tuple(edge_index.shape)}")
     model = _node_classifier(model).eval()
     with torch.no_grad():
         out = model(x, edge_index, weight)

@@ -123,6 +123,10 @@ def demo(model) -> tuple[str, SolverStats]:
     return f"digits 0-9 -> predicted {shown} ({right}/10 correct)", out.deq_stats
 
 
+# Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
 @torch.no_grad()
 def predict(model, input: str) -> str:
     """Classify one image file (any size or mode; converted like the pipeline does); returns the label."""
@@ -131,10 +135,20 @@ def predict(model, input: str) -> str:
     path = Path(input)
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
+    import warnings
+
     try:
-        image = Image.open(path)
-        image.load()
-    except (UnidentifiedImageError, OSError) as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)  # reads the header only
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"predict: {input!r} is {width}x{height} = {width * height:,} pixels, above "
+                                 f"the limit of {MAX_IMAGE_PIXELS:,} (MAX_IMAGE_PIXELS); not decoded")
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ValueError(f"predict: {input!r} is a decompression bomb ({err})") from err
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
         raise ValueError(f"predict: {input!r} is not a readable image ({err})") from err
     model.eval()
     pixels = _processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)

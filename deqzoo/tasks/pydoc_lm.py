@@ -126,6 +126,10 @@ def unigram_perplexity(tokenizer) -> float:
     return round(math.exp(-float(logp[held].mean())), 4)
 
 
+# Documented limit of `deqzoo predict` for the language model (a few pages of text).
+MAX_PROMPT_CHARS = 20_000
+
+
 def _generate(model, text: str, max_new_tokens: int = 24):
     tok = load_tokenizer(model)
     ids = tok(text, return_tensors="pt")["input_ids"]
@@ -149,7 +153,24 @@ def demo(model) -> tuple[str, SolverStats]:
 
 
 def predict(model, input: str) -> str:
-    """Greedy continuation (24 tokens) of `input` (a text, or a path to a text file)."""
+    """Greedy continuation (24 tokens) of `input` (a text, or a path to a text file).
+
+    Prompts are limited to MAX_PROMPT_CHARS characters, checked before anything is read or tokenized."""
     path = Path(input)
-    text = path.read_text(encoding="utf-8") if len(input) < 4096 and path.is_file() else input
+    if len(input) < 4096 and path.is_file():
+        size = path.stat().st_size
+        if size > 4 * MAX_PROMPT_CHARS:  # at most 4 bytes per character in UTF-8
+            raise ValueError(f"{path}: {size:,} bytes; predict takes a prompt of at most "
+                             f"{MAX_PROMPT_CHARS:,} characters (MAX_PROMPT_CHARS)")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+    else:
+        text = input
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt has {len(text):,} characters; predict takes at most "
+                         f"{MAX_PROMPT_CHARS:,} (MAX_PROMPT_CHARS)")
+    if not text.strip():
+        raise ValueError("the prompt is empty")
     return _generate(model, text)[0]

@@ -24,6 +24,26 @@ from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_deq_transformer import DEQTransformerConfig
 
+# Documented input limit, checked before any work: positions one forward attends over (new tokens + memory).
+MAX_SEQUENCE_LENGTH = 8192
+
+
+def check_sequence(input_ids: torch.Tensor, cache=None) -> None:
+    """Refuse empty input (no sequence or no token), non-integer ids, or more than MAX_SEQUENCE_LENGTH
+    positions (new tokens plus cached memory) before any embedding is computed."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    b, q = input_ids.shape
+    if b == 0 or q == 0:
+        raise ValueError(f"input_ids is empty (shape {(b, q)}); pass at least one sequence of at least "
+                         "one token")
+    memory = 0 if cache is None or getattr(cache, "z_hist", None) is None else int(cache.z_hist.shape[1])
+    if q + memory > MAX_SEQUENCE_LENGTH:
+        raise ValueError(f"input_ids has {q:,} tokens (+{memory:,} in memory), above the limit of "
+                         f"{MAX_SEQUENCE_LENGTH:,} positions per forward (MAX_SEQUENCE_LENGTH); "
+                         "split the text")
+
+
 
 # --------------------------------------------------------------------------------------------------
 # Memory of past equilibria (the generation cache)
@@ -434,6 +454,7 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
     ) -> DEQTransformerModelOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        check_sequence(input_ids, past_key_values)
         if int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}); got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")

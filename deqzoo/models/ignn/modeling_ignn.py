@@ -51,6 +51,10 @@ __all__ = [
 
 _ACTIVATIONS = {"relu": F.relu, "tanh": torch.tanh, "identity": lambda t: t}
 
+# Documented input limits, checked before the operator is built: nodes and edges of one (batched) graph.
+MAX_GRAPH_NODES = 10_000_000
+MAX_GRAPH_EDGES = 200_000_000
+
 
 # ----------------------------------------------------------------------------------------------- graph input
 @dataclass
@@ -375,6 +379,13 @@ class IGNNModel(IGNNPreTrainedModel):
             raise ValueError(
                 "empty graph: x has 0 nodes (shape (0, in_features)); IGNN needs at least one node"
             )
+        if num_nodes > MAX_GRAPH_NODES:
+            raise ValueError(f"graph has {num_nodes:,} nodes, above the limit of {MAX_GRAPH_NODES:,} "
+                             "(MAX_GRAPH_NODES)")
+        if edge_index is not None and getattr(edge_index, "dim", lambda: 0)() == 2 and (
+                edge_index.shape[-1] > MAX_GRAPH_EDGES):
+            raise ValueError(f"graph has {edge_index.shape[-1]:,} edges, above the limit of "
+                             f"{MAX_GRAPH_EDGES:,} (MAX_GRAPH_EDGES)")
         dtype = x.dtype if x is not None and x.dtype.is_floating_point else self.dtype
         if adjacency is not None:
             if edge_index is not None:
@@ -510,6 +521,33 @@ class IGNNModel(IGNNPreTrainedModel):
         )
 
 
+def _check_sparse_structure(adjacency: torch.Tensor, n: int) -> None:
+    """Validate a sparse adjacency's index arrays before torch converts it (torch's CSR -> COO conversion
+    trusts them: invalid row pointers or column indices crash the interpreter)."""
+    if adjacency.layout == torch.sparse_csr:
+        crow, col, values = adjacency.crow_indices(), adjacency.col_indices(), adjacency.values()
+        if crow.dim() != 1 or crow.numel() != n + 1:
+            raise ValueError(f"CSR adjacency: crow_indices has {crow.numel()} entries, needs num_nodes+1 = "
+                             f"{n + 1}")
+        if col.dim() != 1 or values.dim() != 1 or col.numel() != values.numel():
+            raise ValueError(f"CSR adjacency: col_indices ({tuple(col.shape)}) and values "
+                             f"({tuple(values.shape)}) must be 1-D of equal length")
+        if int(crow[0]) != 0 or int(crow[-1]) != col.numel() or bool((crow[1:] < crow[:-1]).any()):
+            raise ValueError(f"CSR adjacency: crow_indices must start at 0, never decrease and end at nnz = "
+                             f"{col.numel()}; got first {int(crow[0])}, last {int(crow[-1])}")
+        indices = col
+    else:
+        indices = adjacency._indices()
+        if adjacency._values().dim() != 1:
+            raise ValueError("adjacency values must be scalars (a 2-D sparse matrix with 1-D values)")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
+        raise ValueError(f"adjacency holds node indices in [{int(indices.min())}, {int(indices.max())}] but "
+                         f"the graph has {n} nodes (valid: 0..{n - 1})")
+    if indices.shape[-1] > MAX_GRAPH_EDGES:
+        raise ValueError(f"adjacency has {indices.shape[-1]:,} edges, above the limit of {MAX_GRAPH_EDGES:,} "
+                         "(MAX_GRAPH_EDGES)")
+
+
 def _adjacency_to_edges(adjacency: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(adjacency, torch.Tensor) or adjacency.layout not in (
         torch.sparse_coo,
@@ -524,6 +562,7 @@ def _adjacency_to_edges(adjacency: torch.Tensor, num_nodes: int) -> tuple[torch.
         raise ValueError(f"adjacency must be square (num_nodes, num_nodes), got {tuple(adjacency.shape)}")
     if adjacency.shape[0] != num_nodes:
         raise ValueError(f"adjacency is {tuple(adjacency.shape)} but x has {num_nodes} nodes")
+    _check_sparse_structure(adjacency, num_nodes)
     coo = (
         adjacency.to_sparse_coo().coalesce() if adjacency.layout == torch.sparse_csr else adjacency.coalesce()
     )

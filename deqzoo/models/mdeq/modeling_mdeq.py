@@ -69,6 +69,22 @@ ORIGINAL_KEY_MAP: list[tuple[str, str | None]] = [
     ("last_layer.", "last_layer."),
 ]
 
+# Documented input limit, checked before any work: pixels per image (4096 x 4096; Cityscapes is 1024 x 2048).
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def check_image_size(pixel_values: torch.Tensor) -> None:
+    """Refuse an empty batch or image, or one above MAX_IMAGE_PIXELS, before the stem runs."""
+    b, _, h, w = pixel_values.shape
+    if b == 0 or h == 0 or w == 0:
+        raise ValueError(f"pixel_values is empty (shape {tuple(pixel_values.shape)}); pass at least one "
+                         "image of at least 1x1 pixels")
+    if h * w > MAX_IMAGE_PIXELS:
+        raise ValueError(f"pixel_values images are {h}x{w} = {h * w:,} pixels, above the limit of "
+                         f"{MAX_IMAGE_PIXELS:,} (deqzoo.models.mdeq.modeling_mdeq.MAX_IMAGE_PIXELS); "
+                         "resize first")
+
+
 
 def convert_original_state_dict(
     state_dict: dict[str, torch.Tensor], base_only: bool = False
@@ -476,6 +492,7 @@ class MDEQModel(MDEQPreTrainedModel):
                 f"pixel_values must have shape (batch, {self.config.in_channels}, H, W), "
                 f"got {tuple(pixel_values.shape)}"
             )
+        check_image_size(pixel_values)
         reset_norm(self.fullstage)
         reset_dropout(self.fullstage)
         x = self.downsample(pixel_values)
