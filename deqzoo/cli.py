@@ -19,6 +19,10 @@ from typing import Any
 DEMO_SOLVERS = ("fixed_point", "anderson", "broyden")
 
 
+class CLIError(Exception):
+    """An expected failure of a command: printed as one line, exit code 2."""
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -43,12 +47,12 @@ def _task_module(directory: Path, meta: dict[str, Any]):
 
     name = meta.get("deqzoo_task")
     if not name:
-        raise SystemExit(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key "
+        raise CLIError(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key "
                          "naming the task")
     try:
         return task_module(name)
     except ValueError as err:
-        raise SystemExit(f"{directory / 'README.md'}: {err}") from None
+        raise CLIError(f"{directory / 'README.md'}: {err}") from None
 
 
 def _load(name: str, deq: dict[str, Any] | None = None):
@@ -126,14 +130,14 @@ def cmd_convert(args) -> int:
         print("\n".join(sorted(formats)) or f"no converters found under {root / 'conversion'}")
         return 0
     if args.format not in formats:
-        raise SystemExit(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
+        raise CLIError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
     if not args.src or not args.out:
-        raise SystemExit("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
+        raise CLIError("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
     options = {}
     for item in args.option or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--option {item!r}: expected key=value")
+            raise CLIError(f"--option {item!r}: expected key=value")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -158,18 +162,20 @@ def cmd_push(args) -> int:
     return 0
 
 
+def benchmark_names() -> list[str]:
+    """The benchmarks `deqzoo bench NAME` runs: the modules of deqzoo.bench (found without importing them)."""
+    import pkgutil
+
+    import deqzoo.bench as bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+
+
 def cmd_bench(args, rest: list[str]) -> int:
-    try:
-        module = importlib.import_module(f"deqzoo.bench.{args.name}")
-    except ModuleNotFoundError as err:
-        if err.name != f"deqzoo.bench.{args.name}":
-            raise
-        import pkgutil
-
-        import deqzoo.bench as bench
-
-        known = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
-        raise SystemExit(f"unknown benchmark {args.name!r}; known benchmarks: {known}") from None
+    known = benchmark_names()
+    if args.name not in known:  # a fixed list: the argument never names another module to import
+        raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
+    module = importlib.import_module(f"deqzoo.bench.{args.name}")
     return int(module.main(rest) or 0)
 
 
@@ -255,7 +261,12 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deqzoo import __version__
+
     parser = argparse.ArgumentParser(prog="deqzoo", description="Deep equilibrium model zoo and hub.")
+    parser.add_argument("--version", action="version", version=f"deqzoo {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also DEQZOO_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="architectures and checkpoints")
     p.add_argument("--kind", choices=["architecture", "checkpoint"])
@@ -281,8 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.add_argument("--token", default=None)
     p.add_argument("--endpoint", default=None, help="defaults to $HF_ENDPOINT or huggingface.co")
-    p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)")
-    p.add_argument("name")
+    p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)",
+                       epilog="available benchmarks: " + ", ".join(benchmark_names())
+                       + ". `deqzoo bench NAME --help` shows a benchmark's own options.")
+    p.add_argument("name", help="one of: " + ", ".join(benchmark_names()))
     p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver")
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
@@ -290,25 +303,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv[:1] == ["bench"]:
-        args, rest = parser.parse_known_args(argv[:2])
-        return cmd_bench(args, argv[2:])
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
-    handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can cause and fix (bad file, bad value, no network): one line, exit 2."""
+    errors: list[type[BaseException]] = [CLIError, ValueError, OSError, KeyError, RuntimeError,
+                                         RecursionError, MemoryError, UnicodeError]
     try:
-        return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"deqzoo {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        from PIL import Image
+
+        errors += [Image.DecompressionBombError]
+    except ImportError:
+        pass
+    try:
+        import httpx
+
+        errors.append(httpx.HTTPError)
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub import errors as hf_errors
+
+        errors.append(hf_errors.HfHubHTTPError)
+        errors.append(getattr(hf_errors, "OfflineModeIsEnabled", CLIError))
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a `deqzoo` command; expected failures print one line naming what is at fault and return 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("DEQZOO_DEBUG", "").strip() not in ("", "0")
+    while argv[:1] == ["--debug"]:
+        argv, debug = argv[1:], True
+    if argv[:1] != ["bench"] and "--debug" in argv:  # after `bench NAME` every argument is the benchmark's
+        argv, debug = [a for a in argv if a != "--debug"], True
+    parser = build_parser()
+    if argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
+        args, rest = parser.parse_known_args(argv[:2])
+        command, handler = "bench", (lambda a: cmd_bench(a, argv[2:]))
+    else:
+        args = parser.parse_args(argv)
+        command = args.command
+        handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
+                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
+        handler = handlers[command]
+    if command == "demo":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
+    try:
+        return handler(args)
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"deqzoo {command}: interrupted", file=sys.stderr)
+        return 130
+    except _expected_errors() as err:
+        if debug:
+            raise
+        print(f"deqzoo {command}: error: {_one_line(err)} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

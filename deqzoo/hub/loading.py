@@ -130,7 +130,16 @@ def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **k
         raise CheckpointError(
             f"{repo_id!r} is not embedded ({sorted(load_catalog()) or 'no embedded checkpoints'}) and not in "
             f"the Hugging Face cache, and {why} ({cache_error})")
-    return Path(snapshot_download(endpoint=endpoint, **common))
+    try:
+        return Path(snapshot_download(endpoint=endpoint, **common))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{repo_id}: not a local folder nor an embedded checkpoint, and the Hub "
+                              f"download failed ({type(err).__name__}: {err})") from err
+    except Exception as err:  # noqa: BLE001 - network errors (httpx) are not OSError; name the repo
+        if type(err).__module__.split(".")[0] not in ("httpx", "huggingface_hub", "requests"):
+            raise
+        raise CheckpointError(f"{repo_id}: not a local folder nor an embedded checkpoint, and the Hub "
+                              f"download failed ({type(err).__name__}: {err})") from err
 
 
 def load_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
