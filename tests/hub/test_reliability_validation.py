@@ -74,7 +74,8 @@ def test_config_error_in_python_names_class_and_key():
 def test_config_json_that_is_not_an_object(tmp_path, content, kind):
     folder = _copy("mdeq-tiny-mnist", tmp_path)
     (folder / "config.json").write_text(content)
-    with pytest.raises(CheckpointError, match=f"config.json: the top level must be a JSON object, got {kind}"):
+    message = f"config.json: the top level must be a JSON object, got {kind}"
+    with pytest.raises(CheckpointError, match=message):
         deqzoo.from_pretrained(folder)
     from deqzoo.models.mdeq import MDEQForImageClassification
 
@@ -203,8 +204,8 @@ def test_card_with_malformed_model_index_still_reads(toy_checkpoint):
     from deqzoo.hub.cards import card_metrics
 
     assert card_metrics({"model-index": "oops"}) == {}
-    assert card_metrics({"model-index": [{"results": [3, {"metrics": [None, {"type": "acc", "value": 1}]}]}]}) \
-        == {"acc": 1}
+    index = [{"results": [3, {"metrics": [None, {"type": "acc", "value": 1}]}]}]
+    assert card_metrics({"model-index": index}) == {"acc": 1}
 
 
 def test_safetensors_header_nested_too_deeply_names_file(toy_checkpoint):
