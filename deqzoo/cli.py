@@ -321,20 +321,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         errors += [Image.DecompressionBombError]
     except ImportError:
         pass
-    try:
-        import httpx
-
-        errors.append(httpx.HTTPError)
-    except ImportError:
-        pass
-    try:
-        from huggingface_hub import errors as hf_errors
-
-        errors.append(hf_errors.HfHubHTTPError)
-        errors.append(getattr(hf_errors, "OfflineModeIsEnabled", CLIError))
-    except ImportError:
-        pass
     return tuple(errors)
+
+
+def _network_error(err: BaseException) -> bool:
+    from deqzoo.hub.validation import is_network_error
+
+    return is_network_error(err)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"deqzoo {command}: interrupted", file=sys.stderr)
         return 130
-    except _expected_errors() as err:
-        if debug:
+    except Exception as err:
+        if debug or not (isinstance(err, _expected_errors()) or _network_error(err)):
             raise
         print(f"deqzoo {command}: error: {_one_line(err)} (run with --debug for the traceback)",
               file=sys.stderr)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from .catalog import NAMESPACE, REPO_ROOT, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
-from .validation import check_budget, confined, read_json
+from .validation import check_budget, confined, is_network_error, read_json
 
 logger = logging.getLogger("deqzoo")
 # What we fetch from the Hub: configs, safetensors, cards, tokenizer/processor text files. Never pickles.
@@ -132,11 +132,8 @@ def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **k
             f"the Hugging Face cache, and {why} ({cache_error})")
     try:
         return Path(snapshot_download(endpoint=endpoint, **common))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{repo_id}: not a local folder nor an embedded checkpoint, and the Hub "
-                              f"download failed ({type(err).__name__}: {err})") from err
-    except Exception as err:  # noqa: BLE001 - network errors (httpx) are not OSError; name the repo
-        if type(err).__module__.split(".")[0] not in ("httpx", "huggingface_hub", "requests"):
+    except Exception as err:
+        if not (isinstance(err, ValueError) or is_network_error(err)):
             raise
         raise CheckpointError(f"{repo_id}: not a local folder nor an embedded checkpoint, and the Hub "
                               f"download failed ({type(err).__name__}: {err})") from err

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from .safetensors_io import weight_files
+from .validation import is_network_error
 
 
 def push_folder(
@@ -31,8 +32,16 @@ def push_folder(
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: not a checkpoint directory (no config.json)")
     weight_files(directory)  # refuses pickle-only folders
-    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    info = api.upload_folder(repo_id=repo_id, folder_path=str(directory), commit_message=commit_message,
-                             ignore_patterns=[".*", "**/.*", "__pycache__/*"], repo_type="model")
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(directory), commit_message=commit_message,
+                                 ignore_patterns=[".*", "**/.*", "__pycache__/*"], repo_type="model")
+    except Exception as err:
+        if not is_network_error(err):
+            raise
+        where = endpoint or "the Hugging Face Hub"
+        raise ConnectionError(f"push of {directory} to {repo_id} at {where} failed "
+                              f"({type(err).__name__}: {err})") from err
     return str(getattr(info, "commit_url", info))

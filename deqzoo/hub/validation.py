@@ -138,6 +138,15 @@ def confined(directory: str | os.PathLike, name: Any, source: str | os.PathLike)
     return path
 
 
+_NETWORK_MODULES = ("httpx", "httpcore", "huggingface_hub", "requests", "urllib3")
+
+
+def is_network_error(err: BaseException) -> bool:
+    """An error raised by the HTTP stack (httpx/httpcore in any packaging, requests, huggingface_hub)."""
+    return isinstance(err, OSError) or any(cls.__module__.startswith(_NETWORK_MODULES)
+                                           for cls in type(err).__mro__)
+
+
 def max_parameters(value: int | None = None) -> int:
     """The parameter budget: `value`, else $DEQZOO_MAX_PARAMETERS, else 1e9."""
     if value is not None:
