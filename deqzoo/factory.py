@@ -10,7 +10,7 @@ from typing import Any
 from .hub.cards import card_metrics, read_model_card
 from .hub.catalog import load_catalog
 from .hub.loading import CheckpointError, resolve
-from .hub.validation import confined, read_json
+from .hub.validation import check_budget, confined, read_json
 from .integrations.transformers import family_for, register_all, registered_families
 
 
@@ -54,8 +54,12 @@ def _find_preset(name: str):
     return None, None
 
 
-def create_model(name: str, *, deq: dict[str, Any] | None = None, **overrides: Any):
+def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters: int | None = None,
+                 **overrides: Any):
     """Build an untrained model from an architecture preset; `overrides` change config fields.
+
+    The config is validated and the model's size checked against the parameter budget (`max_parameters`,
+    $DEQZOO_MAX_PARAMETERS, 1e9) on the meta device before anything is allocated.
 
     Example:
         >>> import deqzoo
@@ -70,8 +74,16 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, **overrides: A
     kwargs = {**preset.get("config", {}), **overrides}
     if deq:
         kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
-    config = config_cls(**kwargs)
-    return _model_class(family, preset.get("auto"), getattr(config, "architectures", None))(config)
+    config = config_cls(**kwargs)  # values checked (types, ranges) before __init__ runs
+    model_cls = _model_class(family, preset.get("auto"), getattr(config, "architectures", None))
+    import torch
+
+    with torch.device("meta"):  # size first: nothing is allocated on the meta device
+        meta = model_cls(config)
+    tensors = [*meta.parameters(), *meta.buffers()]
+    check_budget(sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors),
+                 f"create_model({name!r})", max_parameters)
+    return model_cls(config)
 
 
 def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None, **kwargs: Any):

@@ -225,3 +225,13 @@ def test_huge_num_labels_in_python_is_refused_before_building_labels():
     with pytest.raises(ConfigError, match="num_labels"):
         IGNNConfig(num_labels=10**9)
     assert time.perf_counter() - start < 1
+
+
+def test_create_model_checks_the_budget_before_building():
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"create_model\('deq-transformer-tiny'\): this config would "
+                                              r"allocate 1,16\d,\d{3},\d{3} parameters"):
+        deqzoo.create_model("deq-transformer-tiny", vocab_size=9_000_000)
+    assert time.perf_counter() - start < 10
+    with pytest.raises(ConfigError, match="key 'd_model' must be int"):
+        deqzoo.create_model("deq-transformer-tiny", d_model="128")
