@@ -102,7 +102,9 @@ def _checked_init(cls: type, init):
             bound = signature.bind_partial(self, *args, **kwargs)
         except TypeError:
             return init(self, *args, **kwargs)  # let the real call raise its own message
-        check_config_values(cls, {k: v for k, v in bound.arguments.items() if k in declared}, hints)
+        values = {k: v for k, v in bound.arguments.items()
+                  if k in declared and not (v is None and signature.parameters[k].default is None)}
+        check_config_values(cls, values, hints)
         return init(self, *args, **kwargs)
 
     checked._deqzoo_checked = True

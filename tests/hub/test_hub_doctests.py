@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["deqzoo", "deqzoo.factory", "deqzoo.modeling_utils", "deqzoo.hub.cards", "deqzoo.hub.loading",
-           "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers"]
+           "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers",
+           "deqzoo.hub.saving", "deqzoo.hub.validation", "deqzoo.tasks"]
 
 
 @pytest.mark.parametrize("name", MODULES)
