@@ -108,7 +108,16 @@ def _checked_init(cls: type, init):
         return init(self, *args, **kwargs)
 
     checked._deqzoo_checked = True
+    cls._deqzoo_init_hints = {k: hints[k] for k in declared if k in hints}
     return checked
+
+
+def check_config_overrides(config: PretrainedConfig, changes: dict[str, Any]) -> None:
+    """Check values set on an existing config (``from_pretrained(..., key=value)``) like ``__init__`` does."""
+    hints: dict[str, Any] = {}
+    for klass in reversed(type(config).__mro__):
+        hints.update(klass.__dict__.get("_deqzoo_init_hints", {}))
+    check_config_values(type(config), changes, hints)
 
 
 class DEQPretrainedConfig(PretrainedConfig):
@@ -199,9 +208,12 @@ class DEQPreTrainedModel(PreTrainedModel):
         return load_pretrained(cls, pretrained_model_name_or_path, deq=deq, **kwargs)
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        """Save config.json + model.safetensors atomically: written to a temporary sibling, then renamed.
+        """Save config.json + model.safetensors (see :func:`deqzoo.hub.saving.atomic_save`).
 
-        A failed save leaves any previous checkpoint in `save_directory` untouched and no partial directory.
+        Written into a temporary sibling and swapped in atomically: at every instant the path holds the old or
+        the new complete checkpoint; a failed or killed save leaves the old one (recovered on the next call).
+        Only the files this save writes are replaced: other files and folders in `save_directory` (optimizer
+        state, logs, a card) are kept. Concurrent saves to one path are serialised.
         """
         from .hub.saving import atomic_save
 

@@ -235,3 +235,10 @@ def test_create_model_checks_the_budget_before_building():
     assert time.perf_counter() - start < 10
     with pytest.raises(ConfigError, match="key 'd_model' must be int"):
         deqzoo.create_model("deq-transformer-tiny", d_model="128")
+
+
+def test_from_pretrained_overrides_are_checked_like_the_config():
+    with pytest.raises(ConfigError, match="MDEQConfig: key 'num_groups' must be int, got '4'"):
+        deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", num_groups="4")
+    with pytest.raises(ConfigError, match="key 'dropout' is 2.0, outside the allowed range"):
+        deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", dropout=2.0)
