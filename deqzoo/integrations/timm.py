@@ -121,7 +121,7 @@ class MDEQTimm(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The head's fused map before pooling (all resolutions merged at the lowest)."""
         m = self.model
-        states = m.mdeq(x).hidden_states
+        states = m.mdeq(x, output_hidden_states=True).hidden_states
         y = m.incre_modules[0](states[0])
         for i, down in enumerate(m.downsamp_modules):
             y = m.incre_modules[i + 1](states[i + 1]) + down(y)
@@ -147,7 +147,7 @@ class MDEQTimm(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
-        states = self.model.mdeq(x).hidden_states
+        states = self.model.mdeq(x, output_hidden_states=True).hidden_states
         intermediates = [states[i] for i in take]
         if intermediates_only:
             return intermediates

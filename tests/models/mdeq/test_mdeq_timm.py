@@ -46,7 +46,7 @@ def test_pretrained_loads_the_embedded_checkpoint_offline():
     clf = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
     feats = timm.create_model("mdeq_tiny_mnist", pretrained=True, features_only=True).eval()
     with torch.no_grad():
-        out = ref(x)
+        out = ref(x, output_hidden_states=True)
         assert torch.allclose(clf(x), out.logits, atol=1e-6)
         got = feats(x)
     assert feats.feature_info.reduction() == [2, 4] and feats.feature_info.channels() == [16, 16]
