@@ -56,3 +56,22 @@ def test_card_python_blocks_run_offline(card, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"ran {len(blocks)} blocks" in proc.stdout
+
+
+def test_readme_quickstart_runs_and_warns_once(tmp_path, monkeypatch):
+    import warnings
+
+    from deqzoo.modeling_utils import DEQNonConvergenceWarning
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = text[text.index("## Quickstart"):]
+    block = FENCE.search(quick).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__main__"}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        exec(compile(block, "<README Quickstart>", "exec"), namespace)
+    ours = [w for w in got if issubclass(w.category, DEQNonConvergenceWarning)]
+    assert len(ours) == 1 and "f_max_iter=3" in str(ours[0].message)
+    assert namespace["model"].config.on_nonconvergence == "raise"
+    assert (tmp_path / "my-mdeq" / "config.json").is_file()
