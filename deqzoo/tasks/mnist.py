@@ -133,7 +133,10 @@ def demo(model) -> tuple[str, SolverStats]:
 
 @torch.no_grad()
 def predict(model, input: str) -> str:
-    """Classify one image file (any size or mode; converted like the pipeline does); returns the label."""
+    """Classify one image file (any size or mode; converted like the pipeline does).
+
+    Returns the label, the top-3 class probabilities and whether the solve converged, on one line.
+    """
     from PIL import Image, UnidentifiedImageError
 
     path = Path(input)
@@ -146,5 +149,12 @@ def predict(model, input: str) -> str:
         raise ValueError(f"predict: {input!r} is not a readable image ({err})") from err
     model.eval()
     pixels = _processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
-    label = int(model(pixel_values=pixels).logits.argmax(-1)[0])
-    return _labels(model).get(label, str(label))
+    out = model(pixel_values=pixels)
+    probs = torch.softmax(out.logits[0].float(), dim=-1)
+    top = torch.topk(probs, k=min(3, probs.numel()))
+    names = _labels(model)
+    ranked = [(names.get(int(i), str(int(i))), float(p)) for p, i in zip(top.values, top.indices)]
+    scores = ", ".join(f"{label} {p:.4f}" for label, p in ranked)
+    converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
+    return (f"{ranked[0][0]} (top-{len(ranked)} probabilities: {scores}; solve {converged}, "
+            f"nfe={out.deq_stats.nfe})")

@@ -12,10 +12,11 @@ torch.set_num_threads(1)
 
 
 def test_models_are_registered_with_pretrained_tags():
-    assert set(timm.list_models("mdeq_*")) == set(TIMM_MODELS)
-    assert set(timm.list_pretrained("mdeq_*")) == {
+    assert set(timm.list_models("mdeq_*")) | set(timm.list_models("lipschitz_mdeq_*")) == set(TIMM_MODELS)
+    assert set(timm.list_pretrained("*mdeq_*")) == {
         "mdeq_tiny_mnist.deqzoo",
-        "mdeq_lipschitz_tiny_mnist.deqzoo",
+        "lipschitz_mdeq_tiny_mnist.deqzoo",  # canonical: the hub id's spelling
+        "mdeq_lipschitz_tiny_mnist.deqzoo",  # alias
     }
     cfg = timm.models.get_pretrained_cfg("mdeq_tiny_mnist")
     assert cfg.hf_hub_id == "deqzoo/mdeq-tiny-mnist" and cfg.input_size == (1, 28, 28)
