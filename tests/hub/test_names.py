@@ -60,3 +60,14 @@ def test_did_you_mean_on_unknown_names(monkeypatch):
         deqzoo.from_pretrained("deqzoo/ignn-chain")
     with pytest.raises(ValueError, match="Did you mean 'mdeq-tiny-mnist'"):
         timm_name("mdeq_tiny_mnst")
+
+
+def test_readme_lists_the_name_table():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    lines = {line.split("|")[1].strip(): line for line in readme.splitlines() if line.startswith("| ")}
+    for row in model_names():
+        cells = [c.strip() for c in lines[row["name"]].split("|")[1:-1]]
+        assert cells[:4] == [row["name"], row["hub_id"], row["preset"], row["timm"] or ""], cells
+        assert all(a in cells[4] for a in row["aliases"]), cells
