@@ -111,7 +111,7 @@ def did_you_mean(name: str, candidates: list[str] | None = None) -> str:
         " Did you mean 'mdeq-tiny-mnist'?"
     """
     base = name.split("/", 1)[1] if name.startswith("deqzoo/") else name
-    close = difflib.get_close_matches(base, candidates or _known_names(), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(base, candidates or _known_names(), n=3, cutoff=0.75)
     if not close:
         return ""
     return " Did you mean " + " or ".join(repr(c) for c in close) + "?"

@@ -131,7 +131,7 @@ def unigram_perplexity(tokenizer) -> float:
 
 
 def _generate(model, text: str, max_new_tokens: int = 24, decoding: dict | None = None,
-              seed: int = DECODING_SEED):
+              seed: int = DECODING_SEED, scores: bool = False):
     """`generate()` with the recommended decoding (or `decoding`), sampling from a private seeded generator
     state so the text is reproducible and the caller's RNG is left as it was."""
     tok = load_tokenizer(model)
@@ -143,9 +143,15 @@ def _generate(model, text: str, max_new_tokens: int = 24, decoding: dict | None 
         torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                             pad_token_id=pad, **(DECODING if decoding is None else decoding))
-    text_out = tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-    return text_out, out.past_key_values
+                             pad_token_id=pad, output_logits=scores,
+                             **(DECODING if decoding is None else decoding))
+    new = out.sequences[0, ids.shape[1]:]
+    text_out = tok.decode(new, skip_special_tokens=True)
+    if not scores:
+        return text_out, out.past_key_values
+    # the model's own distribution (before temperature / top-k / repetition penalty) at each sampled token
+    probs = torch.stack([F.softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, new.tolist())])
+    return text_out, out.past_key_values, probs
 
 
 def demo(model) -> tuple[str, SolverStats]:
@@ -160,7 +166,12 @@ def demo(model) -> tuple[str, SolverStats]:
 
 
 def predict(model, input: str) -> str:
-    """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path)."""
+    """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path), then
+    the model's own probability of each sampled token (geometric mean and minimum), on the next line."""
     path = Path(input)
     text = path.read_text(encoding="utf-8") if len(input) < 4096 and path.is_file() else input
-    return _generate(model, text)[0]
+    continuation, _, probs = _generate(model, text, scores=True)
+    if probs.numel() == 0:
+        return continuation
+    return (f"{continuation}\n[{probs.numel()} tokens; model probability per token: geometric mean "
+            f"{float(probs.log().mean().exp()):.4f}, min {float(probs.min()):.4f}]")
