@@ -87,10 +87,11 @@ def _load_state(path: Path, model, opt, sched, gen: torch.Generator) -> tuple[in
             _, i, name = k.split(".", 2)
             state.setdefault(int(i), {})[name] = v
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    # the optimizer's param_groups carry the current learning rates; the schedule resumes at its step
     step = meta["sched"]
-    sched.load_state_dict({**sched.state_dict(), "last_epoch": step, "_step_count": step + 1})
-    for group, lr in zip(opt.param_groups, sched.get_last_lr()):
-        group["lr"] = lr
+    lrs = [group["lr"] for group in opt.param_groups]
+    state = {"last_epoch": step, "_step_count": step + 1, "_last_lr": lrs}
+    sched.load_state_dict({**sched.state_dict(), **state})
     gen.set_state(tensors["rng.gen"])
     torch.set_rng_state(tensors["rng.torch"])
     return meta["epoch"] + 1, meta["log"], meta["seconds"]
