@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,81 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
     return classes["AutoModel"]
 
 
+# One name per model. A published model's canonical name is its checkpoint's short name (hub id
+# "deqzoo/<name>"); create_model, from_pretrained and timm accept it, and the older spellings below stay as
+# aliases. timm names are the canonical ones with "_" for "-" (timm names are Python identifiers).
+# canonical name -> (architecture preset, aliases)
+MODEL_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
+    "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
+                                  ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
+    "deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ()),
+    "ignn-chains": ("ignn-chains", ()),
+}
+
+
+def canonical_name(name: str) -> str:
+    """The canonical spelling of a model name (hub id, preset, alias or timm spelling); unknown names pass
+    through unchanged.
+
+    Example:
+        >>> canonical_name("mdeq-mnist-tiny"), canonical_name("deqzoo/mdeq-tiny-mnist")
+        ('mdeq-tiny-mnist', 'mdeq-tiny-mnist')
+        >>> canonical_name("mdeq_lipschitz_tiny_mnist")
+        'lipschitz-mdeq-tiny-mnist'
+    """
+    short = name[len("deqzoo/"):] if name.startswith("deqzoo/") else name
+    short = short.replace("_", "-")
+    for canonical, (_, aliases) in MODEL_NAMES.items():
+        if short == canonical or short in aliases:
+            return canonical
+    return name
+
+
+def model_names() -> list[dict[str, Any]]:
+    """The name table: canonical name, hub id, architecture preset, timm name (MDEQ) and aliases.
+
+    Example:
+        >>> row = next(r for r in model_names() if r["name"] == "mdeq-tiny-mnist")
+        >>> row["hub_id"], row["preset"], row["timm"], row["aliases"]
+        ('deqzoo/mdeq-tiny-mnist', 'mdeq-mnist-tiny', 'mdeq_tiny_mnist', ['mdeq-mnist-tiny'])
+    """
+    from .integrations.timm import TIMM_MODELS
+
+    rows = []
+    for canonical, (preset, aliases) in MODEL_NAMES.items():
+        timm_name = canonical.replace("-", "_")
+        rows.append({"name": canonical, "hub_id": f"deqzoo/{canonical}", "preset": preset,
+                     "timm": timm_name if timm_name in TIMM_MODELS else None, "aliases": list(aliases)})
+    return rows
+
+
+def _known_names() -> list[str]:
+    names = [p for f in registered_families().values() for p in _architectures(f)]
+    names += list(MODEL_NAMES) + [a for _, aliases in MODEL_NAMES.values() for a in aliases]
+    names += [cid.split("/", 1)[1] for cid in load_catalog() if "/" in cid]
+    return sorted(set(names))
+
+
+def did_you_mean(name: str, candidates: list[str] | None = None) -> str:
+    """' Did you mean ...?' for the closest known model names (empty when nothing is close).
+
+    Example:
+        >>> did_you_mean("mdeq-tiny-mnst")
+        " Did you mean 'mdeq-tiny-mnist'?"
+    """
+    base = name.split("/", 1)[1] if name.startswith("deqzoo/") else name
+    close = difflib.get_close_matches(base, candidates or _known_names(), n=3, cutoff=0.75)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
 def _find_preset(name: str):
+    register_all()
+    canonical = canonical_name(name)
+    if canonical in MODEL_NAMES:
+        name = MODEL_NAMES[canonical][0]
     for family in registered_families().values():
         presets = _architectures(family)
         if name in presets:
@@ -56,20 +131,26 @@ def _find_preset(name: str):
 
 def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters: int | None = None,
                  **overrides: Any):
-    """Build an untrained model from an architecture preset; `overrides` change config fields.
+    """Build an untrained model from an architecture preset or a model's canonical name (`model_names()`);
+    `overrides` change config fields.
 
     The config is validated and the model's size checked against the parameter budget (`max_parameters`,
     $DEQZOO_MAX_PARAMETERS, 1e9) on the meta device before anything is allocated.
 
     Example:
         >>> import deqzoo
-        >>> model = deqzoo.create_model("mdeq-tiny", num_labels=10)  # doctest: +SKIP
+        >>> model = deqzoo.create_model("mdeq-tiny-mnist", num_labels=10)   # = preset "mdeq-mnist-tiny"
+        >>> deqzoo.create_model("mdeq-tiny-mnst")
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown architecture 'mdeq-tiny-mnst'. Did you mean 'mdeq-tiny-mnist'? ...
     """
     register_all()
     family, preset = _find_preset(name)
     if preset is None:
         known = sorted(p for f in registered_families().values() for p in _architectures(f))
-        raise ValueError(f"Unknown architecture {name!r}; known architectures: {known}")
+        raise ValueError(f"Unknown architecture {name!r}.{did_you_mean(name)} Known architectures: {known}; "
+                         f"model names: {sorted(MODEL_NAMES)}")
     config_cls = family.load(family.config)
     kwargs = {**preset.get("config", {}), **overrides}
     if deq:
@@ -97,7 +178,16 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     """
     hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only", "force_download")
            if k in kwargs}
-    directory = resolve(name_or_path, **hub)
+    name = str(name_or_path)
+    if not Path(name).exists() and canonical_name(name) in MODEL_NAMES:
+        name_or_path = f"deqzoo/{canonical_name(name)}"  # an alias or the bare name of a published model
+    try:
+        directory = resolve(name_or_path, **hub)
+    except Exception as err:
+        hint = "" if Path(name).exists() else did_you_mean(name)
+        if not hint:
+            raise
+        raise type(err)(f"{err}{hint}") from err
     config_path = confined(directory, "config.json", directory)
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json")

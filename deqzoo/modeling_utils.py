@@ -8,6 +8,7 @@ import math
 import numbers
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,7 +16,15 @@ from typing import Any, ClassVar
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .core import DEQ, DEQConfig
+from .core import DEQ, DEQConfig, SolverStats
+
+# What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
+# model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError with the stats).
+ON_NONCONVERGENCE = ("warn", "ignore", "raise")
+
+
+class DEQNonConvergenceWarning(RuntimeWarning):
+    """A model's forward solve stopped at its iteration cap above its tolerance (emitted once per model)."""
 
 MAX_LIST_LENGTH = 1024  # no config list (channels per branch, cutoffs) is longer; a longer one is an error
 MAX_LABELS = 1_000_000  # transformers builds id2label eagerly: a huge num_labels would hang before any model
@@ -141,7 +150,8 @@ class DEQPretrainedConfig(PretrainedConfig):
         if init is not None and not getattr(init, "_deqzoo_checked", False):
             cls.__init__ = _checked_init(cls, init)
 
-    def __init__(self, deq: dict[str, Any] | DEQConfig | None = None, **kwargs):
+    def __init__(self, deq: dict[str, Any] | DEQConfig | None = None, on_nonconvergence: str | None = None,
+                 **kwargs):
         labels = kwargs.get("num_labels")
         if labels is not None and (not isinstance(labels, numbers.Integral) or isinstance(labels, bool)
                                    or not 1 <= labels <= MAX_LABELS):
@@ -158,6 +168,13 @@ class DEQPretrainedConfig(PretrainedConfig):
         if isinstance(deq, DEQConfig):
             deq = deq.to_dict()
         self.deq = DEQConfig.from_dict(deq).to_dict()
+        if on_nonconvergence is None:  # model-level default: warn once, unless the engine is told to raise
+            on_nonconvergence = "raise" if self.deq["on_nonconvergence"] == "raise" else "warn"
+        if on_nonconvergence not in ON_NONCONVERGENCE:
+            raise ValueError(
+                f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {on_nonconvergence!r}"
+            )
+        self.on_nonconvergence = on_nonconvergence
         super().__init__(**kwargs)
 
     @property
@@ -176,18 +193,56 @@ class DEQPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
 
+    def post_init(self):
+        super().post_init()
+        # one convergence check per top-level model: nested zoo models (a head's backbone) stay silent
+        for module in self.modules():
+            if module is not self and isinstance(module, DEQPreTrainedModel):
+                module._deqzoo_nested = True
+        if not getattr(self, "_deqzoo_hooked", False):
+            self.register_forward_hook(_check_convergence)
+            self._deqzoo_hooked = True
+
     def set_deq(self, **changes: Any) -> DEQConfig:
         """Change solver settings of every DEQ layer in this model; returns the new DEQConfig.
 
+        ``on_nonconvergence`` is the model-level policy: "warn" (default: one `DEQNonConvergenceWarning` per
+        model when a forward solve stops at f_max_iter above f_tol), "ignore", or "raise"
+        (`deqzoo.core.DEQConvergenceError`). Changing any setting re-arms the one warning.
+
         Example:
-            >>> model.set_deq(f_max_iter=12, f_solver="broyden")  # doctest: +SKIP
+            >>> import deqzoo
+            >>> model = deqzoo.create_model("mdeq-mnist-tiny")
+            >>> model.set_deq(f_max_iter=40, f_solver="broyden").f_max_iter
+            40
+            >>> model.set_deq(on_nonconvergence="ignore").on_nonconvergence, model.config.on_nonconvergence
+            ('ignore', 'ignore')
         """
+        policy = changes.pop("on_nonconvergence", None)
+        if policy is not None:
+            if policy not in ON_NONCONVERGENCE:
+                raise ValueError(f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {policy!r}")
+            self.config.on_nonconvergence = policy
+            # the engine raises (its error carries the stats); warning once is the model's job
+            changes["on_nonconvergence"] = "raise" if policy == "raise" else "ignore"
         new = self.config.deq_config.update(**changes)
         self.config.deq = new.to_dict()
         for module in self.modules():
             if isinstance(module, DEQ):
                 module.config = new
+            if isinstance(module, DEQPreTrainedModel):
+                module._deqzoo_warned = False
         return new
+
+    def _output(self, output: ModelOutput, return_dict: bool | None) -> ModelOutput | tuple:
+        """`output`, or its tuple of non-None fields with ``return_dict=False`` (as in transformers)."""
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return output if return_dict else output.to_tuple()
+
+    def _flag(self, value: bool | None, name: str) -> bool:
+        """A per-call output flag, defaulting to the config's (``output_hidden_states``, ...)."""
+        return bool(getattr(self.config, name, False)) if value is None else bool(value)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
@@ -246,6 +301,60 @@ class DEQPreTrainedModel(PreTrainedModel):
             self.save_pretrained(Path(tmp) / "checkpoint")
             return push_folder(Path(tmp) / "checkpoint", repo_id=repo_id, private=private, token=token,
                                commit_message=commit_message, endpoint=endpoint)
+
+
+def _solver_stats(output: Any) -> list[SolverStats]:
+    """Every SolverStats in a model output (ModelOutput or tuple), one level of nesting deep."""
+    if isinstance(output, ModelOutput):
+        values = list(output.values())
+    else:
+        values = list(output) if isinstance(output, tuple) else []
+    found: list[SolverStats] = []
+    for v in values:
+        if isinstance(v, SolverStats):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            found += [s for s in v if isinstance(s, SolverStats)]
+    return found
+
+
+def _caller_level() -> int:
+    """warnings stacklevel of the first frame outside torch.nn's call machinery, seen from the hook."""
+    import sys
+
+    from torch.nn.modules import module as torch_module
+
+    torch_dir = str(Path(torch_module.__file__).parent)
+    frame, level = sys._getframe(2), 2  # level 1 is the hook, level 2 the frame that called it
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _check_convergence(model: DEQPreTrainedModel, _inputs: Any, output: Any) -> None:
+    """Forward hook: warn once per model when a solve in this forward ended above its tolerance."""
+    if getattr(model, "_deqzoo_nested", False) or getattr(model, "_deqzoo_warned", False):
+        return
+    if getattr(model.config, "on_nonconvergence", "warn") != "warn":
+        return
+    for stats in _solver_stats(output):
+        if stats.all_converged:
+            continue
+        model._deqzoo_warned = True
+        deq = model.config.deq
+        bad = int((~stats.converged).sum())
+        warnings.warn(
+            f"{type(model).__name__}: the forward solve stopped above its tolerance for {bad}/"
+            f"{stats.converged.numel()} samples ({stats.solver}, nfe={stats.nfe}, "
+            f"f_max_iter={deq['f_max_iter']}, max {stats.stop_mode} residual "
+            f"{float(stats.residual.max()):.2e} > f_tol={stats.tol:g}); "
+            "outputs are not at the equilibrium. Raise f_max_iter or try another f_solver "
+            "(model.set_deq(...)); model.set_deq(on_nonconvergence='ignore') silences this, 'raise' makes it "
+            "an error. Warned once per model; per-sample flags are in output.deq_stats.converged.",
+            DEQNonConvergenceWarning,
+            stacklevel=_caller_level(),
+        )
+        return
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch import nn
 from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
 from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
 
-__all__ = ["MDEQTimm", "TIMM_MODELS"]
+__all__ = ["MDEQTimm", "TIMM_MODELS", "timm_name"]
 
 # timm name -> (deqzoo preset, deqzoo checkpoint id or None)
 TIMM_MODELS: dict[str, tuple[str, str | None]] = {
@@ -39,8 +39,27 @@ TIMM_MODELS: dict[str, tuple[str, str | None]] = {
     "mdeq_imagenet_large": ("mdeq-imagenet-large", None),
     "mdeq_imagenet_xl": ("mdeq-imagenet-xl", None),
     "mdeq_tiny_mnist": ("mdeq-mnist-tiny", "deqzoo/mdeq-tiny-mnist"),
+    "lipschitz_mdeq_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
+    # alias (the first spelling); canonical names follow the hub id, see deqzoo.factory.MODEL_NAMES
     "mdeq_lipschitz_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
 }
+
+
+def timm_name(name: str) -> str:
+    """The timm model name for any deqzoo spelling (hub id, preset, alias); unknown names raise with
+    did-you-mean suggestions (timm's own error for an unknown name lists none).
+
+    Example:
+        >>> timm_name("deqzoo/mdeq-tiny-mnist"), timm_name("mdeq-mnist-tiny")
+        ('mdeq_tiny_mnist', 'mdeq_tiny_mnist')
+    """
+    from ..factory import canonical_name, did_you_mean
+
+    for candidate in (name, canonical_name(name).replace("-", "_"), name.replace("-", "_")):
+        if candidate in TIMM_MODELS:
+            return candidate
+    raise ValueError(f"{name!r} is not a deqzoo timm model.{did_you_mean(name.replace('_', '-'))} "
+                     f"timm names: {sorted(TIMM_MODELS)}")
 
 
 class MDEQTimm(nn.Module):
@@ -121,7 +140,7 @@ class MDEQTimm(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The head's fused map before pooling (all resolutions merged at the lowest)."""
         m = self.model
-        states = m.mdeq(x).hidden_states
+        states = m.mdeq(x, output_hidden_states=True).hidden_states
         y = m.incre_modules[0](states[0])
         for i, down in enumerate(m.downsamp_modules):
             y = m.incre_modules[i + 1](states[i + 1]) + down(y)
@@ -147,7 +166,7 @@ class MDEQTimm(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
-        states = self.model.mdeq(x).hidden_states
+        states = self.model.mdeq(x, output_hidden_states=True).hidden_states
         intermediates = [states[i] for i in take]
         if intermediates_only:
             return intermediates

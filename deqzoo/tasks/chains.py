@@ -185,8 +185,8 @@ def predict(model, input: str) -> str:
     generated with the checkpoint's other settings) or a path to a JSON graph file
     ``{"x": [[...], ...], "edge_index": [[sources...], [targets...]]}`` (optional ``"edge_weight"``).
 
-    Returns one line per chain (class per node, start -> end) for a length, or the predicted class per node
-    for a file.
+    Returns one line per chain (class per node, start -> end, and the mean probability of the predicted
+    classes) for a length, or the predicted class and its probability per node for a file.
     """
     text = str(input).strip()
     if text.isdigit():
@@ -194,15 +194,19 @@ def predict(model, input: str) -> str:
             raise ValueError(f"chain length {text} is outside [1, {MAX_CHAIN_LENGTH:,}] (MAX_CHAIN_LENGTH)")
         settings = {**chains_settings(model), "chain_length": int(text)}
         ds = make_chains(**settings)
-        pred, stats = _run(model, ds)
+        with torch.no_grad():
+            out = _node_classifier(model).eval()(ds.x, ds.edge_index)
+        conf, pred = out.logits.softmax(-1).max(-1)
+        stats = out.deq_stats
         lines = []
-        for chain, (p, y) in enumerate(
-            zip(pred.view(-1, ds.chain_length), ds.labels.view(-1, ds.chain_length))
+        for chain, (p, y, c) in enumerate(
+            zip(pred.view(-1, ds.chain_length), ds.labels.view(-1, ds.chain_length),
+                conf.view(-1, ds.chain_length))
         ):
             ok = (p == y).float().mean().item()
             lines.append(
                 f"chain {chain:3d} (class {y[0].item()}): predicted {''.join(map(str, p.tolist()))} "
-                f"({ok:.0%} correct)"
+                f"({ok:.0%} correct, mean probability {c.mean().item():.4f})"
             )
         acc = (pred == ds.labels).float().mean().item()
         lines.append(f"all nodes: accuracy {acc:.4f}; {stats.nfe} f-evals")
@@ -233,5 +237,8 @@ def predict(model, input: str) -> str:
     model = _node_classifier(model).eval()
     with torch.no_grad():
         out = model(x, edge_index, weight)
-    pred = out.logits.argmax(-1).tolist()
-    return f"{path.name}: {len(pred)} nodes, predicted classes {pred}; {out.deq_stats.nfe} f-evals"
+    probs = out.logits.softmax(-1).max(-1)
+    pred = probs.indices.tolist()
+    scores = [round(float(p), 4) for p in probs.values]
+    return (f"{path.name}: {len(pred)} nodes, predicted classes {pred}, their probabilities {scores}; "
+            f"{out.deq_stats.nfe} f-evals")

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.save_pretrained(out_dir)
     meta = {"args": vars(args), "params": n_params, "train_tokens": args.steps * args.batch * args.seg,
             "train_seconds": round(time.time() - start, 1),
-            "final_nll": sum(r["nll"] for r in log[-20:]) / 20}
+            "final_nll": sum(r["nll"] for r in log[-20:]) / max(1, len(log[-20:]))}
     if args.log:
         Path(args.log).write_text(json.dumps({"meta": meta, "log": log}))
     print(json.dumps(meta))

@@ -8,8 +8,8 @@ are exactly what ``deqzoo eval deqzoo/ignn-chains`` prints.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from deqzoo.hub.cards import write_model_card
@@ -115,8 +115,13 @@ pred2 = model(ds.x, adjacency=ds.adjacency()).logits.argmax(-1)  # torch sparse 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    directory, curve_path = Path(argv[0]), Path(argv[1])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory", type=Path, help="the checkpoint directory (e.g. model_cards/ignn-chains)")
+    p.add_argument("curve", type=Path, help="the accuracy curve JSON written by train_chains.py --out")
+    args = p.parse_args(argv)
+    directory, curve_path = args.directory, args.curve
+    if not curve_path.is_file():
+        p.error(f"no curve file at {curve_path}")
     from deqzoo.models.ignn import IGNNForNodeClassification
     from deqzoo.tasks.chains import evaluate
 

@@ -11,6 +11,7 @@ All tensors are batch first: states (B, L, d_model), injection (B, L, 3 * n_head
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +96,18 @@ class DEQTransformerModelOutput(DEQModelOutput):
     Attributes:
         last_hidden_state: (B, L, d_model) the fixed point (after output dropout).
         past_key_values: :class:`DEQTransformerCache` with the updated memory.
+        hidden_states: with ``output_hidden_states=True``: (token embeddings, equilibrium), each
+            (B, L, d_model) (explicit models: the embeddings and every layer's output).
+        attentions: with ``output_attentions=True``: per block of f_θ, (B, n_head, L, memory + L) attention
+            probabilities at the equilibrium (one more f evaluation, not counted in nfe).
         jac_loss: Hutchinson estimate of ||J_f||_F^2 / dim (training with ``jac_reg_samples > 0``), else None.
         deq_stats: the forward solve's :class:`~deqzoo.core.SolverStats` (explicit models: nfe = layers).
     """
 
     last_hidden_state: torch.Tensor | None = None
     past_key_values: DEQTransformerCache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
     jac_loss: torch.Tensor | None = None
     deq_stats: SolverStats | None = None
 
@@ -113,13 +120,15 @@ class DEQTransformerCausalLMOutput(DEQModelOutput):
         loss: mean next-token cross-entropy (+ jac_reg_weight * jac_loss when training with the regularizer).
         logits: (B, L, vocab) next-token scores (log-probabilities when the adaptive softmax is used).
         past_key_values: :class:`DEQTransformerCache`.
-        jac_loss: see :class:`DEQTransformerModelOutput`.
+        hidden_states, attentions, jac_loss: see :class:`DEQTransformerModelOutput`.
         deq_stats: solver statistics.
     """
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     past_key_values: DEQTransformerCache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
     jac_loss: torch.Tensor | None = None
     deq_stats: SolverStats | None = None
 
@@ -268,6 +277,7 @@ class DEQTransformerAttention(nn.Module):
             self.ln2 = nn.LayerNorm(h * dh)
         self.dropatt = VariationalDropout(config.dropatt)
         self.drop = VariationalDropout(config.dropout, shared_dims=(1,))
+        self.recorded: list[torch.Tensor] | None = None  # a list while the model collects attentions
 
     def _ln(self, x: torch.Tensor, which: str) -> torch.Tensor:
         if self.torchdeq:
@@ -290,7 +300,10 @@ class DEQTransformerAttention(nn.Module):
         bd = _rel_shift(torch.einsum("bind,jnd->bnij", wq + self.r_r_bias, r))
         score = (ac + bd) * (dh ** -0.5)
         score = score.masked_fill(mask, float("-inf"))
-        prob = self.dropatt(F.softmax(score, dim=-1))
+        prob = F.softmax(score, dim=-1)
+        if self.recorded is not None:
+            self.recorded.append(prob)
+        prob = self.dropatt(prob)
         vec = torch.einsum("bnij,bjnd->bind", prob, wv).reshape(b, q, h * dh)
         if self.torchdeq:
             vec = self.ln2(vec)
@@ -428,6 +441,16 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.word_emb.emb_layers[0]
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        if self.config.div_val != 1:
+            raise ValueError("set_input_embeddings needs a single embedding table (div_val=1); this model's "
+                             f"adaptive embedding has {len(self.word_emb.emb_layers)} tables (div_val="
+                             f"{self.config.div_val})")
+        self.word_emb.emb_layers[0] = value
+
+    def _attention_modules(self) -> list[DEQTransformerAttention]:
+        return [m for m in self.modules() if isinstance(m, DEQTransformerAttention)]
+
     def _memory(self, cache: DEQTransformerCache | None, b: int, ref: torch.Tensor):
         c = self.config
         if cache is None or cache.z_hist is None or cache.z_hist.shape[1] == 0:
@@ -449,9 +472,11 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         input_ids: torch.LongTensor,
         past_key_values: DEQTransformerCache | None = None,
         use_cache: bool = True,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> DEQTransformerModelOutput:
+    ) -> DEQTransformerModelOutput | tuple:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         check_sequence(input_ids, past_key_values)
@@ -463,7 +488,10 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         reset_dropout(self)
         if c.weight_norm and c.explicit_layers == 0:
             reset_norm(self.func)
-        u_now = self.injection(self.iodrop(self.word_emb(input_ids)))
+        want_hidden = self._flag(output_hidden_states, "output_hidden_states")
+        want_attn = self._flag(output_attentions, "output_attentions")
+        emb = self.word_emb(input_ids)
+        u_now = self.injection(self.iodrop(emb))
         z_hist, u_hist = self._memory(past_key_values, b, u_now)
         m = z_hist.shape[1]
         u = torch.cat([u_hist, u_now], dim=1)
@@ -471,11 +499,13 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         mask = causal_memory_mask(q, m, c.local_size, device=u.device)
         z0 = self._initial_state(past_key_values, b, q, u_now)
 
-        jac_loss = None
+        jac_loss, hidden, attentions = None, [emb], None
         if c.explicit_layers > 0:
             z = z0
-            for layer in self.layers:
-                z = layer(z, z_hist, u, pos, mask)
+            with self._recording(want_attn) as attentions:
+                for layer in self.layers:
+                    z = layer(z, z_hist, u, pos, mask)
+                    hidden.append(z)
             stats = _explicit_stats(z, len(self.layers))
         else:
             def f(s):
@@ -484,15 +514,35 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
             z, stats = self.deq(f, z0)
             jac_loss = getattr(stats, "jac_loss", None)
             if c.final_f_step:
-                z = f(z)
+                with self._recording(want_attn) as attentions:
+                    z = f(z)
                 stats.nfe += 1
+            elif want_attn:
+                with self._recording(True) as attentions:
+                    f(z)  # the attention of f_θ at the equilibrium (its output is z itself, up to tolerance)
+            hidden.append(z)
 
         cache = None
         if use_cache:
             cache = self._update_memory(past_key_values, z, z_hist, u, q, stats)
-        out = DEQTransformerModelOutput(last_hidden_state=self.out_drop(z), past_key_values=cache,
-                                        jac_loss=jac_loss, deq_stats=stats)
-        return out if return_dict else out.to_tuple()
+        out = DEQTransformerModelOutput(
+            last_hidden_state=self.out_drop(z), past_key_values=cache,
+            hidden_states=tuple(hidden) if want_hidden else None,
+            attentions=tuple(attentions) if want_attn else None, jac_loss=jac_loss, deq_stats=stats)
+        return self._output(out, return_dict)
+
+    @contextlib.contextmanager
+    def _recording(self, on: bool):
+        """Collect the attention probabilities of every f_θ block called inside the block (when `on`)."""
+        got: list[torch.Tensor] = []
+        modules = self._attention_modules() if on else []
+        for m in modules:
+            m.recorded = got
+        try:
+            yield got
+        finally:
+            for m in modules:
+                m.recorded = None
 
     @torch.no_grad()
     def _update_memory(self, old, z, z_hist, u, q, stats) -> DEQTransformerCache:
@@ -544,6 +594,65 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return None  # tying is internal to the head
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.set_input_embeddings(value)
+
+    @torch.no_grad()
+    def resize_token_embeddings(self, new_num_tokens: int | None = None,
+                                pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """Grow or shrink the vocabulary; returns the (first) input embedding table, like transformers.
+
+        Tokens are added to (or removed from) the end of the vocabulary, i.e. the last cluster of an adaptive
+        embedding/softmax; with ``mean_resizing`` new embedding rows start at the mean of the existing rows
+        (else N(0, 0.02²)), new output biases at zero. The embedding and the tied softmax stay tied.
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+            >>> cfg = DEQTransformerConfig(vocab_size=50, d_model=16, n_head=2, d_head=8, d_inner=32)
+            >>> model = DEQTransformerForCausalLM(cfg).eval()
+            >>> model.resize_token_embeddings(53).weight.shape, model.config.vocab_size
+            (torch.Size([53, 16]), 53)
+            >>> model(torch.tensor([[0, 52]])).logits.shape
+            torch.Size([1, 2, 53])
+        """
+        c = self.config
+        if new_num_tokens is None:
+            return self.get_input_embeddings()
+        if pad_to_multiple_of:
+            new_num_tokens = -(-new_num_tokens // pad_to_multiple_of) * pad_to_multiple_of
+        floor = c.cutoffs[-1] if c.cutoffs else 0
+        if new_num_tokens <= floor:
+            raise ValueError(f"resize_token_embeddings({new_num_tokens}): an adaptive vocabulary with "
+                             f"cutoffs {c.cutoffs} needs more than {floor} tokens (tokens are added to or "
+                             "removed from its last cluster)")
+        delta = new_num_tokens - c.vocab_size
+        emb = self.model.word_emb.emb_layers[-1]
+        keep = emb.num_embeddings + min(delta, 0)
+        new = nn.Embedding(emb.num_embeddings + delta, emb.embedding_dim, device=emb.weight.device,
+                           dtype=emb.weight.dtype)
+        new.weight[:keep] = emb.weight[:keep]
+        if delta > 0 and mean_resizing:
+            new.weight[keep:] = emb.weight.mean(0)
+        elif delta > 0:
+            nn.init.normal_(new.weight[keep:], 0.0, 0.02)
+        self.model.word_emb.emb_layers[-1] = new
+
+        def resized(p: nn.Parameter) -> nn.Parameter:
+            out = p.new_zeros((p.shape[0] + delta, *p.shape[1:]))
+            out[: min(p.shape[0], out.shape[0])] = p[: out.shape[0]]
+            if delta > 0 and p.dim() == 2:
+                out[p.shape[0]:] = torch.randn_like(out[p.shape[0]:]) * 0.02
+            return nn.Parameter(out, requires_grad=p.requires_grad)
+
+        head = self.crit
+        head.out_biases[-1] = resized(head.out_biases[-1])
+        if not c.tie_weights:
+            head.out_weights[-1] = resized(head.out_weights[-1])
+        c.vocab_size = new_num_tokens
+        return self.get_input_embeddings()
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -551,15 +660,19 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         use_cache: bool = True,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
-    ) -> DEQTransformerCausalLMOutput:
+    ) -> DEQTransformerCausalLMOutput | tuple:
         """Labels follow the transformers convention: aligned with input_ids, shifted here (-100 ignored)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("DEQTransformerForCausalLM does not support padding (attention_mask has zeros); "
                              "generate one sequence per call or use equal-length prompts")
-        out = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        out = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True)
         h = out.last_hidden_state
         if logits_to_keep and labels is None:
             h = h[:, -logits_to_keep:]
@@ -574,8 +687,9 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
             if out.jac_loss is not None and self.config.jac_reg_weight > 0:
                 loss = loss + self.config.jac_reg_weight * out.jac_loss
         result = DEQTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                              hidden_states=out.hidden_states, attentions=out.attentions,
                                               jac_loss=out.jac_loss, deq_stats=out.deq_stats)
-        return result if return_dict else result.to_tuple()
+        return self._output(result, return_dict)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       use_cache=True, **kwargs):

@@ -286,6 +286,7 @@ class IGNNNodeClassifierOutput(DEQModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
     all_deq_stats: tuple[SolverStats, ...] | None = None
     graph: IGNNGraph | None = None
     deq_stats: SolverStats | None = None
@@ -299,6 +300,7 @@ class IGNNGraphClassifierOutput(DEQModelOutput):
     logits: torch.Tensor | None = None
     pooled_output: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
     all_deq_stats: tuple[SolverStats, ...] | None = None
     graph: IGNNGraph | None = None
     deq_stats: SolverStats | None = None
@@ -489,10 +491,10 @@ class IGNNModel(IGNNPreTrainedModel):
         adjacency: torch.Tensor | None = None,
         data=None,
         graph: IGNNGraph | None = None,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **_,
-    ) -> IGNNModelOutput:
+    ) -> IGNNModelOutput | tuple:
         x, graph = self._resolve(x, edge_index, edge_weight, batch, adjacency, data, graph)
         if self.config.norm_type != "none":
             reset_norm(self.layers)  # normalized weights once per forward, reused by every f call
@@ -512,13 +514,18 @@ class IGNNModel(IGNNPreTrainedModel):
             z = s[0]
             hidden.append(z)
             stats_all.append(stats)
-        return IGNNModelOutput(
+        out = IGNNModelOutput(
             deq_stats=stats_all[-1],
             last_hidden_state=z,
-            hidden_states=tuple(hidden) if output_hidden_states else None,
+            hidden_states=tuple(hidden) if self._flag(output_hidden_states, "output_hidden_states") else None,
             all_deq_stats=tuple(stats_all),
             graph=graph,
         )
+        return self._output(out, return_dict)
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The first implicit layer's Ω₁ (the map of node features into the state's injection)."""
+        return self.layers[0].Omega_1
 
 
 def _check_sparse_structure(adjacency: torch.Tensor, n: int) -> None:
@@ -613,10 +620,13 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
         data=None,
         graph: IGNNGraph | None = None,
         labels: torch.Tensor | None = None,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **_,
-    ) -> IGNNNodeClassifierOutput:
-        out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph)
+    ) -> IGNNNodeClassifierOutput | tuple:
+        out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
+                        output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
+                        return_dict=True)
         z = out.last_hidden_state
         if self.config.normalize_states:
             z = F.normalize(z, dim=-1)
@@ -629,13 +639,17 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
                     f"got {tuple(labels.shape)}"
                 )
             loss = F.cross_entropy(logits, labels, ignore_index=-100)
-        return IGNNNodeClassifierOutput(
-            loss=loss,
-            logits=logits,
-            last_hidden_state=out.last_hidden_state,
-            deq_stats=out.deq_stats,
-            all_deq_stats=out.all_deq_stats,
-            graph=out.graph,
+        return self._output(
+            IGNNNodeClassifierOutput(
+                loss=loss,
+                logits=logits,
+                last_hidden_state=out.last_hidden_state,
+                hidden_states=out.hidden_states,
+                deq_stats=out.deq_stats,
+                all_deq_stats=out.all_deq_stats,
+                graph=out.graph,
+            ),
+            return_dict,
         )
 
 
@@ -674,10 +688,13 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
         data=None,
         graph: IGNNGraph | None = None,
         labels: torch.Tensor | None = None,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **_,
-    ) -> IGNNGraphClassifierOutput:
-        out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph)
+    ) -> IGNNGraphClassifierOutput | tuple:
+        out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
+                        output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
+                        return_dict=True)
         g = out.graph
         pooled = _pool(out.last_hidden_state, g.batch, g.num_graphs, self.config.graph_pooling)
         logits = self.classifier(self.dropout(F.relu(self.pre_classifier(pooled))))
@@ -688,12 +705,16 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
                     f"labels must have shape ({logits.shape[0]},) (one per graph), got {tuple(labels.shape)}"
                 )
             loss = F.cross_entropy(logits, labels)
-        return IGNNGraphClassifierOutput(
-            loss=loss,
-            logits=logits,
-            pooled_output=pooled,
-            last_hidden_state=out.last_hidden_state,
-            deq_stats=out.deq_stats,
-            all_deq_stats=out.all_deq_stats,
-            graph=g,
+        return self._output(
+            IGNNGraphClassifierOutput(
+                loss=loss,
+                logits=logits,
+                pooled_output=pooled,
+                last_hidden_state=out.last_hidden_state,
+                hidden_states=out.hidden_states,
+                deq_stats=out.deq_stats,
+                all_deq_stats=out.all_deq_stats,
+                graph=g,
+            ),
+            return_dict,
         )

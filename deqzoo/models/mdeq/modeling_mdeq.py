@@ -17,7 +17,7 @@ State-dict keys equal the originals' with the backbone under ``mdeq.`` (see ``OR
 Example:
     >>> import torch, deqzoo
     >>> model = deqzoo.create_model("mdeq-mnist-tiny").eval()
-    >>> out = model(torch.randn(2, 1, 28, 28))
+    >>> out = model(torch.randn(2, 1, 28, 28), output_hidden_states=True)
     >>> out.logits.shape, [tuple(h.shape) for h in out.hidden_states]
     (torch.Size([2, 10]), [(2, 16, 14, 14), (2, 16, 7, 7)])
 """
@@ -335,7 +335,8 @@ class MDEQModule(nn.Module):
 
 @dataclass
 class MDEQModelOutput(DEQModelOutput):
-    """Equilibrium states of every resolution (highest first); `last_hidden_state` is the highest one."""
+    """`last_hidden_state`: the highest resolution's equilibrium; `hidden_states` (with
+    ``output_hidden_states=True``): the equilibrium state of every resolution, highest first."""
 
     last_hidden_state: torch.FloatTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
@@ -443,7 +444,12 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
 
 
 class MDEQModel(MDEQPreTrainedModel):
-    """The MDEQ backbone: stem, input injection, and the multiscale equilibrium (one state per resolution)."""
+    """The MDEQ backbone: stem, input injection, and the multiscale equilibrium (one state per resolution).
+
+    ``get_input_embeddings()`` is the stem (``downsample``), the module that embeds pixels.
+    """
+
+    _input_embed_layer = "downsample"
 
     def __init__(self, config: MDEQConfig):
         super().__init__(config)
@@ -483,9 +489,10 @@ class MDEQModel(MDEQPreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         z0: tuple[torch.Tensor, ...] | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> MDEQModelOutput:
+    ) -> MDEQModelOutput | tuple:
         """Solve for the equilibrium of all resolutions; `z0` overrides the zero initial states."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.in_channels:
             raise ValueError(
@@ -507,7 +514,9 @@ class MDEQModel(MDEQPreTrainedModel):
 
         zs, stats = self.deq(f, tuple(z0))
         zs = tuple(zs)
-        return MDEQModelOutput(deq_stats=stats, last_hidden_state=zs[0], hidden_states=zs)
+        hidden = zs if self._flag(output_hidden_states, "output_hidden_states") else None
+        return self._output(MDEQModelOutput(deq_stats=stats, last_hidden_state=zs[0], hidden_states=hidden),
+                            return_dict)
 
 
 class _Bottleneck(nn.Module):
@@ -584,10 +593,11 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> MDEQImageClassifierOutput:
-        out = self.mdeq(pixel_values)
+    ) -> MDEQImageClassifierOutput | tuple:
+        out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.classify(out.hidden_states)
         loss = None
         if labels is not None:
@@ -596,8 +606,12 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
             else:
                 loss = F.cross_entropy(logits, labels)
             loss = self._add_jac_loss(loss, out.deq_stats)
-        return MDEQImageClassifierOutput(
-            deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=out.hidden_states
+        hidden = out.hidden_states if self._flag(output_hidden_states, "output_hidden_states") else None
+        return self._output(
+            MDEQImageClassifierOutput(
+                deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=hidden
+            ),
+            return_dict,
         )
 
 
@@ -636,16 +650,21 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> MDEQSemanticSegmenterOutput:
-        out = self.mdeq(pixel_values)
+    ) -> MDEQSemanticSegmenterOutput | tuple:
+        out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.segment(out.hidden_states)
         loss = None
         if labels is not None:
             up = F.interpolate(logits, size=labels.shape[-2:], mode="bilinear", align_corners=False)
             ignore = getattr(self.config, "semantic_loss_ignore_index", 255)
             loss = self._add_jac_loss(F.cross_entropy(up, labels.long(), ignore_index=ignore), out.deq_stats)
-        return MDEQSemanticSegmenterOutput(
-            deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=out.hidden_states
+        hidden = out.hidden_states if self._flag(output_hidden_states, "output_hidden_states") else None
+        return self._output(
+            MDEQSemanticSegmenterOutput(
+                deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=hidden
+            ),
+            return_dict,
         )

@@ -66,7 +66,7 @@ def test_shapes_all_heads():
     cfg = tiny_config()
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
-        base = MDEQModel(cfg).eval()(x)
+        base = MDEQModel(cfg).eval()(x, output_hidden_states=True)
         assert [tuple(h.shape) for h in base.hidden_states] == [(2, 16, 14, 14), (2, 16, 7, 7)]
         assert base.last_hidden_state is base.hidden_states[0]
         cls = MDEQForImageClassification(cfg).eval()(x)
@@ -79,7 +79,7 @@ def test_shapes_all_heads():
 def test_four_resolution_original_layout_runs():
     model = deqzoo.create_model("mdeq-cifar-large", deq={"f_max_iter": 2, "f_solver": "fixed_point"}).eval()
     with torch.no_grad():
-        out = model(torch.randn(1, 3, 32, 32))
+        out = model(torch.randn(1, 3, 32, 32), output_hidden_states=True)
     assert [h.shape[1:] for h in out.hidden_states] == [(32, 32, 32), (64, 16, 16), (128, 8, 8), (256, 4, 4)]
     assert out.deq_stats.nfe == 2
 
@@ -188,7 +188,8 @@ def test_save_load_round_trip_with_auto_classes(tmp_path):
     base = AutoModel.from_pretrained(tmp_path / "backbone").eval()
     assert type(base) is MDEQModel
     with torch.no_grad():
-        assert torch.equal(base(x).hidden_states[1], model.mdeq(x).hidden_states[1])
+        assert torch.equal(base(x, output_hidden_states=True).hidden_states[1],
+                           model.mdeq(x, output_hidden_states=True).hidden_states[1])
     changed = deqzoo.from_pretrained(tmp_path, deq={"f_max_iter": 5})
     assert changed.mdeq.deq.config.f_max_iter == 5
 

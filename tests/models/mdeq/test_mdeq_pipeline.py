@@ -36,8 +36,9 @@ def test_plain_checkpoint_reproduces_its_card_and_meets_the_target():
     model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
     metrics = mnist.evaluate(model, progress=False)
     card = _card("deqzoo/mdeq-tiny-mnist")
-    assert metrics["accuracy"] == card["accuracy"] and metrics["mean_nfe"] == card["mean_nfe"]
-    assert metrics["accuracy"] >= 0.97
+    assert metrics == {k: card[k] for k in ("accuracy", "converged", "mean_nfe")}
+    # the flagship's target: >= 95% of held-out images converge within the budget, accuracy >= 0.975
+    assert metrics["accuracy"] >= 0.975 and metrics["converged"] >= 0.95
 
 
 def test_lipschitz_card_reports_fewer_iterations_at_the_same_tolerance():
@@ -96,9 +97,11 @@ def test_task_demo_and_predict(tmp_path):
     x, y = mnist.sample_images()
     path = tmp_path / "digit.png"
     Image.fromarray(x[3], mode="L").save(path)
-    assert mnist.predict(model, str(path)) == str(
-        int(model(mnist.to_pixel_values(x[3:4], model)).logits.argmax())
-    )
+    logits = model(mnist.to_pixel_values(x[3:4], model)).logits[0]
+    probs = logits.softmax(-1)
+    line = mnist.predict(model, str(path))
+    assert line.startswith(f"{int(logits.argmax())} (top-3 probabilities: {int(logits.argmax())} ")
+    assert f"{float(probs.max()):.4f}" in line and "solve converged" in line
     with pytest.raises(FileNotFoundError, match="no image file"):
         mnist.predict(model, str(tmp_path / "missing.png"))
     (tmp_path / "bad.png").write_text("not an image")

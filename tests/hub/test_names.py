@@ -1,0 +1,73 @@
+"""One name per model across hub id, preset and timm, aliases listed, did-you-mean on unknown names."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import deqzoo
+from deqzoo.factory import MODEL_NAMES, canonical_name, did_you_mean, model_names
+from deqzoo.hub.catalog import load_catalog
+from deqzoo.hub.loading import resolve
+from deqzoo.integrations.timm import TIMM_MODELS, timm_name
+
+
+def test_every_embedded_checkpoint_has_one_canonical_name():
+    assert {f"deqzoo/{n}" for n in MODEL_NAMES} == set(load_catalog())
+    for row in model_names():
+        assert canonical_name(row["hub_id"]) == row["name"]
+        assert all(canonical_name(a) == row["name"] for a in row["aliases"])
+        if row["timm"]:
+            assert row["timm"] == row["name"].replace("-", "_")
+            assert TIMM_MODELS[row["timm"]][1] == row["hub_id"]
+
+
+@pytest.mark.parametrize("row", model_names(), ids=lambda r: r["name"])
+def test_canonical_name_builds_the_checkpoints_architecture(row):
+    """create_model(<canonical name>) has exactly the parameter names and shapes of the published weights."""
+    from safetensors import safe_open
+
+    model = deqzoo.create_model(row["name"])
+    with safe_open(str(resolve(row["hub_id"]) / "model.safetensors"), "pt") as f:
+        published = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == published
+
+
+def test_aliases_and_timm_spellings_load_the_same_model():
+    ref = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").eval()
+    alias = deqzoo.from_pretrained("mdeq-mnist-tiny").eval()  # the preset's spelling
+    x = torch.randn(1, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(ref(x).logits, alias(x).logits)
+    assert timm_name("deqzoo/lipschitz-mdeq-tiny-mnist") == "lipschitz_mdeq_tiny_mnist"
+    net = timm.create_model(timm_name("lipschitz-mdeq-mnist-tiny"), pretrained=True).eval()
+    lip = deqzoo.from_pretrained("lipschitz-mdeq-tiny-mnist").eval()
+    with torch.no_grad():
+        assert torch.allclose(net(x), lip(x).logits, atol=1e-6)
+
+
+def test_did_you_mean_on_unknown_names(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "'mdeq-tiny-mnist'" in did_you_mean("mdeq-tiny-mnst")
+    assert did_you_mean("completely-unrelated-zzz") == ""
+    with pytest.raises(ValueError, match="Did you mean 'mdeq-tiny-mnist'"):
+        deqzoo.create_model("mdeq-tiny-mnst")
+    with pytest.raises(ValueError, match="Did you mean 'mdeq-cifar-tiny'"):
+        deqzoo.create_model("mdeq-cifar-tin")
+    with pytest.raises(Exception, match="Did you mean 'ignn-chains'"):
+        deqzoo.from_pretrained("deqzoo/ignn-chain")
+    with pytest.raises(ValueError, match="Did you mean 'mdeq-tiny-mnist'"):
+        timm_name("mdeq_tiny_mnst")
+
+
+def test_readme_lists_the_name_table():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    lines = {line.split("|")[1].strip(): line for line in readme.splitlines() if line.startswith("| ")}
+    for row in model_names():
+        cells = [c.strip() for c in lines[row["name"]].split("|")[1:-1]]
+        assert cells[:4] == [row["name"], row["hub_id"], row["preset"], row["timm"] or ""], cells
+        assert all(a in cells[4] for a in row["aliases"]), cells
