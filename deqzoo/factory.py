@@ -87,6 +87,10 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
            if k in kwargs}
     directory = resolve(name_or_path, **hub)
     config_path = directory / "config.json"
+    if not config_path.is_file() and (directory / "model_index.json").is_file():
+        from .integrations.diffusers import DEQDDIMPipeline  # a diffusers repository: the DEQ-DDIM pipeline
+
+        return DEQDDIMPipeline.from_pretrained(str(directory), **kwargs)
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json")
     try:

@@ -1,8 +1,8 @@
-"""DEQ-DDIM (Pokle, Geng & Kolter, NeurIPS 2022) as a `diffusers.DiffusionPipeline` over any UNet2DModel + DDIMScheduler.
+"""DEQ-DDIM (Pokle, Geng & Kolter, 2022): a `diffusers.DiffusionPipeline` for any UNet2DModel + DDIMScheduler.
 
-The deterministic DDIM chain x_T -> x_{t_1} -> ... -> x_0 (eta = 0) is one fixed-point system over all T states
-Z = (X_1, ..., X_T), solved jointly by the deqzoo engine (Anderson by default) with the UNet evaluated batched
-over all timesteps. The map is the paper's telescoped form: with c_i = sqrt(alpha_bar) of state i and
+The deterministic DDIM chain x_T -> x_{t_1} -> ... -> x_0 (eta = 0) is one fixed-point system over all T
+states Z = (X_1, ..., X_T), solved jointly by the deqzoo engine (Anderson by default) with the UNet
+evaluated batched over all timesteps. The map is the paper's telescoped form: with c_i = sqrt(alpha_bar) of state i and
 S_j = ddim_step(X_{j-1}, t_{j-1}),
 
     f(Z)_i = c_i * ( x_T / c_0 + sum_{j <= i} (S_j / c_j - X_{j-1} / c_{j-1}) ),
@@ -10,7 +10,7 @@ S_j = ddim_step(X_{j-1}, t_{j-1}),
 whose fixed point is exactly the sequential chain (X_i = S_i by induction), for any step (clipping and
 thresholding included), and which hands x_T to every state in one evaluation (without clipping the sum is the
 paper's cumulative eps sum). Inversion (`invert`) optimizes x_T with gradients through the fixed point:
-warm-started Anderson solves and the engine's phantom gradient (one damped step, tau = 0.1), starting from DDIM
+warm-started Anderson solves and the engine's phantom gradient (one damped step, tau = 0.1), from DDIM
 ODE inversion.
 
 Example:
@@ -18,7 +18,7 @@ Example:
     >>> from diffusers import DDIMScheduler, UNet2DModel
     >>> from deqzoo.integrations.diffusers import DEQDDIMPipeline
     >>> unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
-    ...                    down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+    ...     down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
     ...                    layers_per_block=1, norm_num_groups=4)
     >>> pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler())
     >>> out = pipe(batch_size=2, num_inference_steps=5, generator=torch.manual_seed(0), output_type="pt")
@@ -53,7 +53,7 @@ __all__ = [
 
 
 def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
-    """Raise a ValueError naming the component DEQ-DDIM cannot run (it never falls back to another algorithm)."""
+    """Raise a ValueError naming the component DEQ-DDIM cannot run (never falls back to another algorithm)."""
     if not isinstance(unet, UNet2DModel):
         raise ValueError(
             f"DEQDDIMPipeline: unet is a {type(unet).__name__}; DEQ-DDIM supports unconditional "
@@ -61,8 +61,8 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
         )
     if not isinstance(scheduler, DDIMScheduler):
         raise ValueError(
-            f"DEQDDIMPipeline: scheduler is a {type(scheduler).__name__}; DEQ-DDIM solves the deterministic DDIM "
-            "chain and needs a diffusers.DDIMScheduler (e.g. DDIMScheduler.from_config(scheduler.config), "
+            f"DEQDDIMPipeline: scheduler is a {type(scheduler).__name__}; DEQ-DDIM solves the deterministic "
+            "DDIM chain and needs a diffusers.DDIMScheduler (e.g. DDIMScheduler.from_config(scheduler.config), "
             "which is a different sampler than the one configured)"
         )
     if eta != 0:
@@ -73,7 +73,7 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
 
 
 def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """PIL list / (N, H, W, C) numpy in [0, 1] / (N, C, H, W) tensor in [0, 1] -> float32 tensor in [-1, 1]."""
+    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]."""
     if isinstance(images, list) and images and hasattr(images[0], "mode"):
         images = np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images])
         if images.ndim == 3:
@@ -81,10 +81,14 @@ def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.
     if isinstance(images, np.ndarray):
         images = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
     if not isinstance(images, torch.Tensor) or images.ndim != 4:
-        raise ValueError("images must be a list of PIL images, an (N, H, W, C) array or an (N, C, H, W) tensor "
-                         f"in [0, 1]; got {type(images).__name__} of shape {getattr(images, 'shape', None)}")
+        raise ValueError(
+            "images must be a list of PIL images, an (N, H, W, C) array or an (N, C, H, W) tensor "
+            f"in [0, 1]; got {type(images).__name__} of shape {getattr(images, 'shape', None)}"
+        )
     if shape is not None and tuple(images.shape[1:]) != tuple(shape):
-        raise ValueError(f"images have shape (C, H, W) = {tuple(images.shape[1:])}; the UNet expects {tuple(shape)}")
+        raise ValueError(
+            f"images have shape (C, H, W) = {tuple(images.shape[1:])}; the UNet expects {tuple(shape)}"
+        )
     return images.float() * 2.0 - 1.0
 
 
@@ -96,8 +100,15 @@ class DDIMChain:
     computes it. UNet evaluations are counted (`unet_calls`, `unet_images`) and chunked to `max_unet_batch`.
     """
 
-    def __init__(self, unet: UNet2DModel, scheduler: DDIMScheduler, num_inference_steps: int, *,
-                 use_clipped_model_output: bool = False, max_unet_batch: int = 512):
+    def __init__(
+        self,
+        unet: UNet2DModel,
+        scheduler: DDIMScheduler,
+        num_inference_steps: int,
+        *,
+        use_clipped_model_output: bool = False,
+        max_unet_batch: int = 512,
+    ):
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
         if max_unet_batch < 1:
@@ -120,14 +131,14 @@ class DDIMChain:
         """UNet output for images x (N, C, H, W) at per-image timesteps t (N,), in chunks."""
         outs = []
         for lo in range(0, len(x), self.max_unet_batch):
-            xs, ts = x[lo:lo + self.max_unet_batch], t[lo:lo + self.max_unet_batch]
+            xs, ts = x[lo : lo + self.max_unet_batch], t[lo : lo + self.max_unet_batch]
             outs.append(self.unet(xs, ts.to(x.device)).sample)
             self.unet_calls += 1
             self.unet_images += len(xs)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def step(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,): DDIMScheduler.step, batched."""
+        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,) (DDIMScheduler.step)."""
         model_output = self.eps(x, self.timesteps[idx])
         cfg = self.scheduler.config
         view = (-1,) + (1,) * (x.ndim - 1)
@@ -145,7 +156,9 @@ class DDIMChain:
             pred_x0 = (a_t**0.5) * x - (beta_t**0.5) * model_output
             pred_eps = (a_t**0.5) * model_output + (beta_t**0.5) * x
         else:
-            raise ValueError(f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler")
+            raise ValueError(
+                f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler"
+            )
         if cfg.thresholding:
             pred_x0 = self.scheduler._threshold_sample(pred_x0)
         elif cfg.clip_sample:
@@ -154,8 +167,12 @@ class DDIMChain:
             pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
         return a_prev ** (0.5) * pred_x0 + (1 - a_prev) ** (0.5) * pred_eps
 
-    def fixed_point_map(self, x_T: torch.Tensor, on_iterate: Callable[[torch.Tensor], None] | None = None,
-                        form: str = "telescoped"):
+    def fixed_point_map(
+        self,
+        x_T: torch.Tensor,
+        on_iterate: Callable[[torch.Tensor], None] | None = None,
+        form: str = "telescoped",
+    ):
         """f(Z) over states Z (B, T, C, H, W) = X_1..X_T given x_T (B, C, H, W); see the module docstring."""
         T = self.T
         c = self.scale.to(x_T.device, x_T.dtype).view(1, T + 1, *([1] * (x_T.ndim - 1)))
@@ -201,7 +218,8 @@ class DDIMChain:
 class DEQDDIMPipelineOutput(ImagePipelineOutput):
     """`images` as DDIMPipeline returns them, plus the engine's `deq_stats` and counts of UNet work.
 
-    unet_images: images the UNet evaluated; unet_calls: batched UNet calls (chunks included); depth: sequential
+    unet_images: images the UNet evaluated; unet_calls: batched UNet calls (chunks included); depth:
+    sequential
     depth in batched evaluations of the whole chain (solver f evaluations + 1 for x_T's step)."""
 
     deq_stats: SolverStats | None = None
@@ -264,17 +282,33 @@ class DEQDDIMPipeline(DiffusionPipeline):
         hw = (size, size) if isinstance(size, int) else tuple(size)
         return (batch_size, self.unet.config.in_channels, *hw)
 
-    def chain(self, num_inference_steps: int, *, use_clipped_model_output: bool = False,
-              max_unet_batch: int = 512) -> DDIMChain:
+    def chain(
+        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512
+    ) -> DDIMChain:
         """The DDIM chain of this pipeline's UNet and scheduler at `num_inference_steps` (see DDIMChain)."""
         check_components(self.unet, self.scheduler)
-        return DDIMChain(self.unet, self.scheduler, num_inference_steps,
-                         use_clipped_model_output=use_clipped_model_output, max_unet_batch=max_unet_batch)
+        return DDIMChain(
+            self.unet,
+            self.scheduler,
+            num_inference_steps,
+            use_clipped_model_output=use_clipped_model_output,
+            max_unet_batch=max_unet_batch,
+        )
 
-    def solve_chain(self, chain: DDIMChain, x_T: torch.Tensor, *, solver: str = "anderson",
-                    max_iter: int | None = None, tol: float = 1e-5, init: torch.Tensor | None = None,
-                    on_iterate: Callable[[torch.Tensor], None] | None = None, form: str = "telescoped",
-                    safeguard: bool = True, **solver_kwargs) -> tuple[torch.Tensor, SolverStats]:
+    def solve_chain(
+        self,
+        chain: DDIMChain,
+        x_T: torch.Tensor,
+        *,
+        solver: str = "anderson",
+        max_iter: int | None = None,
+        tol: float = 1e-5,
+        init: torch.Tensor | None = None,
+        on_iterate: Callable[[torch.Tensor], None] | None = None,
+        form: str = "telescoped",
+        safeguard: bool = True,
+        **solver_kwargs,
+    ) -> tuple[torch.Tensor, SolverStats]:
         """Solve for all states (B, T, C, H, W) from x_T with the engine.
 
         `init` warm-starts (default: x_T in every state, as the paper). `form`: "telescoped" (the paper's map,
@@ -291,20 +325,41 @@ class DEQDDIMPipeline(DiffusionPipeline):
         T = chain.T
         z0 = x_T.unsqueeze(1).expand(-1, T, *x_T.shape[1:]).contiguous() if init is None else init
         if tuple(z0.shape) != (x_T.shape[0], T, *x_T.shape[1:]):
-            raise ValueError(f"init has shape {tuple(z0.shape)}; expected {(x_T.shape[0], T, *x_T.shape[1:])}")
+            raise ValueError(
+                f"init has shape {tuple(z0.shape)}; expected {(x_T.shape[0], T, *x_T.shape[1:])}"
+            )
         f = chain.fixed_point_map(x_T, on_iterate, form)
         with torch.no_grad():
-            Z, stats = solve(f, z0, solver=solver, max_iter=max_iter if max_iter is not None else T, tol=tol,
-                             stop_mode="rel", **solver_kwargs)
+            Z, stats = solve(
+                f,
+                z0,
+                solver=solver,
+                max_iter=max_iter if max_iter is not None else T,
+                tol=tol,
+                stop_mode="rel",
+                **solver_kwargs,
+            )
             stats.extra["safeguard_nfe"] = 0
             if safeguard and solver != "fixed_point" and not bool(stats.converged.all()):
                 # the step form evaluates each state from its predecessor only (no cumulative sums through
                 # the solver's unconverged states, which lose float precision), exact after T evaluations
                 start = Z if bool(torch.isfinite(Z).all()) else z0
-                Z, picard = solve(chain.fixed_point_map(x_T, on_iterate, "step"), start, solver="fixed_point",
-                                  max_iter=T + 1, tol=tol, stop_mode="rel", div_factor=float("inf"))
-                stats = replace(picard, nfe=stats.nfe + picard.nfe, trace=torch.cat([stats.trace, picard.trace]),
-                                solver=f"{solver}+fixed_point", extra={**stats.extra, "safeguard_nfe": picard.nfe})
+                Z, picard = solve(
+                    chain.fixed_point_map(x_T, on_iterate, "step"),
+                    start,
+                    solver="fixed_point",
+                    max_iter=T + 1,
+                    tol=tol,
+                    stop_mode="rel",
+                    div_factor=float("inf"),
+                )
+                stats = replace(
+                    picard,
+                    nfe=stats.nfe + picard.nfe,
+                    trace=torch.cat([stats.trace, picard.trace]),
+                    solver=f"{solver}+fixed_point",
+                    extra={**stats.extra, "safeguard_nfe": picard.nfe},
+                )
         return Z, stats
 
     @torch.no_grad()
@@ -326,7 +381,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
         safeguard: bool = True,
         **solver_kwargs: Any,
     ) -> DEQDDIMPipelineOutput | tuple:
-        r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain as
+        r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain
         one fixed point.
 
         Args:
@@ -343,15 +398,32 @@ class DEQDDIMPipeline(DiffusionPipeline):
         if latents is None:
             if isinstance(generator, list) and len(generator) != batch_size:
                 raise ValueError(f"{len(generator)} generators for batch_size {batch_size}")
-            latents = randn_tensor(self._image_shape(batch_size), generator=generator,
-                                   device=self._execution_device, dtype=self.unet.dtype)
+            latents = randn_tensor(
+                self._image_shape(batch_size),
+                generator=generator,
+                device=self._execution_device,
+                dtype=self.unet.dtype,
+            )
         elif tuple(latents.shape[1:]) != self._image_shape(1)[1:]:
-            raise ValueError(f"latents have shape {tuple(latents.shape)}; the UNet expects (B, "
-                             f"{', '.join(map(str, self._image_shape(1)[1:]))})")
-        chain = self.chain(num_inference_steps, use_clipped_model_output=bool(use_clipped_model_output),
-                           max_unet_batch=max_unet_batch)
-        Z, stats = self.solve_chain(chain, latents, solver=solver, max_iter=max_iter, tol=tol, form=form,
-                                    safeguard=safeguard, **solver_kwargs)
+            raise ValueError(
+                f"latents have shape {tuple(latents.shape)}; the UNet expects (B, "
+                f"{', '.join(map(str, self._image_shape(1)[1:]))})"
+            )
+        chain = self.chain(
+            num_inference_steps,
+            use_clipped_model_output=bool(use_clipped_model_output),
+            max_unet_batch=max_unet_batch,
+        )
+        Z, stats = self.solve_chain(
+            chain,
+            latents,
+            solver=solver,
+            max_iter=max_iter,
+            tol=tol,
+            form=form,
+            safeguard=safeguard,
+            **solver_kwargs,
+        )
         image = (Z[:, -1] / 2 + 0.5).clamp(0, 1)
         if output_type != "pt":
             image = image.cpu().permute(0, 2, 3, 1).numpy()
@@ -359,8 +431,13 @@ class DEQDDIMPipeline(DiffusionPipeline):
                 image = self.numpy_to_pil(image)
         if not return_dict:
             return (image,)
-        return DEQDDIMPipelineOutput(images=image, deq_stats=stats, unet_images=chain.unet_images,
-                                     unet_calls=chain.unet_calls, depth=stats.nfe)
+        return DEQDDIMPipelineOutput(
+            images=image,
+            deq_stats=stats,
+            unet_images=chain.unet_images,
+            unet_calls=chain.unet_calls,
+            depth=stats.nfe,
+        )
 
     def invert(
         self,
@@ -403,8 +480,16 @@ class DEQDDIMPipeline(DiffusionPipeline):
             Z, _ = self.solve_chain(chain, x_T, solver=solver, tol=1e-5)
         init_mse = _mse01(Z[:, -1], target)
         history = [(time.perf_counter() - t0, float(init_mse.mean()))]
-        deq = DEQ(DEQConfig(f_solver=solver, f_max_iter=f_max_iter, f_tol=f_tol, b_mode="phantom",
-                            b_mode_kwargs={"k": k, "tau": tau}, on_nonconvergence="ignore"))
+        deq = DEQ(
+            DEQConfig(
+                f_solver=solver,
+                f_max_iter=f_max_iter,
+                f_tol=f_tol,
+                b_mode="phantom",
+                b_mode_kwargs={"k": k, "tau": tau},
+                on_nonconvergence="ignore",
+            )
+        )
         param = torch.nn.Parameter(x_T.clone())
         opt = torch.optim.Adam([param], lr=lr)
         best_mse, best_x = float(init_mse.mean()), x_T.clone()
@@ -436,8 +521,13 @@ class DEQDDIMPipeline(DiffusionPipeline):
             self.unet.requires_grad_(True)
         with torch.no_grad():  # the reconstruction of the returned x_T, solved tightly
             Z, _ = self.solve_chain(chain, best_x, solver=solver, tol=1e-5)
-        return DEQDDIMInversionOutput(latents=best_x, images=(Z[:, -1] / 2 + 0.5).clamp(0, 1),
-                                      mse=_mse01(Z[:, -1], target), init_mse=init_mse, history=history)
+        return DEQDDIMInversionOutput(
+            latents=best_x,
+            images=(Z[:, -1] / 2 + 0.5).clamp(0, 1),
+            mse=_mse01(Z[:, -1], target),
+            init_mse=init_mse,
+            history=history,
+        )
 
 
 def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         perm = torch.randperm(len(x))
         for i in range(0, len(x), 32):
-            idx = perm[i:i + 32]
+            idx = perm[i : i + 32]
             xb = x[idx]
             dx, dy = torch.randint(-1, 2, (2,)).tolist()  # shift augmentation (pad with background -1)
-            xb = torch.roll(torch.nn.functional.pad(xb, (1, 1, 1, 1), value=-1.0), (dy, dx), (2, 3))[..., 1:-1, 1:-1]
+            xb = torch.roll(torch.nn.functional.pad(xb, (1, 1, 1, 1), value=-1.0), (dy, dx), (2, 3))[
+                ..., 1:-1, 1:-1
+            ]
             loss = torch.nn.functional.cross_entropy(model(xb), y[idx], label_smoothing=0.0)
             opt.zero_grad()
             loss.backward()
@@ -50,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"epoch {epoch + 1}: loss {loss.item():.4f}, held-out accuracy {acc:.4f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(args.out / "model.safetensors"))
-    (args.out / "config.json").write_text(json.dumps({"width": model.width, "test_accuracy": round(acc, 4)}) + "\n")
+    (args.out / "config.json").write_text(
+        json.dumps({"width": model.width, "test_accuracy": round(acc, 4)}) + "\n"
+    )
 
 
 if __name__ == "__main__":

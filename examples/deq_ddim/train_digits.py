@@ -1,14 +1,14 @@
-"""Train a small DDPM noise-prediction UNet2DModel on scikit-learn digits (16x16) on CPU; export a diffusers repo.
+"""Train a small DDPM noise-prediction UNet2DModel on sklearn digits (16x16) on CPU; export a diffusers repo.
 
-The result is a standard diffusers repository (model_index.json naming `DDIMPipeline`, unet/, scheduler/ with a
-`DDIMScheduler`) holding the EMA weights, loadable by stock diffusers and by `deqzoo.DEQDDIMPipeline`.
+The result is a standard diffusers repository (model_index.json naming `DDIMPipeline`, unet/, scheduler/ with
+a `DDIMScheduler`) holding the EMA weights, loadable by stock diffusers and by `deqzoo.DEQDDIMPipeline`.
 
     nohup env PYTHONPATH=$PWD python examples/deq_ddim/train_digits.py --work outputs/ddim-digits \
         --out model_cards/ddim-digits-16 --max-steps 4000 --minutes 70 > outputs/ddim-digits.log 2>&1 &
 
 Resumable: the work folder holds `resume.safetensors` (model, EMA, optimizer moments, RNG) and `resume.json`
 (step, elapsed seconds); rerunning the same command continues where it stopped. The data split is
-`deqzoo.tasks.ddim_digits.load_split("train")` (1,200 images); the seed fixes initialization, batches and noise.
+`deqzoo.tasks.ddim_digits.load_split("train")` (1,200 images); the seed fixes init, batches and noise.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         flat["rng"] = gen.get_state()
         save_file(flat, str(rs) + ".tmp")
         Path(str(rs) + ".tmp").replace(rs)
-        rj.write_text(json.dumps({"step": step, "elapsed": elapsed, "losses": losses, "args": vars(args)},
-                                 default=str))
+        rj.write_text(
+            json.dumps({"step": step, "elapsed": elapsed, "losses": losses, "args": vars(args)}, default=str)
+        )
         export(ema, args.out)
 
     budget = args.minutes * 60
@@ -150,8 +151,11 @@ def main(argv: list[str] | None = None) -> None:
             save()
     bar.close()
     save()
-    print(f"done: step {step}, {elapsed / 60:.1f} min, last loss {losses[-1][1] if losses else float('nan'):.4f}",
-          flush=True)
+    print(
+        f"done: step {step}, {elapsed / 60:.1f} min, "
+        f"last loss {losses[-1][1] if losses else float('nan'):.4f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

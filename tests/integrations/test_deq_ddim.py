@@ -17,9 +17,16 @@ EMBEDDED = Path(__file__).resolve().parents[2] / "model_cards" / "ddim-digits-16
 
 def _random_unet(seed: int = 0, out_scale: float = 1.0) -> UNet2DModel:
     torch.manual_seed(seed)
-    unet = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(8, 16),
-                       down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                       up_block_types=("AttnUpBlock2D", "UpBlock2D"), layers_per_block=1, norm_num_groups=4)
+    unet = UNet2DModel(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        layers_per_block=1,
+        norm_num_groups=4,
+    )
     with torch.no_grad():  # a trained denoiser's chain is not chaotic; a raw random one is (see below)
         unet.conv_out.weight.mul_(out_scale)
         unet.conv_out.bias.mul_(out_scale)
@@ -29,8 +36,9 @@ def _random_unet(seed: int = 0, out_scale: float = 1.0) -> UNet2DModel:
 def _ddim_reference(unet, scheduler, T: int, batch: int, seed: int) -> torch.Tensor:
     ref = DDIMPipeline(unet=unet, scheduler=DDIMScheduler.from_config(scheduler.config))
     ref.set_progress_bar_config(disable=True)
-    return ref(batch_size=batch, generator=torch.manual_seed(seed), num_inference_steps=T, eta=0.0,
-               output_type="pt").images
+    return ref(
+        batch_size=batch, generator=torch.manual_seed(seed), num_inference_steps=T, eta=0.0, output_type="pt"
+    ).images
 
 
 @pytest.mark.parametrize("T", [10, 50])
