@@ -2,8 +2,8 @@
 
 The deterministic DDIM chain x_T -> x_{t_1} -> ... -> x_0 (eta = 0) is one fixed-point system over all T
 states Z = (X_1, ..., X_T), solved jointly by the deqzoo engine (Anderson by default) with the UNet
-evaluated batched over all timesteps. The map is the paper's telescoped form: with c_i = sqrt(alpha_bar) of state i and
-S_j = ddim_step(X_{j-1}, t_{j-1}),
+evaluated batched over all timesteps. The map is the paper's telescoped form: with c_i = sqrt(alpha_bar)
+of state i and S_j = ddim_step(X_{j-1}, t_{j-1}),
 
     f(Z)_i = c_i * ( x_T / c_0 + sum_{j <= i} (S_j / c_j - X_{j-1} / c_{j-1}) ),
 
@@ -62,8 +62,8 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
     if not isinstance(scheduler, DDIMScheduler):
         raise ValueError(
             f"DEQDDIMPipeline: scheduler is a {type(scheduler).__name__}; DEQ-DDIM solves the deterministic "
-            "DDIM chain and needs a diffusers.DDIMScheduler (e.g. DDIMScheduler.from_config(scheduler.config), "
-            "which is a different sampler than the one configured)"
+            "DDIM chain and needs a diffusers.DDIMScheduler (e.g. "
+            "DDIMScheduler.from_config(scheduler.config), which is a different sampler than the one configured)"
         )
     if eta != 0:
         raise ValueError(
