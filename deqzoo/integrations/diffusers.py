@@ -63,7 +63,7 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
         raise ValueError(
             f"DEQDDIMPipeline: scheduler is a {type(scheduler).__name__}; DEQ-DDIM solves the deterministic "
             "DDIM chain and needs a diffusers.DDIMScheduler (e.g. "
-            "DDIMScheduler.from_config(scheduler.config), which is a different sampler than the one configured)"
+            "DDIMScheduler.from_config(scheduler.config), a different sampler than the configured one)"
         )
     if eta != 0:
         raise ValueError(
