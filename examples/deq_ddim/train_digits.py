@@ -4,7 +4,11 @@ The result is a standard diffusers repository (model_index.json naming `DDIMPipe
 a `DDIMScheduler`) holding the EMA weights, loadable by stock diffusers and by `deqzoo.DEQDDIMPipeline`.
 
     nohup env PYTHONPATH=$PWD python examples/deq_ddim/train_digits.py --work outputs/ddim-digits \
-        --out model_cards/ddim-digits-16 --max-steps 4000 --minutes 70 > outputs/ddim-digits.log 2>&1 &
+        --out outputs/ddim-digits/repo --max-steps 1520 --schedule-steps 4000 --minutes 1000 \
+        > outputs/ddim-digits.log 2>&1 &
+
+(The embedded checkpoint's run was started with `--max-steps 4000 --minutes 72` and stopped by the time budget
+at step 1520; the command above replays exactly those 1520 steps.)
 
 Resumable: the work folder holds `resume.safetensors` (model, EMA, optimizer moments, RNG) and `resume.json`
 (step, elapsed seconds); rerunning the same command continues where it stopped. The data split is
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, required=True, help="folder for resumable state")
     p.add_argument("--out", type=Path, required=True, help="diffusers repository to write")
     p.add_argument("--max-steps", type=int, default=4000)
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="horizon of the cosine learning-rate decay (default: --max-steps)")
     p.add_argument("--minutes", type=float, default=70.0, help="wall-clock budget over all resumed runs")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     run_loss, t_last = 0.0, time.time()
     while step < args.max_steps and elapsed < budget:
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
-        lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.max_steps))) * 0.9 + 0.1
+        horizon = args.schedule_steps or args.max_steps
+        lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))) * 0.9 + 0.1
         for g in opt.param_groups:
             g["lr"] = lr
         idx = torch.randint(0, len(x_train), (args.batch_size,), generator=gen)
