@@ -170,7 +170,7 @@ def evaluate(
     }
 
 
-def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int = 25, seed: int = 0):
+def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int = 10, seed: int = 0):
     """Write an 8-wide PNG grid of `n` DEQ-DDIM samples (each upscaled 4x); returns (path, stats)."""
     from PIL import Image
 
@@ -191,10 +191,10 @@ def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int
 
 
 def demo(pipe):
-    """Sample a grid of 16 digits (T = 25) to demo_output/; returns a summary line and the solve's stats."""
+    """Sample a grid of 16 digits (T = 10) to demo_output/; returns a summary line and the solve's stats."""
     Path("demo_output").mkdir(exist_ok=True)
     path, stats = sample_grid(pipe, "demo_output/ddim-digits-16_samples.png", n=16)
-    return f"16 digits sampled by DEQ-DDIM (T=25) -> {path}", stats
+    return f"16 digits sampled by DEQ-DDIM (T=10) -> {path}", stats
 
 
 def predict(pipe, input: str) -> str:
@@ -205,4 +205,4 @@ def predict(pipe, input: str) -> str:
     if path.exists():
         raise FileExistsError(f"predict: {input!r} exists; choose a new file name")
     out, stats = sample_grid(pipe, path)
-    return f"wrote {out} (64 DEQ-DDIM samples, T=25, {stats.nfe} solver evaluations)"
+    return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"
