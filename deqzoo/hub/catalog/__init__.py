@@ -72,11 +72,13 @@ def describe_checkpoint(folder: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
 
 
 def _diffusers_parameter_count(folder: Path) -> int:
-    """Tensor elements in a diffusers repository's safetensors files (headers only)."""
+    """Tensor elements in the safetensors files of the components model_index.json names (headers only)."""
     from safetensors import safe_open
 
+    index = json.loads((folder / "model_index.json").read_text())
+    components = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
     total = 0
-    for path in sorted(folder.glob("*/*.safetensors")):
+    for path in sorted(p for c in components for p in (folder / c).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             total += sum(_numel(handle.get_slice(k).get_shape()) for k in handle.keys())
     return total
