@@ -121,3 +121,13 @@ def test_inversion_improves_on_ddim_ode_inversion():
     assert out.latents.shape == (2, 1, 16, 16)
     # the reconstruction error of the returned x_T (tight solve) is below the DDIM ODE inversion's
     assert float(out.mse.mean()) < 0.7 * float(out.init_mse.mean())
+
+
+def test_docstring_examples():
+    import doctest
+
+    import deqzoo.integrations.diffusers as integration
+    import deqzoo.tasks.ddim_digits as task
+
+    for module in (integration, task):
+        assert doctest.testmod(module).failed == 0, module.__name__
