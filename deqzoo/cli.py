@@ -172,6 +172,7 @@ def benchmark_names() -> list[str]:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
+    args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs deqzoo/bench/deq_ddim.py
     known = benchmark_names()
     # deqzoo.bench's own modules (or one trusted code already imported): the argument never names other code
     if args.name not in known and f"deqzoo.bench.{args.name}" not in sys.modules:
@@ -217,6 +218,12 @@ def run_demo(names: list[str], output_dir: Path, progress: bool = True) -> tuple
         try:
             model, directory, meta, _ = _load(name)
             task = _task_module(directory, meta)
+            if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
+                start = time.perf_counter()
+                summary, stats = task.demo(model)
+                rows.append([str(name), summary, str(stats.nfe), f"{float(stats.residual.max()):.2e}",
+                             f"{time.perf_counter() - start:.2f}s", "-"])
+                continue
             default = model.config.deq_config
             start = time.perf_counter()
             summary, stats = task.demo(model)

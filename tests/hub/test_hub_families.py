@@ -84,6 +84,12 @@ EMBEDDED = sorted(load_catalog())
 def test_embedded_checkpoint_offline(checkpoint, no_network):
     entry = load_catalog()[checkpoint]
     model = deqzoo.from_pretrained(checkpoint)
+    if (resolve(checkpoint) / "model_index.json").is_file():  # a diffusers repository (DEQ-DDIM pipeline)
+        assert sum(p.numel() for p in model.unet.parameters()) == entry["parameters"]
+        meta, body = read_model_card(resolve(checkpoint))
+        assert meta["library_name"] == "diffusers" and meta["deqzoo_task"] and "deqzoo eval" in body
+        assert type(model).__name__ == "DEQDDIMPipeline" and entry["model_type"] == "DDIMPipeline"
+        return
     assert sum(p.numel() for p in model.parameters()) == entry["parameters"]  # buffers are not parameters
     directory = resolve(checkpoint)
     meta, body = read_model_card(directory)

@@ -43,12 +43,14 @@ def _checkpoint_files(folder: Path) -> list[Path]:
 
 
 def describe_checkpoint(folder: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
-    """Catalog entry for one checkpoint folder."""
-    for needed in ("config.json", WEIGHTS_NAME, CARD_NAME):
+    """Catalog entry for one checkpoint folder (a deqzoo model, or a diffusers repo: model_index.json)."""
+    diffusers_repo = (folder / "model_index.json").is_file()
+    required = ("model_index.json", CARD_NAME) if diffusers_repo else ("config.json", WEIGHTS_NAME, CARD_NAME)
+    for needed in required:
         if not (folder / needed).is_file():
             raise FileNotFoundError(f"{folder}: a checkpoint folder needs {needed}")
     meta, _ = read_model_card(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / ("model_index.json" if diffusers_repo else "config.json")).read_text())
     try:
         location = folder.resolve().relative_to(root.resolve()).as_posix()
     except ValueError:
@@ -59,14 +61,34 @@ def describe_checkpoint(folder: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
         "location": location,
         "files": files,
         "size_bytes": sum((folder / name).stat().st_size for name in files),
-        "model_type": config.get("model_type"),
+        "model_type": config.get("_class_name") if diffusers_repo else config.get("model_type"),
         "task": meta.get("pipeline_tag"),
         "deqzoo_task": meta.get("deqzoo_task"),
         "metrics": card_metrics(meta),
-        "parameters": _parameter_count(config),
+        "parameters": _diffusers_parameter_count(folder) if diffusers_repo else _parameter_count(config),
         "license": meta.get("license"),
         "datasets": meta.get("datasets", []),
     }
+
+
+def _diffusers_parameter_count(folder: Path) -> int:
+    """Tensor elements in the safetensors files of the components model_index.json names (headers only)."""
+    from safetensors import safe_open
+
+    index = json.loads((folder / "model_index.json").read_text())
+    components = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
+    total = 0
+    for path in sorted(p for c in components for p in (folder / c).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            total += sum(_numel(handle.get_slice(k).get_shape()) for k in handle.keys())
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _parameter_count(config: dict[str, Any]) -> int:

@@ -1,0 +1,254 @@
+"""`deqzoo bench deq-ddim`: DEQ-DDIM sampling and inversion against diffusers' DDIMPipeline, a ParaDiGMS-style
+Picard sampler (DDIMParallelScheduler, the StableDiffusionParadigmsPipeline loop on a UNet2DModel) and
+sequential-backprop inversion, side by side in one run; writes JSON and a PNG.
+
+    deqzoo bench deq-ddim --out bench_output/deq_ddim.json  # T in 10 25 50 100, 16 inversions at T=25
+    deqzoo bench deq-ddim --quick --out bench_output/deq_ddim.json    # T in 10 25, 4 inversions at T=10
+
+Sampling, per T: wall time, UNet image evaluations, sequential depth (batched chain evaluations) and the max
+abs error of the final image against DDIMPipeline's, per iteration for the two parallel methods ("equal
+tolerance" = the first iteration whose error is <= 1e-3). Inversion: MSE against wall time for DEQ-DDIM
+(Anderson warm start + phantom gradient, tau = 0.1), DDIM ODE inversion, Adam through the sequential chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+CHECKPOINT = "model_cards/ddim-digits-16"
+MATCH = 1e-3
+
+
+def _paradigms(unet, scheduler_config, x_T, T: int, tolerance: float, parallel: int, on_iter=None):
+    """The ParaDiGMS Picard loop of StableDiffusionParadigmsPipeline (ODE branch) for a UNet2DModel."""
+    from diffusers import DDIMParallelScheduler
+
+    sched = DDIMParallelScheduler.from_config(scheduler_config)
+    sched.set_timesteps(T)
+    ts = sched.timesteps
+    B = x_T.shape[0]
+    buf = torch.stack([x_T] * (T + 1))
+    inv_var = 1.0 / torch.tensor([sched._get_variance(ts[j]) for j in range(T)] + [0])
+    inv_var = inv_var[:, None] / x_T[0].numel()
+    begin, end, calls, images = 0, min(parallel, T), 0, 0
+    while begin < T:
+        n = end - begin
+        block = buf[begin:end]
+        t_vec = ts[begin:end, None].repeat(1, B)
+        out = unet(block.flatten(0, 1), t_vec.flatten(0, 1)).sample
+        calls, images = calls + 1, images + n * B
+        den = sched.batch_step_no_noise(
+            model_output=out, timesteps=t_vec.flatten(0, 1), sample=block.flatten(0, 1)
+        ).reshape(block.shape)
+        new = buf[begin][None] + torch.cumsum(den - block, dim=0)
+        err = torch.linalg.norm((new - buf[begin + 1 : end + 1]).reshape(n, B, -1), dim=-1).pow(2)
+        ratio = torch.nn.functional.pad(err * inv_var[begin + 1 : end + 1], (0, 0, 0, 1), value=1e9)
+        ind = int(torch.argmax(torch.max(ratio > tolerance**2, dim=1).values.int()))
+        buf[begin + 1 : end + 1] = new
+        begin = begin + min(1 + ind, parallel)
+        end = min(begin + parallel, T)
+        if on_iter is not None:
+            on_iter(buf[-1])
+    return buf[-1], calls, images
+
+
+def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
+    from diffusers import DDIMPipeline, DDIMScheduler
+
+    x_T = torch.randn(pipe._image_shape(batch), generator=torch.Generator().manual_seed(seed))
+    ref_pipe = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
+    ref_pipe.set_progress_bar_config(disable=True)
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)  # DDIMPipeline draws x_T itself: the same draw as x_T above
+    ref = ref_pipe(batch_size=batch, generator=gen, num_inference_steps=T, output_type="pt").images * 2 - 1
+    t_seq = time.perf_counter() - t0
+    row = {"T": T, "batch": batch, "ddim_pipeline": {"seconds": t_seq, "unet_images": T * batch, "depth": T}}
+    with torch.no_grad():
+        errs: list[float] = []
+        chain = pipe.chain(T)
+        t0 = time.perf_counter()
+        Z, stats = pipe.solve_chain(
+            chain, x_T, on_iterate=lambda Z: errs.append(float((Z[:, -1] - ref).abs().max()))
+        )
+        t_deq = time.perf_counter() - t0
+        final = float((Z[:, -1].clamp(-1, 1) - ref).abs().max())
+        row["deq_ddim"] = {
+            "seconds": t_deq,
+            "unet_images": chain.unet_images,
+            "depth": stats.nfe,
+            "solver": stats.solver,
+            "safeguard_nfe": stats.extra.get("safeguard_nfe", 0),
+            "max_abs_error": final,
+            "error_per_iteration": errs,
+            "residual_trace": stats.trace.tolist(),
+            "iterations_to_match": next((i + 1 for i, e in enumerate(errs) if e <= MATCH), None),
+        }
+        perrs: list[float] = []
+        t0 = time.perf_counter()
+        out, calls, images = _paradigms(
+            pipe.unet,
+            pipe.scheduler.config,
+            x_T,
+            T,
+            tolerance=1e-3,
+            parallel=T,
+            on_iter=lambda x: perrs.append(float((x - ref).abs().max())),
+        )
+        t_par = time.perf_counter() - t0
+        row["paradigms_picard"] = {
+            "seconds": t_par,
+            "unet_images": images,
+            "depth": calls,
+            "tolerance": 1e-3,
+            "max_abs_error": float((out.clamp(-1, 1) - ref).abs().max()),
+            "error_per_iteration": perrs,
+            "iterations_to_match": next((i + 1 for i, e in enumerate(perrs) if e <= MATCH), None),
+        }
+    row["deq_over_ddim_time"] = t_deq / t_seq
+    return row
+
+
+def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
+    from deqzoo.integrations.diffusers import _mse01, sequential_ddim
+    from deqzoo.tasks.ddim_digits import load_split
+
+    x, _ = load_split("inversion")
+    target = x[:n]
+    images01 = (target + 1) / 2
+    chain = pipe.chain(T)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        x_ode = chain.invert_ode(target)
+        rec = sequential_ddim(chain, x_ode)
+    t_ode = time.perf_counter() - t0
+    ode = {"seconds": t_ode, "mse": float(_mse01(rec, target).mean())}
+    deq = pipe.invert(images01, num_inference_steps=T, steps=10_000, lr=lr, time_budget=budget)
+    # sequential backprop: Adam on x_T through the T-step chain, from the same ODE inversion start
+    param = torch.nn.Parameter(x_ode.clone())
+    opt = torch.optim.Adam([param], lr=lr)
+    pipe.unet.requires_grad_(False)
+    hist, t0 = [], time.perf_counter()
+    with torch.no_grad():
+        hist.append((t_ode, ode["mse"]))
+    while time.perf_counter() - t0 < budget:
+        out = sequential_ddim(chain, param)
+        loss = ((out - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hist.append((t_ode + time.perf_counter() - t0, float(_mse01(out, target).mean())))
+    pipe.unet.requires_grad_(True)
+    seq_final = min(m for _, m in hist)
+
+    def time_to(history, level):
+        return next((t for t, m in history if m <= level), None)
+
+    deq_t = time_to(deq.history, seq_final)
+    seq_t = time_to(hist, seq_final)
+    return {
+        "T": T,
+        "images": n,
+        "budget_seconds": budget,
+        "lr": lr,
+        "ddim_ode_inversion": ode,
+        "deq_ddim": {
+            "history": deq.history,
+            "final_mse": float(deq.mse.mean()),
+            "init_mse": float(deq.init_mse.mean()),
+        },
+        "sequential_backprop": {"history": hist, "final_mse": seq_final},
+        "time_to_sequential_final_mse": {
+            "deq_ddim": deq_t,
+            "sequential_backprop": seq_t,
+            "ratio": (deq_t / seq_t) if deq_t and seq_t else None,
+        },
+    }
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for row in result["sampling"]:
+        ax[0].semilogy(
+            range(1, len(row["deq_ddim"]["error_per_iteration"]) + 1),
+            [max(e, 1e-8) for e in row["deq_ddim"]["error_per_iteration"]],
+            label=f"DEQ-DDIM T={row['T']}",
+        )
+        ax[0].semilogy(
+            range(1, len(row["paradigms_picard"]["error_per_iteration"]) + 1),
+            [max(e, 1e-8) for e in row["paradigms_picard"]["error_per_iteration"]],
+            "--",
+            label=f"ParaDiGMS Picard T={row['T']}",
+        )
+    ax[0].axhline(MATCH, color="k", lw=0.5)
+    ax[0].set(
+        xlabel="parallel iteration (batched UNet call)",
+        ylabel="max |x0 - DDIMPipeline x0|",
+        title="sampling: error vs sequential",
+    )
+    ax[0].legend(fontsize=7)
+    inv = result["inversion"]
+    for key, label in (
+        ("deq_ddim", "DEQ-DDIM (Anderson + phantom)"),
+        ("sequential_backprop", "sequential backprop"),
+    ):
+        h = inv[key]["history"]
+        ax[1].plot([t for t, _ in h], [m for _, m in h], label=label)
+    ode = inv["ddim_ode_inversion"]
+    ax[1].scatter([ode["seconds"]], [ode["mse"]], color="k", label="DDIM ODE inversion")
+    ax[1].set(
+        xlabel="wall seconds",
+        ylabel="reconstruction MSE",
+        yscale="log",
+        title=f"inversion, {inv['images']} held-out digits, T={inv['T']}",
+    )
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deqzoo bench deq-ddim", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench_output/deq_ddim.json"))
+    p.add_argument("--checkpoint", default=CHECKPOINT)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--budget", type=float, default=None, help="seconds per inversion method")
+    p.add_argument("--lr", type=float, default=0.05)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from deqzoo.integrations.diffusers import DEQDDIMPipeline
+
+    pipe = DEQDDIMPipeline.from_pretrained(args.checkpoint)
+    pipe.set_progress_bar_config(disable=True)
+    Ts = [10, 25] if args.quick else [10, 25, 50, 100]
+    batch = args.batch or (2 if args.quick else 4)
+    result = {"checkpoint": args.checkpoint, "threads": 1, "sampling": []}
+    for T in Ts:
+        result["sampling"].append(bench_sampling(pipe, T, batch))
+        print(json.dumps({k: v for k, v in result["sampling"][-1].items()}, default=str)[:600], flush=True)
+    result["inversion"] = bench_inversion(
+        pipe,
+        10 if args.quick else 25,
+        4 if args.quick else 16,
+        args.budget or (60.0 if args.quick else 300.0),
+        args.lr,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    _plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

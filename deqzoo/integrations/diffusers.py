@@ -1,0 +1,536 @@
+"""DEQ-DDIM (Pokle, Geng & Kolter, 2022): a `diffusers.DiffusionPipeline` for any UNet2DModel + DDIMScheduler.
+
+The deterministic DDIM chain x_T -> x_{t_1} -> ... -> x_0 (eta = 0) is one fixed-point system over all T
+states Z = (X_1, ..., X_T), solved jointly by the deqzoo engine (Anderson by default) with the UNet
+evaluated batched over all timesteps. The map is the paper's telescoped form: with c_i = sqrt(alpha_bar)
+of state i and S_j = ddim_step(X_{j-1}, t_{j-1}),
+
+    f(Z)_i = c_i * ( x_T / c_0 + sum_{j <= i} (S_j / c_j - X_{j-1} / c_{j-1}) ),
+
+whose fixed point is exactly the sequential chain (X_i = S_i by induction), for any step (clipping and
+thresholding included), and which hands x_T to every state in one evaluation (without clipping the sum is the
+paper's cumulative eps sum). Inversion (`invert`) optimizes x_T with gradients through the fixed point:
+warm-started Anderson solves and the engine's phantom gradient (one damped step, tau = 0.1), from DDIM
+ODE inversion.
+
+Example:
+    >>> import torch
+    >>> from diffusers import DDIMScheduler, UNet2DModel
+    >>> from deqzoo.integrations.diffusers import DEQDDIMPipeline
+    >>> unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
+    ...     down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+    ...                    layers_per_block=1, norm_num_groups=4)
+    >>> pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler())
+    >>> out = pipe(batch_size=2, num_inference_steps=5, generator=torch.manual_seed(0), output_type="pt")
+    >>> out.images.shape, out.deq_stats.nfe > 0
+    (torch.Size([2, 1, 8, 8]), True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..core import DEQ, DEQConfig, SolverStats, solve
+
+__all__ = [
+    "DDIMChain",
+    "DEQDDIMInversionOutput",
+    "DEQDDIMPipeline",
+    "DEQDDIMPipelineOutput",
+    "check_components",
+    "ddim_invert",
+    "sequential_ddim",
+]
+
+
+def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
+    """Raise a ValueError naming the component DEQ-DDIM cannot run (never falls back to another algorithm)."""
+    if not isinstance(unet, UNet2DModel):
+        raise ValueError(
+            f"DEQDDIMPipeline: unet is a {type(unet).__name__}; DEQ-DDIM supports unconditional "
+            "diffusers.UNet2DModel denoisers only"
+        )
+    if not isinstance(scheduler, DDIMScheduler):
+        raise ValueError(
+            f"DEQDDIMPipeline: scheduler is a {type(scheduler).__name__}; DEQ-DDIM solves the deterministic "
+            "DDIM chain and needs a diffusers.DDIMScheduler (e.g. "
+            "DDIMScheduler.from_config(scheduler.config), a different sampler than the configured one)"
+        )
+    if eta != 0:
+        raise ValueError(
+            f"DEQDDIMPipeline: eta={eta}; DEQ-DDIM solves the deterministic DDIM chain (eta = 0) only: "
+            "stochastic DDIM/DDPM sampling is not a fixed point of the states"
+        )
+
+
+def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]."""
+    if isinstance(images, list) and images and hasattr(images[0], "mode"):
+        images = np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images])
+        if images.ndim == 3:
+            images = images[..., None]
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
+    if not isinstance(images, torch.Tensor) or images.ndim != 4:
+        raise ValueError(
+            "images must be a list of PIL images, an (N, H, W, C) array or an (N, C, H, W) tensor "
+            f"in [0, 1]; got {type(images).__name__} of shape {getattr(images, 'shape', None)}"
+        )
+    if shape is not None and tuple(images.shape[1:]) != tuple(shape):
+        raise ValueError(
+            f"images have shape (C, H, W) = {tuple(images.shape[1:])}; the UNet expects {tuple(shape)}"
+        )
+    return images.float() * 2.0 - 1.0
+
+
+class DDIMChain:
+    """The deterministic DDIM chain of one scheduler setting as batched steps and as a fixed-point map.
+
+    `timesteps` are the scheduler's (descending). State i = 0..T has scale c_i = sqrt(alpha_bar): c_0 at
+    timesteps[0] (x_T), c_i for i >= 1 the "previous" alpha_bar of step i - 1, exactly as DDIMScheduler.step
+    computes it. UNet evaluations are counted (`unet_calls`, `unet_images`) and chunked to `max_unet_batch`.
+    """
+
+    def __init__(
+        self,
+        unet: UNet2DModel,
+        scheduler: DDIMScheduler,
+        num_inference_steps: int,
+        *,
+        use_clipped_model_output: bool = False,
+        max_unet_batch: int = 512,
+    ):
+        if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
+        if max_unet_batch < 1:
+            raise ValueError(f"max_unet_batch must be >= 1, got {max_unet_batch}")
+        self.unet, self.scheduler = unet, scheduler
+        scheduler.set_timesteps(num_inference_steps)
+        self.T = len(scheduler.timesteps)
+        self.timesteps = scheduler.timesteps.to(torch.long)
+        prev = self.timesteps - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+        ac = scheduler.alphas_cumprod
+        self.a_t = ac[self.timesteps]
+        self.a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], scheduler.final_alpha_cumprod)
+        self.scale = torch.cat([self.a_t[:1], self.a_prev]).sqrt()  # c_0 .. c_T
+        self.use_clipped = use_clipped_model_output
+        self.max_unet_batch = max_unet_batch
+        self.unet_calls = 0
+        self.unet_images = 0
+
+    def eps(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """UNet output for images x (N, C, H, W) at per-image timesteps t (N,), in chunks."""
+        outs = []
+        for lo in range(0, len(x), self.max_unet_batch):
+            xs, ts = x[lo : lo + self.max_unet_batch], t[lo : lo + self.max_unet_batch]
+            outs.append(self.unet(xs, ts.to(x.device)).sample)
+            self.unet_calls += 1
+            self.unet_images += len(xs)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def step(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,) (DDIMScheduler.step)."""
+        model_output = self.eps(x, self.timesteps[idx])
+        cfg = self.scheduler.config
+        view = (-1,) + (1,) * (x.ndim - 1)
+        a_t = self.a_t[idx].to(x.device).view(view)
+        a_prev = self.a_prev[idx].to(x.device).view(view)
+        beta_t = 1 - a_t
+        # the operations and their order follow DDIMScheduler.step, so float32 results agree to rounding
+        if cfg.prediction_type == "epsilon":
+            pred_x0 = (x - beta_t ** (0.5) * model_output) / a_t ** (0.5)
+            pred_eps = model_output
+        elif cfg.prediction_type == "sample":
+            pred_x0 = model_output
+            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
+        elif cfg.prediction_type == "v_prediction":
+            pred_x0 = (a_t**0.5) * x - (beta_t**0.5) * model_output
+            pred_eps = (a_t**0.5) * model_output + (beta_t**0.5) * x
+        else:
+            raise ValueError(
+                f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler"
+            )
+        if cfg.thresholding:
+            pred_x0 = self.scheduler._threshold_sample(pred_x0)
+        elif cfg.clip_sample:
+            pred_x0 = pred_x0.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
+        if self.use_clipped:
+            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
+        return a_prev ** (0.5) * pred_x0 + (1 - a_prev) ** (0.5) * pred_eps
+
+    def fixed_point_map(
+        self,
+        x_T: torch.Tensor,
+        on_iterate: Callable[[torch.Tensor], None] | None = None,
+        form: str = "telescoped",
+    ):
+        """f(Z) over states Z (B, T, C, H, W) = X_1..X_T given x_T (B, C, H, W); see the module docstring."""
+        T = self.T
+        c = self.scale.to(x_T.device, x_T.dtype).view(1, T + 1, *([1] * (x_T.ndim - 1)))
+        if form == "drift":
+            c = torch.ones_like(c)
+        idx = torch.arange(T).repeat(x_T.shape[0])
+        base = x_T.unsqueeze(1) / c[:, :1]
+
+        def f(Z: torch.Tensor) -> torch.Tensor:
+            if on_iterate is not None:
+                on_iterate(Z)
+            inputs = torch.cat([x_T.unsqueeze(1), Z[:, :-1]], dim=1)  # X_0 .. X_{T-1}
+            S = self.step(inputs.flatten(0, 1), idx).view_as(Z)  # S_1 .. S_T
+            if form == "step":
+                return S
+            D = S / c[:, 1:] - inputs / c[:, :-1]
+            return c[:, 1:] * (base + torch.cumsum(D, dim=1))
+
+        return f
+
+    def sequential(self, x_T: torch.Tensor) -> torch.Tensor:
+        """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls)."""
+        states, x = [], x_T
+        for i in range(self.T):
+            x = self.step(x, torch.full((len(x),), i, dtype=torch.long))
+            states.append(x)
+        return torch.stack(states, dim=1)
+
+    def invert_ode(self, x0: torch.Tensor) -> torch.Tensor:
+        """DDIM ODE inversion: run the deterministic chain backwards from x_0, approximating eps(X_i, t_i) by
+        eps(X_{i+1}, t_i) (no clipping); returns the x_T estimate."""
+        x = x0
+        for i in reversed(range(self.T)):
+            ii = torch.full((len(x),), i, dtype=torch.long)
+            e = self.eps(x, self.timesteps[ii])
+            a_t, a_prev = self.a_t[i].to(x), self.a_prev[i].to(x)
+            pred_x0 = (x - (1 - a_prev) ** 0.5 * e) / a_prev**0.5
+            x = a_t**0.5 * pred_x0 + (1 - a_t) ** 0.5 * e
+        return x
+
+
+@dataclass
+class DEQDDIMPipelineOutput(ImagePipelineOutput):
+    """`images` as DDIMPipeline returns them, plus the engine's `deq_stats` and counts of UNet work.
+
+    unet_images: images the UNet evaluated; unet_calls: batched UNet calls (chunks included); depth:
+    sequential
+    depth in batched evaluations of the whole chain (solver f evaluations + 1 for x_T's step)."""
+
+    deq_stats: SolverStats | None = None
+    unet_images: int = 0
+    unet_calls: int = 0
+    depth: int = 0
+
+
+@dataclass
+class DEQDDIMInversionOutput(BaseOutput):
+    """latents: the x_T found (B, C, H, W); images: its DEQ-DDIM reconstruction in [0, 1] (B, C, H, W);
+    mse: per-image mean squared error in [0, 1] pixel space (B,); history: (seconds, mean mse) per step;
+    init_mse: the same error at the DDIM ODE inversion start."""
+
+    latents: torch.Tensor
+    images: torch.Tensor
+    mse: torch.Tensor
+    init_mse: torch.Tensor
+    history: list = field(default_factory=list)
+
+
+def sequential_ddim(chain: DDIMChain, x_T: torch.Tensor) -> torch.Tensor:
+    """The last state X_T of the chain computed step after step (differentiable; the backprop baseline)."""
+    return chain.sequential(x_T)[:, -1]
+
+
+def ddim_invert(chain: DDIMChain, images01: torch.Tensor) -> torch.Tensor:
+    """DDIM ODE inversion of images in [0, 1] (B, C, H, W) -> x_T (no gradient)."""
+    with torch.no_grad():
+        return chain.invert_ode(images01 * 2.0 - 1.0)
+
+
+class DEQDDIMPipeline(DiffusionPipeline):
+    r"""Deterministic DDIM sampling (eta = 0) as one fixed point over all T states, for any UNet2DModel +
+    DDIMScheduler; `invert` finds the x_T that reproduces given images.
+
+    Loads like any diffusers pipeline, e.g. ``DEQDDIMPipeline.from_pretrained(path_or_repo_id)`` on a
+    DDIMPipeline repository (model_index.json, unet/, scheduler/). A repository whose scheduler is not a
+    DDIMScheduler is refused; pass ``scheduler=DDIMScheduler.from_pretrained(repo, subfolder="scheduler")`` to
+    choose DDIM deliberately.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.integrations.diffusers import DEQDDIMPipeline
+        >>> pipe = DEQDDIMPipeline.from_pretrained("model_cards/ddim-digits-16")  # doctest: +SKIP
+        >>> out = pipe(batch_size=4, num_inference_steps=25, generator=torch.manual_seed(0))  # doctest: +SKIP
+        >>> out.images[0].size, out.deq_stats.nfe  # doctest: +SKIP
+        ((16, 16), 14)
+    """
+
+    model_cpu_offload_seq = "unet"
+
+    def __init__(self, unet: UNet2DModel, scheduler: DDIMScheduler):
+        super().__init__()
+        check_components(unet, scheduler)
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    def _image_shape(self, batch_size: int) -> tuple[int, ...]:
+        size = self.unet.config.sample_size
+        hw = (size, size) if isinstance(size, int) else tuple(size)
+        return (batch_size, self.unet.config.in_channels, *hw)
+
+    def chain(
+        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512
+    ) -> DDIMChain:
+        """The DDIM chain of this pipeline's UNet and scheduler at `num_inference_steps` (see DDIMChain)."""
+        check_components(self.unet, self.scheduler)
+        return DDIMChain(
+            self.unet,
+            self.scheduler,
+            num_inference_steps,
+            use_clipped_model_output=use_clipped_model_output,
+            max_unet_batch=max_unet_batch,
+        )
+
+    def solve_chain(
+        self,
+        chain: DDIMChain,
+        x_T: torch.Tensor,
+        *,
+        solver: str = "anderson",
+        max_iter: int | None = None,
+        tol: float = 1e-5,
+        init: torch.Tensor | None = None,
+        on_iterate: Callable[[torch.Tensor], None] | None = None,
+        form: str = "telescoped",
+        safeguard: bool = True,
+        **solver_kwargs,
+    ) -> tuple[torch.Tensor, SolverStats]:
+        """Solve for all states (B, T, C, H, W) from x_T with the engine.
+
+        `init` warm-starts (default: x_T in every state, as the paper). `form`: "telescoped" (the paper's map,
+        default), "drift" (ParaDiGMS' cumulative drift, c_i = 1) or "step" (f(Z)_i = S_i). `max_iter` bounds
+        the solver (default T). Every form's Jacobian is strictly block lower-triangular, so plain fixed-point
+        iteration from any start is exact after T evaluations: with `safeguard`, a solve the solver leaves
+        above `tol` continues with at most T + 1 fixed-point evaluations of the "step" form from its best
+        iterate (``stats.solver`` then reads e.g. "anderson+fixed_point", ``stats.extra["safeguard_nfe"]``
+        counts them), so a solve never returns a wrong chain for want of iterations.
+        `on_iterate(Z)` sees every iterate f is evaluated at.
+        """
+        if form not in ("telescoped", "drift", "step"):
+            raise ValueError(f"form must be 'telescoped', 'drift' or 'step', got {form!r}")
+        T = chain.T
+        z0 = x_T.unsqueeze(1).expand(-1, T, *x_T.shape[1:]).contiguous() if init is None else init
+        if tuple(z0.shape) != (x_T.shape[0], T, *x_T.shape[1:]):
+            raise ValueError(
+                f"init has shape {tuple(z0.shape)}; expected {(x_T.shape[0], T, *x_T.shape[1:])}"
+            )
+        f = chain.fixed_point_map(x_T, on_iterate, form)
+        with torch.no_grad():
+            Z, stats = solve(
+                f,
+                z0,
+                solver=solver,
+                max_iter=max_iter if max_iter is not None else T,
+                tol=tol,
+                stop_mode="rel",
+                **solver_kwargs,
+            )
+            stats.extra["safeguard_nfe"] = 0
+            if safeguard and solver != "fixed_point" and not bool(stats.converged.all()):
+                # the step form evaluates each state from its predecessor only (no cumulative sums through
+                # the solver's unconverged states, which lose float precision), exact after T evaluations
+                start = Z if bool(torch.isfinite(Z).all()) else z0
+                Z, picard = solve(
+                    chain.fixed_point_map(x_T, on_iterate, "step"),
+                    start,
+                    solver="fixed_point",
+                    max_iter=T + 1,
+                    tol=tol,
+                    stop_mode="rel",
+                    div_factor=float("inf"),
+                )
+                stats = replace(
+                    picard,
+                    nfe=stats.nfe + picard.nfe,
+                    trace=torch.cat([stats.trace, picard.trace]),
+                    solver=f"{solver}+fixed_point",
+                    extra={**stats.extra, "safeguard_nfe": picard.nfe},
+                )
+        return Z, stats
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        batch_size: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        eta: float = 0.0,
+        num_inference_steps: int = 50,
+        use_clipped_model_output: bool | None = None,
+        output_type: str | None = "pil",
+        return_dict: bool = True,
+        latents: torch.Tensor | None = None,
+        solver: str = "anderson",
+        max_iter: int | None = None,
+        tol: float = 1e-5,
+        max_unet_batch: int = 512,
+        form: str = "telescoped",
+        safeguard: bool = True,
+        **solver_kwargs: Any,
+    ) -> DEQDDIMPipelineOutput | tuple:
+        r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain
+        one fixed point.
+
+        Args:
+            latents: x_T (B, C, H, W); default: drawn from `generator` exactly as DDIMPipeline draws it.
+            solver, max_iter, tol (relative residual of the whole chain), form, safeguard, solver_kwargs: see
+                `solve_chain` (solver_kwargs go to `deqzoo.core.solve`, e.g. ``m=6`` for Anderson).
+            max_unet_batch: the most images one UNet call sees (the memory budget).
+        Returns:
+            DEQDDIMPipelineOutput (images, deq_stats, unet_images, unet_calls, depth) or ``(images,)``.
+        """
+        check_components(self.unet, self.scheduler, eta)
+        if output_type not in ("pil", "np", "pt"):
+            raise ValueError(f"output_type must be 'pil', 'np' or 'pt', got {output_type!r}")
+        if latents is None:
+            if isinstance(generator, list) and len(generator) != batch_size:
+                raise ValueError(f"{len(generator)} generators for batch_size {batch_size}")
+            latents = randn_tensor(
+                self._image_shape(batch_size),
+                generator=generator,
+                device=self._execution_device,
+                dtype=self.unet.dtype,
+            )
+        elif tuple(latents.shape[1:]) != self._image_shape(1)[1:]:
+            raise ValueError(
+                f"latents have shape {tuple(latents.shape)}; the UNet expects (B, "
+                f"{', '.join(map(str, self._image_shape(1)[1:]))})"
+            )
+        chain = self.chain(
+            num_inference_steps,
+            use_clipped_model_output=bool(use_clipped_model_output),
+            max_unet_batch=max_unet_batch,
+        )
+        Z, stats = self.solve_chain(
+            chain,
+            latents,
+            solver=solver,
+            max_iter=max_iter,
+            tol=tol,
+            form=form,
+            safeguard=safeguard,
+            **solver_kwargs,
+        )
+        image = (Z[:, -1] / 2 + 0.5).clamp(0, 1)
+        if output_type != "pt":
+            image = image.cpu().permute(0, 2, 3, 1).numpy()
+            if output_type == "pil":
+                image = self.numpy_to_pil(image)
+        if not return_dict:
+            return (image,)
+        return DEQDDIMPipelineOutput(
+            images=image,
+            deq_stats=stats,
+            unet_images=chain.unet_images,
+            unet_calls=chain.unet_calls,
+            depth=stats.nfe,
+        )
+
+    def invert(
+        self,
+        images: Any,
+        num_inference_steps: int = 25,
+        *,
+        steps: int = 100,
+        lr: float = 0.01,
+        time_budget: float | None = None,
+        solver: str = "anderson",
+        f_max_iter: int = 8,
+        f_tol: float = 1e-3,
+        tau: float = 0.1,
+        k: int = 1,
+        max_unet_batch: int = 512,
+        progress: bool = False,
+        callback: Callable[[int, float, torch.Tensor], None] | None = None,
+    ) -> DEQDDIMInversionOutput:
+        r"""Find x_T whose DEQ-DDIM sample reproduces `images` (PIL list, (N, H, W, C) array or (N, C, H, W)
+        tensor, in [0, 1]).
+
+        Starts at the DDIM ODE inversion, then `steps` Adam steps (lr) on x_T, each solving the chain with
+        `solver` warm-started at the previous trajectory (at most `f_max_iter` evaluations, tolerance `f_tol`)
+        and differentiating through the fixed point with the engine's phantom gradient (`k` damped steps,
+        `tau`), as in the paper. `time_budget` (seconds) stops early; `callback(step, seconds, mse)` is
+        called after each step. The returned latents are the best seen (lowest mean MSE of the warm-started
+        solve at that x_T); their reconstruction and MSE come from a tight final solve.
+
+        Example:
+            >>> out = pipe.invert(images, num_inference_steps=25, steps=50)  # doctest: +SKIP
+            >>> float(out.mse.mean()) < float(out.init_mse.mean())  # doctest: +SKIP
+            True
+        """
+        check_components(self.unet, self.scheduler)
+        target = _to_model_space(images, self._image_shape(1)[1:]).to(self._execution_device, self.unet.dtype)
+        chain = self.chain(num_inference_steps, max_unet_batch=max_unet_batch)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            x_T = chain.invert_ode(target)
+            Z, _ = self.solve_chain(chain, x_T, solver=solver, tol=1e-5)
+        init_mse = _mse01(Z[:, -1], target)
+        history = [(time.perf_counter() - t0, float(init_mse.mean()))]
+        deq = DEQ(
+            DEQConfig(
+                f_solver=solver,
+                f_max_iter=f_max_iter,
+                f_tol=f_tol,
+                b_mode="phantom",
+                b_mode_kwargs={"k": k, "tau": tau},
+                on_nonconvergence="ignore",
+            )
+        )
+        param = torch.nn.Parameter(x_T.clone())
+        opt = torch.optim.Adam([param], lr=lr)
+        best_mse, best_x = float(init_mse.mean()), x_T.clone()
+        self.unet.requires_grad_(False)
+        it = range(steps)
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(it, desc="invert")
+        try:
+            for s in it:
+                Zs, _ = deq(chain.fixed_point_map(param), Z)
+                loss = ((Zs[:, -1] - target) ** 2).mean()
+                x_before = param.detach().clone()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                Z = Zs.detach()
+                mse = _mse01(Z[:, -1], target)  # error of the trajectory at the pre-step x_T
+                if float(mse.mean()) < best_mse:
+                    best_mse, best_x = float(mse.mean()), x_before
+                elapsed = time.perf_counter() - t0
+                history.append((elapsed, float(mse.mean())))
+                if callback is not None:
+                    callback(s, elapsed, mse)
+                if time_budget is not None and elapsed >= time_budget:
+                    break
+        finally:
+            self.unet.requires_grad_(True)
+        with torch.no_grad():  # the reconstruction of the returned x_T, solved tightly
+            Z, _ = self.solve_chain(chain, best_x, solver=solver, tol=1e-5)
+        return DEQDDIMInversionOutput(
+            latents=best_x,
+            images=(Z[:, -1] / 2 + 0.5).clamp(0, 1),
+            mse=_mse01(Z[:, -1], target),
+            init_mse=init_mse,
+            history=history,
+        )
+
+
+def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-image MSE in [0, 1] pixel space of model-space tensors (B, C, H, W)."""
+    d = (x.detach().clamp(-1, 1) - target) / 2.0
+    return d.pow(2).flatten(1).mean(1)
