@@ -189,9 +189,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
             raise
         raise type(err)(f"{err}{hint}") from err
     if not (directory / "config.json").exists() and (directory / "model_index.json").is_file():
-        from .integrations.diffusers import DEQDDIMPipeline  # a diffusers repository: the DEQ-DDIM pipeline
+        from .integrations.diffusers import load_repository  # a diffusers repository: the DEQ-DDIM pipeline
 
-        return DEQDDIMPipeline.from_pretrained(str(directory), **kwargs)
+        return load_repository(directory, **kwargs)
     config_path = confined(directory, "config.json", directory)
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json")

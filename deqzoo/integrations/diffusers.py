@@ -48,6 +48,7 @@ __all__ = [
     "DEQDDIMPipelineOutput",
     "check_components",
     "ddim_invert",
+    "load_repository",
     "sequential_ddim",
 ]
 
@@ -528,6 +529,57 @@ class DEQDDIMPipeline(DiffusionPipeline):
             init_mse=init_mse,
             history=history,
         )
+
+
+# What a diffusers repository may name in model_index.json when loaded through deqzoo: these classes only, so the
+# repository's content never chooses code to import (diffusers itself would import any library it names).
+_REPO_COMPONENTS = {"unet": ("diffusers", {"UNet2DModel"}),
+                    "scheduler": ("diffusers", {"DDIMScheduler", "DDPMScheduler", "PNDMScheduler"})}
+
+
+def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
+    """A `DEQDDIMPipeline` from a local diffusers repository (model_index.json, unet/, scheduler/), loading only
+    the UNet2DModel and the scheduler it names, from safetensors; anything else in model_index.json is refused.
+
+    A scheduler saved as DDPM/PNDM is refused by the pipeline unless `scheduler` (a DDIMScheduler) is given.
+
+    Example:
+        >>> import deqzoo
+        >>> pipe = load_repository("model_cards/ddim-digits-16")  # doctest: +SKIP
+    """
+    from pathlib import Path
+
+    from ..hub.loading import CheckpointError
+    from ..hub.validation import confined, read_json
+
+    directory = Path(directory)
+    index_path = confined(directory, "model_index.json", directory)
+    index = read_json(index_path)
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path}: expected a JSON object, got {type(index).__name__}")
+    for key, value in index.items():
+        if key.startswith("_"):
+            continue
+        if key not in _REPO_COMPONENTS:
+            raise CheckpointError(f"{index_path}: component {key!r} is not supported (a DEQ-DDIM repository has "
+                                  f"{sorted(_REPO_COMPONENTS)})")
+        library, classes = _REPO_COMPONENTS[key]
+        if not (isinstance(value, list) and len(value) == 2 and value[0] == library and value[1] in classes):
+            raise CheckpointError(f"{index_path}: component {key!r} = {value!r}; expected [{library!r}, one of "
+                                  f"{sorted(classes)}]")
+    for key in _REPO_COMPONENTS:
+        if key not in index:
+            raise CheckpointError(f"{index_path}: no {key!r} component")
+        confined(directory, key, index_path)
+    unet = UNet2DModel.from_pretrained(str(directory), subfolder="unet", use_safetensors=True)
+    if scheduler is None:
+        scheduler_cls = {"DDIMScheduler": DDIMScheduler}.get(index["scheduler"][1])
+        if scheduler_cls is None:
+            raise ValueError(f"{index_path}: scheduler {index['scheduler'][1]} is not a DDIMScheduler; DEQ-DDIM "
+                             "solves the deterministic DDIM chain only (pass scheduler=DDIMScheduler(...) to "
+                             "choose DDIM deliberately)")
+        scheduler = scheduler_cls.from_pretrained(str(directory), subfolder="scheduler")
+    return DEQDDIMPipeline(unet=unet, scheduler=scheduler)
 
 
 def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
