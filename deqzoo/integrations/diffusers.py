@@ -531,15 +531,16 @@ class DEQDDIMPipeline(DiffusionPipeline):
         )
 
 
-# What a diffusers repository may name in model_index.json when loaded through deqzoo: these classes only, so the
-# repository's content never chooses code to import (diffusers itself would import any library it names).
+# What a diffusers repository may name in model_index.json when loaded through deqzoo: these classes only, so
+# the repository's content never chooses code to import (diffusers itself imports any library it names).
 _REPO_COMPONENTS = {"unet": ("diffusers", {"UNet2DModel"}),
                     "scheduler": ("diffusers", {"DDIMScheduler", "DDPMScheduler", "PNDMScheduler"})}
 
 
 def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
-    """A `DEQDDIMPipeline` from a local diffusers repository (model_index.json, unet/, scheduler/), loading only
-    the UNet2DModel and the scheduler it names, from safetensors; anything else in model_index.json is refused.
+    """A `DEQDDIMPipeline` from a local diffusers repository (model_index.json, unet/, scheduler/), loading
+    only the UNet2DModel and the scheduler it names, from safetensors; anything else in model_index.json is
+    refused.
 
     A scheduler saved as DDPM/PNDM is refused by the pipeline unless `scheduler` (a DDIMScheduler) is given.
 
@@ -561,12 +562,12 @@ def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None
         if key.startswith("_"):
             continue
         if key not in _REPO_COMPONENTS:
-            raise CheckpointError(f"{index_path}: component {key!r} is not supported (a DEQ-DDIM repository has "
-                                  f"{sorted(_REPO_COMPONENTS)})")
+            raise CheckpointError(f"{index_path}: component {key!r} is not supported "
+                                  f"(a DEQ-DDIM repository has {sorted(_REPO_COMPONENTS)})")
         library, classes = _REPO_COMPONENTS[key]
         if not (isinstance(value, list) and len(value) == 2 and value[0] == library and value[1] in classes):
-            raise CheckpointError(f"{index_path}: component {key!r} = {value!r}; expected [{library!r}, one of "
-                                  f"{sorted(classes)}]")
+            raise CheckpointError(f"{index_path}: component {key!r} = {value!r}; "
+                                  f"expected [{library!r}, one of {sorted(classes)}]")
     for key in _REPO_COMPONENTS:
         if key not in index:
             raise CheckpointError(f"{index_path}: no {key!r} component")
@@ -575,9 +576,9 @@ def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None
     if scheduler is None:
         scheduler_cls = {"DDIMScheduler": DDIMScheduler}.get(index["scheduler"][1])
         if scheduler_cls is None:
-            raise ValueError(f"{index_path}: scheduler {index['scheduler'][1]} is not a DDIMScheduler; DEQ-DDIM "
-                             "solves the deterministic DDIM chain only (pass scheduler=DDIMScheduler(...) to "
-                             "choose DDIM deliberately)")
+            raise ValueError(f"{index_path}: scheduler {index['scheduler'][1]} is not a DDIMScheduler; "
+                             "DEQ-DDIM solves the deterministic DDIM chain only (pass "
+                             "scheduler=DDIMScheduler(...) to choose DDIM deliberately)")
         scheduler = scheduler_cls.from_pretrained(str(directory), subfolder="scheduler")
     return DEQDDIMPipeline(unet=unet, scheduler=scheduler)
 
