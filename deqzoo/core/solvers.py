@@ -224,7 +224,7 @@ def _check_tau(tau: float) -> None:
         raise ValueError(f"damping tau must be in (0, 1], got {tau}")
 
 
-_BROYDEN_STORAGE = {torch.float32: torch.int16, torch.float64: torch.int32}
+_BROYDEN_STORAGE: dict = {}  # steps stored in the state's dtype (integer storage cost convergence)
 _QMAX = {torch.int16: float(torch.iinfo(torch.int16).max), torch.int32: float(torch.iinfo(torch.int32).max)}
 _NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float64: np.float64, torch.int16: np.int16, torch.int32: np.int32,
