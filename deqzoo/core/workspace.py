@@ -10,7 +10,8 @@ What stays resident, per thread: pooled entries up to ``DEQZOO_WORKSPACE_MB`` (r
 MiB, or what `set_limit` sets, plus at most one entry that alone exceeds that limit (the last such one
 given: a large solve repeated with the same shape reuses its buffers instead of faulting them in again, about
 40% of the time at d = 4096, B = 512; giving another oversized entry replaces it). An entry that fits alone
-but not beside the others is dropped. Of two entries under one key the larger is kept. A limit of 0 pools nothing. `clear` drops all.
+but not beside the others is dropped. Of two entries under one key the larger is kept. A limit of 0 pools
+nothing. `clear` drops all.
 Contents are undefined.
 """
 

@@ -7,7 +7,7 @@ A = Q (diag λ + c N / √d) Qᵀ, rescaled to spectral radius 0.95, N Gaussian:
 (With N strictly upper triangular instead, far more non-normal, float32 Broyden needs several times the
 dense float64 NFE from every implementation, a dense float32 one included: float32 itself is the limit.)"""
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 MAX_ITER = 1500
 
 
-@lru_cache(maxsize=None)
+@cache
 def _system(c: float, seed: int):
     rng = np.random.default_rng(seed)
     Q = np.linalg.qr(rng.standard_normal((D, D)))[0]
@@ -82,7 +82,7 @@ def _dense_anderson(A, b, tol, m=6, lam=1e-5, max_iter=MAX_ITER):
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(method: str, c: float, seed: int, tol: float) -> list:
     A, b = _system(c, seed)
     return (_dense_broyden if method == "broyden" else _dense_anderson)(A, b, tol)

@@ -293,5 +293,3 @@ def test_float32_norms_fall_back_to_float64_past_overflow(monkeypatch, solver):
     torch.testing.assert_close(
         st.abs_residual.double(), (0.5 * z + c - z).double().norm(dim=1), rtol=1e-5, atol=0
     )
-
-
