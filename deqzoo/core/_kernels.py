@@ -394,7 +394,7 @@ def _broyden_store(b, v, dL, x, fx, xn, S, Q, count, m):
 
 
 @_jit
-def broyden_step(k, fx, x, xn, best_x, S, Q, count, best, active, m, rel_mode, tol, div_factor):
+def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode, tol, div_factor):
     """Step k of Broyden's good method for every active sample, in the product form of its inverse
     estimate: f(x) = fx, the next iterates into xn.
 
@@ -405,56 +405,52 @@ def broyden_step(k, fx, x, xn, best_x, S, Q, count, best, active, m, rel_mode, t
     s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²) (`broyden_update`, which also says when to restart).
     S[b, :count[b]] holds the steps in the state's dtype (the caller grows S's capacity with the steps
     taken, up to the memory m); Q = (sn, coef): their squared norms and the sweep's factors
-    coef[b, j] = 1 / sn[b, j-1]. Returns `track`'s (flags, trace entry, n_go).
+    coef[b, j] = 1 / sn[b, j-1]; V (B, D) is scratch for w. Returns `track`'s (flags, trace entry, n_go).
     """
     B, d = fx.shape
     if k == 0:  # a solve starts with no stored step
         count[:] = 0
     g2 = np.empty(B)
     f2 = np.empty(B)
-    for b in range(B):
+    d0 = np.zeros(B)
+    T = fx.dtype.type
+    for b in range(B):  # one pass: w = -g, its dot with the first stored step (the sweep's start), norms
         if not active[b]:
             continue
-        xb, fb = x[b], fx[b]
-        g_sq = fx.dtype.type(0.0)
-        fx_sq = fx.dtype.type(0.0)
+        xb, fb, vb, row0 = x[b], fx[b], V[b], S[b, 0]
+        g_sq = T(0.0)
+        fx_sq = T(0.0)
+        dd = T(0.0)
         for i in range(d):
             gi = fb[i] - xb[i]
+            vb[i] = -gi
             g_sq += gi * gi
             fx_sq += fb[i] * fb[i]
+            dd -= row0[i] * gi  # row 0 may be unwritten with no stored step: dd is then not used
         g2[b], f2[b] = _sq_norms(g_sq, fx_sq, fb, xb)
+        if count[b] > 0:
+            d0[b] = np.float64(dd)
     improved = np.empty(B, np.bool_)
     go = np.empty(B, np.int64)
     flags, trace, n_go = track(g2, f2, best, active, improved, go, rel_mode, tol, div_factor)
     _settle(x, xn, best_x, active, improved)
     if flags & NONFINITE:
         return flags, trace, n_go
-    T = fx.dtype.type
-    V = np.empty((2, d), fx.dtype)  # w of two samples: they are swept side by side (`_sweep_pair`)
-    held, held_d = -1, 0.0  # a sample whose w waits in V[0] for a partner, and its first dot product
+    held = -1  # a sample whose w waits for a partner: two are swept side by side (`_sweep_pair`)
     for q in range(n_go):
         b = go[q]
-        v = V[0] if held < 0 else V[1]
-        xb, fb, row0 = x[b], fx[b], S[b, 0]
-        d0 = T(0.0)
-        for i in range(d):  # w = -g and its dot with the first stored step (the sweep's start)
-            gi = fb[i] - xb[i]
-            v[i] = -gi
-            d0 -= row0[i] * gi  # row 0 may be unwritten with no stored step: d0 is then not used
-        if count[b] == 0:
-            d0 = T(0.0)
         if held < 0:
-            held, held_d = b, np.float64(d0)
+            held = b
             continue
         da, db = _sweep_pair(
-            S[held], Q[1, held], count[held], V[0], held_d, S[b], Q[1, b], count[b], V[1], np.float64(d0)
+            S[held], Q[1, held], count[held], V[held], d0[held], S[b], Q[1, b], count[b], V[b], d0[b]
         )
-        _broyden_store(held, V[0], da, x, fx, xn, S, Q, count, m)
-        _broyden_store(b, V[1], db, x, fx, xn, S, Q, count, m)
+        _broyden_store(held, V[held], da, x, fx, xn, S, Q, count, m)
+        _broyden_store(b, V[b], db, x, fx, xn, S, Q, count, m)
         held = -1
     if held >= 0:  # an odd one out
-        dL = _sweep(S[held], Q[1, held], count[held], V[0], held_d)
-        _broyden_store(held, V[0], dL, x, fx, xn, S, Q, count, m)
+        dL = _sweep(S[held], Q[1, held], count[held], V[held], d0[held])
+        _broyden_store(held, V[held], dL, x, fx, xn, S, Q, count, m)
     return flags, trace, n_go
 
 
@@ -478,7 +474,7 @@ def _signatures():
         )  # fmt: skip
         yield broyden_step, (
             0, fx, fx.copy(), fx.copy(), fx.copy(), np.zeros((2, 2, 3), dt), np.zeros((2, 2, 2)),
-            np.zeros(2, np.int64), best.copy(), act.copy(), 2, True, 1e-5, 1e6,
+            np.zeros(2, np.int64), fx.copy(), best.copy(), act.copy(), 2, True, 1e-5, 1e6,
         )  # fmt: skip
     g = np.ones(2)
     yield track, (g, g, np.full((2, 2), np.inf), np.ones(2, np.int64), np.zeros(2, np.bool_),

@@ -98,16 +98,23 @@ def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
         raise ValueError(f"tol must be > 0, got {tol}")
 
 
-def _check_output(fx, x: torch.Tensor) -> None:
-    """f's output must be a tensor of the state's shape and dtype (checked on every call, on every path)."""
+def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
+    """f's output, checked on every call on every path: a tensor of the state's shape, dtype and device
+    (errors name both). Returned as the torch path uses it: sparse and mkldnn outputs as dense tensors; a
+    meta tensor (no data) is an error."""
     if not isinstance(fx, torch.Tensor):
         raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(x.shape)}")
     if fx.shape != x.shape:
         raise ValueError(f"f returned shape {tuple(fx.shape)}, expected {tuple(x.shape)}")
     if fx.dtype != x.dtype:
         raise TypeError(f"f returned dtype {fx.dtype}, expected {x.dtype} (the state's dtype)")
-    if fx.device != x.device and not fx.is_meta:
+    if fx.is_meta:
+        raise ValueError("f returned a meta tensor (shape only, no data); a solve needs its values")
+    if fx.device != x.device:
         raise ValueError(f"f returned a tensor on {fx.device}, expected {x.device}")
+    if fx.layout is not torch.strided:  # sparse or mkldnn
+        fx = fx.to_dense()
+    return fx
 
 
 def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
@@ -115,8 +122,9 @@ def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
 
     An allow-list: a plain dense CPU tensor (exactly torch.Tensor, strided layout, C-contiguous, no negative
     or conjugate bit, not a zero tensor, a real data pointer, a storage holding every element) is read in
-    place; anything else (expanded, strided, negated or conjugated views, zero tensors, sparse, mkldnn,
-    subclasses) is first copied into a fresh plain tensor by torch; a meta tensor (no data) is an error."""
+    place; anything else (expanded, strided, negated or conjugated views, zero tensors, subclasses) is first
+    copied into a fresh plain tensor by torch (`_check_output` has made sparse and mkldnn outputs dense and
+    refused meta tensors)."""
     try:
         if (
             type(fx) is torch.Tensor
@@ -134,11 +142,7 @@ def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
                 return fx.numpy()
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
         pass  # torch refused to describe it (e.g. a wrapper without storage): copy it below
-    if fx.is_meta:
-        raise ValueError("f returned a meta tensor (shape only, no data); a solve needs its values")
     src = fx.detach()
-    if src.layout is not torch.strided:  # sparse or mkldnn
-        src = src.to_dense()
     out = torch.empty(x.shape, dtype=x.dtype)
     out.copy_(src)  # torch resolves views, negation, conjugation, zero tensors and subclasses
     return out.numpy()
@@ -306,7 +310,7 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     for k in range(max_iter):
         arrays = hist(k)
         fx = g(x)
-        _check_output(fx, x)
+        fx = _check_output(fx, x)
         xn = torch.empty_like(x)
         xna = xn.numpy()
         flags, t, _ = step(k, _readable(fx, x), xa, xna, best_np, *arrays, best, active, *consts, rel, tol,
@@ -363,7 +367,7 @@ def fixed_point(
     x, nfe = x0.clone(), 0
     for _ in range(max_iter):
         fx = g(x)
-        _check_output(fx, x)
+        fx = _check_output(fx, x)
         nfe += 1
         if tracker.update(x, fx) or nfe == max_iter:
             break
@@ -452,7 +456,7 @@ def anderson(
             H2[:, : H.shape[1], : H.shape[1]] = H
             H = H2
         fx = g(x)
-        _check_output(fx, x)
+        fx = _check_output(fx, x)
         nfe += 1
         slot, n = k % cap, min(k + 1, cap)
         gi = torch.sub(fx, x, out=G[:, slot])
@@ -595,15 +599,23 @@ def broyden(
     if m < 1:
         raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
     if b == 0:
-        return _empty_result(x0, "broyden", tol, stop_mode)
+        z, stats = _empty_result(x0, "broyden", tol, stop_mode)
+        if return_inverse:  # B = -I, rank 0
+            stats.extra["inverse_jacobian"] = LowRankInverse(x0.new_zeros(0, 0, d))
+        return z, stats
     m = min(m, max_iter)  # a step's slot is at most the steps taken
     if _kernels.usable(x0):
         dt = _NUMPY_DTYPES[x0.dtype]
 
         def make(cap):  # no zero fill: the kernel reads a stored step, norm or factor only once written
-            return np.empty((b, cap, d), dt), np.empty((2, b, cap)), np.empty(b, np.int64)
+            return (
+                np.empty((b, cap, d), dt),
+                np.empty((2, b, cap)),
+                np.empty(b, np.int64),
+                np.empty((b, d), dt),
+            )
 
-        def grow(arrays, cap):
+        def grow(arrays, cap):  # the steps, their norms and factors, the counts (V is scratch)
             new = make(cap)
             old = arrays[0].shape[1]
             new[0][:, :old], new[1][:, :, :old], new[2][:] = arrays[0], arrays[1], arrays[2]
@@ -616,7 +628,7 @@ def broyden(
                 stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
             if return_inverse:
-                stats.extra["inverse_jacobian"] = _step_product_inverse(*hist.arrays)
+                stats.extra["inverse_jacobian"] = _step_product_inverse(*hist.arrays[:3])
         finally:
             hist.give_back()
         return z, stats
@@ -636,7 +648,7 @@ def broyden(
             V = torch.cat((V, V.new_zeros(b, cap - V.shape[1], d)), 1)
             sn = torch.cat((sn, sn.new_ones(b, cap - sn.shape[1])), 1)
         fx = g(x)
-        _check_output(fx, x)
+        fx = _check_output(fx, x)
         nfe += 1
         gx = fx - x
         host = _to_host(_sq_norms(gx, fx))
@@ -708,7 +720,7 @@ def gmres(
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "gmres", keep_steps)
     k_max = max(max_iter - 1, 1)
     gx0 = g(x0)
-    _check_output(gx0, x0)
+    gx0 = _check_output(gx0, x0)
     nfe = 1
     r0 = gx0 - x0  # residual of (I - M) x = c at x0
     stop = tracker.update(x0, gx0, torch.linalg.vector_norm(r0, dim=1))
@@ -722,7 +734,7 @@ def gmres(
             break
         vj = basis[j]
         fv = g(vj + x0)
-        _check_output(fv, x0)
+        fv = _check_output(fv, x0)
         w = vj - (fv - gx0)  # (I - M) v_j, using g(v + x0) - g(x0) = M v_j
         nfe += 1
         Vm = torch.stack(basis, 1)
@@ -744,7 +756,7 @@ def gmres(
     # measure the true residual at the returned iterate (one more evaluation, keeps the stats honest)
     x_best = tracker.result()
     fx = g(x_best)
-    _check_output(fx, x_best)
+    fx = _check_output(fx, x_best)
     nfe += 1
     stats = tracker.stats(nfe)
     abs_r = torch.linalg.vector_norm(fx - x_best, dim=1)
