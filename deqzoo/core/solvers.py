@@ -307,20 +307,43 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     keep = sorted({int(k) for k in keep_steps})
     kept: dict[int, torch.Tensor] = {}
     trace: list[float] = []
+    shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
     for k in range(max_iter):
         arrays = hist(k)
         fx = g(x)
-        fx = _check_output(fx, x)
-        xn = torch.empty_like(x)
-        xna = xn.numpy()
-        flags, t, _ = step(k, _readable(fx, x), xa, xna, best_np, *arrays, best, active, *consts, rel, tol,
-                           div_factor)  # fmt: skip
+        # between two calls of f as little as possible runs here: f evicts the caches, and then every
+        # Python-level operation costs several times its warm price. The common case, checked positively:
+        # a plain dense CPU tensor of the state's shape and dtype, with a real data pointer and a storage
+        # holding it (Tensor.numpy refuses negated, conjugated and grad-requiring tensors by raising)
+        fa = None
+        try:
+            if (
+                type(fx) is torch.Tensor
+                and fx.dtype is dtype
+                and fx.shape == shape
+                and fx.is_cpu
+                and fx.layout is torch.strided
+                and fx.is_contiguous()
+                and not fx._is_zerotensor()
+            ):
+                storage = fx.untyped_storage()
+                if (
+                    storage.data_ptr() != 0
+                    and storage.nbytes() >= need + fx.storage_offset() * fx.element_size()
+                ):
+                    fa = fx.numpy()
+        except RuntimeError:
+            pass
+        if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
+            fa = _readable(_check_output(fx, x), x)
+        xna = np.empty_like(xa)
+        flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
         trace.append(t)
         if flags:
             break  # steps in `keep` from here on keep the final best iterate
         if keep and k + 1 in keep:
             kept[k + 1] = best_x.clone()
-        x, xa = xn, xna
+        x, xa = torch.from_numpy(xna), xna
     return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
                           _kept_extra(keep, kept, best_x, {}))  # fmt: skip
 

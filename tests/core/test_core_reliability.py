@@ -304,3 +304,38 @@ def test_compiled_f(path, solver):
     z_ref, st_ref = solve(f, x0, solver=solver, max_iter=300, tol=1e-9)
     assert st.converged.all() and st.nfe == st_ref.nfe
     torch.testing.assert_close(z, z_ref)
+
+
+# ------------------------------------------------------------------------------------------------ first use
+
+_FIRST_USE = textwrap.dedent(
+    """
+    import logging, time, torch
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    from deqzoo.core import _kernels, solve
+    A = 0.5 * torch.eye(64)
+    c = torch.randn(8, 64)
+    t = time.perf_counter()
+    z, st = solve(lambda z: torch.tanh(z @ A + c), torch.zeros(8, 64), solver="anderson", tol=1e-5)
+    first = time.perf_counter() - t
+    z2, st2 = solve(lambda z: torch.tanh(z @ A + c), torch.zeros(8, 64), solver="broyden", tol=1e-5)
+    print("first", first, "ready", _kernels._ready.is_set(), "conv", bool(st.converged.all()),
+          bool(st2.converged.all()), flush=True)
+    """
+)
+
+
+def test_first_use_with_an_empty_numba_cache_does_not_wait_for_compilation(tmp_path):
+    """A fresh install (empty numba cache): the first solves run the torch path while the kernels compile in
+    a background thread (tens of seconds of CPU), with a one-line notice logged once."""
+    import os
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_USE], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[0] == "first" and float(words[1]) < 5.0, proc.stdout
+    assert words[3] == "False" and words[5:7] == ["True", "True"], proc.stdout  # torch path, converged
+    notices = [line for line in proc.stderr.splitlines() if "compiling the fused CPU solver kernels" in line]
+    assert len(notices) == 1, proc.stderr[-2000:]
