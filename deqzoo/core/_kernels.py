@@ -22,7 +22,7 @@ Norms and dot products accumulate in the state's dtype over many vector lanes (f
 BLAS dot), in float64 when that overflows; the small systems are solved in float64.
 
 The solvers use these kernels for CPU float32/float64 states when numba imports, ``DEQZOO_KERNELS`` is not
-``0`` and the kernels are compiled (`ready`; they compile in a background thread on first use, see
+``0`` and the kernels are compiled (`ready`; on first use they compile in the background, see
 `warm_up`); otherwise they run their torch path, which implements the same method.
 """
 
@@ -495,10 +495,34 @@ def _compile() -> None:
         _ready.set()
 
 
+def _compile_elsewhere() -> None:
+    """Compile in a child process that writes numba's cache, then load from it here. A compiling thread
+    would hold the GIL for tens of seconds and stall every torch op of the solves meanwhile (each op waits
+    for the GIL when it returns); the child runs on another core and the solves keep their speed. If the
+    child fails (no writable cache, for one), compile in this thread after all."""
+    import subprocess
+    import sys
+
+    # this file alone, under its own name (numba's cache records it), without the package's heavy imports
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location({__name__!r}, {__file__!r}); "
+        f"mod = importlib.util.module_from_spec(spec); sys.modules[{__name__!r}] = mod; "
+        "spec.loader.exec_module(mod); mod._compile(); sys.exit(1 if mod._error else 0)"
+    )
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=1800)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.info("deqzoo: compiling the kernels in a child process failed (%s); compiling here", e)
+    _compile()  # loads from the cache the child wrote (milliseconds), or compiles
+
+
 def warm_up(block: bool = False) -> bool:
-    """Compile (or load from numba's cache) the fused kernels: in a background thread, while solves run
-    the torch path, or here with ``block=True``. Returns whether they are ready. On a fresh install the
-    compilation takes tens of seconds of CPU time; a one-line notice is logged once.
+    """Compile (or load from numba's cache) the fused kernels: in the background while solves run the torch
+    path, or here with ``block=True``. Returns whether they are ready. On a fresh install the compilation
+    takes tens of seconds of CPU time (in a child process, see `_compile_elsewhere`); a one-line notice is
+    logged once. numba caches the result next to this file (``__pycache__``), in ``NUMBA_CACHE_DIR`` when
+    set, or in the user's cache folder when the package folder is read-only.
 
     Example:
         >>> from deqzoo.core import _kernels
@@ -511,16 +535,14 @@ def warm_up(block: bool = False) -> bool:
     with _lock:
         if not _started:
             _started = True
-            if _cache_is_warm():
-                _compile()
-            elif block:
+            if block or _cache_is_warm():
                 _compile()
             else:
                 logger.warning(
                     "deqzoo: compiling the fused CPU solver kernels in the background (once per install; "
                     "solves use the torch path meanwhile)"
                 )
-                threading.Thread(target=_compile, name="deqzoo-kernels", daemon=True).start()
+                threading.Thread(target=_compile_elsewhere, name="deqzoo-kernels", daemon=True).start()
     if block:
         _ready.wait()
     return _ready.is_set() and _error is None
