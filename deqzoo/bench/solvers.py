@@ -1,6 +1,9 @@
 """Solver benchmark: deqzoo's solvers side by side with TorchDEQ's on the same f and tolerance.
 
-``deqzoo bench solvers [--quick] [--out PATH] [--repeats N] [--tol 1e-5] [--max-iter 200]``
+``deqzoo bench solvers [--quick] [--out PATH] [--repeats N] [--tol 1e-5] [--max-iter 200] [--device cpu]``
+
+``--device cuda`` builds every problem on the GPU (ours then runs its torch path; times are wall-clock
+seconds read after a device synchronisation); without CUDA it stops with a one-line error.
 
 Problems (float32, CPU, one thread):
 - ``tanh_contractive``: z ↦ tanh(W z + U x), d = 512, batch 64, W = 0.9 · (random orthogonal), so
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core import _kernels
 from ..core.solvers import get_solver
 from ..core.state import StatePacker
 
@@ -64,22 +68,22 @@ class TimedF:
         self.seconds, self.calls = 0.0, 0
 
 
-def _tanh_problem(d: int, batch: int, norm: float, seed: int = 0):
+def _tanh_problem(d: int, batch: int, norm: float, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     # every singular value equal to `norm`: with norm > 1 plain iteration diverges wherever tanh' ~ 1
     W = torch.linalg.qr(torch.randn(d, d, generator=g))[0] * norm
     U = torch.randn(d, d, generator=g) / d**0.5
     x = torch.randn(batch, d, generator=g)
-    inj = x @ U.T
-    Wt = W.T.contiguous()
+    inj = (x @ U.T).to(device)
+    Wt = W.T.contiguous().to(device)
 
     def f(z):
         return torch.tanh(torch.addmm(inj, z, Wt))
 
-    return f, torch.zeros(batch, d)
+    return f, torch.zeros(batch, d, device=device)
 
 
-def _multires_problem(batch: int, scale: int, seed: int = 0):
+def _multires_problem(batch: int, scale: int, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     chans, sizes = (8 * scale, 16 * scale, 32 * scale), (8, 4, 2)
     shapes = [(batch, c, s, s) for c, s in zip(chans, sizes)]
@@ -93,7 +97,8 @@ def _multires_problem(batch: int, scale: int, seed: int = 0):
         torch.randn(chans[i], chans[i + 1], 1, 1, generator=g) * 0.3 / chans[i + 1] ** 0.5 for i in range(2)
     ]
     down = [torch.randn(chans[i + 1], chans[i], 1, 1, generator=g) * 0.3 / chans[i] ** 0.5 for i in range(2)]
-    inj = [torch.randn(s, generator=g) for s in shapes]
+    inj = [torch.randn(s, generator=g).to(device) for s in shapes]
+    convs, up, down = ([w.to(device) for w in ws] for ws in (convs, up, down))
 
     def f_tuple(zs):
         out = []
@@ -106,23 +111,31 @@ def _multires_problem(batch: int, scale: int, seed: int = 0):
             out.append(torch.tanh(y))
         return tuple(out)
 
-    z0 = tuple(torch.zeros(s) for s in shapes)
+    z0 = tuple(torch.zeros(s, device=device) for s in shapes)
     packer = StatePacker(z0)
     return packer.wrap(f_tuple), packer.flatten(z0)
 
 
-def problems(quick: bool) -> dict:
+def problems(quick: bool, device: str = "cpu") -> dict:
     if quick:
         return {
-            "tanh_contractive": _tanh_problem(64, 8, 0.9),
-            "tanh_noncontractive": _tanh_problem(64, 8, 1.5),
-            "multires": _multires_problem(4, 1),
+            "tanh_contractive": _tanh_problem(64, 8, 0.9, device=device),
+            "tanh_noncontractive": _tanh_problem(64, 8, 1.5, device=device),
+            "multires": _multires_problem(4, 1, device=device),
         }
     return {
-        "tanh_contractive": _tanh_problem(512, 64, 0.9),
-        "tanh_noncontractive": _tanh_problem(512, 64, 1.5),
-        "multires": _multires_problem(32, 2),
+        "tanh_contractive": _tanh_problem(512, 64, 0.9, device=device),
+        "tanh_noncontractive": _tanh_problem(512, 64, 1.5, device=device),
+        "multires": _multires_problem(32, 2, device=device),
     }
+
+
+def check_device(device: str) -> None:
+    """A clear error for a device this machine does not have."""
+    if device not in ("cpu", "cuda"):
+        raise SystemExit(f"deqzoo bench solvers: --device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("deqzoo bench solvers: --device cuda, but CUDA is not available on this machine")
 
 
 def _max_rel_residual(f, z: torch.Tensor) -> float:
@@ -149,9 +162,23 @@ def _run_torchdeq(solver: str, f: TimedF, x0, tol, max_iter):
 
 
 def run(
-    quick: bool = False, repeats: int = 5, tol: float = 1e-5, max_iter: int = 200, solvers=SOLVERS
+    quick: bool = False,
+    repeats: int = 5,
+    tol: float = 1e-5,
+    max_iter: int = 200,
+    solvers=SOLVERS,
+    device: str = "cpu",
 ) -> dict:
+    global clock
+    check_device(device)
     torch.set_num_threads(1)
+    if device == "cuda":  # kernels run asynchronously: wall time after a synchronisation
+
+        def clock():
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+    _kernels.warm_up(block=True)  # compiled (or loaded) before any round: the fused path is what is measured
     try:
         import torchdeq  # noqa: F401
 
@@ -159,7 +186,7 @@ def run(
     except ImportError:
         libs = {"deqzoo": _run_ours}
     results = {}
-    for pname, (f_raw, x0) in problems(quick).items():
+    for pname, (f_raw, x0) in problems(quick, device).items():
         f = TimedF(f_raw)
         runs: dict[tuple[str, str], list[dict]] = {}
         for round_ in range(1 + repeats):  # round 0 warms up: kernels compiled or loaded, buffers pooled
@@ -207,6 +234,7 @@ def run(
         "quick": quick,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": device,
         "problems": results,
     }
 
@@ -239,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-iter", type=int, default=200)
     parser.add_argument("--solvers", default=",".join(SOLVERS))
     parser.add_argument("--out", default="bench_results/solvers.json")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 5)
     res = run(
@@ -247,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         tol=args.tol,
         max_iter=args.max_iter,
         solvers=tuple(s for s in args.solvers.split(",") if s),
+        device=args.device,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,34 +1,36 @@
-"""Fused per-sample CPU steps for Anderson and Broyden, compiled with numba.
+"""Fused per-sample CPU steps for Anderson and Broyden, compiled with numba, and the per-step bookkeeping
+that both paths of those solvers share.
 
 Why: on CPU a solver step written as torch ops pays several microseconds of dispatch per op and streams the
 solver's history through memory once per op, which costs more than f itself for small f. Here one call does a
 whole step for every sample: residual and norms, best-iterate bookkeeping, the history update, the small
 mixing or quasi-Newton system, and the next iterate, visiting each sample's history while it is in cache.
-Samples that have converged are frozen at their best iterate and skipped, so a sample's trajectory does not
-depend on the rest of its batch. Norms and dot products accumulate in the state's dtype over many vector
-lanes (float32: ~1e-7 relative, as a BLAS dot), in float64 when that overflows; the small systems are solved
-in float64.
 
-Iterates live in X (2, B, D): step k evaluates X[k % 2] and writes the next iterate to the other half. The
-best iterate of a sample is not copied when it improves; ``loc[b]`` records which half holds it (-1:
-``best_x``), and it is copied to ``best_x`` only when that half is about to be overwritten, on freezing, or by
-`gather_best`.
+One semantics on every path: `track` is the bookkeeping of a step (per-sample best residual and iterate,
+freezing of converged samples, the trace entry and the stop flags). The fused steps call it inside the
+kernel; the torch path (`deqzoo.core.solvers`) calls the same function on the per-sample norms it brings to
+the host, and `mixing_weights` is Anderson's small system on both paths. A converged sample is frozen at its
+best iterate: its history is no longer updated and its next iterate is its best one, so its result does not
+depend on the rest of its batch.
 
-A step also does the solve's bookkeeping (the per-step trace entry and the stop test) and returns one integer
-of status flags, so between two calls of f the host runs only the call itself: on CPU, f evicts the
-caches, and there every Python-level operation costs several times its warm price. For the same reason the
-solvers call a step through its entry (`broyden_entry`, `anderson_entry`) on plain numbers: the address of
-f's output and of a run header holding the buffers' shapes and addresses (`header`), with the compiled
-entry itself (`entry_point`), not numba's dispatcher. With cold caches, the dispatcher's type resolution
-and the unboxing of a dozen arrays cost ~10 us per call, as much as 20% of a small step.
+Kernels receive numpy arrays only (never raw addresses): the solvers check f's output positively before
+they hand a view of it over (`deqzoo.core.solvers._readable`), and numba checks every array's type,
+dimension and layout when it unboxes it. The iterate f is called on is a fresh array each step (``x``); the
+kernel writes the next one into another fresh array (``xn``), so f may keep its inputs.
 
-The solvers use these kernels for CPU float32/float64 states when numba imports and ``DEQZOO_KERNELS`` is not
-``0``; otherwise they run their torch path (same method; the tests check the two agree).
+Norms and dot products accumulate in the state's dtype over many vector lanes (float32: ~1e-7 relative, as a
+BLAS dot), in float64 when that overflows; the small systems are solved in float64.
+
+The solvers use these kernels for CPU float32/float64 states when numba imports, ``DEQZOO_KERNELS`` is not
+``0`` and the kernels are compiled (`ready`; on first use they compile in the background, see
+`warm_up`); otherwise they run their torch path, which implements the same method.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import numpy as np
 import torch
@@ -44,22 +46,11 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
 __all__ = [
-    "AVAILABLE", "CONVERGED", "DIVERGED", "ENABLED", "H_BEST_X", "NONFINITE", "address",
-    "anderson_entry", "anderson_step", "as_array", "broyden_entry", "broyden_step", "entry_point",
-    "gather_best", "header", "outcome", "start", "usable",
+    "AVAILABLE", "CONVERGED", "DIVERGED", "ENABLED", "NONFINITE", "anderson_step", "broyden_step",
+    "host", "mixing_weights", "ready", "track", "usable", "warm_up",
 ]  # fmt: skip
 
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernels can run on states like `x`. (`is_cpu`, not `device.type`: right after f, with
-    cold caches, building the device object costs ~25 us.)"""
-    return AVAILABLE and ENABLED and x.is_cpu and x.dtype in (torch.float32, torch.float64)
-
-
-def as_array(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a CPU tensor (contiguous first, if it is not)."""
-    return t.detach().contiguous().numpy()
-
+logger = logging.getLogger("deqzoo")
 
 # reassociation and contraction let LLVM vectorise the reductions; no "nnan"/"ninf": NaN detection must work
 _FLAGS = {"reassoc", "contract", "nsz"}
@@ -74,49 +65,6 @@ def _jit(fn=None, inline="never"):
     return numba.njit(cache=True, fastmath=_FLAGS, nogil=True, inline=inline)(fn)
 
 
-if numba is not None:
-    from llvmlite import ir as _ir
-    from numba.core import types as _types
-    from numba.extending import intrinsic as _intrinsic
-
-    _BITS = {_types.float32: _types.uint32, _types.float64: _types.uint64}
-    _FLOATS = {v: k for k, v in _BITS.items()}
-
-    @_intrinsic
-    def _abs_bits(typingctx, x):
-        """The bit pattern of |x| (sign bit cleared) as an unsigned integer of x's width: a register
-        operation, no memory. These patterns order like the values, NaN above inf, so a max over them is a
-        NaN-propagating |x| max that vectorises (numba's NaN-aware float max does not)."""
-        if x not in _BITS:
-            return None
-
-        def codegen(context, builder, sig, args):
-            ity = _ir.IntType(x.bitwidth)
-            return builder.and_(builder.bitcast(args[0], ity), ity((1 << (x.bitwidth - 1)) - 1))
-
-        return _BITS[x](x), codegen
-
-    @_intrinsic
-    def _from_bits(typingctx, u):
-        """The float whose bit pattern is the unsigned integer u."""
-        if u not in _FLOATS:
-            return None
-        to = _FLOATS[u]
-        return to(u), lambda context, builder, sig, args: builder.bitcast(args[0], context.get_value_type(to))
-
-    @_intrinsic
-    def _pointer(typingctx, addr, like):
-        """The integer address `addr` as a pointer to elements of the type of the scalar `like`."""
-        if not isinstance(addr, _types.Integer) or not isinstance(like, (_types.Number, _types.Boolean)):
-            return None
-        ptr = _types.CPointer(like)
-
-        def codegen(context, builder, sig, args):
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(addr, like), codegen
-
-
 @_jit
 def _copy(dst, src):
     """dst[:] = src for 1-D views (an explicit loop vectorises; numba's slice assignment does not)."""
@@ -126,60 +74,13 @@ def _copy(dst, src):
 
 @_jit
 def _dot(u, v):
-    """u·v (u may be an integer row) summed in v's dtype, returned as float64. With reassociation allowed
-    the loop becomes several vector accumulators and one horizontal sum (float32 sums of 512 products err by
-    ~1e-7 relative, as a BLAS dot would; blocked float64 partial sums cost 1.7x as much)."""
+    """u·v summed in v's dtype, returned as float64. With reassociation allowed the loop becomes several
+    vector accumulators and one horizontal sum (float32 sums of 512 products err by ~1e-7 relative, as a
+    BLAS dot would)."""
     s = v.dtype.type(0.0)
     for i in range(u.shape[0]):
-        s += v.dtype.type(u[i]) * v[i]
+        s += u[i] * v[i]
     return np.float64(s)
-
-
-@_jit
-def _release(b, X, half, best_x, loc):
-    """Sample b's row of X[half] is about to be overwritten: save it first if it is the best iterate."""
-    if loc[b] == half:
-        _copy(best_x[b], X[half, b])
-        loc[b] = -1
-
-
-@_jit
-def _begin(active, best, rel_mode):
-    """Per-step residual record (stop mode, absolute), pre-filled for frozen samples with their best."""
-    B = active.shape[0]
-    step_r = np.empty(B)
-    step_abs = np.zeros(B)
-    for b in range(B):
-        if not active[b]:
-            step_r[b] = best[1, b] if rel_mode else best[0, b]
-    return step_r, step_abs
-
-
-@_jit
-def _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g_sq, fx_sq, step_r, step_abs):
-    """Record sample b's residual at X[cur, b] in step_r/step_abs and its best iterate (best[0] holds the
-    absolute residuals, best[1] the relative ones). Returns True when the sample takes a step; False when
-    its residual is not finite or it has converged (then it is frozen at its best iterate in both halves)."""
-    a = np.sqrt(g_sq)
-    rel = a / (np.sqrt(fx_sq) + 1e-12)
-    r = rel if rel_mode else a
-    step_r[b] = r
-    if not np.isfinite(r):
-        return False
-    step_abs[b] = a
-    if r < (best[1, b] if rel_mode else best[0, b]):
-        best[0, b] = a
-        best[1, b] = rel
-        loc[b] = cur
-    if (best[1, b] if rel_mode else best[0, b]) < tol:
-        _release(b, X, cur, best_x, loc)
-        _release(b, X, 1 - cur, best_x, loc)
-        _copy(X[cur, b], best_x[b])
-        _copy(X[1 - cur, b], best_x[b])
-        active[b] = False
-        return False
-    _release(b, X, 1 - cur, best_x, loc)  # the next iterate goes there
-    return True
 
 
 @_jit(inline="always")
@@ -197,148 +98,74 @@ def _sq_norms(g_sq, fx_sq, fb, xb):
     return g2, f2
 
 
-CONVERGED, NONFINITE, DIVERGED = 1, 2, 4  # the kernels' status flags (0: keep going)
+CONVERGED, NONFINITE, DIVERGED = 1, 2, 4  # the status flags of a step (0: keep going)
 
 
 @_jit
-def _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k):
-    """End of step k: its max residual (NaN if any is not finite) goes to trace[k]; returns the status flags:
-    CONVERGED when every sample's best residual is below tol, NONFINITE when a residual is not finite,
-    DIVERGED when the largest absolute residual exceeds div_factor times the largest best one."""
-    r_max = 0.0
-    n_bad = 0
-    best_max = 0.0
-    best_abs_max = 0.0
-    for b in range(step_r.shape[0]):
-        if np.isfinite(step_r[b]):
-            r_max = max(r_max, step_r[b])
+def track(g_sq, f_sq, best, active, improved, go, rel_mode, tol, div_factor):
+    """The bookkeeping of one step, shared by every path of Anderson and Broyden (and the other solvers).
+
+    g_sq, f_sq: per-sample |f(x) - x|² and |f(x)|² (float64; read for active samples only). best (2, B):
+    best absolute and relative residuals so far; active (B,): 1 while a sample iterates. Sets improved[b]
+    where x[b] becomes sample b's best iterate (the caller copies it), freezes (active = 0) the samples whose
+    best residual is below tol, and lists in go[:n_go] the samples that take a step. Returns (flags,
+    trace entry, n_go): the trace entry is the step's largest residual in the stop mode (frozen samples count
+    with their best; NaN if any is not finite); the flags are CONVERGED when every best residual is below
+    tol, NONFINITE when a residual is not finite, DIVERGED when the largest absolute residual exceeds
+    div_factor times the largest best one.
+    """
+    B = best.shape[1]
+    r_max, step_abs_max, n_bad, n_go = 0.0, 0.0, 0, 0
+    for b in range(B):
+        improved[b] = False
+        if active[b]:
+            a = np.sqrt(g_sq[b])
+            rel = a / (np.sqrt(f_sq[b]) + 1e-12)
+            r = rel if rel_mode else a
+            if not np.isfinite(r):
+                n_bad += 1
+                continue
+            step_abs_max = max(step_abs_max, a)
+            r_max = max(r_max, r)
+            if r < (best[1, b] if rel_mode else best[0, b]):
+                best[0, b] = a
+                best[1, b] = rel
+                improved[b] = True
+            if (best[1, b] if rel_mode else best[0, b]) < tol:
+                active[b] = 0
+            else:
+                go[n_go] = b
+                n_go += 1
         else:
-            n_bad += 1
+            r_max = max(r_max, best[1, b] if rel_mode else best[0, b])
+    best_max, best_abs_max = 0.0, 0.0
+    for b in range(B):
         best_max = max(best_max, best[1, b] if rel_mode else best[0, b])
         best_abs_max = max(best_abs_max, best[0, b])
-    trace[k] = r_max if n_bad == 0 else np.nan
     flags = CONVERGED if best_max < tol else 0
     if n_bad > 0:
         flags |= NONFINITE
-    elif step_abs.max() > div_factor * max(best_abs_max, 1e-30):
+    elif step_abs_max > div_factor * max(best_abs_max, 1e-30):
         flags |= DIVERGED
-    return flags
+    return flags, (r_max if n_bad == 0 else np.nan), n_go
 
 
 @_jit
-def start(X, x0, best_x, loc, active, best):
-    """Per-solve reset of pooled state: X[0] = best_x = x0, no best iterate in X, every sample active, no
-    residual seen."""
-    for b in range(x0.shape[0]):
-        _copy(X[0, b], x0[b])
-        _copy(best_x[b], x0[b])
-        loc[b] = -1
-        active[b] = True
-        best[0, b] = np.inf
-        best[1, b] = np.inf
-
-
-@_jit
-def gather_best(X, loc, best_x):
-    """Copy into best_x the best iterates that still live in X (loc is left as is)."""
-    for b in range(best_x.shape[0]):
-        if loc[b] >= 0:
-            _copy(best_x[b], X[loc[b], b])
-
-
-@_jit
-def outcome(X, loc, best_x, best, trace, nfe, rel_mode, tol):
-    """End of a solve, in one call: the best iterates still in X copied to best_x, and fresh arrays of the
-    per-sample residuals (absolute, relative; in best_x's dtype), the converged flags and the trace."""
-    gather_best(X, loc, best_x)
-    B = best_x.shape[0]
-    res = np.empty((2, B), best_x.dtype)
-    conv = np.empty(B, np.bool_)
-    for b in range(B):
-        res[0, b] = best[0, b]
-        res[1, b] = best[1, b]
-        conv[b] = (best[1, b] if rel_mode else best[0, b]) < tol
-    return res, conv, trace[:nfe].copy()
-
-
-@_jit
-def anderson_step(k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace, rel_mode, tol, div_factor):
-    """Step k of Anderson for every active sample, from X[k % 2] to the other half.
-
-    G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
-    Gram matrix (float64), m = G.shape[1] slots used in turn. The mixing weights solve
-    (H + reg I) a = 1, alpha = a / sum(a) with reg = lam * max_j H_jj (Cholesky, `_mixing_weights`); a
-    non-positive pivot or a non-finite value falls back to a plain damped step. fx is shaped like X[0] (the
-    entries build it so; the solvers check f's output). Returns `_finish`'s flags.
-    """
-    B, d = fx.shape
-    m = G.shape[1]
-    slot, n = k % m, min(k + 1, m)
-    cur = k & 1
-    nxt = 1 - cur
-    step_r, step_abs = _begin(active, best, rel_mode)
-    keep = fx.dtype.type(1.0 - tau)
-    # 1. residuals and the Gram row, per sample; the samples that take a step
-    go = np.empty(B, np.int64)
-    n_go = 0
-    for b in range(B):
+def _settle(x, xn, best_x, active, improved):
+    """After `track`: improved iterates copied to best_x, and every sample that takes no step (frozen, or a
+    non-finite residual) gets its best iterate as its next one."""
+    for b in range(x.shape[0]):
+        if improved[b]:
+            _copy(best_x[b], x[b])
         if not active[b]:
-            continue
-        # one pass: the residual and the damped image go straight into their history slots
-        gs, ys, xb, fb = G[b, slot], Y[b, slot], X[cur, b], fx[b]
-        g_sq = fx.dtype.type(0.0)
-        fx_sq = fx.dtype.type(0.0)
-        for i in range(d):
-            gi = fb[i] - xb[i]
-            gs[i] = gi
-            ys[i] = fb[i] - keep * gi
-            g_sq += gi * gi
-            fx_sq += fb[i] * fb[i]
-        g2, f2 = _sq_norms(g_sq, fx_sq, fb, xb)
-        if not _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g2, f2, step_r, step_abs):
-            continue
-        go[n_go] = b
-        n_go += 1
-        H[b, slot, slot] = g2
-        for j in range(n):
-            if j != slot:
-                s = _dot(G[b, j], gs)
-                H[b, slot, j] = s
-                H[b, j, slot] = s
-    # 2. the mixing weights of all stepping samples at once
-    W = np.empty((n, n_go))
-    ok = np.zeros(n_go, np.bool_)
-    if n > 1:
-        _mixing_weights(H, go, n_go, n, lam, W, ok)
-    # 3. the next iterates
-    acc = np.empty(d, fx.dtype)
-    for q in range(n_go):
-        b = go[q]
-        ob = X[nxt, b]
-        if not ok[q]:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
-            _copy(ob, Y[b, slot])
-            continue
-        # sum_j alpha_j Y_j: the first term initialises the L1-resident accumulator, the last writes out
-        w = fx.dtype.type(W[0, q])
-        y0 = Y[b, 0]
-        for i in range(d):
-            acc[i] = w * y0[i]
-        for j in range(1, n - 1):
-            w = fx.dtype.type(W[j, q])
-            yj = Y[b, j]
-            for i in range(d):
-                acc[i] += w * yj[i]
-        w = fx.dtype.type(W[n - 1, q])
-        yl = Y[b, n - 1]
-        for i in range(d):
-            ob[i] = acc[i] + w * yl[i]
-    return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)
+            _copy(xn[b], best_x[b])
 
 
 @_jit
-def _mixing_weights(H, go, n_go, n, lam, W, ok):
-    """alpha = a / sum(a) with (H[b] + reg I) a = 1, reg = lam * max_j H[b]_jj, for the samples b = go[k],
-    into W[:, k]; ok[k] is False where a Cholesky pivot is not positive or alpha is not finite.
+def mixing_weights(H, go, n_go, n, lam, W, ok):
+    """Anderson's mixing weights, alpha = a / sum(a) with (H[b] + reg I) a = 1, reg = lam · max_j H[b]_jj,
+    for the samples b = go[k] into W[:, k]; ok[k] is False where a Cholesky pivot is not positive or alpha is
+    not finite (the caller then takes a plain damped step). Both paths of `anderson` use it.
 
     All samples at once, samples innermost: a 6x6 Cholesky is a chain of divisions and square roots, so one
     system at a time is latency-bound, while across samples every operation is a vector operation."""
@@ -396,17 +223,86 @@ def _mixing_weights(H, go, n_go, n, lam, W, ok):
 
 
 @_jit
+def anderson_step(k, fx, x, xn, best_x, G, Y, H, best, active, lam, tau, rel_mode, tol, div_factor):
+    """Step k of Anderson for every active sample: f(x) = fx, the next iterates into xn.
+
+    G[b, j] holds residuals g_j = f(x_j) - x_j, Y[b, j] the damped images f(x_j) - (1 - tau) g_j, H[b] their
+    Gram matrix (float64); step k uses slot k % m of the m = G.shape[1] slots (the caller grows them while
+    k < its memory). The mixing weights come from `mixing_weights`; a failed system falls back to a plain
+    damped step. Returns `track`'s (flags, trace entry, n_go).
+    """
+    B, d = fx.shape
+    m = G.shape[1]
+    slot, n = k % m, min(k + 1, m)
+    keep = fx.dtype.type(1.0 - tau)
+    g2 = np.empty(B)
+    f2 = np.empty(B)
+    # 1. residuals and norms; the residual and the damped image go straight into their history slots
+    for b in range(B):
+        if not active[b]:
+            continue
+        gs, ys, xb, fb = G[b, slot], Y[b, slot], x[b], fx[b]
+        g_sq = fx.dtype.type(0.0)
+        fx_sq = fx.dtype.type(0.0)
+        for i in range(d):
+            gi = fb[i] - xb[i]
+            gs[i] = gi
+            ys[i] = fb[i] - keep * gi
+            g_sq += gi * gi
+            fx_sq += fb[i] * fb[i]
+        g2[b], f2[b] = _sq_norms(g_sq, fx_sq, fb, xb)
+    # 2. the shared bookkeeping
+    improved = np.empty(B, np.bool_)
+    go = np.empty(B, np.int64)
+    flags, trace, n_go = track(g2, f2, best, active, improved, go, rel_mode, tol, div_factor)
+    _settle(x, xn, best_x, active, improved)
+    if flags & NONFINITE:
+        return flags, trace, n_go
+    # 3. the Gram rows and mixing weights of the stepping samples
+    for q in range(n_go):
+        b = go[q]
+        gs = G[b, slot]
+        H[b, slot, slot] = g2[b]
+        for j in range(n):
+            if j != slot:
+                s = _dot(G[b, j], gs)
+                H[b, slot, j] = s
+                H[b, j, slot] = s
+    W = np.empty((n, n_go))
+    ok = np.zeros(n_go, np.bool_)
+    if n > 1:
+        mixing_weights(H, go, n_go, n, lam, W, ok)
+    # 4. the next iterates
+    acc = np.empty(d, fx.dtype)
+    for q in range(n_go):
+        b = go[q]
+        ob = xn[b]
+        if not ok[q]:  # first step, or a singular or ill-posed mixing system: plain damped step, never raise
+            _copy(ob, Y[b, slot])
+            continue
+        # sum_j alpha_j Y_j: the first term initialises the L1-resident accumulator, the last writes out
+        w = fx.dtype.type(W[0, q])
+        y0 = Y[b, 0]
+        for i in range(d):
+            acc[i] = w * y0[i]
+        for j in range(1, n - 1):
+            w = fx.dtype.type(W[j, q])
+            yj = Y[b, j]
+            for i in range(d):
+                acc[i] += w * yj[i]
+        w = fx.dtype.type(W[n - 1, q])
+        yl = Y[b, n - 1]
+        for i in range(d):
+            ob[i] = acc[i] + w * yl[i]
+    return flags, trace, n_go
+
+
+@_jit
 def _sweep(Sb, cb, L, v, d):
     """v <- P_{L-1} ... P_1 v with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² for one sample (L >= 1), where row
-    Sb[j] is s_j / scale_j, cb[j] = scale_{j-1} scale_j / |s_{j-1}|² and d = Sb[0]·v on entry. Returns
-    Sb[L-1]·v (the step's denominator needs it).
-
-    A chain: each coefficient needs the previous update. Each row is read and converted once: the pass that
-    adds row j to v also takes row j's dot product with the updated v, which gives the next coefficient.
-    The coefficient chain stays in v's dtype (no float64 round trip on the critical path). Blocking rows
-    with the Gram band to break the chain measured no faster: it converts the look-ahead rows again, and
-    the conversions compete with the two FMAs per element; two samples side by side (`_sweep_pair`) do
-    hide part of the chain's wait."""
+    Sb[j] is s_j, cb[j] = 1 / |s_{j-1}|² and d = Sb[0]·v on entry. Returns Sb[L-1]·v (the step's
+    denominator needs it). A chain: each coefficient needs the previous update, so the pass that adds row j
+    to v also takes row j's dot product with the updated v."""
     T = v.dtype.type
     e = T(d)
     for j in range(1, L):
@@ -414,7 +310,7 @@ def _sweep(Sb, cb, L, v, d):
         row = Sb[j]
         s = T(0.0)
         for i in range(v.shape[0]):
-            r = T(row[i])  # once: without alias information the store to v would force a reload
+            r = row[i]
             t = v[i] + c * r
             v[i] = t
             s += r * t
@@ -424,9 +320,8 @@ def _sweep(Sb, cb, L, v, d):
 
 @_jit
 def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
-    """`_sweep` for two samples a and b at once: their common rows in one loop, then the rest of the longer
-    one alone. Each chain waits on its own dot product at every row; side by side, one chain's arithmetic
-    fills the other's wait (measured in place: the sweep ~5% faster). Returns (da, db) as `_sweep` does."""
+    """`_sweep` for two samples at once: each chain waits on its own dot product at every row; side by side,
+    one chain's arithmetic fills the other's wait. Returns (da, db) as `_sweep` does."""
     T = va.dtype.type
     ea = T(da)
     eb = T(db)
@@ -438,11 +333,11 @@ def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
         sa = T(0.0)
         sb = T(0.0)
         for i in range(va.shape[0]):
-            r = T(ra[i])
+            r = ra[i]
             t = va[i] + xa * r
             va[i] = t
             sa += r * t
-            q = T(rb[i])
+            q = rb[i]
             u = vb[i] + xb * q
             vb[i] = u
             sb += q * u
@@ -459,194 +354,225 @@ def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
 
 
 @_jit(inline="always")
-def _broyden_store(b, v, dL, k, fx, X, S, qmax, Q, count):
-    """Sample b's step k from its swept w in v (dL: its last stored step dotted with w): the next iterate
-    into X[1 - k % 2, b], and the step, rounded with its scale, stored as S[b, count[b]]."""
-    scale, sn, coef = Q[0], Q[1], Q[2]
-    T = fx.dtype.type
-    d, m, L = v.shape[0], S.shape[1], count[b]
-    xb, fb, ob = X[k & 1, b], fx[b], X[1 - (k & 1), b]
-    # new step = factor * w; with no stored step w = -g and the step is g (a fixed-point step)
-    factor = -1.0
-    if L > 0:
-        den = dL * scale[b, L - 1] + sn[b, L - 1]
-        if np.isfinite(den) and abs(den) > 1e-12 * sn[b, L - 1]:
-            factor = -sn[b, L - 1] / den
-        else:  # degenerate secant equation: restart from B_0 = -I
-            L = 0
-            for i in range(d):
-                v[i] = xb[i] - fb[i]
-    if L == m:  # memory full: restart, keeping this step as the first of the new cycle
-        L = 0
-    f = T(factor)
-    top = _abs_bits(T(0.0))
-    for i in range(d):  # largest |w_i|: the step's is |factor| times it (rounding is monotone)
-        top = max(top, _abs_bits(v[i]))
-    sl = S[b, L]
-    q_sq = 0.0
-    if qmax > 0.0:
-        sc = np.float64(abs(f) * _from_bits(top)) / qmax
-        inv = T(1.0 / sc) if sc > 0.0 else T(0.0)
-        for i in range(d):  # the step, the next iterate and the stored step in one pass
-            si = f * v[i]
-            ob[i] = xb[i] + si
-            qi = np.rint(si * inv)  # |qi| <= qmax by the choice of sc
-            sl[i] = S.dtype.type(qi)
-            q_sq += np.float64(qi) * np.float64(qi)
-    else:  # stored as is
-        sc = 1.0
+def broyden_update(L, m, dL, sn_last):
+    """The step rule of Broyden's product form, shared by both paths: with L stored steps, the last one of
+    squared norm sn_last, and dL = s_{L-1}·w for w = B g, returns (slot, factor): the new step is factor · w
+    and goes to `slot`. No stored step, or a degenerate secant denominator: restart from B_0 = -I (slot 0,
+    factor -1 with w taken as -g, a fixed-point step); a full memory (L = m) restarts too, keeping the new
+    step as the first of the new cycle."""
+    if L == 0:
+        return 0, -1.0
+    den = dL + sn_last
+    if not (np.isfinite(den) and abs(den) > 1e-12 * sn_last):
+        return 0, np.nan  # NaN: restart, and w must be reset to -g
+    return (0 if L == m else L), -sn_last / den
+
+
+@_jit(inline="always")
+def _broyden_store(b, v, dL, x, fx, xn, S, Q, count, m):
+    """Sample b's step from its swept w in v (dL: its last stored step dotted with w): the next iterate into
+    xn[b] and the step stored as S[b, slot]."""
+    sn, coef = Q[0], Q[1]
+    d, L = v.shape[0], count[b]
+    xb, fb, ob = x[b], fx[b], xn[b]
+    slot, factor = broyden_update(L, m, dL, sn[b, L - 1] if L > 0 else 0.0)
+    if np.isnan(factor):
+        factor = -1.0
         for i in range(d):
-            si = f * v[i]
-            ob[i] = xb[i] + si
-            sl[i] = si
-            q_sq += np.float64(si) * np.float64(si)
-    scale[b, L] = sc
-    sn[b, L] = np.float64(q_sq) * sc * sc
-    coef[b, L] = scale[b, L - 1] * sc / sn[b, L - 1] if L > 0 else 0.0
-    count[b] = L + 1
+            v[i] = xb[i] - fb[i]
+    f = fx.dtype.type(factor)
+    sl = S[b, slot]
+    q_sq = 0.0
+    for i in range(d):  # the step, the next iterate and the stored step in one pass
+        si = f * v[i]
+        ob[i] = xb[i] + si
+        sl[i] = si
+        q_sq += np.float64(si) * np.float64(si)
+    sn[b, slot] = q_sq
+    coef[b, slot] = 1.0 / sn[b, slot - 1] if slot > 0 else 0.0
+    count[b] = slot + 1
 
 
 @_jit
-def broyden_step(k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, rel_mode, tol, div_factor):
-    """Step k of Broyden's good method for every active sample, from X[k % 2] to the other half, in the
-    product form of its inverse estimate.
+def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode, tol, div_factor):
+    """Step k of Broyden's good method for every active sample, in the product form of its inverse
+    estimate: f(x) = fx, the next iterates into xn.
 
     With unit steps and B_0 = -I the inverse estimate after steps s_0..s_k is
     B_k = (I + s_k s_{k-1}ᵀ / |s_{k-1}|²) ... (I + s_1 s_0ᵀ / |s_0|²) B_0 (Deuflhard's recursion), so only
     the steps are stored, one vector per iteration, and w = B_k g is one sweep over them:
     w = -g; w += s_j (s_{j-1}·w) / |s_{j-1}|² for j = 1..k. The next step is
-    s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²).
-
-    The sweep reads every stored step once per step (two samples side by side, `_sweep_pair`); the steps are
-    stored as integers (int16 for float32 states, int32 for float64) with one scale per step,
-    s_j ≈ scale[b, j] · S[b, j], half the bytes of the state's dtype, to 2^-15 (2^-31) of the step's largest
-    entry. Only the stored copy is rounded: every iterate takes its step in full precision and every residual
-    is exact, so the rounding perturbs the inverse-Jacobian estimate slightly and never limits the accuracy
-    reached. ``qmax = 0`` stores float steps as they are.
-    S[b, :count[b]] holds the steps; Q = (scale, sn, coef) their scales, squared norms (of the stored values)
-    and the sweep's constant factors coef[b, j] = scale[b, j-1] scale[b, j] / sn[b, j-1], all set when step j
-    is stored. A full memory (count = S.shape[1]) or a degenerate denominator restarts from B_0 = -I,
-    keeping the new step. fx is shaped like X[0], as in `anderson_step`. Returns `_finish`'s flags.
+    s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²) (`broyden_update`, which also says when to restart).
+    S[b, :count[b]] holds the steps in the state's dtype (the caller grows S's capacity with the steps
+    taken, up to the memory m); Q = (sn, coef): their squared norms and the sweep's factors
+    coef[b, j] = 1 / sn[b, j-1]; V (B, D) is scratch for w. Returns `track`'s (flags, trace entry, n_go).
     """
     B, d = fx.shape
-    coef = Q[2]
     if k == 0:  # a solve starts with no stored step
         count[:] = 0
-    cur = k & 1
-    step_r, step_abs = _begin(active, best, rel_mode)
+    g2 = np.empty(B)
+    f2 = np.empty(B)
+    d0 = np.zeros(B)
     T = fx.dtype.type
-    V = np.empty((2, d), fx.dtype)  # w of two samples: they are swept side by side (`_sweep_pair`)
-    held, held_d = -1, 0.0  # a sample whose w waits in V[0] for a partner, and its first dot product
-    for b in range(B):
+    for b in range(B):  # one pass: w = -g, its dot with the first stored step (the sweep's start), norms
         if not active[b]:
             continue
-        v = V[0] if held < 0 else V[1]
-        xb, fb, row0 = X[cur, b], fx[b], S[b, 0]
-        # w = -g, its dot with the first stored step (the sweep's start) and the squared norms, in one pass;
-        # the sums in the state's dtype (vector accumulators), in float64 if that overflowed
-        g_sq, fx_sq, d0 = T(0.0), T(0.0), T(0.0)
+        xb, fb, vb, row0 = x[b], fx[b], V[b], S[b, 0]
+        g_sq = T(0.0)
+        fx_sq = T(0.0)
+        dd = T(0.0)
         for i in range(d):
             gi = fb[i] - xb[i]
-            v[i] = -gi
+            vb[i] = -gi
             g_sq += gi * gi
             fx_sq += fb[i] * fb[i]
-            d0 -= T(row0[i]) * gi  # row 0 is garbage (unused) with no stored step, but finite: ints or floats
-        g2, f2 = _sq_norms(g_sq, fx_sq, fb, xb)
-        if not _accept(b, X, cur, best_x, loc, best, rel_mode, tol, active, g2, f2, step_r, step_abs):
-            continue
+            dd -= row0[i] * gi  # row 0 may be unwritten with no stored step: dd is then not used
+        g2[b], f2[b] = _sq_norms(g_sq, fx_sq, fb, xb)
+        if count[b] > 0:
+            d0[b] = np.float64(dd)
+    improved = np.empty(B, np.bool_)
+    go = np.empty(B, np.int64)
+    flags, trace, n_go = track(g2, f2, best, active, improved, go, rel_mode, tol, div_factor)
+    _settle(x, xn, best_x, active, improved)
+    if flags & NONFINITE:
+        return flags, trace, n_go
+    held = -1  # a sample whose w waits for a partner: two are swept side by side (`_sweep_pair`)
+    for q in range(n_go):
+        b = go[q]
         if held < 0:
-            held, held_d = b, np.float64(d0)
+            held = b
             continue
         da, db = _sweep_pair(
-            S[held], coef[held], count[held], V[0], held_d, S[b], coef[b], count[b], V[1], np.float64(d0)
+            S[held], Q[1, held], count[held], V[held], d0[held], S[b], Q[1, b], count[b], V[b], d0[b]
         )
-        _broyden_store(held, V[0], da, k, fx, X, S, qmax, Q, count)
-        _broyden_store(b, V[1], db, k, fx, X, S, qmax, Q, count)
+        _broyden_store(held, V[held], da, x, fx, xn, S, Q, count, m)
+        _broyden_store(b, V[b], db, x, fx, xn, S, Q, count, m)
         held = -1
     if held >= 0:  # an odd one out
-        dL = _sweep(S[held], coef[held], count[held], V[0], held_d)
-        _broyden_store(held, V[0], dL, k, fx, X, S, qmax, Q, count)
-    return _finish(step_r, step_abs, best, rel_mode, tol, div_factor, trace, k)
+        dL = _sweep(S[held], Q[1, held], count[held], V[held], d0[held])
+        _broyden_store(held, V[held], dL, x, fx, xn, S, Q, count, m)
+    return flags, trace, n_go
 
 
-# A run's header: the shapes and buffer addresses a step reads (an int64 array built by `header`; see the
-# module docstring for why steps take addresses).
-H_B, H_D, H_T, H_M = 0, 1, 2, 3  # batch, state size, trace length, history length (axis 1 of the first array)
-H_X, H_BEST_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE = 4, 5, 6, 7, 8, 9
-H_ARRAYS = 10  # the solver's own arrays from here (Broyden S, Q, count; Anderson G, Y, H)
-HEADER = 13
+# ---------------------------------------------------------------------------------------------------------
+# readiness: compiled (or loaded from numba's cache) before the fused path is used
+
+_ready = threading.Event()
+_started = False
+_lock = threading.Lock()
+_error: BaseException | None = None
 
 
-def address(a: np.ndarray) -> int:
-    """The address of a numpy array's first element."""
-    return a.__array_interface__["data"][0]
+def _signatures():
+    """The argument types of every kernel entry the solvers call: float32 and float64 states."""
+    for dt in (np.float32, np.float64):
+        fx = np.zeros((2, 3), dt)
+        best, act = np.full((2, 2), np.inf), np.ones(2, np.int64)
+        yield anderson_step, (
+            0, fx, fx.copy(), fx.copy(), fx.copy(), np.zeros((2, 2, 3), dt), np.zeros((2, 2, 3), dt),
+            np.zeros((2, 2, 2)), best.copy(), act.copy(), 1e-5, 1.0, True, 1e-5, 1e6,
+        )  # fmt: skip
+        yield broyden_step, (
+            0, fx, fx.copy(), fx.copy(), fx.copy(), np.zeros((2, 2, 3), dt), np.zeros((2, 2, 2)),
+            np.zeros(2, np.int64), fx.copy(), best.copy(), act.copy(), 2, True, 1e-5, 1e6,
+        )  # fmt: skip
+    g = np.ones(2)
+    yield track, (g, g, np.full((2, 2), np.inf), np.ones(2, np.int64), np.zeros(2, np.bool_),
+                  np.zeros(2, np.int64), True, 1e-5, 1e6)  # fmt: skip
+    yield mixing_weights, (np.eye(2)[None].repeat(2, 0), np.arange(2), 2, 2, 1e-5, np.empty((2, 2)),
+                           np.zeros(2, np.bool_))  # fmt: skip
 
 
-def header(X: np.ndarray, loc, active, best, trace, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
-    """The header of a run whose buffers are these arrays (C-contiguous, owned by the caller for as long as
-    the header is used). The result's address (H_BEST_X) is set per solve."""
-    h = np.zeros(HEADER, np.int64)
-    h[[H_B, H_D, H_T, H_M]] = X.shape[1], X.shape[2], trace.shape[0], arrays[0].shape[1]
-    slots = (H_X, H_LOC, H_ACTIVE, H_BEST, H_TRACE, *range(H_ARRAYS, H_ARRAYS + len(arrays)))
-    for slot, a in zip(slots, (X, loc, active, best, trace, *arrays)):
-        if not a.flags.c_contiguous:  # a step reads every buffer as contiguous
-            raise ValueError(f"run buffer at header slot {slot} is not C-contiguous (strides {a.strides})")
-        h[slot] = address(a)
-    return h
+def _compile() -> None:
+    global _error
+    try:
+        for kernel, args in _signatures():
+            kernel(*args)  # compiles, or loads from numba's cache
+    except BaseException as e:  # pragma: no cover - a broken numba install: the torch path serves
+        _error = e
+        logger.warning("deqzoo: compiling the fused CPU solver kernels failed (%s); using the torch path", e)
+    finally:
+        _ready.set()
 
 
-@_jit
-def _run_views(header_addr, x_like):
-    """The header and the buffers every step uses, as arrays over the addresses the header holds."""
-    h = numba.carray(_pointer(header_addr, np.int64(0)), HEADER)
-    B, d = h[H_B], h[H_D]
-    X = numba.carray(_pointer(h[H_X], x_like), (2, B, d))
-    best_x = numba.carray(_pointer(h[H_BEST_X], x_like), (B, d))
-    loc = numba.carray(_pointer(h[H_LOC], np.int64(0)), B)
-    active = numba.carray(_pointer(h[H_ACTIVE], False), B)
-    best = numba.carray(_pointer(h[H_BEST], 0.0), (2, B))
-    trace = numba.carray(_pointer(h[H_TRACE], 0.0), h[H_T])
-    return h, X, best_x, loc, active, best, trace
+def _compile_elsewhere() -> None:
+    """Compile in a child process that writes numba's cache, then load from it here. A compiling thread
+    would hold the GIL for tens of seconds and stall every torch op of the solves meanwhile (each op waits
+    for the GIL when it returns); the child runs on another core and the solves keep their speed. If the
+    child fails (no writable cache, for one), compile in this thread after all."""
+    import subprocess
+    import sys
 
-
-@_jit
-def broyden_entry(k, fx_addr, header_addr, x_like, s_like, qmax, rel_mode, tol, div_factor):
-    """`broyden_step` on the run described by the header at `header_addr`, with f's output at `fx_addr` (a
-    C-contiguous (B, D) block of x_like's type); s_like has the stored steps' type."""
-    h, X, best_x, loc, active, best, trace = _run_views(header_addr, x_like)
-    B, d, m = h[H_B], h[H_D], h[H_M]
-    fx = numba.carray(_pointer(fx_addr, x_like), (B, d))
-    S = numba.carray(_pointer(h[H_ARRAYS], s_like), (B, m, d))
-    Q = numba.carray(_pointer(h[H_ARRAYS + 1], 0.0), (3, B, m))
-    count = numba.carray(_pointer(h[H_ARRAYS + 2], np.int64(0)), B)
-    return broyden_step(
-        k, fx, X, S, qmax, Q, count, active, best_x, loc, best, trace, rel_mode, tol, div_factor
+    # this file alone, under its own name (numba's cache records it), without the package's heavy imports
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location({__name__!r}, {__file__!r}); "
+        f"mod = importlib.util.module_from_spec(spec); sys.modules[{__name__!r}] = mod; "
+        "spec.loader.exec_module(mod); mod._compile(); sys.exit(1 if mod._error else 0)"
     )
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=1800)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.info("deqzoo: compiling the kernels in a child process failed (%s); compiling here", e)
+    _compile()  # loads from the cache the child wrote (milliseconds), or compiles
 
 
-@_jit
-def anderson_entry(k, fx_addr, header_addr, x_like, lam, tau, rel_mode, tol, div_factor):
-    """`anderson_step` on the run described by the header at `header_addr` (see `broyden_entry`)."""
-    h, X, best_x, loc, active, best, trace = _run_views(header_addr, x_like)
-    B, d, m = h[H_B], h[H_D], h[H_M]
-    fx = numba.carray(_pointer(fx_addr, x_like), (B, d))
-    G = numba.carray(_pointer(h[H_ARRAYS], x_like), (B, m, d))
-    Y = numba.carray(_pointer(h[H_ARRAYS + 1], x_like), (B, m, d))
-    H = numba.carray(_pointer(h[H_ARRAYS + 2], 0.0), (B, m, m))
-    return anderson_step(
-        k, fx, X, G, Y, H, lam, tau, active, best_x, loc, best, trace, rel_mode, tol, div_factor
-    )
+def warm_up(block: bool = False) -> bool:
+    """Compile (or load from numba's cache) the fused kernels: in the background while solves run the torch
+    path, or here with ``block=True``. Returns whether they are ready. On a fresh install the compilation
+    takes tens of seconds of CPU time (in a child process, see `_compile_elsewhere`); a one-line notice is
+    logged once. numba caches the result next to this file (``__pycache__``), in ``NUMBA_CACHE_DIR`` when
+    set, or in the user's cache folder when the package folder is read-only.
+
+    Example:
+        >>> from deqzoo.core import _kernels
+        >>> _kernels.warm_up(block=True) or not _kernels.AVAILABLE
+        True
+    """
+    global _started
+    if not AVAILABLE:
+        return False
+    with _lock:
+        if not _started:
+            _started = True
+            if block or _cache_is_warm():
+                _compile()
+            else:
+                logger.warning(
+                    "deqzoo: compiling the fused CPU solver kernels in the background (once per install; "
+                    "solves use the torch path meanwhile)"
+                )
+                threading.Thread(target=_compile_elsewhere, name="deqzoo-kernels", daemon=True).start()
+    if block:
+        _ready.wait()
+    return _ready.is_set() and _error is None
 
 
-_ENTRIES: dict = {}
+def _cache_is_warm() -> bool:
+    """Whether numba's cache holds every kernel for this machine (then loading them costs milliseconds)."""
+    try:
+        for kernel, args in _signatures():
+            sig = tuple(numba.typeof(a) for a in args)
+            if kernel._cache.load_overload(sig, kernel.targetctx) is None:
+                return False
+        return True
+    except Exception:  # numba internals moved: assume cold, compile in the background
+        return False
 
 
-def entry_point(kernel, args: tuple):
-    """`kernel` compiled for the types of `args`, as its bare compiled entry: a call skips the dispatcher's
-    type resolution, so every later call must pass arguments of the same types (numbers, not arrays)."""
-    key = (kernel, tuple(type(a) for a in args))
-    ep = _ENTRIES.get(key)
-    if ep is None:
-        ep = kernel.compile(tuple(numba.typeof(a) for a in args))
-        _ENTRIES[key] = ep if callable(ep) else kernel  # the dispatcher itself is always a correct fallback
-    return ep
+def host(fn):
+    """`fn` (a shared kernel such as `track`) for a call from the torch path: compiled when the kernels are
+    ready, else its Python function (slower, same results), so no solve waits for a compilation."""
+    return fn if _ready.is_set() and _error is None else getattr(fn, "py_func", fn)
+
+
+def ready() -> bool:
+    """Whether the fused kernels can be called now (compiled or loaded); starts the compilation if not."""
+    if _ready.is_set():
+        return _error is None
+    return warm_up(block=False)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on states like `x` now."""
+    return AVAILABLE and ENABLED and x.is_cpu and x.dtype in (torch.float32, torch.float64) and ready()

@@ -2,27 +2,30 @@
 
 A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)`` where ``g`` maps
 (B, D) to (B, D) and runs without autograd. Every built-in solver keeps per-sample statistics and returns,
-per sample, the iterate with the lowest residual seen. Hot loops preallocate their buffers, update them in
-place, and cross to the host once per step (one small transfer carrying the per-sample norms the stopping
-check needs; Anderson's small mixing system rides along). Built-ins also accept ``keep_steps`` (iterations
-at which to keep a copy of the best iterate so far, for fixed-point correction) and ``div_factor`` (stop
-when the largest absolute residual exceeds ``div_factor`` times the largest best one: divergence).
+per sample, the iterate with the lowest residual seen; a sample whose residual is below tol is frozen there
+(its next iterates are its best one, its history is no longer updated), so its result does not depend on the
+rest of its batch. f is called on a fresh tensor every step, never on a buffer the solver writes again, so f
+may keep its inputs; f's output is checked (shape, dtype) on every call. Built-ins also accept
+``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for fixed-point correction)
+and ``div_factor`` (stop when the largest absolute residual exceeds ``div_factor`` times the largest best
+one: divergence). Memory grows with the work done (histories of min(m, steps taken) entries), never with
+max_iter. An empty batch (B = 0) returns an empty result without calling f.
 
 Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
 the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
 affine maps such as the adjoint system of implicit differentiation).
 
 On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel
-(`deqzoo.core._kernels`), with their buffers from a per-thread pool (`deqzoo.core.workspace`); elsewhere, or
-with ``DEQZOO_KERNELS=0``, they run the torch path below, which implements the same method (the tests run both
-and compare them). The fused path also freezes each sample at its own convergence, so a sample's result does
-not depend on the rest of its batch.
+(`deqzoo.core._kernels`), with their histories from a per-thread pool (`deqzoo.core.workspace`); elsewhere,
+with ``DEQZOO_KERNELS=0``, or while the kernels compile on first use, they run their torch path. Both paths
+are one algorithm: the same per-step bookkeeping (`_kernels.track`), the same mixing system
+(`_kernels.mixing_weights`) and the same Broyden step rule and product-form estimate; the tests check that
+they agree per sample to rounding.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -86,14 +89,6 @@ def solver_kwarg_names(name: str) -> set[str] | None:
     return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {"max_iter", "tol", "stop_mode"}
 
 
-def _to_host(t: torch.Tensor) -> np.ndarray:
-    """The one device-to-host transfer of a step (zero-copy on CPU), as float64."""
-    t = t.detach()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    return t.cpu().numpy().astype(np.float64, copy=False)
-
-
 def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
     if stop_mode not in ("abs", "rel"):
         raise ValueError(f"stop_mode must be 'abs' or 'rel', got {stop_mode!r}")
@@ -101,6 +96,56 @@ def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
+
+
+def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
+    """f's output, checked on every call on every path: a tensor of the state's shape, dtype and device
+    (errors name both). Returned as the torch path uses it: sparse and mkldnn outputs as dense tensors; a
+    meta tensor (no data) is an error."""
+    if not isinstance(fx, torch.Tensor):
+        raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(x.shape)}")
+    if fx.shape != x.shape:
+        raise ValueError(f"f returned shape {tuple(fx.shape)}, expected {tuple(x.shape)}")
+    if fx.dtype != x.dtype:
+        raise TypeError(f"f returned dtype {fx.dtype}, expected {x.dtype} (the state's dtype)")
+    if fx.is_meta:
+        raise ValueError("f returned a meta tensor (shape only, no data); a solve needs its values")
+    if fx.device != x.device:
+        raise ValueError(f"f returned a tensor on {fx.device}, expected {x.device}")
+    if fx.layout is not torch.strided:  # sparse or mkldnn
+        fx = fx.to_dense()
+    return fx
+
+
+def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """f's output (already checked by `_check_output`) as a numpy array the fused kernels may read.
+
+    An allow-list: a plain dense CPU tensor (exactly torch.Tensor, strided layout, C-contiguous, no negative
+    or conjugate bit, not a zero tensor, a real data pointer, a storage holding every element) is read in
+    place; anything else (expanded, strided, negated or conjugated views, zero tensors, subclasses) is first
+    copied into a fresh plain tensor by torch (`_check_output` has made sparse and mkldnn outputs dense and
+    refused meta tensors)."""
+    try:
+        if (
+            type(fx) is torch.Tensor
+            and fx.layout is torch.strided
+            and fx.is_cpu
+            and not fx.requires_grad
+            and fx.is_contiguous()
+            and not fx.is_neg()
+            and not fx.is_conj()
+            and not fx._is_zerotensor()
+            and fx.data_ptr() != 0
+        ):
+            storage = fx.untyped_storage()
+            if storage.nbytes() >= (fx.storage_offset() + fx.numel()) * fx.element_size():
+                return fx.numpy()
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
+        pass  # torch refused to describe it (e.g. a wrapper without storage): copy it below
+    src = fx.detach()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    out.copy_(src)  # torch resolves views, negation, conjugation, zero tensors and subclasses
+    return out.numpy()
 
 
 def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: dict) -> dict:
@@ -111,112 +156,131 @@ def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: 
     return {"kept": {k: kept.get(k, best_x) for k in keep_steps}, **extra}
 
 
-class _Tracker:
-    """Per-sample best iterate, residuals, trace and stopping.
+def _empty_result(
+    x0: torch.Tensor, name: str, tol: float, stop_mode: str
+) -> tuple[torch.Tensor, SolverStats]:
+    """A batch of zero samples: nothing to solve, f is not called."""
+    none = x0.new_zeros(0)
+    return x0.clone(), SolverStats(
+        nfe=0, abs_residual=none, rel_residual=none.clone(), trace=torch.zeros(0, dtype=torch.float64),
+        converged=torch.zeros(0, dtype=torch.bool), solver=name, stop_mode=stop_mode, tol=tol,
+    )  # fmt: skip
 
-    A step hands over per-sample ||f(x) - x|| and ||f(x)|| (device tensors; solvers may append their own
-    small per-sample data, such as Anderson's Gram row, to the same transfer); they cross to the host in one
-    transfer, the only synchronisation of the step, and the bookkeeping runs there in numpy on (B,) arrays,
-    which costs far less than a dozen tiny device kernels. Only the masked copy of the best iterate runs on
-    the device.
+
+def _grown(cap: int, k: int, m: int) -> int:
+    """A history's capacity for step k with memory m: it doubles while the steps taken outgrow it."""
+    return cap if k < cap or cap >= m else min(m, 2 * cap)
+
+
+class _Tracker:
+    """The torch path's per-step bookkeeping: per-sample best iterate and residuals, freezing, trace, stop.
+
+    A step hands over per-sample |f(x) - x|² and |f(x)|² (one small device-to-host transfer); the decisions
+    are `_kernels.track`, the same function the fused kernels run, so both paths stop, freeze and report
+    alike. Only the masked copy of improved best iterates and the freezing of the next iterate run on the
+    device.
     """
 
-    def __init__(
-        self,
-        x0: torch.Tensor,
-        max_iter: int,
-        tol: float,
-        stop_mode: str,
-        name: str,
-        keep_steps: Iterable[int] = (),
-        div_factor: float = 1e6,
-    ):
+    def __init__(self, x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str,
+                 keep_steps: Iterable[int] = (), div_factor: float = 1e6):  # fmt: skip
         _check_solve_args(max_iter, tol, stop_mode)
         b = x0.shape[0]
         self.x0 = x0
-        # iterates handed to `update` are never modified in place afterwards by the solvers, so the best one
-        # is kept by reference (no copy per step); `result` clones only if that is still the caller's x0
-        self.best_x = x0
-        self.best_abs = np.full(b, np.inf)
-        self.best_rel = np.full(b, np.inf)
+        self.best_x = x0.clone(memory_format=torch.contiguous_format)
+        self.best = np.full((2, b), np.inf)
+        self.active = np.ones(b, np.int64)
+        self.improved = np.zeros(b, np.bool_)
+        self.go = np.zeros(b, np.int64)
+        self.n_go = b
+        self.all_active = True
         self.trace: list[float] = []
         self.tol, self.stop_mode, self.name, self.steps = tol, stop_mode, name, 0
+        self.rel = stop_mode == "rel"
         self.keep_steps = sorted({int(k) for k in keep_steps})
         self.kept: dict[int, torch.Tensor] = {}
         self.div_factor = div_factor
-        self.nonfinite = self.diverged = False
+        self.flags = 0
+        self._track = _kernels.host(_kernels.track)
 
-    def update(
-        self,
-        x: torch.Tensor,
-        fx: torch.Tensor | None,
-        abs_r: torch.Tensor | None = None,
-        fx_norm: torch.Tensor | None = None,
-    ) -> bool:
-        """Record iterate x with f(x) = fx; abs_r = ||fx - x|| and fx_norm = ||fx|| may be given instead of
-        being computed. Returns True when the solve should stop (converged, non-finite or diverged)."""
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.flags & _kernels.NONFINITE)
+
+    @property
+    def diverged(self) -> bool:
+        return bool(self.flags & _kernels.DIVERGED)
+
+    def update(self, x: torch.Tensor, fx: torch.Tensor | None, abs_r: torch.Tensor | None = None,
+               fx_norm: torch.Tensor | None = None) -> bool:  # fmt: skip
+        """Record iterate x with f(x) = fx (or the norms abs_r = |fx - x|, fx_norm = |fx|). Returns True when
+        the solve should stop (converged, non-finite or diverged)."""
         if abs_r is None:
             abs_r = torch.linalg.vector_norm(fx - x, dim=1)
         if fx_norm is None:
             fx_norm = torch.linalg.vector_norm(fx, dim=1)
         host = _to_host(torch.stack((abs_r, fx_norm)))
-        return self.update_host(x, host[0], host[1])
+        return self.update_sq(x, host[0] ** 2, host[1] ** 2)
 
-    def update_host(self, x: torch.Tensor, abs_r: np.ndarray, fx_norm: np.ndarray) -> bool:
-        """As `update`, with the per-sample norms already on the host."""
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            rel_r = abs_r / (fx_norm + 1e-12)
-            r, best = (rel_r, self.best_rel) if self.stop_mode == "rel" else (abs_r, self.best_abs)
-            better = r < best  # False for NaN: a non-finite iterate never becomes the best
-            self.best_abs[better] = abs_r[better]
-            self.best_rel[better] = rel_r[better]
-            finite = bool(np.isfinite(abs_r).all())
-            self.trace.append(float(r.max()))
-            if better.all():
-                self.best_x = x
-            elif better.any():
-                mask = torch.from_numpy(better).to(x.device, non_blocking=True)[:, None]
-                if finite:  # lerp with a 0/1 weight is an exact masked copy, and cheaper than where
-                    self.best_x = torch.lerp(self.best_x, x, mask.to(x.dtype))
-                else:
-                    self.best_x = torch.where(mask, x, self.best_x)
-            self.steps += 1
-            if self.keep_steps and self.steps in self.keep_steps:
-                self.kept[self.steps] = self.best_x
-            self.nonfinite = not finite
-            if finite and abs_r.max() > self.div_factor * max(self.best_abs.max(), 1e-30):
-                self.diverged = True
-            return bool(best.max() < self.tol) or self.nonfinite or self.diverged
+    def update_sq(self, x: torch.Tensor, g_sq: np.ndarray, f_sq: np.ndarray) -> bool:
+        """As `update`, with the per-sample squared norms on the host (float64)."""
+        self.flags, t, self.n_go = self._track(
+            g_sq, f_sq, self.best, self.active, self.improved, self.go, self.rel, self.tol, self.div_factor
+        )
+        self.trace.append(float(t))
+        if self.improved.all():
+            self.best_x.copy_(x)
+        elif self.improved.any():
+            mask = torch.from_numpy(self.improved).to(x.device, non_blocking=True)[:, None]
+            self.best_x = torch.where(mask, x, self.best_x)
+        self.all_active = bool(self.active.all())
+        self.steps += 1
+        if self.keep_steps and self.steps in self.keep_steps:
+            self.kept[self.steps] = self.best_x.clone()
+        return self.flags != 0
+
+    def stepping(self, device: torch.device) -> torch.Tensor:
+        """(B,) bool on the device: the samples that take a step now."""
+        mask = np.zeros(self.active.shape[0], np.bool_)
+        mask[self.go[: self.n_go]] = True
+        return torch.from_numpy(mask).to(device, non_blocking=True)
+
+    def next_iterate(self, xn: torch.Tensor) -> torch.Tensor:
+        """xn with every frozen sample at its best iterate."""
+        if self.all_active:
+            return xn
+        mask = torch.from_numpy(self.active.astype(np.bool_)).to(xn.device, non_blocking=True)[:, None]
+        return torch.where(mask, xn, self.best_x)
 
     def result(self) -> torch.Tensor:
-        """The best iterate (a fresh tensor, never the caller's x0 itself)."""
-        if self.best_x.data_ptr() == self.x0.data_ptr():
-            return self.best_x.clone()
+        """The best iterates (a tensor of the solver's own, never the caller's x0)."""
         return self.best_x
 
     def stats(self, nfe: int, **extra) -> SolverStats:
-        # converted on the numpy side: torch.tensor(list) and .to(dtype) cost microseconds each
-        np_dtype = _NUMPY_DTYPES.get(self.x0.dtype)
+        return _stats(self.best, self.trace, nfe, self.x0, self.name, self.stop_mode, self.tol, self.flags,
+                      _kept_extra(self.keep_steps, self.kept, self.best_x, extra))  # fmt: skip
 
-        def as_t(a: np.ndarray) -> torch.Tensor:
-            if np_dtype is None:
-                return torch.from_numpy(a).to(self.x0.device, self.x0.dtype)
-            return torch.from_numpy(a.astype(np_dtype)).to(self.x0.device)
 
-        r = self.best_rel if self.stop_mode == "rel" else self.best_abs
-        return SolverStats(
-            nfe=nfe,
-            abs_residual=as_t(self.best_abs),
-            rel_residual=as_t(self.best_rel),
-            trace=torch.from_numpy(np.array(self.trace, dtype=np.float64)),
-            converged=torch.from_numpy(r < self.tol),
-            solver=self.name,
-            stop_mode=self.stop_mode,
-            tol=self.tol,
-            nonfinite=self.nonfinite,
-            diverged=self.diverged,
-            extra=_kept_extra(self.keep_steps, self.kept, self.best_x, extra),
-        )
+def _stats(best: np.ndarray, trace: list, nfe: int, x0: torch.Tensor, name: str, stop_mode: str, tol: float,
+           flags: int, extra: dict) -> SolverStats:  # fmt: skip
+    """The statistics of a solve from its bookkeeping (both paths)."""
+    r = best[1] if stop_mode == "rel" else best[0]
+    res = torch.from_numpy(best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
+    if x0.dtype not in _NUMPY_DTYPES:
+        res = res.to(x0.dtype)
+    return SolverStats(
+        nfe=nfe, abs_residual=res[0], rel_residual=res[1],
+        trace=torch.tensor(trace, dtype=torch.float64), converged=torch.from_numpy(r < tol),
+        solver=name, stop_mode=stop_mode, tol=tol, nonfinite=bool(flags & _kernels.NONFINITE),
+        diverged=bool(flags & _kernels.DIVERGED), extra=extra,
+    )  # fmt: skip
+
+
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """The one device-to-host transfer of a step (zero-copy on CPU), as float64."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.cpu().numpy().astype(np.float64, copy=False)
 
 
 def _check_tau(tau: float) -> None:
@@ -224,106 +288,88 @@ def _check_tau(tau: float) -> None:
         raise ValueError(f"damping tau must be in (0, 1], got {tau}")
 
 
-_BROYDEN_STORAGE = {torch.float32: torch.int16, torch.float64: torch.int32}
-_QMAX = {torch.int16: float(torch.iinfo(torch.int16).max), torch.int32: float(torch.iinfo(torch.int32).max)}
-_NUMPY_DTYPES = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.int16: np.int16, torch.int32: np.int32,
-}  # fmt: skip
-_SCALAR = {t: np_t(0) for t, np_t in _NUMPY_DTYPES.items()}  # the kernel entries' element-type tokens
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-class _FusedRun:
-    """The buffers and per-sample state of solves driven by a fused CPU kernel (see `_kernels`), made once per
-    thread and shape and then lent from the workspace pool (`take`/`give`), numpy views included.
-
-    X (2, B, D) holds the iterates (step k evaluates f at X[k % 2]), `best` (2, B) each sample's best absolute
-    and relative residual, `trace` the per-step max residual, `arrays` the solver's own history.
-    """
-
-    def __init__(self, x0: torch.Tensor, max_iter: int, arrays: dict[str, tuple[tuple[int, ...], type]]):
-        b, d = x0.shape
-        self.X = x0.new_empty(2, b, d)
-        self.halves, self.Xn = (self.X[0], self.X[1]), self.X.numpy()
-        self.loc, self.active = np.empty(b, np.int64), np.empty(b, np.bool_)
-        self.best, self.trace = np.empty((2, b)), np.empty(max_iter)
-        self.arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in arrays.items()}
-        parts = (self.Xn, self.loc, self.active, self.best, self.trace, *self.arrays.values())
-        self.nbytes = sum(a.nbytes for a in parts)
-        # the kernels' entries read the buffers through this header; it lives (and dies) with them
-        self.header = _kernels.header(
-            self.Xn, self.loc, self.active, self.best, self.trace, tuple(self.arrays.values())
-        )
-        self.header_addr = _kernels.address(self.header)
-
-    @classmethod
-    def take(cls, key: tuple, x0: torch.Tensor, max_iter: int, arrays: dict) -> _FusedRun:
-        run = workspace.take(key)
-        return run if run is not None else cls(x0, max_iter, arrays)
-
-    def solve(self, g, x0: torch.Tensor, entry, consts: tuple, *, name: str, max_iter: int, tol: float,
-              stop_mode: str, keep_steps: Iterable[int], div_factor: float,
-              **extra) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
-        """Run ``entry(k, address of f(X[k % 2]), header address, *consts, rel, tol, div_factor)`` (a
-        `_kernels` entry: numbers in, status flags out) from x0 until its flags say stop."""
-        # the result: fresh, and it starts as x0 (`new_empty` costs twice as much with cold caches)
-        best_x = torch.empty_like(x0, memory_format=torch.contiguous_format)
-        best_np, rel = best_x.numpy(), stop_mode == "rel"
-        _kernels.start(self.Xn, _kernels.as_array(x0), best_np, self.loc, self.active, self.best)
-        self.header[_kernels.H_BEST_X] = best_x.data_ptr()
-        args = (*consts, rel, float(tol), float(div_factor))
-        step, head = _kernels.entry_point(entry, (0, 0, 0, *args)), self.header_addr
-        halves, shape, dtype = self.halves, x0.shape, x0.dtype
-        keep = sorted({int(k) for k in keep_steps})
-        kept: dict[int, torch.Tensor] = {}
+def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts: tuple, *, name: str,
+                 max_iter: int, tol: float, stop_mode: str, keep_steps: Iterable[int],
+                 div_factor: float) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
+    """Run a fused kernel step ``step(k, fx, x, xn, best_x, *hist(k), best, active, *consts, rel, tol,
+    div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
+    solver's history arrays with room for step k. Every iterate is a fresh tensor: f may keep its input."""
+    b = x0.shape[0]
+    x = x0.clone(memory_format=torch.contiguous_format)
+    xa = x.numpy()
+    best_x = x.clone()  # the result; starts as x0
+    best_np = best_x.numpy()
+    best, active = np.full((2, b), np.inf), np.ones(b, np.int64)
+    rel = stop_mode == "rel"
+    keep = sorted({int(k) for k in keep_steps})
+    kept: dict[int, torch.Tensor] = {}
+    trace: list[float] = []
+    shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
+    for k in range(max_iter):
+        arrays = hist(k)
+        fx = g(x)
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
-        # Python-level operation costs several times its warm price (a few attribute reads and one call of
-        # the compiled step on plain integers; `Tensor.numpy` alone would cost ~9 us)
-        for k in range(max_iter):
-            fx = g(halves[k & 1])
-            try:  # the common case: f's output can be read in place
-                plain = fx.shape == shape and fx.dtype is dtype and fx.is_contiguous()
-                plain = plain and fx.is_cpu and not fx.is_neg()
-            except AttributeError:
-                plain = False
-            if not plain:
-                fx = _conform(fx, shape, dtype)
-            # fx stays referenced until the step returns, so the address stays valid
-            flags = step(k, fx.data_ptr(), head, *args)
-            if flags:
-                break  # steps in `keep` from here on keep the final best iterate
-            if keep and k + 1 in keep:
-                _kernels.gather_best(self.Xn, self.loc, best_np)
-                kept[k + 1] = best_x.clone()
-        nfe = k + 1
-        res, conv, trace = _kernels.outcome(self.Xn, self.loc, best_np, self.best, self.trace, nfe, rel, tol)
-        # numpy slices, not Tensor.unbind: a torch op here is a cold dispatch (~50 us after f)
-        abs_residual, rel_residual = torch.from_numpy(res[0]), torch.from_numpy(res[1])
-        return best_x, SolverStats(
-            nfe=nfe,
-            abs_residual=abs_residual,
-            rel_residual=rel_residual,
-            trace=torch.from_numpy(trace),
-            converged=torch.from_numpy(conv),
-            solver=name,
-            stop_mode=stop_mode,
-            tol=tol,
-            nonfinite=bool(flags & _kernels.NONFINITE),
-            diverged=bool(flags & _kernels.DIVERGED),
-            extra=_kept_extra(keep, kept, best_x, extra),
-        )
+        # Python-level operation costs several times its warm price. The common case, checked positively:
+        # a plain dense CPU tensor of the state's shape and dtype, with a real data pointer and a storage
+        # holding it (Tensor.numpy refuses negated, conjugated and grad-requiring tensors by raising)
+        fa = None
+        try:
+            if (
+                type(fx) is torch.Tensor
+                and fx.dtype is dtype
+                and fx.shape == shape
+                and fx.is_cpu
+                and fx.layout is torch.strided
+                and fx.is_contiguous()
+                and not fx._is_zerotensor()
+            ):
+                storage = fx.untyped_storage()
+                if (
+                    storage.data_ptr() != 0
+                    and storage.nbytes() >= need + fx.storage_offset() * fx.element_size()
+                ):
+                    fa = fx.numpy()
+        except RuntimeError:
+            pass
+        if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
+            fa = _readable(_check_output(fx, x), x)
+        xna = np.empty_like(xa)
+        flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
+        trace.append(t)
+        if flags:
+            break  # steps in `keep` from here on keep the final best iterate
+        if keep and k + 1 in keep:
+            kept[k + 1] = best_x.clone()
+        x, xa = torch.from_numpy(xna), xna
+    return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
+                          _kept_extra(keep, kept, best_x, {}))  # fmt: skip
 
 
-def _conform(fx, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """f's output as a contiguous CPU tensor of the state's dtype (a copy where it is strided, a view, of
-    another dtype or requires grad), or an error naming what f returned and what was expected."""
-    if not isinstance(fx, torch.Tensor):
-        raise TypeError(f"f returned {type(fx).__name__}, expected a tensor of shape {tuple(shape)}")
-    if fx.shape != shape:
-        raise ValueError(f"f returned shape {tuple(fx.shape)}, expected {tuple(shape)}")
-    return fx.detach().to("cpu", dtype).resolve_neg().contiguous()
+class _Pooled:
+    """A solver's history arrays lent by the workspace pool for one solve and grown in place as steps are
+    taken (capacity min(m, steps), doubling), then given back with their capacity."""
+
+    def __init__(self, key: tuple, make: Callable[[int], tuple], grow: Callable[[tuple, int], tuple],
+                 m: int, first: int = 8):  # fmt: skip
+        self.key, self.make, self.grow_fn, self.m = key, make, grow, m
+        got = workspace.take(key)
+        self.arrays, self.cap = got if got is not None else (make(min(m, first)), min(m, first))
+
+    def __call__(self, k: int) -> tuple:
+        cap = _grown(self.cap, k, self.m)
+        if cap != self.cap:
+            self.arrays, self.cap = self.grow_fn(self.arrays, cap), cap
+        return self.arrays
+
+    def give_back(self) -> None:
+        workspace.give(self.key, (self.arrays, self.cap), sum(a.nbytes for a in self.arrays))
 
 
 @register_solver("fixed_point")
+@torch.no_grad()
 def fixed_point(
     g,
     x0,
@@ -337,21 +383,33 @@ def fixed_point(
 ):
     """Damped fixed-point iteration x <- (1 - tau) x + tau g(x)."""
     _check_tau(tau)
+    _check_solve_args(max_iter, tol, stop_mode)
+    if x0.shape[0] == 0:
+        return _empty_result(x0, "fixed_point", tol, stop_mode)
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "fixed_point", keep_steps, div_factor)
-    x, nfe = x0, 0
+    x, nfe = x0.clone(), 0
     for _ in range(max_iter):
         fx = g(x)
+        fx = _check_output(fx, x)
         nfe += 1
         if tracker.update(x, fx) or nfe == max_iter:
             break
-        if tau == 1.0:
-            x = fx
-        else:
-            x = torch.lerp(x, fx, tau)
+        x = tracker.next_iterate(fx.clone() if tau == 1.0 else torch.lerp(x, fx, tau))
     return tracker.result(), tracker.stats(nfe)
 
 
+def _sq_norms(gx: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
+    """(2, B): per-sample |gx|², |fx|² accumulated in float64 (as the kernels do past float32 overflow)."""
+    return torch.stack(
+        (
+            torch.linalg.vector_norm(gx, dim=1, dtype=torch.float64),
+            torch.linalg.vector_norm(fx, dim=1, dtype=torch.float64),
+        )
+    ).square_()
+
+
 @register_solver("anderson")
+@torch.no_grad()
 def anderson(
     g,
     x0,
@@ -368,14 +426,12 @@ def anderson(
     """Anderson acceleration (type I, constrained least squares over the last m residuals).
 
     The Gram matrix of the stored residuals is updated one row per step (one batched product, O(m·D)), never
-    recomputed; that row crosses to the host in the step's single transfer together with ||f(x)||, and the
-    tiny (B, m, m) mixing system is solved there in float64. The newest residual norm is the row's diagonal
-    entry, so it costs nothing. The regularization is relative, lam · max_j ||g_j||² over the window (so
-    cond(H + reg I) <= m / lam), and keeps working when
-    residuals become tiny (an absolute lam swamps the Gram matrix near convergence and stalls the method).
-    A sample whose mixing system is singular or not finite falls back to a plain damped fixed-point step;
-    nothing here raises. On CPU the step is one fused kernel (`_kernels.anderson_step`, same method, the
-    small systems of all samples solved together by Cholesky).
+    recomputed. The regularization is relative, lam · max_j ||g_j||² over the window (so
+    cond(H + reg I) <= m / lam), and keeps working when residuals become tiny (an absolute lam swamps the
+    Gram matrix near convergence and stalls the method). The small mixing systems of all samples are solved
+    together in float64 (`_kernels.mixing_weights`, Cholesky); a sample whose system is singular or not
+    finite takes a plain damped fixed-point step; nothing here raises. On CPU the step is one fused kernel
+    (`_kernels.anderson_step`); elsewhere the torch path below runs the same method.
     """
     _check_tau(tau)
     if m < 1:
@@ -384,78 +440,67 @@ def anderson(
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
     _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
+    if b == 0:
+        return _empty_result(x0, "anderson", tol, stop_mode)
+    m = min(int(m), max_iter)  # more slots than steps are never used
     if _kernels.usable(x0):
         dt = _NUMPY_DTYPES[x0.dtype]
-        # no zero fill: the kernel reads a slot of G, Y or H only once written
-        arrays = {"G": ((b, m, d), dt), "Y": ((b, m, d), dt), "H": ((b, m, m), np.float64)}
-        key = ("anderson", b, d, m, max_iter, x0.dtype)
-        run = _FusedRun.take(key, x0, max_iter, arrays)
+
+        def make(cap):  # no zero fill: the kernel reads a slot of G, Y or H only once written
+            return np.empty((b, cap, d), dt), np.empty((b, cap, d), dt), np.empty((b, cap, cap))
+
+        def grow(arrays, cap):
+            new = make(cap)
+            old = arrays[0].shape[1]
+            new[0][:, :old], new[1][:, :old], new[2][:, :old, :old] = arrays[0], arrays[1], arrays[2]
+            return new
+
+        hist = _Pooled(("anderson", b, d, m, x0.dtype), make, grow, m)
         try:
-            return run.solve(
-                g, x0, _kernels.anderson_entry, (_SCALAR[x0.dtype], float(lam), float(tau)), name="anderson",
+            return _fused_solve(
+                _kernels.anderson_step, g, x0, hist, (float(lam), float(tau)), name="anderson",
                 max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
         finally:
-            workspace.give(key, run, run.nbytes)
+            hist.give_back()
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
-    # slots are read only once written (the products below cover the first n slots), so no zero fill
-    Fb = x0.new_empty(b, m, d)  # f(x_j)
-    G = x0.new_empty(b, m, d)  # g_j = f(x_j) - x_j
-    H = np.zeros((b, m, m))  # Gram matrix of the g_j, on the host
-    on_cpu = x0.device.type == "cpu"
-    x, nfe = x0, 0
+    mixing = _kernels.host(_kernels.mixing_weights)
+    cap = min(m, 8)
+    G = x0.new_empty(b, cap, d)  # g_j = f(x_j) - x_j; slots are read only once written
+    Y = x0.new_empty(b, cap, d)  # f(x_j) - (1 - tau) g_j
+    H = np.zeros((b, cap, cap))  # Gram matrix of the g_j, on the host (float64)
+    x, nfe = x0.clone(), 0
     for k in range(max_iter):
+        if _grown(cap, k, m) != cap:
+            cap = _grown(cap, k, m)
+            G = torch.cat((G, G.new_empty(b, cap - G.shape[1], d)), 1)
+            Y = torch.cat((Y, Y.new_empty(b, cap - Y.shape[1], d)), 1)
+            H2 = np.zeros((b, cap, cap))
+            H2[:, : H.shape[1], : H.shape[1]] = H
+            H = H2
         fx = g(x)
+        fx = _check_output(fx, x)
         nfe += 1
-        i, n = k % m, min(k + 1, m)
-        gi = torch.sub(fx, x, out=G[:, i])
-        Fb[:, i].copy_(fx)
-        row = torch.bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n)  # g_i · g_j, filled slots
-        fx_norm = torch.linalg.vector_norm(fx, dim=1, keepdim=True)
-        if on_cpu:  # zero-copy views, no transfer to batch
-            host_row, host_norm = _to_host(row), _to_host(fx_norm)[:, 0]
-        else:  # one transfer for both
-            host = _to_host(torch.cat((row, fx_norm), 1))
-            host_row, host_norm = host[:, :n], host[:, n]
-        H[:, i, :n] = host_row
-        H[:, :n, i] = host_row
-        gi_sq = H[:, i, i].copy()
-        if tracker.update_host(x, np.sqrt(np.maximum(gi_sq, 0)), host_norm) or nfe == max_iter:
+        slot, n = k % cap, min(k + 1, cap)
+        gi = torch.sub(fx, x, out=G[:, slot])
+        torch.add(fx, gi, alpha=-(1.0 - tau), out=Y[:, slot])
+        row = torch.bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n)  # g_slot · g_j, filled slots
+        host = _to_host(torch.cat((row.double(), _sq_norms(gi, fx).T), 1))  # one transfer
+        if tracker.update_sq(x, host[:, n], host[:, n + 1]) or nfe == max_iter:
             break
-        if n == 1:
-            x = fx if tau == 1.0 else torch.lerp(x, fx, tau)
-            continue
-        # relative regularization, scaled by the largest residual in the window: cond(H + reg I) <= n / lam
-        alpha = _mixing_weights(H[:, :n, :n], H[:, range(n), range(n)].max(1) * lam, i)
-        alpha = torch.from_numpy(alpha).to(x0.device, x0.dtype, non_blocking=True).unsqueeze(1)  # (B, 1, n)
-        x = torch.bmm(alpha, Fb[:, :n]).view(b, d)  # sum_j alpha_j f(x_j)
-        if tau != 1.0:
-            # damped: sum_j alpha_j ((1 - tau) x_j + tau f(x_j)) = sum alpha f - (1 - tau) sum alpha g
-            x.sub_(torch.bmm(alpha, G[:, :n]).view(b, d), alpha=1.0 - tau)
+        H[:, slot, :n] = host[:, :n]
+        H[:, :n, slot] = host[:, :n]
+        H[:, slot, slot] = host[:, n]
+        alpha = np.zeros((b, n))
+        alpha[:, slot] = 1.0  # a failed system (or the first step): plain damped step
+        if n > 1:
+            go, n_go = tracker.go, tracker.n_go
+            W, ok = np.empty((n, n_go)), np.zeros(n_go, np.bool_)
+            mixing(H, go, n_go, n, lam, W, ok)
+            alpha[go[:n_go][ok]] = W[:, ok].T
+        alpha_t = torch.from_numpy(alpha).to(x0.device, x0.dtype, non_blocking=True).unsqueeze(1)
+        x = tracker.next_iterate(torch.bmm(alpha_t, Y[:, :n]).view(b, d))
     return tracker.result(), tracker.stats(nfe)
-
-
-def _mixing_weights(Hn: np.ndarray, reg: np.ndarray, newest: int) -> np.ndarray:
-    """alpha = (H + reg I)^{-1} 1 / (1ᵀ (H + reg I)^{-1} 1) per sample; e_newest where that fails."""
-    b, n, _ = Hn.shape
-    A = Hn + (reg + 1e-300)[:, None, None] * np.eye(n)
-    ones = np.ones((b, n, 1))
-    with np.errstate(all="ignore"):
-        try:
-            a = np.linalg.solve(A, ones)[:, :, 0]
-        except np.linalg.LinAlgError:  # some sample exactly singular: solve them one by one
-            a = np.full((b, n), np.nan)
-            for s in range(b):
-                try:
-                    a[s] = np.linalg.solve(A[s], ones[s])[:, 0]
-                except np.linalg.LinAlgError:
-                    pass
-        alpha = a / a.sum(1, keepdims=True)
-    bad = ~np.isfinite(alpha).all(1)
-    if bad.any():
-        alpha[bad] = 0.0
-        alpha[bad, newest] = 1.0
-    return alpha
 
 
 class InverseJacobian:
@@ -497,14 +542,13 @@ class LowRankInverse(InverseJacobian):
         return -y + torch.bmm(c, U)[:, 0].to(y.dtype)
 
 
-def _step_product_inverse(S: np.ndarray, Q: np.ndarray, count: np.ndarray, dtype: torch.dtype):
-    """The fused Broyden's final estimate from its stored steps (rounded values times their scales); slots
-    past a sample's own count hold no step and get a zero step and unit norm."""
+def _step_product_inverse(S: np.ndarray, Q: np.ndarray, count: np.ndarray) -> StepProductInverse:
+    """The fused Broyden's final estimate from its stored steps (copied: the arrays go back to the pool);
+    slots past a sample's own count hold no step and get a zero step and unit norm."""
     L = int(count.max())
     live = np.arange(L) < count[:, None]
-    steps = np.where(live[:, :, None], S[:, :L], 0).astype(_NUMPY_DTYPES[dtype])
-    steps *= np.where(live, Q[0, :, :L], 0.0)[:, :, None].astype(steps.dtype)
-    sn = np.where(live, Q[1, :, :L], 1.0)
+    steps = np.where(live[:, :, None], S[:, :L], 0).astype(S.dtype)
+    sn = np.where(live, Q[0, :, :L], 1.0)
     return StepProductInverse(torch.from_numpy(steps), torch.from_numpy(sn), torch.from_numpy(count.copy()))
 
 
@@ -544,6 +588,7 @@ class StepProductInverse(InverseJacobian):
 
 
 @register_solver("broyden")
+@torch.no_grad()
 def broyden(
     g,
     x0,
@@ -558,95 +603,119 @@ def broyden(
 ):
     """Broyden's ("good") method on the inverse Jacobian of g(x) - x, unit steps, no line search.
 
-    The estimate is B = -I + Σ_j u_j v_jᵀ. `m=None` keeps every rank-one update (full memory); an integer m
-    restarts from B = -I whenever m updates are stored (limited memory; dropping only the oldest pair breaks
-    the secant conditions the later pairs were built on, and can diverge). With unit steps a step needs four
-    batched products over the stored pairs (TorchDEQ's form needs six): the dot products u_j·Δx and v_j·g
-    and the two combinations giving B g and Bᵀ Δx; B Δg then follows from B g_old = -Δx.
-    On CPU the step is one fused kernel (`_kernels.broyden_step`) in the product form of the same estimate,
-    which stores one vector per step (the step, rounded to int16/int32 with a scale) instead of two and sweeps
-    it once. With ``return_inverse=True`` the final estimate is exposed as ``stats.extra["inverse_jacobian"]``
-    (an `InverseJacobian`) for SHINE (the DEQ module asks for it when b_mode is "shine").
+    With B_0 = -I the estimate after steps s_0..s_k is B_k = P_k ... P_1 B_0, P_j = I + s_j s_{j-1}ᵀ /
+    |s_{j-1}|² (the good Broyden update in Deuflhard's product form), and the next step is
+    s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²) with w = B_k g_{k+1} (`_kernels.broyden_update`). `m=None` keeps
+    every update (full memory); an integer m restarts from B = -I whenever m steps are stored (limited memory;
+    dropping only the oldest pair breaks the secant conditions the later pairs were built on, and can
+    diverge). A degenerate secant denominator restarts too. Steps are stored in the state's dtype; the
+    history grows with the steps taken (never preallocated by max_iter).
+    On CPU the step is one fused kernel (`_kernels.broyden_step`) that stores the steps and sweeps them;
+    the torch path keeps the same estimate as B = -I + Σ_j u_j v_jᵀ with u_j = s_j and
+    v_j = B_{j-1}ᵀ s_{j-1} / |s_{j-1}|² (four batched products a step). With ``return_inverse=True`` the
+    final estimate is exposed as ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`) for SHINE (the
+    DEQ module asks for it when b_mode is "shine").
     """
     _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
     m = max_iter if m is None else int(m)
     if m < 1:
         raise ValueError(f"broyden memory m must be >= 1 or None, got {m}")
+    if b == 0:
+        z, stats = _empty_result(x0, "broyden", tol, stop_mode)
+        if return_inverse:  # B = -I, rank 0
+            stats.extra["inverse_jacobian"] = LowRankInverse(x0.new_zeros(0, 0, d))
+        return z, stats
+    m = min(m, max_iter)  # a step's slot is at most the steps taken
     if _kernels.usable(x0):
-        qtype = _BROYDEN_STORAGE.get(x0.dtype, x0.dtype)  # see _kernels.broyden_step
-        qmax = _QMAX.get(qtype, 0.0)  # 0: float storage
-        # no zero fill: the kernel reads a stored step, scale, norm or factor only once written
-        arrays = {
-            "S": ((b, m, d), _NUMPY_DTYPES[qtype]), "Q": ((3, b, m), np.float64), "count": ((b,), np.int64),
-        }  # fmt: skip
-        key = ("broyden", b, d, m, max_iter, x0.dtype, qtype)
-        # the steps stay with a returned inverse estimate, so then they are the solve's own
-        run = _FusedRun(x0, max_iter, arrays) if return_inverse else _FusedRun.take(key, x0, max_iter, arrays)
-        S, Q, count = run.arrays["S"], run.arrays["Q"], run.arrays["count"]
+        dt = _NUMPY_DTYPES[x0.dtype]
+
+        def make(cap):  # no zero fill: the kernel reads a stored step, norm or factor only once written
+            return (
+                np.empty((b, cap, d), dt),
+                np.empty((2, b, cap)),
+                np.empty(b, np.int64),
+                np.empty((b, d), dt),
+            )
+
+        def grow(arrays, cap):  # the steps, their norms and factors, the counts (V is scratch)
+            new = make(cap)
+            old = arrays[0].shape[1]
+            new[0][:, :old], new[1][:, :, :old], new[2][:] = arrays[0], arrays[1], arrays[2]
+            return new
+
+        hist = _Pooled(("broyden", b, d, m, x0.dtype), make, grow, m)
         try:
-            z, stats = run.solve(
-                g, x0, _kernels.broyden_entry, (_SCALAR[x0.dtype], _SCALAR[qtype], qmax), name="broyden",
-                max_iter=max_iter, tol=tol, stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
+            z, stats = _fused_solve(
+                _kernels.broyden_step, g, x0, hist, (m,), name="broyden", max_iter=max_iter, tol=tol,
+                stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
+            if return_inverse:
+                stats.extra["inverse_jacobian"] = _step_product_inverse(*hist.arrays[:3])
         finally:
-            if not return_inverse:
-                workspace.give(key, run, run.nbytes)
-        if return_inverse:
-            stats.extra["inverse_jacobian"] = _step_product_inverse(S, Q, count, x0.dtype)
+            hist.give_back()
         return z, stats
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
-    # empty, not zeros: with full memory m = max_iter, and only the slots in use are ever touched (zeroing
-    # the whole buffer would fault in every page of a (B, max_iter, D) allocation up front)
-    U = x0.new_empty(b, m, d)
-    V = x0.new_empty(b, m, d)
-    x = x0
-    fx = g(x)
-    nfe, stored = 1, 0
-    gx = fx - x
-    stop = tracker.update(x, fx, torch.linalg.vector_norm(gx, dim=1))
-    p = gx  # step = -B0 g with B0 = -I: the first step is a plain fixed-point step
-    while not stop and nfe < max_iter:
-        x = x + p
+    dev = x0.device
+    cap = min(m, 8)
+    U = x0.new_zeros(b, cap, d)  # u_j = s_j
+    V = x0.new_zeros(b, cap, d)  # v_j = B_{j-1}ᵀ s_{j-1} / |s_{j-1}|² (slot 0 unused)
+    sn = torch.ones(b, cap, dtype=torch.float64, device=dev)  # |s_j|²
+    count = torch.zeros(b, dtype=torch.long, device=dev)
+    rows = torch.arange(b, device=dev)
+    x, nfe = x0.clone(), 0
+    for k in range(max_iter):
+        if _grown(cap, k, m) != cap:
+            cap = _grown(cap, k, m)
+            U = torch.cat((U, U.new_zeros(b, cap - U.shape[1], d)), 1)
+            V = torch.cat((V, V.new_zeros(b, cap - V.shape[1], d)), 1)
+            sn = torch.cat((sn, sn.new_ones(b, cap - sn.shape[1])), 1)
         fx = g(x)
+        fx = _check_output(fx, x)
         nfe += 1
-        g_new = fx - x
-        if tracker.update(x, fx, torch.linalg.vector_norm(g_new, dim=1)) or nfe == max_iter:
+        gx = fx - x
+        host = _to_host(_sq_norms(gx, fx))
+        if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
             break
-        n = stored
-        if n:
-            Un, Vn = U[:, :n], V[:, :n]
-            c = torch.bmm(g_new.unsqueeze(1), Vn.transpose(1, 2))  # v_j · g
-            e = torch.bmm(p.unsqueeze(1), Un.transpose(1, 2))  # u_j · Δx
-            q = torch.baddbmm(g_new.unsqueeze(1), c, Un, alpha=1.0, beta=-1.0).view(
-                b, d
-            )  # B g = -g + Σ u_j c_j
-            v = torch.baddbmm(p.unsqueeze(1), e, Vn, alpha=1.0, beta=-1.0).view(
-                b, d
-            )  # Bᵀ Δx = -Δx + Σ v_j e_j
+        n = min(k, cap)  # slots that may hold steps
+        L = count
+        last = (L - 1).clamp_min(0)
+        p_last, sn_last = U[rows, last], sn[rows, last]
+        if n > 1:
+            live = ((torch.arange(n, device=dev) < L[:, None]) & (torch.arange(n, device=dev) >= 1)).to(
+                x.dtype
+            )
+            c = torch.bmm(gx.unsqueeze(1), V[:, :n].transpose(1, 2)) * live[:, None]  # v_j · g
+            w = torch.baddbmm(gx.unsqueeze(1), c, U[:, :n], beta=-1.0).view(b, d)  # B g = -g + Σ u_j c_j
+            e = torch.bmm(p_last.unsqueeze(1), U[:, :n].transpose(1, 2)) * live[:, None]  # u_j · s_last
+            bt = torch.baddbmm(p_last.unsqueeze(1), e, V[:, :n], beta=-1.0).view(b, d)  # Bᵀ s_last
         else:
-            q, v = -g_new, -p
-        # u = (Δx - B Δg) / (vᵀ Δg) with B Δg = B g_new - B g_old = q + Δx, so u = -q / (vᵀ Δg)
-        dv = torch.stack((torch.linalg.vecdot(v, g_new - gx), torch.linalg.vecdot(v, g_new)), 1)  # (B, 2)
-        denom, vg = dv[:, :1], dv[:, 1:]
-        denom = torch.where(
-            denom.abs() > 1e-30, denom, torch.full_like(denom, math.inf)
-        )  # degenerate: no update
-        u = q.div(denom).neg_()
-        if stored == m:
-            stored = 0
-        U[:, stored].copy_(u)
-        V[:, stored].copy_(v)
-        stored += 1
-        p = torch.addcmul(q, u, vg).neg_()  # -B_{k+1} g_new = -(q + u (vᵀ g_new))
-        gx = g_new
-    W = torch.stack((U[:, :stored], V[:, :stored]), 2).view(b, 2 * stored, d)
+            w, bt = -gx, -p_last
+        # `_kernels.broyden_update`, vectorised: restart with no step or a degenerate denominator
+        den = torch.linalg.vecdot(p_last, w).double() + sn_last
+        restart = (L == 0) | ~(torch.isfinite(den) & (den.abs() > 1e-12 * sn_last))
+        factor = torch.where(restart, -1.0, -sn_last / den).to(x.dtype)[:, None]
+        w = torch.where(restart[:, None], -gx, w)
+        slot = torch.where(restart | (L == m), 0, L)
+        s = factor * w
+        stepping = tracker.stepping(dev)
+        keep_old = ~stepping[:, None]
+        U[rows, slot] = torch.where(keep_old, U[rows, slot], s)
+        V[rows, slot] = torch.where(keep_old, V[rows, slot], bt / sn_last.to(x.dtype)[:, None])
+        sn[rows, slot] = torch.where(stepping, torch.linalg.vector_norm(s, dim=1, dtype=torch.float64) ** 2,
+                                     sn[rows, slot])  # fmt: skip
+        count = torch.where(stepping, slot + 1, count)
+        x = tracker.next_iterate(x + s)
     if not return_inverse:
         return tracker.result(), tracker.stats(nfe)
+    n = int(count.max()) if b else 0
+    live = ((torch.arange(n, device=dev) < count[:, None]) & (torch.arange(n, device=dev) >= 1)).to(x0.dtype)
+    W = torch.stack((U[:, :n], V[:, :n] * live[:, :, None]), 2).reshape(b, 2 * n, d)
     return tracker.result(), tracker.stats(nfe, inverse_jacobian=LowRankInverse(W))
 
 
 @register_solver("gmres")
+@torch.no_grad()
 def gmres(
     g,
     x0,
@@ -660,55 +729,77 @@ def gmres(
     """GMRES for an affine map g(x) = M x + c (solves (I - M) x = c), e.g. the adjoint system of IFT.
 
     Batched Arnoldi with classical Gram-Schmidt applied twice (one batched product each), a per-sample least
-    squares problem on the small Hessenberg matrix, and the true residual measured at the returned iterate.
-    Costs one more evaluation of g than steps (to get c = g(0) - ... from g(x0)).
+    squares problem on the small Hessenberg matrix (float64; a NaN or singular system ends that sample
+    cleanly, never with a LAPACK error), and the true residual measured
+    at the returned iterate. The Krylov basis grows with the steps taken. Costs one more evaluation of g than
+    steps (to get c = g(0) - ... from g(x0)).
     """
     del div_factor  # GMRES residuals are monotone; divergence cannot happen
+    _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
+    if b == 0:
+        return _empty_result(x0, "gmres", tol, stop_mode)
+    tiny = torch.finfo(x0.dtype).tiny
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "gmres", keep_steps)
     k_max = max(max_iter - 1, 1)
-    V = x0.new_empty(b, k_max + 1, d)
-    Hs = torch.zeros(b, k_max + 1, k_max, dtype=torch.float64, device=x0.device)
     gx0 = g(x0)
+    gx0 = _check_output(gx0, x0)
     nfe = 1
     r0 = gx0 - x0  # residual of (I - M) x = c at x0
     stop = tracker.update(x0, gx0, torch.linalg.vector_norm(r0, dim=1))
     beta = torch.linalg.vector_norm(r0, dim=1)
-    V[:, 0] = r0 / beta.clamp_min(1e-300)[:, None]
-    e1 = torch.zeros(b, k_max + 1, 1, dtype=torch.float64, device=x0.device)
-    e1[:, 0, 0] = beta.double()
+    basis = [torch.nan_to_num(r0 / beta.clamp_min(tiny)[:, None])]
+    Hs = torch.zeros(b, 1, 0, dtype=torch.float64, device=x0.device)  # grows with the steps
+    e1 = beta.double()[:, None, None]
     x = x0
     for j in range(k_max):
         if stop or nfe >= max_iter:
             break
-        vj = V[:, j]
-        w = vj - (g(vj + x0) - gx0)  # (I - M) v_j, using g(v + x0) - g(x0) = M v_j
+        vj = basis[j]
+        fv = g(vj + x0)
+        fv = _check_output(fv, x0)
+        w = vj - (fv - gx0)  # (I - M) v_j, using g(v + x0) - g(x0) = M v_j
         nfe += 1
-        h = torch.bmm(w.unsqueeze(1), V[:, : j + 1].transpose(1, 2))[:, 0]
-        w = w - torch.bmm(h.unsqueeze(1), V[:, : j + 1])[:, 0]
-        h2 = torch.bmm(w.unsqueeze(1), V[:, : j + 1].transpose(1, 2))[:, 0]
-        w = w - torch.bmm(h2.unsqueeze(1), V[:, : j + 1])[:, 0]
+        Vm = torch.stack(basis, 1)
+        h = torch.bmm(w.unsqueeze(1), Vm.transpose(1, 2))[:, 0]
+        w = w - torch.bmm(h.unsqueeze(1), Vm)[:, 0]
+        h2 = torch.bmm(w.unsqueeze(1), Vm.transpose(1, 2))[:, 0]
+        w = w - torch.bmm(h2.unsqueeze(1), Vm)[:, 0]
         hn = torch.linalg.vector_norm(w, dim=1)
-        Hs[:, : j + 1, j] = (h + h2).double()
-        Hs[:, j + 1, j] = hn.double()
-        V[:, j + 1] = w / hn.clamp_min(1e-300)[:, None]
-        y = torch.linalg.lstsq(Hs[:, : j + 2, : j + 1], e1[:, : j + 2]).solution  # (B, j+1, 1)
-        y = torch.nan_to_num(y)
-        x = x0 + torch.bmm(y.transpose(1, 2).to(x0.dtype), V[:, : j + 1])[:, 0]
-        res = torch.linalg.vector_norm(e1[:, : j + 2] - Hs[:, : j + 2, : j + 1] @ y, dim=(1, 2)).to(x0.dtype)
+        col = torch.cat(((h + h2).double(), hn.double()[:, None]), 1)[:, :, None]  # (B, j + 2, 1)
+        Hs = torch.cat((torch.cat((Hs, Hs.new_zeros(b, 1, j)), 1), col), 2)
+        basis.append(torch.nan_to_num(w / hn.clamp_min(tiny)[:, None]))
+        e = torch.cat((e1, e1.new_zeros(b, j + 1, 1)), 1)
+        y = _least_squares(Hs, e)  # (B, j+1, 1), finite
+        x = x0 + torch.bmm(y.transpose(1, 2).to(x0.dtype), Vm)[:, 0]
+        res = torch.linalg.vector_norm(e - Hs @ y, dim=(1, 2)).to(x0.dtype)
         # ||g(x)|| >= ||x|| - residual: a conservative denominator for the relative residual
         fx_norm = (torch.linalg.vector_norm(x, dim=1) - res).clamp_min(0)
         stop = tracker.update(x, None, res, fx_norm)
     # measure the true residual at the returned iterate (one more evaluation, keeps the stats honest)
     x_best = tracker.result()
     fx = g(x_best)
+    fx = _check_output(fx, x_best)
     nfe += 1
     stats = tracker.stats(nfe)
     abs_r = torch.linalg.vector_norm(fx - x_best, dim=1)
     stats.abs_residual = abs_r
     stats.rel_residual = abs_r / (torch.linalg.vector_norm(fx, dim=1) + 1e-12)
-    stats.converged = stats.residual < tol
+    stats.converged = (stats.residual < tol).cpu()
+    stats.nonfinite = stats.nonfinite or not bool(torch.isfinite(abs_r).all())
     return x_best, stats
+
+
+def _least_squares(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """argmin |A y - rhs| per sample (float64). LAPACK asserts on non-finite input, so a sample with a NaN
+    or Inf entry gets y = 0 (its residual stays the initial one and the stats flag it); a singular system
+    gets the rank-revealing driver's answer on CPU, and y = 0 where a device's driver returns non-finite."""
+    finite = torch.isfinite(A).flatten(1).all(1) & torch.isfinite(rhs).flatten(1).all(1)
+    A = torch.where(finite[:, None, None], A, 0.0)
+    rhs = torch.where(finite[:, None, None], rhs, 0.0)
+    y = torch.linalg.lstsq(A, rhs).solution
+    good = finite & torch.isfinite(y).flatten(1).all(1)
+    return torch.where(good[:, None, None], y, 0.0)
 
 
 def solve(

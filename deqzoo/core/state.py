@@ -44,9 +44,10 @@ class StatePacker:
 
     def flatten(self, z: State) -> torch.Tensor:
         tensors = [z] if self.is_tensor else list(z)
+        # explicit sizes, not -1: a batch of zero samples has no size to infer
         if len(tensors) == 1:
-            return tensors[0].reshape(self.batch, -1)
-        return torch.cat([t.reshape(self.batch, -1) for t in tensors], dim=1)
+            return tensors[0].reshape(self.batch, self.sizes[0])
+        return torch.cat([t.reshape(self.batch, n) for t, n in zip(tensors, self.sizes)], dim=1)
 
     def unflatten(self, x: torch.Tensor) -> State:
         if self.is_tensor:
@@ -86,15 +87,11 @@ class StatePacker:
                 )
 
     def wrap(self, f: Callable[[State], State]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """f on flat (B, D) matrices; checks the structure on the first call only (it does not change)."""
-        checked = False
+        """f on flat (B, D) matrices; checks the structure, shapes and dtype of every output."""
 
         def g(x: torch.Tensor) -> torch.Tensor:
-            nonlocal checked
             out = f(self.unflatten(x))
-            if not checked:
-                self.check(out)
-                checked = True
+            self.check(out)
             return self.flatten(out)
 
         return g

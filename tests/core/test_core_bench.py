@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from deqzoo.bench import solvers as bench
 
@@ -35,3 +36,16 @@ def test_bench_solvers_quick(tmp_path, capsys):
             if ref["converged"]:
                 assert ours["nfe"] <= ref["nfe"] + 1, (pname, solver, ours["nfe"], ref["nfe"])
     assert "tanh_contractive" in capsys.readouterr().out
+
+
+def test_bench_solvers_device_option(tmp_path):
+    """--device cpu builds the problems on the CPU; --device cuda stops with one clear line where CUDA is
+    absent (and would run the torch path on the GPU where it exists)."""
+    for f, x0 in bench.problems(quick=True, device="cpu").values():
+        assert x0.device.type == "cpu" and f(x0).shape == x0.shape
+    if torch.cuda.is_available():  # pragma: no cover - no GPU in the CI
+        pytest.skip("CUDA present: the error path does not apply")
+    with pytest.raises(SystemExit, match="--device cuda, but CUDA is not available"):
+        bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="--device must be cpu or cuda"):
+        bench.main(["--quick", "--device", "tpu", "--out", str(tmp_path / "x.json")])

@@ -38,26 +38,6 @@ def test_fused_and_torch_paths_agree(monkeypatch, solver, kw, norm):
     torch.testing.assert_close(s1.abs_residual, (f(z1) - z1).norm(dim=1), rtol=1e-6, atol=1e-14)
 
 
-def test_float32_broyden_steps_stored_as_int16_keep_the_step_count(monkeypatch):
-    f, x0 = _tanh_layer(d=128, b=8, norm=1.5, dtype=torch.float32)
-    (z1, s1), (z2, s2) = _both(monkeypatch, broyden, f, x0, max_iter=200, tol=1e-5)
-    assert s1.converged.all() and s2.converged.all() and abs(s1.nfe - s2.nfe) <= 2, (s1.nfe, s2.nfe)
-
-
-def test_broyden_float_step_storage_agrees(monkeypatch):
-    """The kernel also stores float steps as they are (qmax = 0); same iterates as the int16 storage up to
-    the rounding of the stored steps."""
-    from deqzoo.core import solvers
-
-    monkeypatch.setattr(_kernels, "ENABLED", True)
-    f, x0 = _tanh_layer(d=64, b=4, norm=1.2, dtype=torch.float32)
-    z_q, s_q = broyden(f, x0, max_iter=200, tol=1e-5)
-    monkeypatch.setitem(solvers._BROYDEN_STORAGE, torch.float32, torch.float32)
-    z_f, s_f = broyden(f, x0, max_iter=200, tol=1e-5)
-    assert s_q.converged.all() and s_f.converged.all() and abs(s_q.nfe - s_f.nfe) <= 1
-    torch.testing.assert_close(z_q, z_f, rtol=1e-4, atol=1e-4)
-
-
 def test_batch_invariance(monkeypatch):
     """Each sample stops at its own tolerance and is then frozen: its result and its residual do not depend
     on the other samples of the batch."""
@@ -135,12 +115,43 @@ def test_keep_steps_match(monkeypatch):
         torch.testing.assert_close(s1.extra["kept"][k], s2.extra["kept"][k], rtol=1e-10, atol=1e-10)
 
 
+def test_workspace_keeps_one_oversized_entry_while_its_shape_repeats(monkeypatch):
+    """A solve whose history exceeds the whole limit reuses it on the next solve of that shape (the buffers
+    are the same arrays, not fresh ones); another oversized entry replaces it; limit 0 pools nothing."""
+    monkeypatch.setattr(_kernels, "ENABLED", True)
+    workspace.clear()
+    f, x0 = _tanh_layer(d=64, b=4, norm=0.9)
+    try:
+        workspace.set_limit(1e-3)  # ~1 KiB: every history here is larger
+        broyden(f, x0, max_iter=100, tol=1e-10)
+        held = workspace.take(("broyden", 4, 64, 100, torch.float64))
+        assert held is not None and workspace.pooled_bytes() == 0
+        workspace.give(("broyden", 4, 64, 100, torch.float64), held, sum(a.nbytes for a in held[0]))
+        S = held[0][0]
+        broyden(f, x0, max_iter=100, tol=1e-10)  # reuses S (same array object, same capacity)
+        again = workspace.take(("broyden", 4, 64, 100, torch.float64))
+        assert again[0][0] is S
+        workspace.give(("broyden", 4, 64, 100, torch.float64), again, S.nbytes)
+        anderson(f, x0, max_iter=100, tol=1e-10)  # another oversized history replaces it
+        assert workspace.take(("broyden", 4, 64, 100, torch.float64)) is None
+        assert workspace.take(("anderson", 4, 64, 6, torch.float64)) is not None
+        workspace.set_limit(0)
+        anderson(f, x0, max_iter=100, tol=1e-10)
+        assert workspace.pooled_bytes() == 0
+    finally:
+        workspace.set_limit(None)
+        workspace.clear()
+
+
 def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
     workspace.clear()
     assert workspace.take("k") is None
     workspace.give("k", "first", nbytes=100)
     workspace.give("k", "second", nbytes=100)  # a nested solve's copy: the key is pooled already, dropped
     assert workspace.pooled_bytes() == 100
+    workspace.give("k", "larger", nbytes=150)  # ...unless it is larger (more history capacity)
+    assert workspace.pooled_bytes() == 150 and workspace.take("k") == "larger"
+    workspace.give("k", "first", nbytes=100)
     assert workspace.take("k") == "first" and workspace.take("k") is None  # on loan: not lent twice
     assert workspace.pooled_bytes() == 0
     try:
@@ -158,31 +169,6 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
         workspace.clear()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_abs_bits_max_matches_numpy_and_propagates_nan(dtype):
-    """Broyden's kernel scales a stored step by its largest |entry|, taken as an integer max over
-    `_abs_bits` (vectorises, unlike numba's float max): that max must order like |x| with NaN above inf."""
-    np = pytest.importorskip("numpy")
-    numba = pytest.importorskip("numba")
-
-    @numba.njit
-    def absmax(v):
-        m = _kernels._abs_bits(v[0])
-        for i in range(1, v.shape[0]):
-            m = max(m, _kernels._abs_bits(v[i]))
-        return _kernels._from_bits(m)
-
-    rng = np.random.default_rng(0)
-    v = rng.standard_normal(515).astype(dtype)  # odd length: the vector loop's remainder counts too
-    v[514] = -7.5
-    assert absmax(v) == float(np.abs(v).max()) == 7.5
-    v[3] = -np.inf
-    assert absmax(v) == np.inf
-    v[100] = np.nan  # above inf: a non-finite step must not get a finite scale
-    assert np.isnan(absmax(v))
-    assert absmax(np.zeros(8, dtype)) == 0.0
-
-
 def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
     """The batched Cholesky (samples innermost) against numpy's solver, one sample at a time."""
     np = pytest.importorskip("numpy")
@@ -195,7 +181,7 @@ def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
     H[5] = 0.0  # a constant f: zero residuals; every combination is as good, the weights stay finite
     go = np.array([0, 2, 3, 4, 5, 7])
     W, ok = np.empty((n, go.size)), np.zeros(go.size, bool)
-    _kernels._mixing_weights(H, go, go.size, n, lam, W, ok)
+    _kernels.mixing_weights(H, go, go.size, n, lam, W, ok)
     assert ok.tolist() == [True, False, True, False, True, True]
     np.testing.assert_allclose(W[:, 4], np.full(n, 1 / n))
     for k, b in enumerate(go):
@@ -205,27 +191,40 @@ def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
             np.testing.assert_allclose(W[:, k], a / a.sum(), rtol=1e-9)
 
 
-def test_step_status_flags_and_trace_entry():
-    """The kernels' end-of-step bookkeeping: trace entry, convergence, non-finite and divergence flags."""
+def test_track_bookkeeping_flags_freezing_and_trace_entry():
+    """The per-step bookkeeping both paths share: best residuals, freezing, stepping samples, the trace
+    entry (frozen samples count with their best), convergence, non-finite and divergence flags."""
     np = pytest.importorskip("numpy")
-    best = np.array([[1.0, 2.0], [1e-6, 1e-7]])  # best absolute residuals, best relative ones
-    step_r, step_abs, trace = np.array([0.5, 0.25]), np.array([1.0, 3.0]), np.zeros(3)
-    # rel mode: every best relative residual is below tol; 3 <= 10 x (largest best absolute 2)
-    assert _kernels._finish(step_r, step_abs, best, True, 1e-5, 10.0, trace, 1) == _kernels.CONVERGED
-    assert trace.tolist() == [0.0, 0.5, 0.0]
-    step_abs[1] = 30.0  # abs mode: not converged, and 30 > 10 x 2 is divergence
-    assert _kernels._finish(step_r, step_abs, best, False, 1e-5, 10.0, trace, 2) == _kernels.DIVERGED
-    step_r[0] = np.nan  # a non-finite residual: flagged (and no divergence test), NaN in the trace
-    flags = _kernels._finish(step_r, step_abs, best, True, 1e-5, 10.0, trace, 0)
-    assert flags == _kernels.CONVERGED | _kernels.NONFINITE and np.isnan(trace[0])
+    best = np.array([[1.0, 2.0, 5.0], [1e-6, 1e-2, 0.5]])  # best absolute residuals, best relative ones
+    active = np.array([0, 1, 1])  # sample 0 is frozen
+    improved, go = np.zeros(3, bool), np.zeros(3, np.int64)
+    f_sq = np.array([1.0, 100.0, 100.0])
+    g_sq = np.array([7.0, 0.0001**2 * 100, 6.0**2])  # sample 1: rel 1e-4 (better, below tol 1e-3)
+    flags, t, n_go = _kernels.track(g_sq, f_sq, best, active, improved, go, True, 1e-3, 1e6)
+    assert improved.tolist() == [False, True, False] and active.tolist() == [0, 0, 1]
+    assert n_go == 1 and go[0] == 2 and flags == 0
+    assert t == pytest.approx(0.6)  # sample 2's step residual 6 / 10, above the frozen ones' best
+    np.testing.assert_allclose(best[:, 1], [1e-3, 1e-4])  # |g| = 1e-3, |g| / |f| = 1e-4
+    g_sq[2] = 1e-8 * 100  # sample 2 converges too: every best residual below tol
+    flags, t, n_go = _kernels.track(g_sq, f_sq, best, active, improved, go, True, 1e-3, 1e6)
+    assert flags == _kernels.CONVERGED and n_go == 0 and t == pytest.approx(1e-4)
+    active[:] = 1
+    best[:] = [[1.0, 2.0, 5.0], [0.5, 0.5, 0.5]]
+    g_sq[:] = [1.0, 1.0, 1e4]  # abs mode: |g| = 100 > 10 x (largest best absolute 5): divergence
+    flags, t, _ = _kernels.track(g_sq, f_sq, best, active, improved, go, False, 1e-3, 10.0)
+    assert flags == _kernels.DIVERGED and t == 100.0
+    g_sq[0] = np.nan  # a non-finite residual: flagged (and no divergence test), NaN in the trace
+    flags, t, _ = _kernels.track(g_sq, f_sq, best, active, improved, go, False, 1e-3, 10.0)
+    assert flags == _kernels.NONFINITE and np.isnan(t)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
 @pytest.mark.parametrize("solver", [anderson, broyden])
-def test_fused_path_checks_what_f_returns(monkeypatch, solver):
-    """Called directly (not through `solve`, which checks f's output itself), the fused path never reads past
-    its buffers: a misshapen output is an error naming both shapes, and so is a misshapen output after good
-    ones; strided, grad-requiring, other-dtype or negated-view outputs are read as their values."""
-    monkeypatch.setattr(_kernels, "ENABLED", True)
+def test_solvers_check_what_f_returns_on_every_call(monkeypatch, solver, fused):
+    """Called directly (not through `solve`, which checks f's output itself), both paths check every output
+    of f: a misshapen output is an error naming both shapes, also after good ones, and so is another dtype;
+    strided, grad-requiring or negated-view outputs are read as their values."""
+    monkeypatch.setattr(_kernels, "ENABLED", fused)
     x0 = torch.zeros(4, 8)
     with pytest.raises(ValueError, match=r"f returned shape \(5, 8\), expected \(4, 8\)"):
         solver(lambda z: torch.zeros(5, 8), x0, max_iter=5, tol=1e-6)
@@ -239,6 +238,8 @@ def test_fused_path_checks_what_f_returns(monkeypatch, solver):
         solver(shrinks, x0, max_iter=50, tol=1e-6)
     with pytest.raises(TypeError, match="f returned tuple, expected a tensor of shape"):
         solver(lambda z: (z,), x0, max_iter=5, tol=1e-6)
+    with pytest.raises(TypeError, match="f returned dtype torch.float64, expected torch.float32"):
+        solver(lambda z: (0.5 * z + 1).double(), x0, max_iter=5, tol=1e-6)
     one = torch.ones(4, 8, requires_grad=True)
 
     def negated_view(z):  # the imaginary part of a conjugate: a tensor with the negative bit set
@@ -247,7 +248,6 @@ def test_fused_path_checks_what_f_returns(monkeypatch, solver):
     for f in (
         lambda z: (0.5 * z + 1).t().contiguous().t(),
         lambda z: 0.5 * z + one,
-        lambda z: (0.5 * z + 1).double(),
         negated_view,
     ):
         z, stats = solver(f, x0, max_iter=50, tol=1e-6)
@@ -293,36 +293,3 @@ def test_float32_norms_fall_back_to_float64_past_overflow(monkeypatch, solver):
     torch.testing.assert_close(
         st.abs_residual.double(), (0.5 * z + c - z).double().norm(dim=1), rtol=1e-5, atol=0
     )
-
-
-def test_run_header_holds_the_buffers_and_entries_are_the_compiled_steps():
-    """The header a step reads its buffers through: shapes and addresses of the run's own arrays (a strided
-    buffer is refused); an entry point is compiled once per argument types and computes what the dispatcher
-    computes (a direct call of the same step on a copy of the state)."""
-    import numpy as np
-
-    b, d, m = 3, 8, 4
-    X, loc, active = np.zeros((2, b, d), np.float32), np.zeros(b, np.int64), np.ones(b, np.bool_)
-    best, trace = np.full((2, b), np.inf), np.zeros(10)
-    S, Q, count = np.zeros((b, m, d), np.int16), np.zeros((3, b, m)), np.zeros(b, np.int64)
-    h = _kernels.header(X, loc, active, best, trace, (S, Q, count))
-    assert list(h[:4]) == [b, d, 10, m] and h[4] == X.ctypes.data and h[10] == S.ctypes.data
-    with pytest.raises(ValueError, match="run buffer at header slot 11 is not C-contiguous"):
-        _kernels.header(X, loc, active, best, trace, (S, np.zeros((b, 3, m)).transpose(1, 0, 2), count))
-
-    best_x = np.zeros((b, d), np.float32)
-    h[_kernels.H_BEST_X] = best_x.ctypes.data
-    args = (np.float32(0), np.int16(0), 32767.0, True, 1e-6, 1e6)
-    step = _kernels.entry_point(_kernels.broyden_entry, (0, 0, 0, *args))
-    assert step is _kernels.entry_point(_kernels.broyden_entry, (1, 2, 3, *args))  # compiled once
-    fx = np.random.default_rng(0).standard_normal((b, d)).astype(np.float32)
-    copies = [a.copy() for a in (X, S, Q, count, active, best_x, loc, best, trace)]
-    for k in range(3):  # the same three steps, through the header and directly on the copies
-        flags = step(k, fx.ctypes.data, _kernels.address(h), *args)
-        X2, S2, Q2, c2, a2, bx2, l2, b2, t2 = copies
-        flags2 = _kernels.broyden_step(k, fx, X2, S2, 32767.0, Q2, c2, a2, bx2, l2, b2, t2, True, 1e-6, 1e6)
-        assert flags == flags2
-        np.testing.assert_array_equal(X, X2)
-        np.testing.assert_array_equal(S, S2)
-        np.testing.assert_array_equal(best, b2)
-        fx = fx * 0.5 + 0.1
