@@ -232,3 +232,22 @@ def unrolled(g, x_star, ctx: BackwardContext):
 
 
 unrolled.needs_solve = False
+
+
+def neumann_backward(terms: float) -> dict[str, Any]:
+    """DEQConfig fields for a Neumann phantom gradient with `terms` extra terms (Implicit²'s NPG with T terms):
+    the adjoint (I - Jᵀ)^{-1} g approximated by Σ_{i=0..T} (Jᵀ)^i g. T = 0 is Jacobian-free backprop,
+    T = math.inf is implicit differentiation (IFT), T = 1 is Implicit²'s default (one extra term).
+
+    Example:
+        >>> from deqzoo.core import DEQConfig, neumann_backward
+        >>> DEQConfig(**neumann_backward(1)).b_mode_kwargs
+        {'k': 2, 'tau': 1.0, 'variant': 'npg'}
+    """
+    if terms == float("inf"):
+        return {"b_mode": "ift", "b_mode_kwargs": {}}
+    if isinstance(terms, bool) or not float(terms).is_integer() or terms < 0:
+        raise ValueError(f"neumann_backward: terms must be an integer >= 0 or math.inf, got {terms!r}")
+    if terms == 0:
+        return {"b_mode": "jacobian_free", "b_mode_kwargs": {}}
+    return {"b_mode": "phantom", "b_mode_kwargs": {"k": int(terms) + 1, "tau": 1.0, "variant": "npg"}}

@@ -19,6 +19,7 @@ TASKS: dict[str, str] = {
     "mnist": "deqzoo.tasks.mnist",
     "pydoc_lm": "deqzoo.tasks.pydoc_lm",
     "chains": "deqzoo.tasks.chains",
+    "implicit2": "deqzoo.tasks.implicit2",
 }
 
 
