@@ -152,10 +152,9 @@ class Implicit2PreTrainedModel(DEQPreTrainedModel):
     main_input_name = "coords"
 
     def _init_weights(self, module: nn.Module) -> None:
-        # children are initialised before their parents: a layer's own init runs after its Linear's default
-        if isinstance(module, (Implicit2Filter, Implicit2Layer)):
-            module.reset_parameters()
-        elif isinstance(module, nn.Linear):
+        # Filters and layers initialise themselves (the original's scheme) when built; transformers' generic
+        # init (normal(0.02) for every Linear) must not overwrite that. Only the head is a plain Linear.
+        if module is getattr(self, "head", None):
             module.reset_parameters()
 
 
