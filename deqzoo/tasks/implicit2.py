@@ -169,7 +169,8 @@ def fit(
 ) -> dict[str, Any]:
     """Full-batch Adam on (coords, values) for `steps` steps; returns the history.
 
-    History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models) and ``step_time``
+    History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models), ``residual`` (the
+    solve's relative residual at its returned iterate) and ``step_time``
     (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn is given;
     ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters, gradients
     and Adam moments.
@@ -180,7 +181,7 @@ def fit(
     cache = FixedPointCache() if reuse else None
     max_norm = model.config.spectral_max_norm
     projector = SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
-    hist: dict[str, Any] = {"loss": [], "nfe": [], "step_time": [], "eval": [], "saved_bytes": 0}
+    hist: dict[str, Any] = {"loss": [], "nfe": [], "residual": [], "step_time": [], "eval": [], "saved_bytes": 0}
     n_params = sum(p.numel() * p.element_size() for p in model.parameters())
     hist["state_bytes"] = 4 * n_params  # weights, gradients, two Adam moments
     model.train()
@@ -199,8 +200,9 @@ def fit(
         if projector is not None:
             projector.step()
         hist["step_time"].append(time.perf_counter() - t0)
-        hist["loss"].append(float(out.loss))
+        hist["loss"].append(float(out.loss.detach()))
         hist["nfe"].append(out.deq_stats.nfe if out.deq_stats is not None else 0)
+        hist["residual"].append(float(out.deq_stats.rel_residual.max()) if out.deq_stats is not None else 0.0)
         if eval_fn is not None and (step % eval_every == 0 or step == steps):
             model.eval()
             hist["eval"].append((step, eval_fn(model)))
