@@ -97,8 +97,11 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
         finally:
             busy = False
 
-    fx.register_hook(hook)
-    return fx
+    # The hook sits on a view of fx, not on fx: tensor hooks live in C++, where Python's cycle collector cannot
+    # see them, so a hook on fx whose closure holds fx would keep every step's graph alive forever.
+    out = fx.view_as(fx)
+    out.register_hook(hook)
+    return out
 
 
 def _solve_adjoint(

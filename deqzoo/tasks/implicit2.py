@@ -196,13 +196,15 @@ def fit(
             out = model(coords, values, fixed_point_cache=cache)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
-        opt.step()
-        if projector is not None:
-            projector.step()
-        hist["step_time"].append(time.perf_counter() - t0)
         hist["loss"].append(float(out.loss.detach()))
         hist["nfe"].append(out.deq_stats.nfe if out.deq_stats is not None else 0)
         hist["residual"].append(float(out.deq_stats.rel_residual.max()) if out.deq_stats is not None else 0.0)
+        opt.step()
+        if projector is not None:
+            projector.step()
+        del out  # this step's graph goes now, before the evaluation below
+        hist["step_time"].append(time.perf_counter() - t0)
+
         if eval_fn is not None and (step % eval_every == 0 or step == steps):
             model.eval()
             hist["eval"].append((step, eval_fn(model)))

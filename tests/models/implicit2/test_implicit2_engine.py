@@ -161,3 +161,23 @@ def test_spectral_projector_validates_its_inputs():
         SpectralProjector([torch.zeros(3)])
     with pytest.raises(ValueError, match="max_norm"):
         SpectralProjector([torch.zeros(3, 3)], max_norm=0)
+
+
+@pytest.mark.parametrize("terms", [1, math.inf])
+def test_training_steps_do_not_keep_old_graphs_alive(terms):
+    """The adjoint hook must not tie f(z*) into a cycle the collector cannot see (it leaked every step's graph)."""
+    import gc
+    import weakref
+
+    w, u, x = _problem(dtype=torch.float32)
+    deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=200, f_tol=1e-6, **neumann_backward(terms)))
+    refs = []
+    for _ in range(3):
+        z, stats = deq(_f(w, u, x), torch.zeros_like(x))
+        z.sum().backward()
+        refs.append(weakref.ref(stats))
+        fx = stats.extra.get("backward")  # noqa: F841 - only the weak reference below matters
+        pair_ref = weakref.ref(z)
+        del z, stats, fx
+        gc.collect()
+        assert pair_ref() is None
