@@ -40,15 +40,20 @@ __all__ = ["FORMATS", "convert", "fold_spectral_norm"]
 _P = "implicit_layer.f."
 
 
-def fold_spectral_norm(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, target: float = 0.97) -> torch.Tensor:
-    """The original's evaluation-time weight: W / max(1, σ / target) with σ = uᵀ W v (stored power vectors)."""
+def fold_spectral_norm(
+    w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, target: float = 0.97
+) -> torch.Tensor:
+    """The original's evaluation-time weight: W / max(1, σ / target) with σ = uᵀ W v (stored power
+    vectors)."""
     sigma = torch.dot(u, w @ v)
     return w / torch.clamp(sigma / target, min=1.0)
 
 
 def _take(sd: dict[str, torch.Tensor], key: str, src: Path) -> torch.Tensor:
     if key not in sd:
-        raise KeyError(f"{src}: missing key {key!r} for the original DEQImplicitNN layout (have {sorted(sd)[:20]})")
+        raise KeyError(
+            f"{src}: missing key {key!r} for the original DEQImplicitNN layout (have {sorted(sd)[:20]})"
+        )
     return sd.pop(key)
 
 
@@ -95,9 +100,13 @@ def convert(
     sd = load_state_dict(src)
     if not isinstance(implicit, bool):
         raise ValueError(f"option implicit must be true or false, got {implicit!r}")
-    layer_ids = sorted({int(m.group(1)) for k in sd if (m := re.match(re.escape(_P) + r"layers\.(\d+)\.", k))})
+    layer_ids = sorted(
+        {int(m.group(1)) for k in sd if (m := re.match(re.escape(_P) + r"layers\.(\d+)\.", k))}
+    )
     if not layer_ids or layer_ids != list(range(len(layer_ids))):
-        raise ValueError(f"{src}: expected layers {_P}layers.0..N-1, found {layer_ids}; keys: {sorted(sd)[:12]}")
+        raise ValueError(
+            f"{src}: expected layers {_P}layers.0..N-1, found {layer_ids}; keys: {sorted(sd)[:12]}"
+        )
     if any(k.startswith(_P + "shared_layer.") for k in sd):
         raise ValueError(f"{src}: weight-shared MFNs (shared_layer) are not supported")
     if f"{_P}init_filter.mu" in sd:
@@ -110,7 +119,9 @@ def convert(
     state: dict[str, torch.Tensor] = {}
     _filter(sd, f"{_P}init_filter", "implicit2.init_filter", kind, state, src)
     for k in layer_ids:
-        state[f"implicit2.layers.{k}.z_map.weight"] = _z_map(sd, f"{_P}layers.{k}.z_map", src, spectral_target)
+        state[f"implicit2.layers.{k}.z_map.weight"] = _z_map(
+            sd, f"{_P}layers.{k}.z_map", src, spectral_target
+        )
         state[f"implicit2.layers.{k}.z_map.bias"] = _take(sd, f"{_P}layers.{k}.z_map.bias", src)
         _filter(sd, f"{_P}layers.{k}.filter", f"implicit2.layers.{k}.filter", kind, state, src)
     state["head.weight"] = _take(sd, "output_map.weight", src)
@@ -133,11 +144,16 @@ def convert(
     model = Implicit2ForSignalRepresentation(config)
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise ValueError(f"{src}: converted weights do not fit: missing {missing}, unexpected {unexpected}, "
-                         f"mis-shaped {shapes}")
+        raise ValueError(
+            f"{src}: converted weights do not fit: missing {missing}, unexpected {unexpected}, "
+            f"mis-shaped {shapes}"
+        )
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
     out = Path(out)
     model.save_pretrained(out)

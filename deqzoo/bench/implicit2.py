@@ -11,7 +11,8 @@ Groups (``--groups``, default all):
   implicit vs explicit at equal width.
 
 Every setting runs in its own process (a clean peak-RSS measurement; finished settings are kept in
-``OUT/runs/*.json`` and skipped on a rerun, so an interrupted bench resumes). Writes ``OUT/implicit2.json`` and
+``OUT/runs/*.json`` and skipped on a rerun, so an interrupted bench resumes). Writes
+``OUT/implicit2.json`` and
 PNGs (``rep_psnr.png``, ``reuse_nfe.png``, ``npg_T.png``, ``gen.png``).
 
 Example:
@@ -43,10 +44,30 @@ def _settings(args) -> list[dict[str, Any]]:
         for f in filters:
             for imp, layers, width in ((True, 1, 256), (True, 1, 512), (False, 1, 256), (False, 4, 256)):
                 tag = f"{f}-{'imp' if imp else 'exp'}-{layers}l{width}d"
-                out.append({"name": f"rep-{tag}", "group": "rep", "filter": f, "implicit": imp, "layers": layers,
-                            "width": width, "T": 1, "reuse": True, **rep})
+                out.append(
+                    {
+                        "name": f"rep-{tag}",
+                        "group": "rep",
+                        "filter": f,
+                        "implicit": imp,
+                        "layers": layers,
+                        "width": width,
+                        "T": 1,
+                        "reuse": True,
+                        **rep,
+                    }
+                )
     first = filters[0]
-    base = {"group": "", "filter": first, "implicit": True, "layers": 1, "width": 256, "T": 1, "reuse": True, **rep}
+    base = {
+        "group": "",
+        "filter": first,
+        "implicit": True,
+        "layers": 1,
+        "width": 256,
+        "T": 1,
+        "reuse": True,
+        **rep,
+    }
     if "reuse" in groups:
         out.append({**base, "name": f"reuse-{first}-noreuse", "group": "reuse", "reuse": False})
         # the original's training forward: no solve, one f step from the previous fixed point
@@ -60,10 +81,22 @@ def _settings(args) -> list[dict[str, Any]]:
         for image in IMAGES:
             for imp in (True, False):
                 layers = 1 if imp else _GEN_EXPLICIT_LAYERS
-                out.append({"name": f"gen-{image}-{first}-{'imp' if imp else 'exp'}", "group": "gen",
-                            "filter": first, "implicit": imp, "layers": layers, "width": 256, "T": 1,
-                            "reuse": True, "image": image, "size": args.gen_size, "split": "generalization",
-                            "steps": args.gen_steps})
+                out.append(
+                    {
+                        "name": f"gen-{image}-{first}-{'imp' if imp else 'exp'}",
+                        "group": "gen",
+                        "filter": first,
+                        "implicit": imp,
+                        "layers": layers,
+                        "width": 256,
+                        "T": 1,
+                        "reuse": True,
+                        "image": image,
+                        "size": args.gen_size,
+                        "split": "generalization",
+                        "steps": args.gen_steps,
+                    }
+                )
     if args.only:
         keep = set(args.only.split(","))
         out = [s for s in out if s["name"] in keep]
@@ -89,11 +122,15 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     data = image_data(setting["image"], int(setting["size"]), setting["split"])
     T = float("inf") if str(setting["T"]) == "inf" else int(setting["T"])
     cfg = Implicit2Config(
-        filter_type=setting["filter"], implicit=setting["implicit"], num_layers=setting["layers"],
-        hidden_size=setting["width"], out_features=data.train_values.shape[-1],
+        filter_type=setting["filter"],
+        implicit=setting["implicit"],
+        num_layers=setting["layers"],
+        hidden_size=setting["width"],
+        out_features=data.train_values.shape[-1],
         deq={**neumann_backward(T)},
-        task_specific_params={"implicit2": {"image": setting["image"], "size": int(setting["size"]),
-                                            "split": setting["split"]}},
+        task_specific_params={
+            "implicit2": {"image": setting["image"], "size": int(setting["size"]), "split": setting["split"]}
+        },
     )
     torch.manual_seed(seed)
     model = Implicit2ForSignalRepresentation(cfg)
@@ -112,8 +149,14 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
             m.set_deq(f_max_iter=train_iter)
 
     hist = fit(
-        model, data.train_coords, data.train_values, int(setting["steps"]), reuse=setting["reuse"],
-        eval_every=max(1, int(setting["steps"]) // 3), eval_fn=eval_fn, desc=setting["name"],
+        model,
+        data.train_coords,
+        data.train_values,
+        int(setting["steps"]),
+        reuse=setting["reuse"],
+        eval_every=max(1, int(setting["steps"]) // 3),
+        eval_fn=eval_fn,
+        desc=setting["name"],
     )
     model.set_deq(f_max_iter=eval_iter)
     record = {
@@ -140,10 +183,29 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
 
 
 def _launch(setting, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "deqzoo.bench.implicit2", "--run-one", setting["name"], "--out", str(args.out),
-           "--size", str(args.size), "--steps", str(args.steps), "--gen-size", str(args.gen_size),
-           "--gen-steps", str(args.gen_steps), "--filters", args.filters, "--groups", args.groups,
-           "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deqzoo.bench.implicit2",
+        "--run-one",
+        setting["name"],
+        "--out",
+        str(args.out),
+        "--size",
+        str(args.size),
+        "--steps",
+        str(args.steps),
+        "--gen-size",
+        str(args.gen_size),
+        "--gen-steps",
+        str(args.gen_steps),
+        "--filters",
+        args.filters,
+        "--groups",
+        args.groups,
+        "--seed",
+        str(args.seed),
+    ]
     if args.save_models:
         cmd += ["--save-models", str(args.save_models)]
     log = open(Path(args.out) / "runs" / f"{setting['name']}.log", "w")
@@ -165,19 +227,27 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "pngs": {}}
     rep = [r for r in records.values() if r["group"] == "rep"]
     for r in rep:
-        summary["rep"].append({
-            "name": r["name"], "filter": r["filter"], "implicit": r["implicit"], "layers": r["layers"],
-            "width": r["width"], "steps": r["steps"], "size": r["size"], "params": r["params"],
-            "final_psnr": round(r["final_psnr"], 2),
-            "step_time_s": round(_mean_after(r["step_time"], 5), 3),
-            "train_memory_bytes": r["saved_bytes"] + r["state_bytes"],
-            "peak_rss_growth_bytes": r["peak_rss_growth_bytes"],
-            "mean_nfe_after_100": round(_mean_after(r["nfe"], 100), 2) if r["implicit"] else None,
-        })
+        summary["rep"].append(
+            {
+                "name": r["name"],
+                "filter": r["filter"],
+                "implicit": r["implicit"],
+                "layers": r["layers"],
+                "width": r["width"],
+                "steps": r["steps"],
+                "size": r["size"],
+                "params": r["params"],
+                "final_psnr": round(r["final_psnr"], 2),
+                "step_time_s": round(_mean_after(r["step_time"], 5), 3),
+                "train_memory_bytes": r["saved_bytes"] + r["state_bytes"],
+                "peak_rss_growth_bytes": r["peak_rss_growth_bytes"],
+                "mean_nfe_after_100": round(_mean_after(r["nfe"], 100), 2) if r["implicit"] else None,
+            }
+        )
     for f in sorted({r["filter"] for r in rep}):
         rows = {(x["implicit"], x["layers"], x["width"]): x for x in summary["rep"] if x["filter"] == f}
         ref = rows.get((False, 4, 256))
-        for key, x in rows.items():
+        for x in rows.values():
             if ref is not None:
                 x["psnr_minus_exp4l"] = round(x["final_psnr"] - ref["final_psnr"], 2)
                 x["memory_ratio_vs_exp4l"] = round(x["train_memory_bytes"] / ref["train_memory_bytes"], 3)
@@ -213,13 +283,19 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         if with_:
             ax.plot(with_["nfe"], label="with reuse (previous z*)")
             summary["reuse"]["with"] = round(_mean_after(with_["nfe"], 100), 2)
-            summary["reuse"]["ratio"] = round(summary["reuse"]["without"] / max(summary["reuse"]["with"], 1e-9), 2)
+            summary["reuse"]["ratio"] = round(
+                summary["reuse"]["without"] / max(summary["reuse"]["with"], 1e-9), 2
+            )
             summary["reuse"]["psnr_with"] = round(with_["final_psnr"], 2)
             summary["reuse"]["mean_rel_residual_with_after_100"] = float(_mean_after(with_["residual"], 100))
         summary["reuse"]["psnr_without"] = round(r0["final_psnr"], 2)
         summary["reuse"]["tol"] = "rel 1e-3 (fixed_point, max 100)"
-        ax.set(xlabel="training step", ylabel="forward f-evaluations", yscale="log",
-               title=f"fixed-point reuse ({r0['filter']} 1L-256D, camera {r0['size']}px)")
+        ax.set(
+            xlabel="training step",
+            ylabel="forward f-evaluations",
+            yscale="log",
+            title=f"fixed-point reuse ({r0['filter']} 1L-256D, camera {r0['size']}px)",
+        )
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "reuse_nfe.png", dpi=110)
@@ -234,8 +310,10 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         for t in sorted(ts, key=lambda s: float(s)):
             r = ts[t]
             ax.plot(np.arange(1, len(r["train_psnr"]) + 1), r["train_psnr"], label=f"T = {t}")
-            summary["T"][t] = {"final_psnr": round(r["final_psnr"], 2),
-                               "step_time_s": round(_mean_after(r["step_time"], 5), 3)}
+            summary["T"][t] = {
+                "final_psnr": round(r["final_psnr"], 2),
+                "step_time_s": round(_mean_after(r["step_time"], 5), 3),
+            }
         ax.set(xlabel="step", ylabel="training PSNR (dB)", title="NPG with T terms (T=0 JFB, T=inf IFT)")
         ax.legend()
         fig.tight_layout()
@@ -248,8 +326,11 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     for image in images:
         imp = records.get(f"gen-{image}-{gen[0]['filter']}-imp")
         exp = records.get(f"gen-{image}-{gen[0]['filter']}-exp")
-        row = {"image": image, "implicit_1l256d": imp and round(imp["final_psnr"], 2),
-               "explicit": exp and round(exp["final_psnr"], 2)}
+        row = {
+            "image": image,
+            "implicit_1l256d": imp and round(imp["final_psnr"], 2),
+            "explicit": exp and round(exp["final_psnr"], 2),
+        }
         if imp and exp:
             row["difference"] = round(imp["final_psnr"] - exp["final_psnr"], 2)
             diffs.append(row["difference"])
@@ -259,8 +340,12 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = np.arange(len(summary["gen"]))
         ax.bar(xs - 0.2, [r["implicit_1l256d"] or 0 for r in summary["gen"]], 0.4, label="implicit 1L-256D")
-        ax.bar(xs + 0.2, [r["explicit"] or 0 for r in summary["gen"]], 0.4,
-               label=f"explicit {_GEN_EXPLICIT_LAYERS}L-256D")
+        ax.bar(
+            xs + 0.2,
+            [r["explicit"] or 0 for r in summary["gen"]],
+            0.4,
+            label=f"explicit {_GEN_EXPLICIT_LAYERS}L-256D",
+        )
         ax.set_xticks(xs, [r["image"] for r in summary["gen"]])
         ax.set(ylabel="held-out PSNR (dB)", title="generalization (train 25%, test disjoint 25%)")
         ax.legend()
@@ -320,9 +405,16 @@ def main(argv: list[str] | None = None) -> int:
             records[s["name"]] = json.loads(path.read_text())
     summary = summarize(records, out)
     summary["failed"] = failed
-    summary["settings"] = {"size": args.size, "steps": args.steps, "gen_size": args.gen_size,
-                           "gen_steps": args.gen_steps, "seed": args.seed, "lr": 1e-3, "optimizer": "Adam",
-                           "threads": 1}
+    summary["settings"] = {
+        "size": args.size,
+        "steps": args.steps,
+        "gen_size": args.gen_size,
+        "gen_steps": args.gen_steps,
+        "seed": args.seed,
+        "lr": 1e-3,
+        "optimizer": "Adam",
+        "threads": 1,
+    }
     (out / "implicit2.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: summary[k] for k in ("rep", "reuse", "T", "gen")}, indent=1))
     return 1 if failed else 0

@@ -97,7 +97,8 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
         finally:
             busy = False
 
-    # The hook sits on a view of fx, not on fx: tensor hooks live in C++, where Python's cycle collector cannot
+    # The hook sits on a view of fx, not on fx: tensor hooks live in C++, where Python's cycle collector
+    # cannot
     # see them, so a hook on fx whose closure holds fx would keep every step's graph alive forever.
     out = fx.view_as(fx)
     out.register_hook(hook)
@@ -238,7 +239,8 @@ unrolled.needs_solve = False
 
 
 def neumann_backward(terms: float) -> dict[str, Any]:
-    """DEQConfig fields for a Neumann phantom gradient with `terms` extra terms (Implicit²'s NPG with T terms):
+    """DEQConfig fields for a Neumann phantom gradient with `terms` extra terms (Implicit²'s NPG with T
+    terms):
     the adjoint (I - Jᵀ)^{-1} g approximated by Σ_{i=0..T} (Jᵀ)^i g. T = 0 is Jacobian-free backprop,
     T = math.inf is implicit differentiation (IFT), T = 1 is Implicit²'s default (one extra term).
 

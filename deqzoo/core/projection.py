@@ -76,7 +76,9 @@ class SpectralProjector:
         if not max_norm > 0:
             raise ValueError(f"SpectralProjector: max_norm must be > 0, got {max_norm!r}")
         if n_iter < 1 or init_iter < 1:
-            raise ValueError(f"SpectralProjector: n_iter and init_iter must be >= 1, got {n_iter}, {init_iter}")
+            raise ValueError(
+                f"SpectralProjector: n_iter and init_iter must be >= 1, got {n_iter}, {init_iter}"
+            )
         self.max_norm, self.n_iter, self.init_iter, self.margin = float(max_norm), n_iter, init_iter, margin
         self._u: list[torch.Tensor | None] = [None] * len(self.weights)
         self.last_scaled = 0

@@ -68,7 +68,9 @@ class FixedPointCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def initial(self, key: str, default: torch.Tensor, *, key_input: torch.Tensor | None = None) -> torch.Tensor:
+    def initial(
+        self, key: str, default: torch.Tensor, *, key_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The cached state for `key` if it fits `default` and `key_input`, else `default`."""
         entry = self._entries.get(key)
         if (
@@ -86,7 +88,9 @@ class FixedPointCache:
     def store(self, key: str, state: torch.Tensor, *, key_input: torch.Tensor | None = None) -> None:
         """Keep a detached copy of `state` (e.g. this step's z*) for the next `initial(key, ...)`."""
         if not isinstance(state, torch.Tensor):
-            raise TypeError(f"FixedPointCache.store({key!r}): state must be a tensor, got {type(state).__name__}")
+            raise TypeError(
+                f"FixedPointCache.store({key!r}): state must be a tensor, got {type(state).__name__}"
+            )
         if not bool(torch.isfinite(state).all()):
             self._entries.pop(key, None)  # never start the next solve from NaN/inf
             return

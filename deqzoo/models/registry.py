@@ -73,9 +73,12 @@ FAMILIES: list[Family] = [
         models={
             "AutoModel": f"{_M}.implicit2.modeling_implicit2:Implicit2Model",
         },
-        # transformers has no Auto class for coordinate-to-signal networks: heads found by config.architectures
+        # transformers has no Auto class for coordinate-to-signal networks: heads found by
+        # config.architectures
         heads={
-            "Implicit2ForSignalRepresentation": f"{_M}.implicit2.modeling_implicit2:Implicit2ForSignalRepresentation",
+            "Implicit2ForSignalRepresentation": (
+                f"{_M}.implicit2.modeling_implicit2:Implicit2ForSignalRepresentation"
+            ),
         },
         architectures=f"{_M}.implicit2.configuration_implicit2:ARCHITECTURES",
     ),

@@ -10,7 +10,8 @@ original's: on intensities clamped to [0, 1]. Training is full-batch Adam with t
 fixed-point reuse across steps (`deqzoo.core.FixedPointCache`), the spectral bound on W kept after every step
 (`deqzoo.core.SpectralProjector`), NPG with T = 1 (the model config's backward mode).
 
-No audio clip ships with the installed packages (scipy.datasets downloads on demand), so there is no audio task.
+No audio clip ships with the installed packages (scipy.datasets downloads on demand), so there is no
+audio task.
 
 A checkpoint names its image in ``config.task_specific_params["implicit2"]`` (image, size, split); `evaluate`,
 `demo` and `predict` read it there.
@@ -118,9 +119,14 @@ def image_data(name: str, size: int, split: str = "full") -> ImageData:
         return ImageData(name, size, split, img, tc, tv, tc, tv, (size, size))
     tr, te = (slice(0, None, 2), slice(0, None, 2)), (slice(1, None, 2), slice(1, None, 2))
     return ImageData(
-        name, size, split, img,
-        grid[tr].reshape(-1, 2), values[tr].reshape(-1, c),
-        grid[te].reshape(-1, 2), values[te].reshape(-1, c),
+        name,
+        size,
+        split,
+        img,
+        grid[tr].reshape(-1, 2),
+        values[tr].reshape(-1, c),
+        grid[te].reshape(-1, 2),
+        values[te].reshape(-1, c),
         tuple(grid[tr].shape[:2]),
     )
 
@@ -134,7 +140,8 @@ def psnr(values: torch.Tensor, target: torch.Tensor) -> float:
 
 
 class _SavedBytes:
-    """Bytes of the distinct tensor storages autograd saves for backward during one step (activation memory)."""
+    """Bytes of the distinct tensor storages autograd saves for backward during one step (activation
+    memory)."""
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}
@@ -171,8 +178,10 @@ def fit(
 
     History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models), ``residual`` (the
     solve's relative residual at its returned iterate) and ``step_time``
-    (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn is given;
-    ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters, gradients
+    (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn
+    is given;
+    ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
+    gradients
     and Adam moments.
     """
     from tqdm.auto import tqdm
@@ -181,7 +190,14 @@ def fit(
     cache = FixedPointCache() if reuse else None
     max_norm = model.config.spectral_max_norm
     projector = SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
-    hist: dict[str, Any] = {"loss": [], "nfe": [], "residual": [], "step_time": [], "eval": [], "saved_bytes": 0}
+    hist: dict[str, Any] = {
+        "loss": [],
+        "nfe": [],
+        "residual": [],
+        "step_time": [],
+        "eval": [],
+        "saved_bytes": 0,
+    }
     n_params = sum(p.numel() * p.element_size() for p in model.parameters())
     hist["state_bytes"] = 4 * n_params  # weights, gradients, two Adam moments
     model.train()
@@ -218,7 +234,8 @@ def task_settings(model) -> dict[str, Any]:
     params = (getattr(model.config, "task_specific_params", None) or {}).get("implicit2")
     if not params or "image" not in params or "size" not in params:
         raise ValueError(
-            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; it was not "
+            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; "
+            "it was not "
             "fitted by the implicit2 task (see examples/implicit2/)"
         )
     return {"split": "full", **params}
@@ -237,7 +254,8 @@ def _values(model, coords: torch.Tensor, chunk: int = 65536) -> tuple[torch.Tens
 
 def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
     """PSNR (dB) of the representation on its task's test pixels (all pixels for a representation checkpoint)
-    from a zero initial state, and the forward solve's f-evaluations; `limit` scores only the first N pixels."""
+    from a zero initial state, and the forward solve's f-evaluations; `limit` scores only the first N
+    pixels."""
     s = task_settings(model)
     data = image_data(s["image"], int(s["size"]), s["split"])
     coords, target = data.test_coords, data.test_values
@@ -288,8 +306,14 @@ def demo(model) -> tuple[str, SolverStats]:
     )
     st = (render_stats or [None])[0]
     if st is None:  # explicit networks have no solve: report an empty one
-        st = SolverStats(nfe=0, abs_residual=torch.zeros(1), rel_residual=torch.zeros(1),
-                         trace=torch.zeros(0), converged=torch.ones(1, dtype=torch.bool), solver="none")
+        st = SolverStats(
+            nfe=0,
+            abs_residual=torch.zeros(1),
+            rel_residual=torch.zeros(1),
+            trace=torch.zeros(0),
+            converged=torch.ones(1, dtype=torch.bool),
+            solver="none",
+        )
     return summary, st
 
 
@@ -317,8 +341,9 @@ def predict(model, input: str) -> str:
             hs, ws = spec.split("x")
             h, w = int(hs), int(ws)
     except ValueError:
-        raise ValueError(f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), "
-                         "optionally ':out.png'") from None
+        raise ValueError(
+            f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), optionally ':out.png'"
+        ) from None
     if not (1 <= h <= 8192 and 1 <= w <= 8192):
         raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
     path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")

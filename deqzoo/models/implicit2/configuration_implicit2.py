@@ -8,7 +8,8 @@ Huang, Bai & Kolter, "(Implicit)²: Implicit Layers for Implicit Representations
   times exp(-γ/2 ||x - μ||²) for Gabor
 - head: Φ(x) = W′ z* + b′.
 
-``implicit=True`` solves z* = f(z*; x) (``num_layers`` layers applied in sequence form one f); ``implicit=False``
+``implicit=True`` solves z* = f(z*; x) (``num_layers`` layers applied in sequence form one f);
+``implicit=False``
 is the explicit baseline with the same layers applied once from z = 0 (a ``num_layers``-layer SIREN with input
 injection, or a Fourier/Gabor MFN), so both share one code path, as in the original.
 """
@@ -50,10 +51,12 @@ class Implicit2Config(DEQPretrainedConfig):
         implicit: solve z* = f(z*; x) (True) or apply the layers once from z = 0 (False, the baseline).
         input_scale: frequency scale of the filters' input maps, divided by sqrt(num_layers + 1) as in the
             original (256 for images).
-        gabor_alpha: Gabor envelope precision prior γ ~ Gamma(gabor_alpha / (num_layers + 1), 1) (original: 3).
+        gabor_alpha: Gabor envelope precision prior γ ~ Gamma(gabor_alpha / (num_layers + 1), 1)
+        (original: 3).
         spectral_max_norm: bound on the spectral norm of every W (kept by `deqzoo.core.SpectralProjector`
             after each optimizer step during training; the original reparametrizes to 0.97).
-        coordinate_range: (low, high) of every coordinate seen in training (the original's grids span [-1, 1]).
+        coordinate_range: (low, high) of every coordinate seen in training (the original's grids span
+        [-1, 1]).
         out_of_range: "raise" (default) rejects coordinates outside coordinate_range by more than 1e-6;
             "allow" extrapolates (sinusoids are defined everywhere; quality is not).
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
@@ -87,7 +90,9 @@ class Implicit2Config(DEQPretrainedConfig):
         if filter_type not in FILTERS:
             raise ValueError(f"Implicit2Config.filter_type={filter_type!r}; choose one of {list(FILTERS)}")
         if out_of_range not in OUT_OF_RANGE:
-            raise ValueError(f"Implicit2Config.out_of_range={out_of_range!r}; choose one of {list(OUT_OF_RANGE)}")
+            raise ValueError(
+                f"Implicit2Config.out_of_range={out_of_range!r}; choose one of {list(OUT_OF_RANGE)}"
+            )
         for name, value, hi in (
             ("in_features", in_features, 16),
             ("out_features", out_features, 4096),
@@ -106,15 +111,20 @@ class Implicit2Config(DEQPretrainedConfig):
             or not isinstance(spectral_max_norm, (int, float))
             or not 0 < spectral_max_norm < math.inf
         ):
-            raise ValueError(f"Implicit2Config.spectral_max_norm must be > 0 or None, got {spectral_max_norm!r}")
+            raise ValueError(
+                f"Implicit2Config.spectral_max_norm must be > 0 or None, got {spectral_max_norm!r}"
+            )
         rng = list(coordinate_range)
         if (
             len(rng) != 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in rng)
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in rng
+            )
             or not rng[0] < rng[1]
         ):
             raise ValueError(
-                f"Implicit2Config.coordinate_range must be two finite numbers low < high, got {coordinate_range!r}"
+                "Implicit2Config.coordinate_range must be two finite numbers low < high, "
+                f"got {coordinate_range!r}"
             )
         self.in_features = in_features
         self.out_features = out_features

@@ -3,7 +3,8 @@
 The input injection (every filter's response to the coordinates) is computed once per forward; f_θ is a
 closure over it handed to the engine (`deqzoo.core.DEQ`), which owns the solve and the backward mode (NPG with
 T = 1 by default, as the original). Fixed-point reuse across training steps goes through a
-`deqzoo.core.FixedPointCache` that the caller owns and passes to `forward`; the spectral-norm bound on W is kept
+`deqzoo.core.FixedPointCache` that the caller owns and passes to `forward`; the spectral-norm bound on W
+is kept
 by `deqzoo.core.SpectralProjector` in the training loop (``model.spectral_weights()`` lists what it bounds).
 
 Coordinates are (N, d) or (B, N, d) float tensors; the state is (B, N, D), one equilibrium per signal (B), so
@@ -39,11 +40,15 @@ _RANGE_SLACK = 1e-6
 
 
 def coordinate_grid(
-    sizes: tuple[int, ...] | list[int], low: float = -1.0, high: float = 1.0, dtype: torch.dtype = torch.float32
+    sizes: tuple[int, ...] | list[int],
+    low: float = -1.0,
+    high: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """A regular grid of coordinates over [low, high] per axis, end points included, as (prod(sizes), d).
 
-    Axes are given outermost first (e.g. (height, width) or (frames, height, width)); coordinate 0 varies along
+    Axes are given outermost first (e.g. (height, width) or (frames, height, width)); coordinate 0
+    varies along
     the last (fastest) axis, as the original's ``np.meshgrid(x, x)`` image grids do (x = column, y = row).
 
     Example:
@@ -53,8 +58,10 @@ def coordinate_grid(
     sizes = [int(s) for s in sizes]
     if not sizes or any(s < 1 for s in sizes):
         raise ValueError(f"coordinate_grid: sizes must be positive integers, got {sizes}")
-    axes = [torch.linspace(low, high, s, dtype=torch.float64) if s > 1 else torch.zeros(1, dtype=torch.float64)
-            for s in sizes]
+    axes = [
+        torch.linspace(low, high, s, dtype=torch.float64) if s > 1 else torch.zeros(1, dtype=torch.float64)
+        for s in sizes
+    ]
     mesh = torch.meshgrid(*axes, indexing="ij")
     return torch.stack([m.reshape(-1) for m in reversed(mesh)], dim=-1).to(dtype)
 
@@ -103,7 +110,8 @@ class Implicit2Filter(nn.Module):
         return torch.sin(zlin + response) if self.kind == "siren" else zlin * response
 
     def initial(self, response: torch.Tensor) -> torch.Tensor:
-        """g₀(x): the first filter applied to the original's constant input (ones for MFNs, zeros for SIREN)."""
+        """g₀(x): the first filter applied to the original's constant input (ones for MFNs, zeros for
+        SIREN)."""
         return torch.sin(response) if self.kind == "siren" else response
 
 
@@ -181,7 +189,8 @@ class Implicit2Model(Implicit2PreTrainedModel):
         alpha = c.gabor_alpha / (c.num_layers + 1)
         self.init_filter = Implicit2Filter(c.filter_type, c.in_features, c.hidden_size, scale, alpha)
         self.layers = nn.ModuleList(
-            Implicit2Layer(c.filter_type, c.in_features, c.hidden_size, scale, alpha) for _ in range(c.num_layers)
+            Implicit2Layer(c.filter_type, c.in_features, c.hidden_size, scale, alpha)
+            for _ in range(c.num_layers)
         )
         self.deq = DEQ(c.deq_config)
         self.post_init()
@@ -265,7 +274,8 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
     Example:
         >>> import torch
         >>> from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-        >>> model = Implicit2ForSignalRepresentation(Implicit2Config(hidden_size=32, filter_type="gabor")).eval()
+        >>> cfg = Implicit2Config(hidden_size=32, filter_type="gabor")
+        >>> model = Implicit2ForSignalRepresentation(cfg).eval()
         >>> image = model.render(12, 16)          # (H, W, C) in [0, 1]
         >>> image.shape, bool((image >= 0).all() and (image <= 1).all())
         (torch.Size([12, 16, 1]), True)
@@ -326,7 +336,9 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
     def render(self, height: int, width: int, chunk: int = 65536) -> torch.Tensor:
         """A 2-D representation rendered at height x width as an (H, W, C) image in [0, 1]."""
         if self.config.in_features != 2:
-            raise ValueError(f"render draws 2-D images; this model has in_features={self.config.in_features} "
-                             "(use sample(sizes))")
+            raise ValueError(
+                f"render draws 2-D images; this model has in_features={self.config.in_features} "
+                "(use sample(sizes))"
+            )
         values, _ = self.sample((height, width), chunk)
         return ((values + 1) / 2).clamp(0, 1)

@@ -1,4 +1,5 @@
-"""The ImpSq converter reproduces the original implementation's outputs on committed fixtures (produced once by
+"""The ImpSq converter reproduces the original implementation's outputs on committed fixtures (produced
+once by
 running locuslab/ImpSq's modules on CPU outside the repo; see conversion/fixtures/implicit2/README.md)."""
 
 from pathlib import Path
@@ -15,18 +16,25 @@ FIX = ROOT / "conversion" / "fixtures" / "implicit2"
 TIGHT = {"f_solver": "fixed_point", "f_max_iter": 2000, "f_tol": 1e-7}
 
 
-@pytest.mark.parametrize("tag, implicit, kind, layers", [
-    ("siren_like_1l_implicit", True, "siren", 1),
-    ("gabor_1l_implicit", True, "gabor", 1),
-    ("fourier_2l_explicit", False, "fourier", 2),
-])
+@pytest.mark.parametrize(
+    "tag, implicit, kind, layers",
+    [
+        ("siren_like_1l_implicit", True, "siren", 1),
+        ("gabor_1l_implicit", True, "gabor", 1),
+        ("fourier_2l_explicit", False, "fourier", 2),
+    ],
+)
 def test_converted_model_reproduces_the_original(tmp_path, tag, implicit, kind, layers):
     io = load_file(FIX / f"impsq_{tag}_io.safetensors")
     convert = converter_module("implicit2_impsq").FORMATS["implicit2-impsq"]
     out = convert(FIX / f"impsq_{tag}_state_dict.pt", tmp_path / "conv", implicit=implicit, deq=TIGHT)
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     model = Implicit2ForSignalRepresentation.from_pretrained(out).eval()
-    assert (model.config.filter_type, model.config.num_layers, model.config.implicit) == (kind, layers, implicit)
+    assert (model.config.filter_type, model.config.num_layers, model.config.implicit) == (
+        kind,
+        layers,
+        implicit,
+    )
     with torch.no_grad():
         res = model(io["coords"])
     diff = (res.values - io["output"]).abs().max().item()

@@ -48,7 +48,9 @@ def test_npg_terms_match_dense_neumann_series(terms):
     # per-sample dense Jacobians (f acts row-wise)
     v = torch.zeros_like(gout)
     for i in range(x.shape[0]):
-        jac = torch.autograd.functional.jacobian(lambda zi: torch.tanh(zi @ w.t() + x[i] @ u.t()), z_star[i])
+        xi = x[i]
+        jac = torch.autograd.functional.jacobian(lambda zi, xi=xi: torch.tanh(zi @ w.t() + xi @ u.t()),
+        z_star[i])
         term, acc = gout[i], gout[i].clone()
         for _ in range(terms):
             term = jac.t() @ term
@@ -63,8 +65,15 @@ def test_npg_infinite_terms_is_ift_and_matches_unrolled_autograd():
     w, u, x = _problem()
     f = _f(w, u, x)
     assert neumann_backward(math.inf)["b_mode"] == "ift"
-    cfg = DEQConfig(f_solver="fixed_point", f_max_iter=3000, f_tol=1e-13, b_solver="fixed_point",
-                    b_max_iter=3000, b_tol=1e-13, **neumann_backward(math.inf))
+    cfg = DEQConfig(
+        f_solver="fixed_point",
+        f_max_iter=3000,
+        f_tol=1e-13,
+        b_solver="fixed_point",
+        b_max_iter=3000,
+        b_tol=1e-13,
+        **neumann_backward(math.inf),
+    )
     z, _ = DEQ(cfg)(f, torch.zeros_like(x))
     gout = torch.randn_like(z, generator=torch.Generator().manual_seed(1))
     (z * gout).sum().backward()
@@ -165,7 +174,8 @@ def test_spectral_projector_validates_its_inputs():
 
 @pytest.mark.parametrize("terms", [1, math.inf])
 def test_training_steps_do_not_keep_old_graphs_alive(terms):
-    """The adjoint hook must not tie f(z*) into a cycle the collector cannot see (it leaked every step's graph)."""
+    """The adjoint hook must not tie f(z*) into a cycle the collector cannot see (it leaked every step's
+    graph)."""
     import gc
     import weakref
 

@@ -48,8 +48,11 @@ def test_isiren_fixed_point_satisfies_the_papers_formula():
     m = model.implicit2
     v, layer = m.init_filter.x_map, m.layers[0]
     w, u = layer.z_map, layer.filter.x_map
-    rhs = torch.sin(w.weight @ (z + torch.sin(x @ v.weight.t() + v.bias)).t() + w.bias[:, None]
-                    + (x @ u.weight.t() + u.bias).t()).t()
+    rhs = torch.sin(
+        w.weight @ (z + torch.sin(x @ v.weight.t() + v.bias)).t()
+        + w.bias[:, None]
+        + (x @ u.weight.t() + u.bias).t()
+    ).t()
     torch.testing.assert_close(z, rhs, rtol=0, atol=1e-10)
     values = model(x).values
     torch.testing.assert_close(values, z @ model.head.weight.t() + model.head.bias)
@@ -63,7 +66,9 @@ def test_gabor_imfn_fixed_point_and_explicit_baseline_formulas():
 
     def gate(filt):
         d2 = ((x[:, None, :] - filt.mu[None]) ** 2).sum(-1)
-        return torch.sin(x @ filt.x_map.weight.t() + filt.x_map.bias) * torch.exp(-0.5 * filt.gamma.relu() * d2)
+        return torch.sin(x @ filt.x_map.weight.t() + filt.x_map.bias) * torch.exp(
+            -0.5 * filt.gamma.relu() * d2
+        )
 
     g0, g1, w = gate(m.init_filter), gate(m.layers[0].filter), m.layers[0].z_map
     z = m(x).last_hidden_state[0]
@@ -117,10 +122,15 @@ def test_out_of_range_coordinates_raise_or_extrapolate_as_configured():
 
 
 def test_config_validation_names_the_field():
-    for kw, field in (({"filter_type": "relu"}, "filter_type"), ({"in_features": 0}, "in_features"),
-                      ({"hidden_size": 10**6}, "hidden_size"), ({"coordinate_range": (1, -1)}, "coordinate_range"),
-                      ({"spectral_max_norm": -1.0}, "spectral_max_norm"), ({"out_of_range": "clip"}, "out_of_range"),
-                      ({"input_scale": float("nan")}, "input_scale")):
+    for kw, field in (
+        ({"filter_type": "relu"}, "filter_type"),
+        ({"in_features": 0}, "in_features"),
+        ({"hidden_size": 10**6}, "hidden_size"),
+        ({"coordinate_range": (1, -1)}, "coordinate_range"),
+        ({"spectral_max_norm": -1.0}, "spectral_max_norm"),
+        ({"out_of_range": "clip"}, "out_of_range"),
+        ({"input_scale": float("nan")}, "input_scale"),
+    ):
         with pytest.raises(ValueError, match=field):
             Implicit2Config(**kw)
 
@@ -163,7 +173,9 @@ def test_render_covers_the_range_at_any_resolution():
 
 
 def test_presets_build():
-    assert {"implicit2-isiren-1l256d", "implicit2-igabor-mfn-1l512d", "implicit2-gabor-mfn-4l256d"} <= set(ARCHITECTURES)
+    assert {"implicit2-isiren-1l256d", "implicit2-igabor-mfn-1l512d", "implicit2-gabor-mfn-4l256d"} <= set(
+        ARCHITECTURES
+    )
     model = deqzoo.create_model("implicit2-igabor-mfn-1l256d") if hasattr(deqzoo, "create_model") else None
     if model is not None:
         assert model.config.hidden_size == 256 and model.config.implicit

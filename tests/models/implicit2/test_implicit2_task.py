@@ -43,8 +43,13 @@ def test_psnr_matches_its_definition():
 
 def _tiny(filter_type="gabor", implicit=True, image="camera", size=16, split="full"):
     torch.manual_seed(0)
-    cfg = Implicit2Config(filter_type=filter_type, implicit=implicit, hidden_size=32, input_scale=32.0,
-                          task_specific_params={"implicit2": {"image": image, "size": size, "split": split}})
+    cfg = Implicit2Config(
+        filter_type=filter_type,
+        implicit=implicit,
+        hidden_size=32,
+        input_scale=32.0,
+        task_specific_params={"implicit2": {"image": image, "size": size, "split": split}},
+    )
     return Implicit2ForSignalRepresentation(cfg)
 
 
@@ -52,8 +57,16 @@ def test_fit_improves_psnr_keeps_the_spectral_bound_and_reuses_fixed_points():
     model = _tiny()
     data = task.image_data("camera", 16)
     before = task.evaluate(model)["psnr"]
-    hist = task.fit(model, data.train_coords, data.train_values, 60, lr=3e-3, progress=False, eval_every=30,
-                    eval_fn=lambda m: task.psnr(m(data.test_coords).values, data.test_values))
+    hist = task.fit(
+        model,
+        data.train_coords,
+        data.train_values,
+        60,
+        lr=3e-3,
+        progress=False,
+        eval_every=30,
+        eval_fn=lambda m: task.psnr(m(data.test_coords).values, data.test_values),
+    )
     after = task.evaluate(model)["psnr"]
     assert after > before + 3
     assert hist["eval"][-1][1] == pytest.approx(after, abs=0.01)
