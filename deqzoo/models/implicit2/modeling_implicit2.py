@@ -85,6 +85,8 @@ class Implicit2Filter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.x_map.weight.is_meta:  # built on the meta device (parameter counting): nothing to draw
+            return
         self.x_map.reset_parameters()
         self.x_map.weight.mul_(self.scale)
         if self.kind == "gabor":
@@ -126,6 +128,8 @@ class Implicit2Layer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.z_map.weight.is_meta:
+            return
         self.z_map.reset_parameters()
         bound = math.sqrt(1.0 / self.z_map.in_features)
         self.z_map.weight.uniform_(-bound, bound)
