@@ -95,6 +95,8 @@ def _settings(args) -> list[dict[str, Any]]:
                         "size": args.gen_size,
                         "split": "generalization",
                         "steps": args.gen_steps,
+                        # the original: input scale 128 for a 512 grid; the same frequencies per pixel here
+                        "input_scale": 128.0 * args.gen_size / 512,
                     }
                 )
     if args.only:
@@ -126,6 +128,7 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         implicit=setting["implicit"],
         num_layers=setting["layers"],
         hidden_size=setting["width"],
+        input_scale=float(setting.get("input_scale", 256.0)),
         out_features=data.train_values.shape[-1],
         deq={**neumann_backward(T)},
         task_specific_params={
