@@ -13,7 +13,7 @@ Example:
     >>> import torch
     >>> from deqzoo.core import SpectralProjector
     >>> lin = torch.nn.Linear(16, 16)
-    >>> with torch.no_grad(): lin.weight.mul_(10)
+    >>> with torch.no_grad(): _ = lin.weight.mul_(10)
     >>> proj = SpectralProjector([lin.weight], max_norm=1.0)
     >>> sigmas = proj.step()                       # after optimizer.step()
     >>> bool(torch.linalg.matrix_norm(lin.weight, ord=2) <= 1.0 + 1e-3)
