@@ -1,4 +1,4 @@
-"""`deqzoo bench implicit2` end to end on a tiny grid: JSON with ratios against explicit 4L, reuse NFE, PNGs."""
+"""`deqzoo bench implicit2` end to end on a tiny grid: JSON with ratios vs explicit 4L, reuse NFE, PNGs."""
 
 import json
 
