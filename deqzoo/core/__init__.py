@@ -1,10 +1,12 @@
 """deqzoo's engine: solvers, backward modes, norms, regularizers, statistics. Knows nothing about models."""
 
-from .backward import BACKWARD_MODES, register_backward
+from .backward import BACKWARD_MODES, neumann_backward, register_backward
 from .config import DEQConfig
 from .deq import DEQ, DEQConvergenceError
 from .norm import NORMS, apply_norm, register_norm, remove_norm, reset_norm
+from .projection import SpectralProjector, spectral_norm_estimate
 from .regularize import VariationalDropout, fp_correction, jacobian_reg, mixed_init, reset_dropout
+from .reuse import FixedPointCache
 from .solvers import SOLVERS, get_solver, register_solver, solve
 from .state import StatePacker
 from .stats import SolverStats
@@ -14,8 +16,10 @@ __all__ = [
     "DEQ",
     "DEQConfig",
     "DEQConvergenceError",
+    "FixedPointCache",
     "NORMS",
     "SOLVERS",
+    "SpectralProjector",
     "SolverStats",
     "StatePacker",
     "VariationalDropout",
@@ -24,6 +28,7 @@ __all__ = [
     "get_solver",
     "jacobian_reg",
     "mixed_init",
+    "neumann_backward",
     "register_backward",
     "register_norm",
     "register_solver",
@@ -31,4 +36,5 @@ __all__ = [
     "reset_dropout",
     "reset_norm",
     "solve",
+    "spectral_norm_estimate",
 ]

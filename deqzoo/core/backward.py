@@ -97,8 +97,12 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
         finally:
             busy = False
 
-    fx.register_hook(hook)
-    return fx
+    # The hook sits on a view of fx, not on fx: tensor hooks live in C++, where Python's cycle collector
+    # cannot
+    # see them, so a hook on fx whose closure holds fx would keep every step's graph alive forever.
+    out = fx.view_as(fx)
+    out.register_hook(hook)
+    return out
 
 
 def _solve_adjoint(
@@ -232,3 +236,23 @@ def unrolled(g, x_star, ctx: BackwardContext):
 
 
 unrolled.needs_solve = False
+
+
+def neumann_backward(terms: float) -> dict[str, Any]:
+    """DEQConfig fields for a Neumann phantom gradient with `terms` extra terms (Implicit²'s NPG with T
+    terms):
+    the adjoint (I - Jᵀ)^{-1} g approximated by Σ_{i=0..T} (Jᵀ)^i g. T = 0 is Jacobian-free backprop,
+    T = math.inf is implicit differentiation (IFT), T = 1 is Implicit²'s default (one extra term).
+
+    Example:
+        >>> from deqzoo.core import DEQConfig, neumann_backward
+        >>> DEQConfig(**neumann_backward(1)).b_mode_kwargs
+        {'k': 2, 'tau': 1.0, 'variant': 'npg'}
+    """
+    if terms == float("inf"):
+        return {"b_mode": "ift", "b_mode_kwargs": {}}
+    if isinstance(terms, bool) or not float(terms).is_integer() or terms < 0:
+        raise ValueError(f"neumann_backward: terms must be an integer >= 0 or math.inf, got {terms!r}")
+    if terms == 0:
+        return {"b_mode": "jacobian_free", "b_mode_kwargs": {}}
+    return {"b_mode": "phantom", "b_mode_kwargs": {"k": int(terms) + 1, "tau": 1.0, "variant": "npg"}}

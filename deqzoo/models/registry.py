@@ -67,4 +67,19 @@ FAMILIES: list[Family] = [
         },
         architectures=f"{_M}.ignn.configuration_ignn:ARCHITECTURES",
     ),
+    Family(
+        model_type="implicit2",
+        config=f"{_M}.implicit2.configuration_implicit2:Implicit2Config",
+        models={
+            "AutoModel": f"{_M}.implicit2.modeling_implicit2:Implicit2Model",
+        },
+        # transformers has no Auto class for coordinate-to-signal networks: heads found by
+        # config.architectures
+        heads={
+            "Implicit2ForSignalRepresentation": (
+                f"{_M}.implicit2.modeling_implicit2:Implicit2ForSignalRepresentation"
+            ),
+        },
+        architectures=f"{_M}.implicit2.configuration_implicit2:ARCHITECTURES",
+    ),
 ]

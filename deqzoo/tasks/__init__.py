@@ -20,6 +20,7 @@ TASKS: dict[str, str] = {
     "pydoc_lm": "deqzoo.tasks.pydoc_lm",
     "chains": "deqzoo.tasks.chains",
     "ddim_digits": "deqzoo.tasks.ddim_digits",
+    "implicit2": "deqzoo.tasks.implicit2",
 }
 
 

@@ -1,0 +1,180 @@
+"""Convert locuslab/ImpSq (Huang, Bai & Kolter 2021, the original release) checkpoints to deqzoo Implicit².
+
+Input: a state dict of the original ``DEQImplicitNN`` (``modules/models.py``; the implicit networks and, with
+``one_pass=True``, the explicit baselines of its summary dicts) saved with ``torch.save(model.state_dict(),
+path)`` (plain, or under ``state_dict``/``model``), read with ``torch.load(weights_only=True)``. The training
+scripts' ``*_summary.pth`` files keep such state dicts in ``summary[model_id]["state_dicts"]``: save one of
+them on its own first (the summary also pickles numpy images, which a weights-only load refuses).
+
+Mapping (``P = implicit_layer.f.``):
+- ``P init_filter.x_map.*`` -> ``implicit2.init_filter.x_map.*``; Gabor ``mu``, ``gamma`` likewise;
+- ``P layers.K.filter.*`` -> ``implicit2.layers.K.filter.*``;
+- ``P layers.K.z_map.{weight_orig, weight_u, weight_v}`` (the original's spectral norm, target 0.97) folded
+  into ``implicit2.layers.K.z_map.weight`` = W / max(1, σ / 0.97), σ = uᵀ W v from the stored vectors, exactly
+  what the original computes in evaluation; a plain ``weight`` (norm "none") or ``weight_g``/``weight_v``
+  (weight norm) are handled too;
+- ``output_map.*`` -> ``head.*``.
+Dropped: the Fourier filter's ``x_map_2`` (the original's forward never reads it) and the constant
+``init_filter_in`` buffer (ones for MFNs, zeros for SIREN, which deqzoo's filters build in).
+
+The filter type is recognised from the keys (``mu``/``gamma``: Gabor; ``x_map_2``: Fourier; neither: SIREN).
+Whether the network is implicit is not stored in a state dict: ``--option implicit=false`` for the explicit
+baselines (default true). Solver settings follow the original (forward iteration, relative tolerance 1e-3,
+100 steps, NPG with T = 1).
+
+    deqzoo convert implicit2-impsq camera_gabor.pt out_dir --option implicit=true
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._common import load_state_dict
+
+__all__ = ["FORMATS", "convert", "fold_spectral_norm"]
+
+_P = "implicit_layer.f."
+
+
+def fold_spectral_norm(
+    w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, target: float = 0.97
+) -> torch.Tensor:
+    """The original's evaluation-time weight: W / max(1, σ / target) with σ = uᵀ W v (stored power
+    vectors)."""
+    sigma = torch.dot(u, w @ v)
+    return w / torch.clamp(sigma / target, min=1.0)
+
+
+def _take(sd: dict[str, torch.Tensor], key: str, src: Path) -> torch.Tensor:
+    if key not in sd:
+        raise KeyError(
+            f"{src}: missing key {key!r} for the original DEQImplicitNN layout (have {sorted(sd)[:20]})"
+        )
+    return sd.pop(key)
+
+
+def _filter(sd, prefix: str, dst: str, kind: str, state: dict, src: Path) -> None:
+    state[f"{dst}.x_map.weight"] = _take(sd, f"{prefix}.x_map.weight", src)
+    state[f"{dst}.x_map.bias"] = _take(sd, f"{prefix}.x_map.bias", src)
+    if kind == "gabor":
+        state[f"{dst}.mu"] = _take(sd, f"{prefix}.mu", src)
+        state[f"{dst}.gamma"] = _take(sd, f"{prefix}.gamma", src)
+    sd.pop(f"{prefix}.x_map_2.weight", None)
+    sd.pop(f"{prefix}.x_map_2.bias", None)
+
+
+def _z_map(sd, prefix: str, src: Path, target: float) -> torch.Tensor:
+    if f"{prefix}.weight_orig" in sd:
+        w = _take(sd, f"{prefix}.weight_orig", src)
+        u, v = _take(sd, f"{prefix}.weight_u", src), _take(sd, f"{prefix}.weight_v", src)
+        return fold_spectral_norm(w, u, v, target)
+    if f"{prefix}.weight_g" in sd:
+        g, v = _take(sd, f"{prefix}.weight_g", src), _take(sd, f"{prefix}.weight_v", src)
+        return v * (g.reshape(-1, 1) / v.norm(dim=1, keepdim=True))
+    return _take(sd, f"{prefix}.weight", src)
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    implicit: bool = True,
+    input_scale: float = 256.0,
+    spectral_target: float = 0.97,
+    deq: dict[str, Any] | None = None,
+    **options: Any,
+) -> Path:
+    """Convert an original ImpSq ``DEQImplicitNN`` state dict into a deqzoo checkpoint directory `out`.
+
+    Example:
+        >>> src = "conversion/fixtures/implicit2/impsq_gabor_1l_implicit_state_dict.pt"
+        >>> convert(src, "/tmp/implicit2-conv")  # doctest: +SKIP
+    """
+    from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
+
+    src = Path(src)
+    sd = load_state_dict(src)
+    if not isinstance(implicit, bool):
+        raise ValueError(f"option implicit must be true or false, got {implicit!r}")
+    layer_ids = sorted(
+        {int(m.group(1)) for k in sd if (m := re.match(re.escape(_P) + r"layers\.(\d+)\.", k))}
+    )
+    if not layer_ids or layer_ids != list(range(len(layer_ids))):
+        raise ValueError(
+            f"{src}: expected layers {_P}layers.0..N-1, found {layer_ids}; keys: {sorted(sd)[:12]}"
+        )
+    if any(k.startswith(_P + "shared_layer.") for k in sd):
+        raise ValueError(f"{src}: weight-shared MFNs (shared_layer) are not supported")
+    if f"{_P}init_filter.mu" in sd:
+        kind = "gabor"
+    elif f"{_P}init_filter.x_map_2.weight" in sd:
+        kind = "fourier"
+    else:
+        kind = "siren"
+    sd.pop(f"{_P}init_filter_in", None)
+    state: dict[str, torch.Tensor] = {}
+    _filter(sd, f"{_P}init_filter", "implicit2.init_filter", kind, state, src)
+    for k in layer_ids:
+        state[f"implicit2.layers.{k}.z_map.weight"] = _z_map(
+            sd, f"{_P}layers.{k}.z_map", src, spectral_target
+        )
+        state[f"implicit2.layers.{k}.z_map.bias"] = _take(sd, f"{_P}layers.{k}.z_map.bias", src)
+        _filter(sd, f"{_P}layers.{k}.filter", f"implicit2.layers.{k}.filter", kind, state, src)
+    state["head.weight"] = _take(sd, "output_map.weight", src)
+    state["head.bias"] = _take(sd, "output_map.bias", src)
+    if sd:
+        raise ValueError(f"{src}: unexpected key(s) {sorted(sd)} for the original DEQImplicitNN layout")
+    hidden, in_features = state["implicit2.init_filter.x_map.weight"].shape
+    config = Implicit2Config(
+        in_features=in_features,
+        out_features=state["head.weight"].shape[0],
+        hidden_size=hidden,
+        num_layers=len(layer_ids),
+        filter_type=kind,
+        implicit=implicit,
+        input_scale=input_scale,
+        architectures=[Implicit2ForSignalRepresentation.__name__],
+        **({"deq": deq} if deq else {}),
+        **options,
+    )
+    model = Implicit2ForSignalRepresentation(config)
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"{src}: converted weights do not fit: missing {missing}, unexpected {unexpected}, "
+            f"mis-shaped {shapes}"
+        )
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    out = Path(out)
+    model.save_pretrained(out)
+    _write_card(out, kind, implicit)
+    return out
+
+
+def _write_card(path: Path, kind: str, implicit: bool) -> None:
+    from deqzoo.hub.cards import render_model_card
+
+    meta = {
+        "license": "mit",
+        "library_name": "deqzoo",
+        "tags": ["deqzoo", "deep-equilibrium", "implicit2", "implicit-neural-representation", "converted"],
+    }
+    body = (
+        f"# Implicit² ({'implicit' if implicit else 'explicit'} {kind}) converted from locuslab/ImpSq\n\n"
+        f"Converted with `deqzoo convert implicit2-impsq` from an original-format state dict; the original's "
+        f"spectral norm is folded into the weights. No evaluation was run by the converter.\n"
+    )
+    (path / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
+
+
+FORMATS = {"implicit2-impsq": convert}

@@ -1,0 +1,356 @@
+"""Implicit-representation tasks (Implicit², Huang, Bai & Kolter 2021) on scikit-image's bundled images.
+
+- Representation: fit one image on its full pixel grid; PSNR on the same pixels.
+- Generalization: fit on 25% of the pixels (even rows and columns of the grid) and measure PSNR on a disjoint
+  25% (odd rows and columns), as the original does on its Natural and Text sets.
+
+Images are center-cropped to a square, resized (anti-aliased) to ``size`` x ``size`` and mapped to [-1, 1]
+(2·intensity - 1, as the original); coordinates are the grid over [-1, 1]² (x = column, y = row). PSNR is the
+original's: on intensities clamped to [0, 1]. Training is full-batch Adam with the original's recipe:
+fixed-point reuse across steps (`deqzoo.core.FixedPointCache`), the spectral bound on W kept after every step
+(`deqzoo.core.SpectralProjector`), NPG with T = 1 (the model config's backward mode).
+
+No audio clip ships with the installed packages (scipy.datasets downloads on demand), so there is no
+audio task.
+
+A checkpoint names its image in ``config.task_specific_params["implicit2"]`` (image, size, split); `evaluate`,
+`demo` and `predict` read it there.
+
+Example:
+    >>> from deqzoo.tasks.implicit2 import image_data
+    >>> data = image_data("camera", 32, "generalization")
+    >>> data.train_coords.shape, data.train_values.shape, data.test_coords.shape
+    (torch.Size([256, 2]), torch.Size([256, 1]), torch.Size([256, 2]))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core import FixedPointCache, SolverStats, SpectralProjector
+
+__all__ = [
+    "IMAGES",
+    "ImageData",
+    "demo",
+    "evaluate",
+    "fit",
+    "image_data",
+    "load_image",
+    "predict",
+    "psnr",
+    "task_settings",
+]
+
+# scikit-image's bundled images (no download); the generalization table runs over all of them
+IMAGES: dict[str, str] = {
+    "camera": "gray",
+    "astronaut": "rgb",
+    "coffee": "rgb",
+    "chelsea": "rgb",
+    "rocket": "rgb",
+    "text": "gray",
+}
+SPLITS = ("full", "generalization")
+
+
+def load_image(name: str, size: int) -> torch.Tensor:
+    """A bundled image as a (size, size, C) float tensor in [0, 1] (center square crop, anti-aliased resize).
+
+    Example:
+        >>> load_image("camera", 16).shape
+        torch.Size([16, 16, 1])
+    """
+    if name not in IMAGES:
+        raise ValueError(f"unknown image {name!r}; bundled images: {sorted(IMAGES)}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= 2048:
+        raise ValueError(f"image size must be an integer in [2, 2048], got {size!r}")
+    import skimage.data
+    from skimage.transform import resize
+
+    img = getattr(skimage.data, name)()
+    img = img.astype(np.float64) / 255.0
+    if img.ndim == 2:
+        img = img[:, :, None]
+    h, w = img.shape[:2]
+    s = min(h, w)
+    top, left = (h - s) // 2, (w - s) // 2
+    img = img[top : top + s, left : left + s]
+    if s != size:
+        img = resize(img, (size, size), anti_aliasing=True, order=3)
+    return torch.from_numpy(np.clip(img, 0.0, 1.0)).float()
+
+
+@dataclass
+class ImageData:
+    """Coordinates (N, 2) and values (N, C) in [-1, 1] for training and for measuring PSNR."""
+
+    name: str
+    size: int
+    split: str
+    image: torch.Tensor  # (size, size, C) in [0, 1]
+    train_coords: torch.Tensor
+    train_values: torch.Tensor
+    test_coords: torch.Tensor
+    test_values: torch.Tensor
+    train_shape: tuple[int, int] = field(default=(0, 0))
+
+
+def image_data(name: str, size: int, split: str = "full") -> ImageData:
+    """The task's data: ``split="full"`` trains and tests on every pixel; ``"generalization"`` trains on the
+    even rows/columns and tests on the odd ones (disjoint quarters of the grid)."""
+    from ..models.implicit2 import coordinate_grid
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    img = load_image(name, size)
+    c = img.shape[-1]
+    grid = coordinate_grid((size, size)).reshape(size, size, 2)
+    values = img * 2 - 1
+    if split == "full":
+        tc, tv = grid.reshape(-1, 2), values.reshape(-1, c)
+        return ImageData(name, size, split, img, tc, tv, tc, tv, (size, size))
+    tr, te = (slice(0, None, 2), slice(0, None, 2)), (slice(1, None, 2), slice(1, None, 2))
+    return ImageData(
+        name,
+        size,
+        split,
+        img,
+        grid[tr].reshape(-1, 2),
+        values[tr].reshape(-1, c),
+        grid[te].reshape(-1, 2),
+        values[te].reshape(-1, c),
+        tuple(grid[tr].shape[:2]),
+    )
+
+
+def psnr(values: torch.Tensor, target: torch.Tensor) -> float:
+    """PSNR in dB of signals in [-1, 1], on intensities clamped to [0, 1] (the original's metric)."""
+    a = ((values.detach().double() + 1) / 2).clamp(0, 1)
+    b = ((target.detach().double() + 1) / 2).clamp(0, 1)
+    mse = float(((a - b) ** 2).mean())
+    return math.inf if mse == 0 else -10.0 * math.log10(mse)
+
+
+class _SavedBytes:
+    """Bytes of the distinct tensor storages autograd saves for backward during one step (activation
+    memory)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+            self.storages[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def fit(
+    model,
+    coords: torch.Tensor,
+    values: torch.Tensor,
+    steps: int,
+    *,
+    lr: float = 1e-3,
+    reuse: bool = True,
+    project: bool = True,
+    eval_every: int = 25,
+    eval_fn=None,
+    memory_step: int = 5,
+    progress: bool = True,
+    desc: str = "fit",
+) -> dict[str, Any]:
+    """Full-batch Adam on (coords, values) for `steps` steps; returns the history.
+
+    History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models), ``residual`` (the
+    solve's relative residual at its returned iterate) and ``step_time``
+    (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn
+    is given;
+    ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
+    gradients
+    and Adam moments.
+    """
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    cache = FixedPointCache() if reuse else None
+    max_norm = model.config.spectral_max_norm
+    projector = SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
+    hist: dict[str, Any] = {
+        "loss": [],
+        "nfe": [],
+        "residual": [],
+        "step_time": [],
+        "eval": [],
+        "saved_bytes": 0,
+    }
+    n_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    hist["state_bytes"] = 4 * n_params  # weights, gradients, two Adam moments
+    model.train()
+    for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, mininterval=5):
+        t0 = time.perf_counter()
+        meter = _SavedBytes() if step == memory_step else None
+        if meter is not None:
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+                out = model(coords, values, fixed_point_cache=cache)
+            hist["saved_bytes"] = meter.total
+        else:
+            out = model(coords, values, fixed_point_cache=cache)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        hist["loss"].append(float(out.loss.detach()))
+        hist["nfe"].append(out.deq_stats.nfe if out.deq_stats is not None else 0)
+        hist["residual"].append(float(out.deq_stats.rel_residual.max()) if out.deq_stats is not None else 0.0)
+        opt.step()
+        if projector is not None:
+            projector.step()
+        del out  # this step's graph goes now, before the evaluation below
+        hist["step_time"].append(time.perf_counter() - t0)
+
+        if eval_fn is not None and (step % eval_every == 0 or step == steps):
+            model.eval()
+            hist["eval"].append((step, eval_fn(model)))
+            model.train()
+    model.eval()
+    return hist
+
+
+def task_settings(model) -> dict[str, Any]:
+    """The image, size and split a checkpoint was fitted on (``config.task_specific_params["implicit2"]``)."""
+    params = (getattr(model.config, "task_specific_params", None) or {}).get("implicit2")
+    if not params or "image" not in params or "size" not in params:
+        raise ValueError(
+            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; "
+            "it was not "
+            "fitted by the implicit2 task (see examples/implicit2/)"
+        )
+    return {"split": "full", **params}
+
+
+@torch.no_grad()
+def _values(model, coords: torch.Tensor, chunk: int = 65536) -> tuple[torch.Tensor, list[SolverStats]]:
+    outs, stats = [], []
+    for start in range(0, coords.shape[0], chunk):
+        out = model(coords[start : start + chunk])
+        outs.append(out.values)
+        if out.deq_stats is not None:
+            stats.append(out.deq_stats)
+    return torch.cat(outs), stats
+
+
+def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
+    """PSNR (dB) of the representation on its task's test pixels (all pixels for a representation checkpoint)
+    from a zero initial state, and the forward solve's f-evaluations; `limit` scores only the first N
+    pixels."""
+    s = task_settings(model)
+    data = image_data(s["image"], int(s["size"]), s["split"])
+    coords, target = data.test_coords, data.test_values
+    if limit is not None:
+        coords, target = coords[:limit], target[:limit]
+    model.eval()
+    values, stats = _values(model, coords)
+    result = {"psnr": round(psnr(values, target), 2)}
+    if stats:
+        result["nfe"] = float(max(st.nfe for st in stats))
+    return result
+
+
+def _save_png(image: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+
+    arr = (image.detach().cpu().numpy() * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+    Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
+
+
+def _free_path(path: Path) -> Path:
+    """`path`, or path-1, path-2... if a file is already there (never overwrite a user's file)."""
+    if not path.exists():
+        return path
+    for i in range(1, 10000):
+        cand = path.with_name(f"{path.stem}-{i}{path.suffix}")
+        if not cand.exists():
+            return cand
+    raise FileExistsError(f"{path}: too many existing renders")
+
+
+def demo(model) -> tuple[str, SolverStats]:
+    """Render the representation at twice its fitted resolution into demo_output/ and report the PSNR at the
+    fitted resolution; returns (summary line, the 2x render's solve statistics)."""
+    s = task_settings(model)
+    size = int(s["size"])
+    data = image_data(s["image"], size, s["split"])
+    values, stats = _values(model.eval(), data.test_coords)
+    render_values, render_stats = _values(model, _render_coords(model, 2 * size, 2 * size))
+    image = ((render_values + 1) / 2).clamp(0, 1).reshape(2 * size, 2 * size, -1)
+    out_dir = Path("demo_output")
+    out_dir.mkdir(exist_ok=True)
+    path = _free_path(out_dir / f"implicit2_{s['image']}_{2 * size}x{2 * size}.png")
+    _save_png(image, path)
+    summary = (
+        f"{s['image']} ({s['split']}, {size}x{size}): PSNR {psnr(values, data.test_values):.2f} dB; "
+        f"rendered at 2x ({2 * size}x{2 * size}) to {path}"
+    )
+    st = (render_stats or [None])[0]
+    if st is None:  # explicit networks have no solve: report an empty one
+        st = SolverStats(
+            nfe=0,
+            abs_residual=torch.zeros(1),
+            rel_residual=torch.zeros(1),
+            trace=torch.zeros(0),
+            converged=torch.ones(1, dtype=torch.bool),
+            solver="none",
+        )
+    return summary, st
+
+
+def _render_coords(model, height: int, width: int) -> torch.Tensor:
+    from ..models.implicit2 import coordinate_grid
+
+    low, high = model.config.coordinate_range
+    return coordinate_grid((height, width), low, high)
+
+
+def predict(model, input: str) -> str:
+    """Render the representation to a PNG. INPUT is ``HxW`` (e.g. ``512x512``), ``Nx`` (e.g. ``2x``: N times
+    the fitted resolution), optionally followed by ``:PATH.png``; without a path the file is
+    ``implicit2_<image>_<H>x<W>.png`` in the current directory (a numbered name if that exists: an existing
+    file is never overwritten)."""
+    text = str(input).strip()
+    spec, _, target = text.partition(":")
+    spec = spec.lower()
+    s = task_settings(model)
+    try:
+        if spec.endswith("x") and spec[:-1].replace(".", "", 1).isdigit():
+            factor = float(spec[:-1])
+            h = w = int(round(factor * int(s["size"])))
+        else:
+            hs, ws = spec.split("x")
+            h, w = int(hs), int(ws)
+    except ValueError:
+        raise ValueError(
+            f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), optionally ':out.png'"
+        ) from None
+    if not (1 <= h <= 8192 and 1 <= w <= 8192):
+        raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
+    path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"predict: output {path} must end in .png")
+    path = _free_path(path)
+    start = time.perf_counter()
+    image = model.eval().render(h, w)
+    _save_png(image, path)
+    return f"rendered {s['image']} representation at {h}x{w} to {path} ({time.perf_counter() - start:.1f}s)"
