@@ -207,6 +207,15 @@ def _plot(traces: dict[str, Any], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _task_demo(task, model, output_dir: Path):
+    """A task's demo; tasks that write files (renders, sample grids) put them in the demo's folder."""
+    import inspect
+
+    if "output_dir" in inspect.signature(task.demo).parameters:
+        return task.demo(model, output_dir=output_dir)
+    return task.demo(model)
+
+
 def run_demo(names: list[str], output_dir: Path, progress: bool = True) -> tuple[list[list[str]], list[str]]:
     """Run each checkpoint's task demo with every registered solver; returns (table rows, failures)."""
     from tqdm.auto import tqdm
@@ -220,20 +229,20 @@ def run_demo(names: list[str], output_dir: Path, progress: bool = True) -> tuple
             task = _task_module(directory, meta)
             if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
                 start = time.perf_counter()
-                summary, stats = task.demo(model)
+                summary, stats = _task_demo(task, model, output_dir)
                 rows.append([str(name), summary, str(stats.nfe), f"{float(stats.residual.max()):.2e}",
                              f"{time.perf_counter() - start:.2f}s", "-"])
                 continue
             default = model.config.deq_config
             start = time.perf_counter()
-            summary, stats = task.demo(model)
+            summary, stats = _task_demo(task, model, output_dir)
             elapsed = time.perf_counter() - start
             traces = {f"{default.f_solver} (card)": (stats.trace.tolist(), stats.stop_mode)}
             for solver in tqdm(solvers, desc=name, leave=False, disable=not progress):
                 if solver == default.f_solver:
                     continue
                 model.set_deq(f_solver=solver)
-                _, solver_stats = task.demo(model)
+                _, solver_stats = _task_demo(task, model, output_dir)
                 traces[solver] = (solver_stats.trace.tolist(), solver_stats.stop_mode)
             model.set_deq(f_solver=default.f_solver)
             png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"

@@ -306,7 +306,7 @@ class DEQPreTrainedModel(PreTrainedModel):
 def _solver_stats(output: Any) -> list[SolverStats]:
     """Every SolverStats in a model output (ModelOutput or tuple), one level of nesting deep."""
     if isinstance(output, ModelOutput):
-        values = list(output.values())
+        values = list(dict.values(output))  # not output.values(): a field may be called `values` (INRs)
     else:
         values = list(output) if isinstance(output, tuple) else []
     found: list[SolverStats] = []

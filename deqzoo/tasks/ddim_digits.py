@@ -190,10 +190,11 @@ def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int
     return Path(path), out.deq_stats
 
 
-def demo(pipe):
-    """Sample a grid of 16 digits (T = 10) to demo_output/; returns a summary line and the solve's stats."""
-    Path("demo_output").mkdir(exist_ok=True)
-    path, stats = sample_grid(pipe, "demo_output/ddim-digits-16_samples.png", n=16)
+def demo(pipe, output_dir: str | Path = "demo_output"):
+    """Sample a grid of 16 digits (T = 10) into `output_dir` (the demo's own folder; its grid is replaced on
+    every run); returns a summary line and the solve's stats."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    path, stats = sample_grid(pipe, Path(output_dir) / "ddim-digits-16_samples.png", n=16)
     return f"16 digits sampled by DEQ-DDIM (T=10) -> {path}", stats
 
 

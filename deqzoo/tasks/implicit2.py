@@ -287,18 +287,20 @@ def _free_path(path: Path) -> Path:
     raise FileExistsError(f"{path}: too many existing renders")
 
 
-def demo(model) -> tuple[str, SolverStats]:
-    """Render the representation at twice its fitted resolution into demo_output/ and report the PSNR at the
-    fitted resolution; returns (summary line, the 2x render's solve statistics)."""
+def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStats]:
+    """Render the representation at twice its fitted resolution into `output_dir` (the demo's own folder; its
+    render is replaced on every run) and report the PSNR at the fitted resolution; returns (summary line, the
+    2x render's solve statistics)."""
     s = task_settings(model)
     size = int(s["size"])
     data = image_data(s["image"], size, s["split"])
     values, stats = _values(model.eval(), data.test_coords)
     render_values, render_stats = _values(model, _render_coords(model, 2 * size, 2 * size))
     image = ((render_values + 1) / 2).clamp(0, 1).reshape(2 * size, 2 * size, -1)
-    out_dir = Path("demo_output")
-    out_dir.mkdir(exist_ok=True)
-    path = _free_path(out_dir / f"implicit2_{s['image']}_{2 * size}x{2 * size}.png")
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = Path(getattr(model, "name_or_path", "") or "implicit2").name
+    path = out_dir / f"{name}_{2 * size}x{2 * size}.png"
     _save_png(image, path)
     summary = (
         f"{s['image']} ({s['split']}, {size}x{size}): PSNR {psnr(values, data.test_values):.2f} dB; "
