@@ -51,12 +51,15 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
 # "deqzoo/<name>"); create_model, from_pretrained and timm accept it, and the older spellings below stay as
 # aliases. timm names are the canonical ones with "_" for "-" (timm names are Python identifiers).
 # canonical name -> (architecture preset, aliases)
-MODEL_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
+MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
     "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
                                   ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
     "deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ()),
     "ignn-chains": ("ignn-chains", ()),
+    "implicit2-isiren-camera": ("implicit2-isiren-1l256d", ()),
+    "implicit2-igabor-mfn-camera": ("implicit2-igabor-mfn-1l256d", ()),
+    "ddim-digits-16": (None, ()),  # a diffusers repository: its UNet is built by diffusers, not from a preset
 }
 
 

@@ -17,6 +17,8 @@ from .validation import confined, load_yaml
 
 CARD_NAME = "README.md"
 MAX_CARD_BYTES = 16 * 1024 * 1024
+# tasks with a transformers pipeline that the zoo's heads serve (card snippets use it); others use AutoModel
+TRANSFORMERS_PIPELINES = frozenset({"image-classification", "image-segmentation", "text-generation"})
 _FRONT = "---"
 
 
@@ -117,6 +119,10 @@ def write_model_card(
                           datasets=datasets, dataset_name=dataset_name, metrics=metrics, tags=tags,
                           base_model=base_model, license=license)
     metric_rows = "\n".join(f"| {m['name']} | `{m['type']}` | {m['value']} |" for m in metrics)
+    if pipeline_tag in TRANSFORMERS_PIPELINES:
+        stock_line = f'pipe = transformers.pipeline("{pipeline_tag}", model=str(resolve("{model_id}")))'
+    else:  # transformers has no pipeline for this task: the family's base model through AutoModel
+        stock_line = f'model = transformers.AutoModel.from_pretrained(str(resolve("{model_id}")))'
     body = f"""# {title}
 
 {body_markdown.strip()}
@@ -144,7 +150,7 @@ With stock transformers after `import deqzoo` (which registers the family with t
 import deqzoo, transformers
 from deqzoo.hub import resolve
 
-pipe = transformers.pipeline("{pipeline_tag}", model=str(resolve("{model_id}")))
+{stock_line}
 ```
 
 From the command line:

@@ -90,8 +90,14 @@ def generalization_table(path: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    bench = Path(argv[0])
-    compare = Path(argv[1]) if len(argv) > 1 else None
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("bench", type=Path, help="the bench output folder holding models/ and runs/")
+    parser.add_argument("compare", type=Path, nargs="?", help="a second bench folder (side-by-side table)")
+    args = parser.parse_args(argv)
+    bench, compare = args.bench, args.compare
     for setting, (name, title, filt) in CARDS.items():
         src = bench / "models" / setting
         run = bench / "runs" / f"{setting}.json"

@@ -23,6 +23,8 @@ TINY = {
     "ignn": ({"in_features": 3, "hidden_size": 8, "num_labels": 2, "graph_head_hidden": 8},
              lambda: {"x": torch.randn(5, 3), "edge_index": torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])}),
 }
+TINY["implicit2"] = ({"hidden_size": 8, "filter_type": "gabor", "in_features": 2, "out_features": 1},
+                     lambda: {"coords": torch.rand(2, 5, 2) * 2 - 1})
 EASY_SOLVE = {"f_max_iter": 200, "f_tol": 1e-5, "on_nonconvergence": "ignore"}
 
 

@@ -28,6 +28,8 @@ def test_canonical_name_builds_the_checkpoints_architecture(row):
     """create_model(<canonical name>) has exactly the parameter names and shapes of the published weights."""
     from safetensors import safe_open
 
+    if row["preset"] is None:
+        pytest.skip(f"{row['hub_id']} is a diffusers repository (diffusers builds its UNet from its config)")
     model = deqzoo.create_model(row["name"])
     with safe_open(str(resolve(row["hub_id"]) / "model.safetensors"), "pt") as f:
         published = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -69,5 +71,5 @@ def test_readme_lists_the_name_table():
     lines = {line.split("|")[1].strip(): line for line in readme.splitlines() if line.startswith("| ")}
     for row in model_names():
         cells = [c.strip() for c in lines[row["name"]].split("|")[1:-1]]
-        assert cells[:4] == [row["name"], row["hub_id"], row["preset"], row["timm"] or ""], cells
+        assert cells[:4] == [row["name"], row["hub_id"], row["preset"] or "", row["timm"] or ""], cells
         assert all(a in cells[4] for a in row["aliases"]), cells

@@ -138,10 +138,12 @@ class Implicit2Layer(nn.Module):
 
 @dataclass
 class Implicit2ModelOutput(DEQModelOutput):
-    """last_hidden_state: (B, N, D) equilibrium (or explicit) state; deq_stats: the solve's statistics
-    (None for explicit networks)."""
+    """last_hidden_state: (B, N, D) equilibrium (or explicit) state; hidden_states: (the input injection
+    g₀(x), the state) with ``output_hidden_states=True``; deq_stats: the solve's statistics (None for
+    explicit networks)."""
 
     last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
 
 
@@ -153,6 +155,7 @@ class Implicit2Output(DEQModelOutput):
     loss: torch.Tensor | None = None
     values: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
 
 
@@ -250,13 +253,17 @@ class Implicit2Model(Implicit2PreTrainedModel):
         coords: torch.Tensor,
         fixed_point_cache: FixedPointCache | None = None,
         cache_key: str = "default",
-        return_dict: bool = True,
-    ) -> Implicit2ModelOutput:
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> Implicit2ModelOutput | tuple:
         x = self.check_coordinates(coords)
         u0, responses = self.injection(x)
         z0 = u0.new_zeros(u0.shape)
+        hidden = self._flag(output_hidden_states, "output_hidden_states")
         if not self.config.implicit:
-            return Implicit2ModelOutput(last_hidden_state=self.layer_stack(z0, u0, responses))
+            z = self.layer_stack(z0, u0, responses)
+            return self._output(Implicit2ModelOutput(
+                last_hidden_state=z, hidden_states=(u0, z) if hidden else None), return_dict)
 
         def f(z: torch.Tensor) -> torch.Tensor:
             return self.layer_stack(z, u0, responses)
@@ -266,7 +273,12 @@ class Implicit2Model(Implicit2PreTrainedModel):
         z, stats = self.deq(f, z0)
         if fixed_point_cache is not None:
             fixed_point_cache.store(cache_key, z, key_input=x)
-        return Implicit2ModelOutput(last_hidden_state=z, deq_stats=stats)
+        return self._output(Implicit2ModelOutput(
+            last_hidden_state=z, hidden_states=(u0, z) if hidden else None, deq_stats=stats), return_dict)
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The first filter (the map of coordinates into the state's injection)."""
+        return self.init_filter
 
 
 class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
@@ -300,9 +312,12 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
         labels: torch.Tensor | None = None,
         fixed_point_cache: FixedPointCache | None = None,
         cache_key: str = "default",
-        return_dict: bool = True,
-    ) -> Implicit2Output:
-        out = self.implicit2(coords, fixed_point_cache=fixed_point_cache, cache_key=cache_key)
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> Implicit2Output | tuple:
+        out = self.implicit2(coords, fixed_point_cache=fixed_point_cache, cache_key=cache_key,
+                             output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
+                             return_dict=True)
         values = self.head(out.last_hidden_state)
         if coords.dim() == 2:
             values = values.squeeze(0)
@@ -311,9 +326,12 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
             if labels.shape != values.shape:
                 raise ValueError(f"labels have shape {tuple(labels.shape)}, the values {tuple(values.shape)}")
             loss = F.mse_loss(values, labels)
-        return Implicit2Output(
-            loss=loss, values=values, last_hidden_state=out.last_hidden_state, deq_stats=out.deq_stats
-        )
+        return self._output(Implicit2Output(
+            loss=loss, values=values, last_hidden_state=out.last_hidden_state,
+            hidden_states=out.hidden_states, deq_stats=out.deq_stats), return_dict)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.implicit2.get_input_embeddings()
 
     @torch.no_grad()
     def sample(self, sizes: tuple[int, ...] | list[int], chunk: int = 65536) -> tuple[torch.Tensor, list]:

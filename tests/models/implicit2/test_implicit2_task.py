@@ -102,8 +102,9 @@ def test_evaluate_needs_the_task_settings():
 
 def test_demo_renders_at_twice_the_size(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    summary, stats = task.demo(_tiny(size=8).eval())
+    summary, stats = task.demo(_tiny(size=8).eval(), output_dir=tmp_path / "out")
     assert "16x16" in summary and stats.nfe >= 1
-    assert (tmp_path / "demo_output" / "implicit2_camera_16x16.png").exists()
-    summary, stats = task.demo(_tiny(size=8, implicit=False).eval())
+    assert (tmp_path / "out" / "implicit2_16x16.png").exists()
+    assert not (tmp_path / "demo_output").exists()  # only the folder it was given
+    summary, stats = task.demo(_tiny(size=8, implicit=False).eval(), output_dir=tmp_path / "out")
     assert stats.nfe == 0
