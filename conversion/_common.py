@@ -38,3 +38,22 @@ def load_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{src}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
     return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def fill_model(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
+    """Load converted weights into `model`, strictly: missing, unexpected and mis-shaped keys are one error
+    naming `source` and both shapes; values are cast to the parameters' dtypes."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"{source}: converted weights do not fit {type(model).__name__}: missing {missing}, "
+            f"unexpected {unexpected}, mis-shaped {shapes}"
+        )
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._common import check_output, load_state_dict
+from ._common import check_output, fill_model, load_state_dict
 
 __all__ = ["FORMATS", "convert", "load_state_dict", "save_converted"]
 
@@ -54,20 +54,7 @@ def save_converted(
     from deqzoo.hub.cards import render_model_card
 
     model = model_cls(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(state) & set(expected))
-        if state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{source}: converted weights do not fit {model_cls.__name__}: missing {missing}, "
-            f"unexpected {unexpected}, mis-shaped {shapes}"
-        )
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    fill_model(model, state, source)
     out = Path(out)
     model.save_pretrained(out)
     meta = {

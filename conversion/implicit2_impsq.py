@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._common import load_state_dict
+from ._common import fill_model, load_state_dict
 
 __all__ = ["FORMATS", "convert", "fold_spectral_norm"]
 
@@ -142,19 +142,7 @@ def convert(
         **options,
     )
     model = Implicit2ForSignalRepresentation(config)
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(state) & set(expected))
-        if state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{src}: converted weights do not fit: missing {missing}, unexpected {unexpected}, "
-            f"mis-shaped {shapes}"
-        )
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    fill_model(model, state, src)
     out = Path(out)
     model.save_pretrained(out)
     _write_card(out, kind, implicit)
