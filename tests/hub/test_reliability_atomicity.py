@@ -24,7 +24,10 @@ import deqzoo
 from deqzoo.hub import saving
 
 toy = importlib.import_module("deqzoo_hub_toy_family")
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kill tests fork a child")
+# Forking a process whose numba/torch thread pools have run (the engine tests) can deadlock a child or leave a
+# lock held: these tests run in a pytest process of their own (`pytest -m forks`, a separate CI step).
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="kill tests fork a child"),
+              pytest.mark.forks]
 
 USER_FILES = {"optimizer.pt": b"adam state", "training_args.bin": b"args", "notes.txt": b"my notes"}
 NESTED_FILES = {"logs/events.txt": b"step 1\nstep 2\n", "checkpoint-10/optimizer.pt": b"older adam",
