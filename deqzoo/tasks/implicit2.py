@@ -241,17 +241,6 @@ def task_settings(model) -> dict[str, Any]:
     return {"split": "full", **params}
 
 
-@torch.no_grad()
-def _values(model, coords: torch.Tensor, chunk: int = 65536) -> tuple[torch.Tensor, list[SolverStats]]:
-    outs, stats = [], []
-    for start in range(0, coords.shape[0], chunk):
-        out = model(coords[start : start + chunk])
-        outs.append(out.values)
-        if out.deq_stats is not None:
-            stats.append(out.deq_stats)
-    return torch.cat(outs), stats
-
-
 def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
     """PSNR (dB) of the representation on its task's test pixels (all pixels for a representation checkpoint)
     from a zero initial state, and the forward solve's f-evaluations; `limit` scores only the first N
@@ -262,7 +251,7 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     if limit is not None:
         coords, target = coords[:limit], target[:limit]
     model.eval()
-    values, stats = _values(model, coords)
+    values, stats = model.values_at(coords)
     result = {"psnr": round(psnr(values, target), 2)}
     if stats:
         result["nfe"] = float(max(st.nfe for st in stats))
@@ -294,8 +283,8 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     s = task_settings(model)
     size = int(s["size"])
     data = image_data(s["image"], size, s["split"])
-    values, stats = _values(model.eval(), data.test_coords)
-    render_values, render_stats = _values(model, _render_coords(model, 2 * size, 2 * size))
+    values, stats = model.eval().values_at(data.test_coords)
+    render_values, render_stats = model.values_at(_render_coords(model, 2 * size, 2 * size))
     image = ((render_values + 1) / 2).clamp(0, 1).reshape(2 * size, 2 * size, -1)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

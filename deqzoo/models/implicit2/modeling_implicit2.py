@@ -346,13 +346,20 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
         low, high = self.config.coordinate_range
         p = next(self.parameters())
         grid = coordinate_grid(sizes, low, high, dtype=p.dtype).to(p.device)
+        values, stats = self.values_at(grid, chunk)
+        return values.reshape(*[int(s) for s in sizes], -1), stats
+
+    @torch.no_grad()
+    def values_at(self, coords: torch.Tensor, chunk: int = 65536) -> tuple[torch.Tensor, list[SolverStats]]:
+        """Values at (N, d) coordinates, solved in chunks of `chunk` points (memory stays bounded);
+        returns (values (N, C), per-chunk SolverStats, empty for explicit networks)."""
         values, stats = [], []
-        for start in range(0, grid.shape[0], chunk):
-            out = self(grid[start : start + chunk])
+        for start in range(0, coords.shape[0], chunk):
+            out = self(coords[start : start + chunk], return_dict=True)
             values.append(out.values)
             if out.deq_stats is not None:
                 stats.append(out.deq_stats)
-        return torch.cat(values).reshape(*[int(s) for s in sizes], -1), stats
+        return torch.cat(values), stats
 
     @torch.no_grad()
     def render(self, height: int, width: int, chunk: int = 65536) -> torch.Tensor:
