@@ -154,11 +154,19 @@ def cmd_convert(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from deqzoo.hub.push import push_folder
+    from deqzoo.hub.push import checkpoint_upload_files, push_folder
 
-    url = push_folder(args.directory, repo_id=args.repo_id, private=args.private or None, token=args.token,
-                      endpoint=args.endpoint)
-    print(f"pushed {args.directory} to {args.repo_id}: {url}")
+    _, stray = checkpoint_upload_files(args.directory) if Path(args.directory).is_dir() else ([], [])
+    if stray:
+        print(f"not uploading {len(stray)} file(s) a checkpoint does not need: {', '.join(stray[:10])}"
+              + (" ..." if len(stray) > 10 else ""))
+    info = push_folder(args.directory, repo_id=args.repo_id, private=args.private or None, token=args.token,
+                       endpoint=args.endpoint, commit_message=args.commit_message,
+                       commit_description=args.commit_description, revision=args.revision,
+                       create_pr=args.create_pr, tags=args.tag)
+    pr_url = getattr(info, "pr_url", None)
+    where = f"pull request {pr_url}" if pr_url else str(info)
+    print(f"pushed {args.directory} to {args.repo_id}: {where}")
     return 0
 
 
@@ -306,8 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
     p.add_argument("directory")
     p.add_argument("--repo-id", required=True)
-    p.add_argument("--private", action="store_true")
-    p.add_argument("--token", default=None)
+    p.add_argument("--commit-message", "-m", default=None, help='default: "Upload deqzoo model"')
+    p.add_argument("--commit-description", default=None)
+    p.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--tag", action="append", default=None, metavar="TAG",
+                   help="add a tag to the uploaded card's metadata (repeatable)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--token", default=None, help="default: $HF_TOKEN or the stored login")
     p.add_argument("--endpoint", default=None, help="defaults to $HF_ENDPOINT or huggingface.co")
     p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)",
                        epilog="available benchmarks: " + ", ".join(benchmark_names())

@@ -276,31 +276,44 @@ class DEQPreTrainedModel(PreTrainedModel):
         if not (args[0] if args else kwargs.get("is_main_process", True)):
             Path(save_directory).mkdir(parents=True, exist_ok=True)  # other ranks write nothing
             return
+        push_options = {k: kwargs.pop(k) for k in _PUSH_OPTIONS if k in kwargs}
         repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
-        private = kwargs.pop("private", None)
         parent_save = super().save_pretrained
         atomic_save(save_directory, lambda tmp: parent_save(str(tmp), *args, **kwargs))
         if push_to_hub:
             from .hub.push import push_folder
 
-            push_folder(save_directory, repo_id=repo_id, private=private, token=kwargs.get("token"))
+            push_folder(save_directory, repo_id=repo_id, token=kwargs.get("token"), **push_options)
 
-    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
-                    commit_message: str = "Upload deqzoo model", endpoint: str | None = None,
-                    **_: Any) -> str:
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None,
+                    commit_description: str | None = None, private: bool | None = None,
+                    token: bool | str | None = None, revision: str | None = None, create_pr: bool = False,
+                    max_shard_size: int | str | None = "50GB", tags: list[str] | None = None,
+                    endpoint: str | None = None) -> str:
         """Save to a temporary directory and upload it with huggingface_hub; returns the commit URL.
 
+        The options are transformers' (see :func:`deqzoo.hub.push.push_folder`): ``revision`` is the branch
+        to commit to, ``create_pr=True`` opens a pull request instead (its URL is ``result.pr_url``),
+        ``tags`` go into the uploaded card's metadata, ``private`` applies when the repository is created.
+
         Example:
-            >>> model.push_to_hub("me/mdeq-tiny-mnist")  # doctest: +SKIP
+            >>> model.push_to_hub("me/mdeq-tiny-mnist", create_pr=True, tags=["mnist"])  # doctest: +SKIP
         """
         import tempfile
 
         from .hub.push import push_folder
 
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(Path(tmp) / "checkpoint")
+            self.save_pretrained(Path(tmp) / "checkpoint", max_shard_size=max_shard_size)
             return push_folder(Path(tmp) / "checkpoint", repo_id=repo_id, private=private, token=token,
-                               commit_message=commit_message, endpoint=endpoint)
+                               commit_message=commit_message or "Upload deqzoo model",
+                               commit_description=commit_description, revision=revision, create_pr=create_pr,
+                               tags=tags, endpoint=endpoint)
+
+
+# save_pretrained(..., push_to_hub=True, <option>=...) forwards these to push_folder, as transformers does
+_PUSH_OPTIONS = ("commit_message", "commit_description", "private", "revision", "create_pr", "tags",
+                 "endpoint")
 
 
 def _solver_stats(output: Any) -> list[SolverStats]:

@@ -1,6 +1,8 @@
 """push_to_hub / `deqzoo push` end to end against a loopback server speaking the Hub endpoints the client
-calls (create repo, validate-yaml, preupload, commit, revision info, tree, resolve with etag), then reload via
-from_pretrained with HF_ENDPOINT pointing at it."""
+calls (create repo, create branch, validate-yaml, preupload, commit (to a branch or as a pull request),
+revision info, tree, resolve with etag), then reload via from_pretrained with HF_ENDPOINT pointing at it.
+The server records every request (method, path, query, headers, JSON body) so the tests can check that each
+upload option reached the Hub."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import pytest
 import torch
@@ -24,16 +26,41 @@ class FakeHub:
     """In-memory repos: {repo_id: {path: bytes}} plus a commit sha per repo."""
 
     def __init__(self):
-        self.repos: dict[str, dict[str, bytes]] = {}
-        self.sha: dict[str, str] = {}
+        self.repos: dict[str, dict[str, bytes]] = {}  # the main branch
+        self.branches: dict[tuple[str, str], dict[str, bytes]] = {}  # (repo_id, branch or refs/pr/N)
+        self.sha: dict[str, str] = {}  # main's commit per repo
+        self.ref_sha: dict[tuple[str, str], str] = {}  # every ref's commit
         self.calls: list[str] = []
+        self.requests: list[dict] = []  # method, path, query, headers (lower-case keys), json body
 
-    def commit(self, repo_id: str, files: dict[str, bytes]) -> str:
-        self.repos[repo_id].update(files)
+    def files(self, repo_id: str, ref: str = "main") -> dict[str, bytes]:
+        return self.repos[repo_id] if ref == "main" else self.branches[(repo_id, ref)]
+
+    def commit(self, repo_id: str, files: dict[str, bytes], ref: str = "main") -> str:
+        self.files(repo_id, ref).update(files)
         digest = hashlib.sha1(repr(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in
-                                           self.repos[repo_id].items())).encode()).hexdigest()
-        self.sha[repo_id] = digest
+                                           self.files(repo_id, ref).items())).encode()).hexdigest()
+        if ref == "main":
+            self.sha[repo_id] = digest
+        self.ref_sha[(repo_id, ref)] = digest
         return digest
+
+    def commit_of(self, repo_id: str, ref: str) -> str | None:
+        """The commit a branch name, refs/pr/N or sha points at."""
+        for (repo, name), sha in self.ref_sha.items():
+            if repo == repo_id and ref in (name, sha):
+                return sha
+        return None
+
+    def lookup(self, repo_id: str, ref: str) -> dict[str, bytes]:
+        """Files at a branch name, refs/pr/N or a commit sha ({} when unknown)."""
+        for (repo, name), sha in self.ref_sha.items():
+            if repo == repo_id and ref in (name, sha):
+                return self.files(repo_id, name)
+        return self.repos.get(repo_id, {}) if ref == "main" else self.branches.get((repo_id, ref), {})
+
+    def find(self, method: str, pattern: str) -> list[dict]:
+        return [r for r in self.requests if r["method"] == method and re.fullmatch(pattern, r["path"])]
 
 
 def _handler(hub: FakeHub):
@@ -58,16 +85,34 @@ def _handler(hub: FakeHub):
         def _body(self) -> bytes:
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+        def _record(self, method: str, body: bytes = b"") -> tuple[str, dict]:
+            url = urlparse(self.path)
+            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            try:
+                parsed = json.loads(body) if body else None
+            except ValueError:  # ndjson (commit payload)
+                parsed = [json.loads(line) for line in body.splitlines() if line.strip()]
+            hub.requests.append({"method": method, "path": url.path, "query": query, "json": parsed,
+                                 "headers": {k.lower(): v for k, v in self.headers.items()}})
+            hub.calls.append(f"{method} {url.path}")
+            return url.path, query
+
         def do_POST(self):  # noqa: N802 - http.server naming
-            path = urlparse(self.path).path
-            hub.calls.append(f"POST {path}")
             body = self._body()
+            path, query = self._record("POST", body)
             if path == "/api/repos/create":
                 data = json.loads(body)
                 org = data.get("organization")
                 repo_id = f"{org}/{data['name']}" if org else data["name"]
                 hub.repos.setdefault(repo_id, {})
                 return self._json({"url": f"http://{self.headers['Host']}/{repo_id}", "name": repo_id})
+            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/(.+)", path)
+            if m:
+                key = (m.group(1), unquote(m.group(2)))
+                if key in hub.branches:
+                    return self._json({"error": "Reference already exists"}, 409)
+                hub.branches[key] = dict(hub.repos[m.group(1)])
+                return self._json({})
             if path == "/api/validate-yaml":
                 return self._json({"errors": [], "warnings": []})
             m = re.fullmatch(r"/api/models/(.+)/preupload/(.+)", path)
@@ -78,7 +123,7 @@ def _handler(hub: FakeHub):
                 return self._json({"files": modes})
             m = re.fullmatch(r"/api/models/(.+)/commit/(.+)", path)
             if m:
-                repo_id = unquote(m.group(1))
+                repo_id, ref = unquote(m.group(1)), unquote(m.group(2))
                 files = {}
                 for line in body.splitlines():
                     item = json.loads(line)
@@ -86,37 +131,46 @@ def _handler(hub: FakeHub):
                         files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                     elif item["key"] != "header":
                         return self._json({"error": f"unsupported op {item['key']}"}, 400)
-                sha = hub.commit(repo_id, files)
+                if ref != "main" and (repo_id, ref) not in hub.branches:
+                    return self._json({"error": f"Invalid rev id: {ref}"}, 404)
                 host = f"http://{self.headers['Host']}"
+                pr_url = None
+                if query.get("create_pr") == "1":  # a pull request: a new ref on top of the target
+                    number = 1 + sum(1 for r, b in hub.branches if r == repo_id and b.startswith("refs/pr/"))
+                    hub.branches[(repo_id, f"refs/pr/{number}")] = dict(hub.files(repo_id, ref))
+                    ref, pr_url = f"refs/pr/{number}", f"{host}/{repo_id}/discussions/{number}"
+                sha = hub.commit(repo_id, files, ref)
                 return self._json({"commitUrl": f"{host}/{repo_id}/commit/{sha}", "commitOid": sha,
-                                   "pullRequestUrl": None})
+                                   "pullRequestUrl": pr_url})
             self._json({"error": f"no route {path}"}, 404)
 
         def _get(self, head: bool):
-            path = urlparse(self.path).path
-            hub.calls.append(f"{'HEAD' if head else 'GET'} {path}")
+            path, _ = self._record("HEAD" if head else "GET")
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/(.+)", path)
             if m:
-                repo_id = m.group(1)
+                repo_id, ref = m.group(1), unquote(m.group(2))
                 if repo_id not in hub.repos:
                     return self._json({"error": "Repository not found"}, 404)
-                return self._json({"id": repo_id, "modelId": repo_id, "sha": hub.sha[repo_id],
-                                   "private": False,
-                                   "siblings": [{"rfilename": name} for name in sorted(hub.repos[repo_id])]})
+                sha = hub.commit_of(repo_id, ref) or ref
+                return self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
+                                   "siblings": [{"rfilename": n} for n in sorted(hub.lookup(repo_id, ref))]})
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)", path)
             if m:
-                files = hub.repos.get(m.group(1), {})
+                files = hub.lookup(m.group(1), unquote(m.group(2)))
                 return self._json([{"type": "file", "path": name, "size": len(data),
                                     "oid": hashlib.sha1(data).hexdigest()}
                                    for name, data in sorted(files.items())])
             m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
             if m:
-                repo_id, _, filename = m.group(1), m.group(2), unquote(m.group(3))
-                content = hub.repos.get(repo_id, {}).get(filename)
+                repo_id, ref, filename = m.group(1), unquote(m.group(2)), unquote(m.group(3))
+                if repo_id not in hub.repos:
+                    return self._send(404, b"", {"X-Error-Code": "RepoNotFound"}, head)
+                content = hub.lookup(repo_id, ref).get(filename)
                 if content is None:
                     return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
                 etag = hashlib.sha256(content).hexdigest()
-                return self._send(200, content, {"ETag": f'"{etag}"', "X-Repo-Commit": hub.sha[repo_id],
+                return self._send(200, content, {"ETag": f'"{etag}"',
+                                                 "X-Repo-Commit": hub.commit_of(repo_id, ref),
                                                  "Content-Type": "application/octet-stream"}, head)
             self._json({"error": f"no route {path}"}, 404)
 
@@ -196,4 +250,125 @@ def test_push_refuses_pickle_only_folder(fake_hub, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really")
     assert cli_main(["push", str(tmp_path), "--repo-id", "eve/pickles"]) == 2
+    assert hub.calls == []
+
+
+# --- upload options: each one must reach the Hub's requests -------------------------------------------------
+def _commit_request(hub: FakeHub) -> dict:
+    (request,) = hub.find("POST", r"/api/models/.+/commit/.+")
+    return request
+
+
+def _committed_paths(request: dict) -> set[str]:
+    return {item["value"]["path"] for item in request["json"] if item["key"] == "file"}
+
+
+def _committed_file(request: dict, name: str) -> bytes:
+    return next(base64.b64decode(item["value"]["content"]) for item in request["json"]
+                if item["key"] == "file" and item["value"]["path"] == name)
+
+
+def test_push_to_hub_options_reach_the_hub(fake_hub, toy_family, tmp_path):
+    hub, _ = fake_hub
+    toy = importlib.import_module("deqzoo_hub_toy_family")
+    torch.manual_seed(4)
+    model = toy.ToyDEQForImageClassification(toy.ToyDEQConfig(hidden_size=8))
+    url = model.push_to_hub("carol/toy-options", commit_message="Retrained on digits",
+                            commit_description="Longer training, same recipe.", private=True,
+                            token="hf_explicit_token", revision="dev", tags=["mnist", "my-tag"])
+    (create,) = hub.find("POST", r"/api/repos/create")
+    assert create["json"]["visibility"] == "private"
+    assert create["json"]["name"] == "toy-options" and create["json"]["organization"] == "carol"
+    assert hub.find("POST", r"/api/models/carol/toy-options/branch/dev"), "revision: the branch is created"
+    commit = _commit_request(hub)
+    assert commit["path"] == "/api/models/carol/toy-options/commit/dev"
+    assert commit["query"].get("create_pr") in (None, "0")
+    header = commit["json"][0]
+    assert header == {"key": "header", "value": {"summary": "Retrained on digits",
+                                                 "description": "Longer training, same recipe."}}
+    # token: every request of the push carries the explicit token, not $HF_TOKEN
+    pushing = [r for r in hub.requests if r["method"] == "POST"]
+    assert pushing and all(r["headers"].get("authorization") == "Bearer hf_explicit_token" for r in pushing)
+    # tags: in the uploaded card's metadata
+    card = _committed_file(commit, "README.md").decode()
+    front = card.split("---")[1]
+    assert "mnist" in front and "my-tag" in front and "library_name: deqzoo" in front
+    # the commit landed on the branch, not on main
+    assert hub.repos["carol/toy-options"] == {}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(hub.files("carol/toy-options", "dev"))
+    assert str(url).startswith("http://127.0.0.1") and "/commit/" in str(url)
+    loaded = toy.ToyDEQForImageClassification.from_pretrained("carol/toy-options", revision="dev",
+                                                              cache_dir=tmp_path / "cache")
+    _assert_same_weights(model, loaded)
+
+
+def test_push_to_hub_create_pr_opens_a_pull_request(fake_hub, toy_family):
+    hub, _ = fake_hub
+    toy = importlib.import_module("deqzoo_hub_toy_family")
+    model = toy.ToyDEQForImageClassification(toy.ToyDEQConfig(hidden_size=8))
+    model.push_to_hub("dave/toy-pr")  # main has a first version
+    main_before = dict(hub.repos["dave/toy-pr"])
+    hub.requests.clear()
+    with torch.no_grad():
+        model.head.bias.add_(1.0)
+    info = model.push_to_hub("dave/toy-pr", create_pr=True, commit_message="Proposed fix")
+    commit = _commit_request(hub)
+    assert commit["path"] == "/api/models/dave/toy-pr/commit/main" and commit["query"]["create_pr"] == "1"
+    assert info.pr_url.endswith("/dave/toy-pr/discussions/1")
+    assert hub.repos["dave/toy-pr"] == main_before, "create_pr must not commit to main"
+    assert hub.files("dave/toy-pr", "refs/pr/1")["model.safetensors"] != main_before["model.safetensors"]
+
+
+def test_save_pretrained_push_to_hub_forwards_options(fake_hub, toy_family, tmp_path):
+    hub, _ = fake_hub
+    toy = importlib.import_module("deqzoo_hub_toy_family")
+    model = toy.ToyDEQForImageClassification(toy.ToyDEQConfig(hidden_size=8))
+    model.save_pretrained(tmp_path / "erin-toy", push_to_hub=True, repo_id="erin/toy",
+                          commit_message="From save_pretrained", revision="exp")
+    commit = _commit_request(hub)
+    assert commit["path"] == "/api/models/erin/toy/commit/exp"
+    assert commit["json"][0]["value"]["summary"] == "From save_pretrained"
+
+
+def test_cli_push_options_and_stray_files(fake_hub, toy_checkpoint, tmp_path, capsys):
+    hub, _ = fake_hub
+    directory, _ = toy_checkpoint
+    needed = {p.name for p in directory.iterdir()}
+    card_before = (directory / "README.md").read_bytes()
+    # what a training run leaves beside a checkpoint: none of it belongs in the repository
+    (directory / "optimizer.pt").write_bytes(b"pickled optimizer state")
+    (directory / "train.log").write_text("step 1 loss 2.3\n")
+    (directory / ".env").write_text("SECRET=1\n")
+    (directory / "checkpoint-500").mkdir()
+    (directory / "checkpoint-500" / "model.safetensors").write_bytes(b"x")
+    (directory / "__pycache__").mkdir()
+    (directory / "__pycache__" / "x.pyc").write_bytes(b"x")
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (directory / "linked.json").symlink_to(outside)
+    argv = ["push", str(directory), "--repo-id", "frank/toy-cli", "-m", "CLI message", "--commit-description",
+            "CLI description", "--revision", "v2", "--create-pr", "--tag", "a-tag", "--tag", "b-tag",
+            "--private", "--token", "hf_cli_token"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "not uploading 6 file(s)" in out and "optimizer.pt" in out and "pull request" in out
+    (create,) = hub.find("POST", r"/api/repos/create")
+    assert create["json"]["visibility"] == "private"
+    assert hub.find("POST", r"/api/models/frank/toy-cli/branch/v2")
+    commit = _commit_request(hub)
+    assert commit["path"] == "/api/models/frank/toy-cli/commit/v2" and commit["query"]["create_pr"] == "1"
+    assert commit["json"][0]["value"] == {"summary": "CLI message", "description": "CLI description"}
+    assert commit["headers"]["authorization"] == "Bearer hf_cli_token"
+    assert _committed_paths(commit) == needed, "exactly the checkpoint's files, no stray ones"
+    preupload = hub.find("POST", r"/api/models/.+/preupload/.+")
+    assert {f["path"] for r in preupload for f in r["json"]["files"]} == needed
+    card = _committed_file(commit, "README.md").decode()
+    assert "a-tag" in card and "b-tag" in card and "deqzoo_task" in card, "tags merged into the folder's card"
+    assert (directory / "README.md").read_bytes() == card_before, "the user's card file is not modified"
+
+
+def test_push_refuses_a_folder_without_config(fake_hub, tmp_path):
+    hub, _ = fake_hub
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert cli_main(["push", str(tmp_path), "--repo-id", "gina/none"]) == 2
     assert hub.calls == []
