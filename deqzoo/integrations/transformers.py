@@ -1,13 +1,15 @@
 """Register deqzoo families with the transformers Auto classes so stock loading code works on them.
 
-`import deqzoo` calls :func:`register_all`. A family whose package is not there (yet) is skipped and
-reported by :func:`unavailable_families`; a family that is present but fails to import emits a warning
-naming the error.
+`import deqzoo` arranges for :func:`register_all` to run when transformers' Auto machinery is first
+imported (``deqzoo._imports``); deqzoo's own loading calls it too. A family whose package is not there (yet)
+is skipped and reported by :func:`unavailable_families`; a family that is present but fails to import emits
+a warning naming the error.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 import transformers
@@ -15,6 +17,7 @@ import transformers
 from ..models.registry import FAMILIES, Family
 
 _REGISTERED: dict[str, Family] = {}
+_BUSY = False
 _UNAVAILABLE: dict[str, str] = {}
 
 
@@ -57,18 +60,26 @@ def register_family(family: Family) -> None:
     if family.tokenizer:
         transformers.AutoTokenizer.register(config_cls, tokenizer_class=family.load(family.tokenizer),
                                             exist_ok=True)
-    if family.timm_module:
-        try:
-            importlib.import_module(family.timm_module)
-        except ModuleNotFoundError as err:
-            if err.name != family.timm_module:
-                raise
+    if family.timm_module and "timm" in sys.modules:  # else registered when timm is imported (_imports)
+        importlib.import_module(family.timm_module)
     _REGISTERED[family.model_type] = family
     _UNAVAILABLE.pop(family.model_type, None)
 
 
 def register_all() -> dict[str, Family]:
     """Register every importable family of `deqzoo.models.registry.FAMILIES`; returns the registered."""
+    global _BUSY
+    if _BUSY:  # re-entered through an import that registration itself triggered: the outer call finishes
+        return dict(_REGISTERED)
+    _BUSY = True
+    try:
+        _register_missing()
+    finally:
+        _BUSY = False
+    return dict(_REGISTERED)
+
+
+def _register_missing() -> None:
     for family in FAMILIES:
         if family.model_type in _REGISTERED:
             continue
@@ -81,7 +92,6 @@ def register_all() -> dict[str, Family]:
         except Exception as err:  # noqa: BLE001 - one broken family must not break `import deqzoo`
             _UNAVAILABLE[family.model_type] = f"{type(err).__name__}: {err}"
             warnings.warn(f"deqzoo family {family.model_type!r} failed to register: {err}", stacklevel=2)
-    return dict(_REGISTERED)
 
 
 def unregister_family(model_type: str) -> None:
@@ -90,11 +100,14 @@ def unregister_family(model_type: str) -> None:
 
 
 def registered_families() -> dict[str, Family]:
+    """{model_type: family} of the registered families (registering them first if not done yet)."""
+    register_all()
     return dict(_REGISTERED)
 
 
 def unavailable_families() -> dict[str, str]:
     """{model_type: reason} for registry families that could not be registered."""
+    register_all()
     return dict(_UNAVAILABLE)
 
 
