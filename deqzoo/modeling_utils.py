@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -201,6 +202,7 @@ class DEQPreTrainedModel(PreTrainedModel):
                 module._deqzoo_nested = True
         if not getattr(self, "_deqzoo_hooked", False):
             self.register_forward_hook(_check_convergence)
+            self.register_forward_pre_hook(_check_traceable)
             self._deqzoo_hooked = True
 
     def set_deq(self, **changes: Any) -> DEQConfig:
@@ -342,6 +344,20 @@ def _caller_level() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _check_traceable(model: DEQPreTrainedModel, _inputs: Any) -> None:
+    """Forward pre-hook: tracing or exporting a model whose DEQ layers solve adaptively fails here, with the
+    reason, instead of deep inside the solver or the weight-norm cache with a message about fake tensors."""
+    if not (torch.jit.is_tracing() or torch.compiler.is_exporting()):
+        return
+    adaptive = [m for m in model.modules() if isinstance(m, DEQ) and not getattr(m, "traceable", False)]
+    if adaptive:
+        raise RuntimeError(
+            f"{type(model).__name__}: its DEQ forward solve ({adaptive[0].config.f_solver}, stopping at "
+            "f_tol) cannot be traced or exported: the stopping test and statistics read tensor values every "
+            "step. Export under fixed-iteration inference: deqzoo.export.exportable(model) "
+            "(see deqzoo.export).")
 
 
 def _check_convergence(model: DEQPreTrainedModel, _inputs: Any, output: Any) -> None:

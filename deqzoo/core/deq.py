@@ -59,6 +59,11 @@ class DEQ(nn.Module):
 
     def forward(self, f, z0: State) -> tuple[State, SolverStats]:
         cfg = self.config
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():
+            raise RuntimeError(
+                f"DEQ: the {cfg.f_solver!r} forward solve cannot be traced or exported: its stopping test "
+                "and statistics read tensor values every step. Export under fixed-iteration inference "
+                "instead: deqzoo.export.exportable(model) (see deqzoo.export)")
         packer = StatePacker(z0)
         x0 = packer.flatten(z0)
         packer.check_finite(x0)

@@ -36,7 +36,9 @@ class StatePacker:
                     f"every state tensor needs the same dtype and device: tensor 0 is "
                     f"{self.dtype} on {self.device}, tensor {i} is {t.dtype} on {t.device}"
                 )
-        batch = {s[0] if s else None for s in self.shapes}
+        # int(): under torch.jit.trace (and the TorchScript ONNX exporter) sizes are traced 0-d tensors, which
+        # a set would not deduplicate
+        batch = {int(s[0]) if s else None for s in self.shapes}
         if len(batch) != 1 or None in batch:
             raise ValueError(f"every state tensor needs the same leading batch dimension, got {self.shapes}")
         self.batch = batch.pop()

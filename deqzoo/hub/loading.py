@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .catalog import NAMESPACE, REPO_ROOT, load_catalog, sha256_file
+from .catalog import NAMESPACE, REPO_ROOT, embedded_folder, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
 from .validation import check_budget, confined, is_network_error, read_json
@@ -85,13 +85,12 @@ def resolve(
     name = str(name_or_path)
     entry = embedded_entry(name)
     if entry is not None:
-        folder = Path(entry["location"])
-        folder = folder if folder.is_absolute() else REPO_ROOT / folder
-        if folder.is_dir():
+        folder = embedded_folder(entry)
+        if folder is not None:
             verify_embedded(entry, folder)
             return folder
-        name = entry["id"]  # folder not shipped with this install (e.g. a wheel): fall through to cache / Hub
-        missing_embedded = folder
+        name = entry["id"]  # folder not shipped with this install: fall through to cache / Hub
+        missing_embedded = REPO_ROOT / entry["location"]
     else:
         missing_embedded = None
     if path.exists():
@@ -109,7 +108,7 @@ def resolve(
         if missing_embedded is None:
             raise
         raise CheckpointError(f"{name} is in the catalog but its folder {missing_embedded} is not part of "
-                              "this install (embedded checkpoints ship with an editable install); "
+                              "this install (nor inside the package, where a wheel carries them); "
                               f"{err}") from err
 
 

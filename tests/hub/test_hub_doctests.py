@@ -7,7 +7,8 @@ import pytest
 
 MODULES = ["deqzoo", "deqzoo.factory", "deqzoo.modeling_utils", "deqzoo.hub.cards", "deqzoo.hub.loading",
            "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers",
-           "deqzoo.hub.saving", "deqzoo.hub.validation", "deqzoo.tasks", "deqzoo.hub.push"]
+           "deqzoo.hub.saving", "deqzoo.hub.validation", "deqzoo.tasks", "deqzoo.hub.push",
+           "deqzoo.export", "deqzoo._imports"]
 
 
 @pytest.mark.parametrize("name", MODULES)

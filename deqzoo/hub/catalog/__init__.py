@@ -26,6 +26,23 @@ PACKAGE_DIR = HUB_DIR.parent
 REPO_ROOT = PACKAGE_DIR.parent
 CATALOG_PATH = HUB_DIR / "catalog.json"
 CARDS_DIR = REPO_ROOT / "model_cards"
+# where a wheel carries the embedded checkpoints (setup.py copies the catalog's files there)
+PACKAGED_CARDS_DIR = PACKAGE_DIR / "_model_cards"
+
+
+def embedded_folder(entry: dict[str, Any]) -> Path | None:
+    """The folder of an embedded checkpoint: in the source tree (editable install) or inside the installed
+    package (a wheel); None when this install has neither.
+
+    Example:
+        >>> entry = load_catalog()["deqzoo/mdeq-tiny-mnist"]
+        >>> (embedded_folder(entry) / "config.json").is_file()
+        True
+    """
+    location = Path(entry["location"])
+    candidates = [location] if location.is_absolute() else [REPO_ROOT / location,
+                                                             PACKAGED_CARDS_DIR / location.name]
+    return next((c for c in candidates if c.is_dir()), None)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

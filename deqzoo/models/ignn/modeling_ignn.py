@@ -499,7 +499,8 @@ class IGNNModel(IGNNPreTrainedModel):
         if self.config.norm_type != "none":
             reset_norm(self.layers)  # normalized weights once per forward, reused by every f call
         radius = self.projection_radius(graph)
-        self.project_weights(radius=radius)
+        if radius is not None:  # kappa unset (None or 0): no projection, nothing reads the weights' values
+            self.project_weights(radius=radius)
         phi = _ACTIVATIONS[self.config.activation]
         op = graph.operator
         z, hidden, stats_all = x, [], []

@@ -1,0 +1,269 @@
+"""Export DEQ models (``torch.export``, ONNX, ``torch.jit.trace``) under fixed-iteration inference.
+
+A DEQ's usual forward solve cannot be traced: its stopping test, best-iterate bookkeeping and statistics read
+tensor values on the host every step, and on CPU it may run compiled numba kernels. Exported programs
+instead run **fixed-iteration inference**: every DEQ in the model takes exactly ``max_iter`` damped
+fixed-point steps ``z <- (1 - tau) z + tau f(z)`` from its usual initial state (the engine's
+:func:`deqzoo.core.backward.phantom_steps`, pure torch), with no stopping test. That is the documented
+inference setting this module turns on:
+
+* ``max_iter`` defaults to the model's ``f_max_iter`` and ``tau`` to 1 (plain fixed-point iteration);
+  outputs equal the engine's ``fixed_point`` solver run to its budget (``set_deq(f_solver="fixed_point",
+  f_tol=0)``) whenever its residual decreases along the iteration, as on contractive models;
+* the statistics in an exported model's outputs are not computed (``deq_stats`` of the eager wrapper says
+  ``solver="fixed_iteration"`` and reports the final step's residual);
+* a family or input that cannot be exported raises :class:`ExportError` naming the reason.
+
+Supported heads and their tensor signatures (:func:`exportable` builds the module to export):
+
+* MDEQ image classification: ``(pixel_values,) -> logits``;
+* IGNN node and graph classification: ``(x, operator) -> logits``, ``operator`` the dense normalized
+  adjacency Â of the graph (:func:`graph_operator`). The projection of W onto ``||W||∞ <= κ/λ_pf(|Â|)`` is
+  a constraint on the weights: it is applied once, for the graph given to :func:`exportable`, and the
+  exported program keeps those weights (re-export for a graph with a smaller λ_pf).
+
+Example:
+    >>> import torch, deqzoo
+    >>> from deqzoo.export import exportable
+    >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+    >>> module = exportable(model, max_iter=20)
+    >>> pixels = torch.rand(2, 1, 28, 28)
+    >>> program = torch.export.export(module, (pixels,))  # doctest: +SKIP
+    >>> torch.allclose(program.module()(pixels), module(pixels), atol=1e-4)  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .core import DEQ, SolverStats, remove_norm
+from .core.backward import phantom_steps
+from .core.state import StatePacker
+
+__all__ = ["ExportError", "FixedIterationDEQ", "export_onnx", "export_program", "exportable",
+           "graph_operator", "trace"]
+
+
+class ExportError(RuntimeError):
+    """A model (or an input) that cannot be exported; the message names the reason."""
+
+
+class FixedIterationDEQ(DEQ):
+    """A DEQ layer running fixed-iteration inference: exactly ``max_iter`` damped fixed-point steps of the
+    engine (``phantom_steps``), pure torch, no host synchronisation: traceable and exportable.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import DEQConfig
+        >>> deq = FixedIterationDEQ(DEQConfig(), max_iter=60)
+        >>> z, stats = deq(lambda z: 0.5 * z + 1, torch.zeros(1, 3))
+        >>> round(float(z[0, 0]), 6), stats.nfe
+        (2.0, 60)
+    """
+
+    traceable = True  # checked by the models' tracing guard (deqzoo.modeling_utils)
+
+    def __init__(self, config, max_iter: int, tau: float = 1.0):
+        super().__init__(config)
+        if int(max_iter) < 1:
+            raise ValueError(f"max_iter must be >= 1 for fixed-iteration inference, got {max_iter}")
+        if not 0.0 < float(tau) <= 1.0:
+            raise ValueError(f"tau must be in (0, 1] (damping of z <- (1 - tau) z + tau f(z)), got {tau}")
+        self.max_iter, self.tau = int(max_iter), float(tau)
+
+    def extra_repr(self) -> str:
+        return f"fixed_iteration, max_iter={self.max_iter}, tau={self.tau}"
+
+    def forward(self, f, z0):
+        packer = StatePacker(z0)
+        g = packer.wrap(f)
+        x = phantom_steps(g, packer.flatten(z0), self.max_iter - 1, self.tau)
+        fx = g(x)  # the last step, kept to report its residual
+        z = fx if self.tau == 1.0 else torch.lerp(x, fx, self.tau)
+        abs_res = (fx - x).norm(dim=1)
+        rel_res = abs_res / fx.norm(dim=1).clamp_min(1e-30)
+        cfg = self.config
+        res = rel_res if cfg.f_stop_mode == "rel" else abs_res
+        stats = SolverStats(nfe=self.max_iter, abs_residual=abs_res, rel_residual=rel_res,
+                            trace=res.max().reshape(1), converged=res <= cfg.f_tol, solver="fixed_iteration",
+                            stop_mode=cfg.f_stop_mode, tol=cfg.f_tol)
+        return packer.unflatten(z), stats
+
+
+def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) -> nn.Module:
+    """A deep copy of `model` in eval mode whose DEQ layers run fixed-iteration inference."""
+    # rebuilt from config + state dict, not deepcopy: weight-normed layers hold computed (non-leaf) tensors
+    fresh = type(model)(copy.deepcopy(model.config))
+    missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{type(model).__name__}: could not rebuild the model for export "
+                          f"(missing keys {missing[:5]}, unexpected keys {unexpected[:5]})")
+    model = fresh.to(next(model.parameters()).dtype).eval()
+    # weight/spectral norms are recomputed per forward behind a data-pointer cache: fold them into plain
+    # weights (the engine's remove_norm leaves outputs unchanged)
+    remove_norm(model)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, DEQ) and not isinstance(child, FixedIterationDEQ):
+                budget = max_iter if max_iter is not None else child.config.f_max_iter
+                setattr(module, name, FixedIterationDEQ(child.config, budget, tau))
+    for module in model.modules():  # the convergence warning reads tensor values: off in an exported model
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "on_nonconvergence"):
+            config.on_nonconvergence = "ignore"
+    return model
+
+
+class _ImageClassifier(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values, return_dict=True).logits
+
+
+class _GraphClassifier(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, operator: torch.Tensor) -> torch.Tensor:
+        from .models.ignn.modeling_ignn import IGNNGraph
+
+        graph = IGNNGraph(operator=operator, num_nodes=x.shape[0], batch=None, num_graphs=1, nonnegative=True)
+        return self.model(x, graph=graph, return_dict=True).logits
+
+
+def graph_operator(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor,
+                   edge_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense normalized adjacency Â an exported IGNN takes beside ``x`` (validated as the model does).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
+        >>> model = IGNNForNodeClassification(IGNNConfig(in_features=3, num_labels=2))
+        >>> graph_operator(model, torch.randn(4, 3), torch.tensor([[0, 1, 2], [1, 2, 3]])).shape
+        torch.Size([4, 4])
+    """
+    ignn = _ignn_base(model)
+    return ignn.prepare_graph(x, edge_index, edge_weight).operator.to_dense()
+
+
+def _ignn_base(model: nn.Module):
+    ignn = getattr(model, "ignn", model)
+    model_type = getattr(getattr(ignn, "config", None), "model_type", None)
+    if model_type != "ignn" or not hasattr(ignn, "prepare_graph"):
+        raise ExportError(f"{type(model).__name__} is not an IGNN model")
+    return ignn
+
+
+def _prepare_ignn(model: nn.Module, graph) -> None:
+    """Apply the weight projection for `graph` once, then turn the per-forward projection off (it takes
+    decisions on tensor values: power iteration for λ_pf, a branch on which rows exceed the radius)."""
+    ignn = _ignn_base(model)
+    if ignn.config.kappa:
+        if graph is None and not ignn.config.spectral_radius:
+            raise ExportError("IGNN with kappa set projects W for the graph's λ_pf(|Â|): pass the graph "
+                              "(exportable(model, graph=model.ignn.prepare_graph(x, edge_index))) or set "
+                              "config.spectral_radius")
+        ignn.project_weights(graph, radius=ignn.projection_radius(graph) if graph is not None else
+                             ignn.config.kappa / ignn.config.spectral_radius)
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "model_type", None) == "ignn":
+            module.config.kappa = None
+            module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
+
+
+def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
+               ) -> nn.Module:
+    """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
+    ``torch.onnx.export`` and ``torch.jit.trace`` (see the module docstring for signatures). The model
+    itself is not modified.
+
+    `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the weight projection.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
+        >>> model = IGNNForNodeClassification(IGNNConfig(in_features=3, num_labels=2, kappa=None))
+        >>> x, edges = torch.randn(4, 3), torch.tensor([[0, 1, 2], [1, 2, 3]])
+        >>> module = exportable(model, max_iter=30)
+        >>> module(x, graph_operator(model, x, edges)).shape
+        torch.Size([4, 2])
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    heads = {"mdeq": ("MDEQForImageClassification", "LipschitzMDEQForImageClassification"),
+             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification")}
+    name = type(model).__name__
+    if model_type not in heads:
+        raise ExportError(f"{name} (model_type {model_type!r}): export is implemented for "
+                          f"{sorted(heads)} heads; this family's forward has steps that depend on tensor "
+                          "values outside the solve (not checked for tracing)")
+    if not any(isinstance(m, DEQ) for m in model.modules()):
+        raise ExportError(f"{name} has no DEQ layer to run at a fixed iteration budget")
+    copy_ = _fixed_iteration_copy(model, max_iter, tau)
+    if model_type == "ignn":
+        if name == "IGNNForGraphClassification":
+            raise ExportError("IGNNForGraphClassification: graph pooling takes the number of graphs from the "
+                              "batch vector's values; export supports IGNNForNodeClassification")
+        _prepare_ignn(copy_, graph)
+        return _GraphClassifier(copy_).eval()
+    if not hasattr(copy_, "classifier") and "Classification" not in name:
+        raise ExportError(f"{name}: export is implemented for image classification heads (logits out)")
+    return _ImageClassifier(copy_).eval()
+
+
+def _as_tuple(inputs) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def export_program(module: nn.Module, example_inputs, **kwargs) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of an :func:`exportable` module; failures raise :class:`ExportError`."""
+    _check_module(module)
+    try:
+        return torch.export.export(module, _as_tuple(example_inputs), **kwargs)
+    except Exception as err:
+        raise ExportError(f"torch.export failed for {type(module).__name__}: {type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}") from err
+
+
+def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, **kwargs) -> Path:
+    """Write an ONNX file of an :func:`exportable` module (torch's exporter; needs the ``onnx`` extra).
+    Refuses to overwrite an existing file."""
+    _check_module(module)
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; choose a new path (an existing file is never overwritten)")
+    kwargs.setdefault("input_names", _input_names(module))
+    kwargs.setdefault("output_names", ["logits"])
+    try:
+        torch.onnx.export(module, _as_tuple(example_inputs), str(path), **kwargs)
+    except Exception as err:
+        raise ExportError(f"ONNX export failed for {type(module).__name__}: {type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}") from err
+    return path
+
+
+def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
+    """``torch.jit.trace`` of an :func:`exportable` module."""
+    _check_module(module)
+    with torch.no_grad():
+        return torch.jit.trace(module, _as_tuple(example_inputs), check_trace=False)
+
+
+def _input_names(module: nn.Module) -> list[str]:
+    return ["x", "operator"] if isinstance(module, _GraphClassifier) else ["pixel_values"]
+
+
+def _check_module(module: nn.Module) -> None:
+    if not isinstance(module, (_ImageClassifier, _GraphClassifier)):
+        raise ExportError(f"{type(module).__name__}: pass the module deqzoo.export.exportable(model) returns "
+                          "(a DEQ's adaptive solve cannot be traced: its stopping test reads tensor values)")

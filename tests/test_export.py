@@ -1,0 +1,148 @@
+"""Export under fixed-iteration inference (deqzoo.export): torch.export, ONNX and torch.jit.trace of the MDEQ
+flagship and the IGNN checkpoint match eager to 1e-4, against two references: the eager module that was
+exported, and the model's own engine solve (solved to convergence for MDEQ; the card's fixed_point solver for
+IGNN). Models or calls that cannot export fail with an error naming the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import deqzoo
+from deqzoo.export import ExportError, export_onnx, export_program, exportable, graph_operator, trace
+
+ATOL = 1e-4
+HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+
+
+@pytest.fixture(scope="module")
+def mdeq():
+    torch.manual_seed(0)
+    model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+    pixels = torch.rand(3, 1, 28, 28)
+    return model, pixels
+
+
+@pytest.fixture(scope="module")
+def ignn():
+    model = deqzoo.from_pretrained("deqzoo/ignn-chains")
+    g = torch.Generator().manual_seed(0)
+    n = 40
+    x = torch.randn(n, model.config.in_features, generator=g)
+    src = torch.arange(n - 1)
+    edges = torch.stack([src, src + 1])  # a chain, as the card's data
+    return model, x, edges
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> float:
+    diff = float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max())
+    assert diff <= atol, diff
+    return diff
+
+
+def _onnx_run(path, feeds: dict[str, torch.Tensor]):
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in feeds.items()})[0])
+
+
+def test_mdeq_fixed_iteration_matches_the_converged_model(mdeq):
+    model, pixels = mdeq
+    module = exportable(model, max_iter=60)
+    converged = {"f_solver": "anderson", "f_max_iter": 100, "f_tol": 1e-6}
+    reference = model.__class__.from_pretrained("deqzoo/mdeq-tiny-mnist", deq=converged)
+    with torch.no_grad():
+        _close(module(pixels), reference(pixels).logits)
+        # and the engine's own fixed_point solver run to the same budget
+        engine = model.__class__.from_pretrained("deqzoo/mdeq-tiny-mnist", deq={
+            "f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-12, "on_nonconvergence": "ignore"})
+        _close(module(pixels), engine(pixels).logits)
+
+
+def test_mdeq_torch_export_and_trace_match_eager(mdeq, tmp_path):
+    model, pixels = mdeq
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    module = exportable(model, max_iter=60)
+    with torch.no_grad():
+        eager = module(pixels)
+        program = export_program(module, (pixels,))
+        _close(program.module()(pixels), eager)
+        torch.export.save(program, tmp_path / "mdeq.pt2")  # the exported program re-loaded from its file
+        _close(torch.export.load(tmp_path / "mdeq.pt2").module()(pixels), eager)
+        traced = trace(module, (pixels,))
+        other = torch.rand(3, 1, 28, 28)
+        _close(traced(other), module(other))  # a new input: the trace is not specialised to the example
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model is not modified"
+
+
+def test_mdeq_float64_export(mdeq):
+    model, pixels = mdeq
+    module = exportable(model.__class__.from_pretrained("deqzoo/mdeq-tiny-mnist").double(), max_iter=30)
+    x = pixels.double()
+    with torch.no_grad():
+        _close(export_program(module, (x,)).module()(x), module(x), atol=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
+def test_mdeq_onnx_torchscript_exporter_matches_eager(mdeq, tmp_path):
+    model, pixels = mdeq
+    module = exportable(model, max_iter=60)
+    path = export_onnx(module, (pixels,), tmp_path / "mdeq.onnx", dynamo=False)
+    with torch.no_grad():
+        _close(_onnx_run(path, {"pixel_values": pixels}), module(pixels))
+        assert not module.training, "the exporter leaves the module in eval mode"
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        export_onnx(module, (pixels,), path)
+
+
+def test_ignn_exports_match_the_card_model(ignn, tmp_path):
+    model, x, edges = ignn
+    graph = model.ignn.prepare_graph(x, edges)
+    module = exportable(model, graph=graph)  # budget: the card's f_max_iter (its fixed_point solve)
+    operator = graph_operator(model, x, edges)
+    with torch.no_grad():
+        card = model(x, edges).logits  # the engine's fixed_point solver as the card configures it
+        eager = module(x, operator)
+        _close(eager, card)
+        _close(export_program(module, (x, operator)).module()(x, operator), card)
+        _close(trace(module, (x, operator))(x, operator), card)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
+def test_ignn_onnx_dynamo_exporter_matches_the_card_model(ignn, tmp_path):
+    model, x, edges = ignn
+    module = exportable(model, graph=model.ignn.prepare_graph(x, edges))
+    operator = graph_operator(model, x, edges)
+    path = export_onnx(module, (x, operator), tmp_path / "ignn.onnx")
+    with torch.no_grad():
+        _close(_onnx_run(path, {"x": x, "operator": operator}), model(x, edges).logits)
+
+
+def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq):
+    model, pixels = mdeq
+    with pytest.raises(RuntimeError, match="fixed-iteration inference"):
+        torch.jit.trace(model, (pixels,), strict=False)
+    with pytest.raises(Exception, match="fixed-iteration inference"):
+        torch.export.export(model, (pixels,))
+    with pytest.raises(ExportError, match="exportable"):
+        export_program(model, (pixels,))
+
+
+def test_unsupported_models_name_the_reason(ignn):
+    lm = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc")
+    with pytest.raises(ExportError, match="deq_transformer"):
+        exportable(lm)
+    from deqzoo.models.ignn import IGNNConfig, IGNNForGraphClassification
+
+    with pytest.raises(ExportError, match="number of graphs"):
+        exportable(IGNNForGraphClassification(IGNNConfig(in_features=3, num_labels=2)))
+    model, x, edges = ignn
+    with pytest.raises(ExportError, match="pass the graph"):
+        exportable(model)  # kappa set and no graph: the projection radius is unknown
+    with pytest.raises(ValueError, match="max_iter must be >= 1"):
+        exportable(model, max_iter=0, graph=model.ignn.prepare_graph(x, edges))
