@@ -37,6 +37,8 @@ class _HookedLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         _run(self._name)
+        if _PENDING and self._name.startswith("deqzoo."):  # a deferred registration may proceed now
+            _register_transformers(self._name)
 
     def __getattr__(self, attr):  # get_resource_reader, is_package, ... of the wrapped loader
         return getattr(self._loader, attr)
@@ -44,7 +46,7 @@ class _HookedLoader(importlib.abc.Loader):
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in _HOOKS:
+        if name not in _HOOKS and not (_PENDING and name.startswith("deqzoo.")):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -94,16 +96,26 @@ _TRANSFORMERS_AUTO = tuple(f"transformers.models.auto.{m}" for m in (
     "configuration_auto", "auto_factory", "modeling_auto", "image_processing_auto", "tokenization_auto"))
 
 
-def _initializing(name: str) -> bool:
-    module = sys.modules.get(name)
-    return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+_PENDING = False  # a registration was deferred: the next deqzoo submodule to finish importing retries it
 
 
-def _register_transformers(name: str) -> None:
-    # the module whose hook runs is still flagged as initializing; any other half-imported Auto module
-    # runs its own hook when it completes, and registration happens then
-    if any(_initializing(other) for other in _TRANSFORMERS_AUTO if other != name):
+def _initializing(module) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _blocked(current: str | None) -> bool:
+    """Whether a module registration needs is half-imported (other than `current`, whose hook is running
+    and which is still flagged as initializing): transformers' Auto modules or deqzoo's own submodules."""
+    return any(name != current and (name in _TRANSFORMERS_AUTO or name.startswith("deqzoo."))
+               and _initializing(module) for name, module in list(sys.modules.items()))
+
+
+def _register_transformers(name: str | None = None) -> None:
+    global _PENDING
+    if _blocked(name):  # the half-imported module completes later; the hook of it (or of a deqzoo
+        _PENDING = True  # submodule finishing after it) registers then
         return
+    _PENDING = False
     from .integrations.transformers import register_all
 
     register_all()

@@ -1,0 +1,180 @@
+"""Embedded checkpoints in huggingface_hub's own cache layout: stock libraries resolve their hub ids offline.
+
+One command (documented in the README)::
+
+    python -m deqzoo.hub.hf_cache          # or deqzoo.hub.hf_cache.populate_hf_cache()
+
+writes, for every embedded checkpoint ``deqzoo/<name>``, the repository folder huggingface_hub reads
+(``$HF_HUB_CACHE/models--deqzoo--<name>/``: ``blobs/<sha256>``, ``snapshots/<commit>/<file>`` linking to the
+blobs, ``refs/main``). After it, ``transformers.AutoModel*.from_pretrained("deqzoo/<name>")``,
+``pipeline(model="deqzoo/<name>")``, ``timm.create_model("hf-hub:deqzoo/<name>")`` and diffusers'
+``from_pretrained`` find the files in the cache: with ``HF_HUB_OFFLINE=1`` no request is made; without it, an
+unreachable network falls back to the cache at once (huggingface_hub's own behaviour).
+
+Nothing of the user's is overwritten: a repository folder that deqzoo did not create (no
+``.deqzoo-embedded`` marker, e.g. a real download) is left as it is and reported; deqzoo's own folders get a
+new snapshot when the catalog changes. The snapshot's files are the embedded files byte for byte (sha256 as in
+the catalog), except that the ``config.json`` of a checkpoint timm can build also names its timm architecture
+(``architecture``, ``pretrained_cfg``: the keys timm's ``hf-hub:`` loader reads; transformers keeps them as
+plain attributes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .catalog import embedded_folder, load_catalog
+
+MARKER = ".deqzoo-embedded"
+
+
+def hf_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The hub cache huggingface_hub uses ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),
+    read at call time."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _timm_config(cid: str) -> dict[str, Any] | None:
+    """timm's hf-hub keys for a checkpoint timm can build (None for the others)."""
+    from ..factory import model_names
+
+    row = next((r for r in model_names() if r["hub_id"] == cid), None)
+    if not row or not row["timm"]:
+        return None
+    import timm.models
+
+    from ..integrations import timm as _registered  # noqa: F401 - adds the MDEQ entries to timm's registry
+
+    cfg = timm.models.get_pretrained_cfg(row["timm"])
+    pretrained = {k: v for k, v in (cfg.to_dict() if cfg is not None else {}).items() if v is not None}
+    pretrained.update({"hf_hub_id": cid})
+    return {"architecture": row["timm"], "pretrained_cfg": pretrained}
+
+
+def snapshot_files(cid: str, entry: dict[str, Any]) -> dict[str, bytes | Path]:
+    """{path in repo: source file, or bytes for a derived file} of one embedded checkpoint's snapshot."""
+    folder = embedded_folder(entry)
+    if folder is None:
+        raise FileNotFoundError(f"{cid}: the embedded folder is not part of this install")
+    from .loading import verify_embedded
+
+    verify_embedded(entry, folder)
+    files: dict[str, bytes | Path] = {rel: folder / rel for rel in sorted(entry["files"])}
+    timm_keys = _timm_config(cid) if "config.json" in files else None
+    if timm_keys:
+        config = json.loads(Path(files["config.json"]).read_text())
+        files["config.json"] = (json.dumps({**config, **timm_keys}, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+def _digest(source: bytes | Path) -> str:
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _commit(files: dict[str, str]) -> str:
+    """A stable 40-hex commit id for a snapshot: sha1 over its (path, sha256) pairs."""
+    return hashlib.sha1(json.dumps(sorted(files.items())).encode()).hexdigest()
+
+
+def _link_or_copy(blob: Path, target: Path) -> None:
+    try:
+        target.symlink_to(os.path.relpath(blob, target.parent))
+    except OSError:  # no symlinks (Windows without developer mode): huggingface_hub copies too
+        shutil.copyfile(blob, target)
+
+
+def populate_hf_cache(cache_dir: str | os.PathLike | None = None, names: list[str] | None = None
+                      ) -> dict[str, str]:
+    """Write every embedded checkpoint (or `names`) into the HF cache; returns {id: what happened}.
+
+    Example:
+        >>> import tempfile
+        >>> status = populate_hf_cache(tempfile.mkdtemp(), names=["deqzoo/mdeq-tiny-mnist"])
+        >>> status["deqzoo/mdeq-tiny-mnist"].startswith("written")
+        True
+    """
+    cache = hf_cache_dir(cache_dir)
+    catalog = load_catalog()
+    wanted = sorted(catalog) if names is None else names
+    unknown = [n for n in wanted if n not in catalog]
+    if unknown:
+        raise ValueError(f"not embedded checkpoints: {unknown}; embedded: {sorted(catalog)}")
+    report = {}
+    for cid in wanted:
+        report[cid] = _populate_one(cache, cid, catalog[cid])
+    return report
+
+
+def _populate_one(cache: Path, cid: str, entry: dict[str, Any]) -> str:
+    repo = cache / f"models--{cid.replace('/', '--')}"
+    marker = repo / MARKER
+    if repo.exists() and not marker.is_file():
+        return f"kept: {repo} exists and was not written by deqzoo (left untouched)"
+    files = snapshot_files(cid, entry)
+    digests = {rel: _digest(src) for rel, src in files.items()}
+    commit = _commit(digests)
+    snapshot = repo / "snapshots" / commit
+    ref = repo / "refs" / "main"
+    if ref.is_file() and ref.read_text().strip() == commit and all((snapshot / r).is_file() for r in files):
+        return f"present: {snapshot}"
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    marker.write_text("written by `python -m deqzoo.hub.hf_cache` from deqzoo's embedded checkpoints\n")
+    for rel, src in files.items():
+        blob = repo / "blobs" / digests[rel]
+        if not blob.is_file():
+            tmp = blob.with_name(f".{blob.name}.tmp")
+            if isinstance(src, bytes):
+                tmp.write_bytes(src)
+            else:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, blob)
+    # the snapshot is assembled beside its final place and renamed in: a reader sees all of it or none
+    (repo / "snapshots").mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=repo / "snapshots"))
+    for rel in files:
+        target = staging / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(repo / "blobs" / digests[rel], target)
+    if snapshot.exists():
+        shutil.rmtree(snapshot)  # deqzoo's own incomplete snapshot (marker checked above)
+    os.replace(staging, snapshot)
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp_ref = ref.with_name(".main.tmp")
+    tmp_ref.write_text(commit)
+    os.replace(tmp_ref, ref)
+    return f"written: {snapshot}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deqzoo.hub.hf_cache",
+        description="Write deqzoo's embedded checkpoints into the Hugging Face cache (huggingface_hub's "
+                    "layout) so transformers, timm (hf-hub:) and diffusers load their hub ids offline. "
+                    "Entries deqzoo did not write are never touched.")
+    parser.add_argument("names", nargs="*", help="hub ids (default: every embedded checkpoint)")
+    parser.add_argument("--cache-dir", default=None, help="default: $HF_HUB_CACHE or $HF_HOME/hub")
+    args = parser.parse_args(argv)
+    report = populate_hf_cache(args.cache_dir, args.names or None)
+    for cid, status in report.items():
+        print(f"{cid}: {status}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

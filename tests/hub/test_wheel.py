@@ -1,0 +1,117 @@
+"""A regular (non-editable) install ships the embedded checkpoints: build the wheel, install it into a fresh
+virtual environment, and with HF_HUB_OFFLINE=1 and an empty Hugging Face cache load every embedded checkpoint
+and run `deqzoo demo`, from a folder outside the repository.
+
+Slow (the demo runs every checkpoint with every solver): marked `wheel`, run by CI in its own step
+(`pytest -m wheel`). Offline: the wheel is built without build isolation (setuptools from this environment)
+and installed with --no-index --no-deps; the new environment reaches its dependencies (torch, transformers,
+...) through a path file naming this environment's site-packages, so nothing is downloaded. The deqzoo in
+that environment is only the wheel's: this environment's editable-install hook is a .pth file, which a
+path file's folder does not run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+from deqzoo.hub.catalog import REPO_ROOT, load_catalog
+
+pytestmark = pytest.mark.wheel
+
+
+def _source_copy(dest: Path) -> Path:
+    """The tracked files of the checkout (git ls-files), else the tree without build and cache folders."""
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True
+                               ).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        files = None
+    if files:
+        for rel in filter(None, files):
+            src = REPO_ROOT / rel
+            if src.is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / rel)
+    else:
+        shutil.copytree(REPO_ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "demo_output", "bench_output"))
+    return dest
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    return {**env, **extra}
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(tmp / "src")
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"),
+                    str(src)], check=True, capture_output=True, env=_env(), timeout=600)
+    (wheel,) = (tmp / "dist").glob("deqzoo-*.whl")
+    env_dir = tmp / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "zz_deqzoo_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, env=_env(), timeout=600)
+    work = tmp / "elsewhere"  # not the repository: nothing can come from model_cards/ there
+    work.mkdir()
+    env = _env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp / "empty-hf-home"), MPLBACKEND="Agg")
+    return python, purelib, work, env, wheel
+
+
+def test_wheel_carries_every_embedded_checkpoint(wheel_env):
+    import zipfile
+
+    _, _, _, _, wheel = wheel_env
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for cid, entry in load_catalog().items():
+        folder = Path(entry["location"]).name
+        for rel in entry["files"]:
+            assert f"deqzoo/_model_cards/{folder}/{rel}" in names, (cid, rel)
+
+
+def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
+    python, purelib, work, env, _ = wheel_env
+    code = (
+        "import json, deqzoo\n"
+        "from deqzoo.hub import resolve\n"
+        "from deqzoo.hub.catalog import load_catalog\n"
+        "out = {'file': deqzoo.__file__, 'models': {}}\n"
+        "for cid in sorted(load_catalog()):\n"
+        "    model = deqzoo.from_pretrained(cid)\n"
+        "    out['models'][cid] = [type(model).__name__, str(resolve(cid))]\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([str(python), "-c", code], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(purelib), out["file"]  # the wheel's deqzoo, not the checkout's
+    assert set(out["models"]) == set(load_catalog())
+    for cid, (cls, folder) in out["models"].items():
+        assert folder.startswith(str(Path(purelib) / "deqzoo" / "_model_cards")), (cid, folder)
+        assert cls != "NoneType"
+
+
+def test_wheel_install_runs_the_demo_offline(wheel_env):
+    python, _, work, env, _ = wheel_env
+    script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
+    proc = subprocess.run([str(script), "demo", "--no-progress", "--output-dir", str(work / "demo")],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    rows = json.loads((work / "demo" / "summary.json").read_text())
+    assert {row["model"] for row in rows} == set(load_catalog())
+    assert not any(row["prediction"].startswith("FAILED") for row in rows)
