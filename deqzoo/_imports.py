@@ -46,7 +46,9 @@ class _HookedLoader(importlib.abc.Loader):
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in _HOOKS and not (_PENDING and name.startswith("deqzoo.")):
+        # deqzoo's own submodules are always wrapped: the one that finishes last retries a deferred
+        # registration (its import began before the deferral, so it cannot be wrapped later)
+        if name not in _HOOKS and not name.startswith("deqzoo."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

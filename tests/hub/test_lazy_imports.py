@@ -46,13 +46,15 @@ def test_cli_help_imports_no_heavy_library_and_is_fast():
     assert time.perf_counter() - start < 10
 
 
-@pytest.mark.parametrize("first", ["deqzoo", "transformers"])
+@pytest.mark.parametrize("first", ["deqzoo", "transformers", "timm"])
 def test_stock_transformers_auto_classes_find_the_families(first):
-    """Registration happens when transformers' Auto machinery is imported after deqzoo, and at once when it
-    was imported before."""
-    imports = ("import deqzoo\nimport transformers\n" if first == "deqzoo" else
-               "import transformers\nfrom transformers import AutoConfig\nimport deqzoo\n")
-    code = imports + (
+    """Registration happens when transformers' Auto machinery is imported after deqzoo, at once when it was
+    imported before, and (timm first) when deqzoo's own modules are half-imported at that moment: no family
+    may fail to register (warnings are errors here)."""
+    imports = {"deqzoo": "import deqzoo\nimport transformers\n",
+               "transformers": "import transformers\nfrom transformers import AutoConfig\nimport deqzoo\n",
+               "timm": "import deqzoo\nimport timm\nimport transformers\n"}[first]
+    code = "import warnings\nwarnings.simplefilter('error', UserWarning)\n" + imports + (
         "from deqzoo.hub import resolve\n"
         "mnist, lm_dir = resolve('deqzoo/mdeq-tiny-mnist'), resolve('deqzoo/deq-transformer-tiny-pydoc')\n"
         "model = transformers.AutoModelForImageClassification.from_pretrained(mnist)\n"
