@@ -372,3 +372,14 @@ def test_push_refuses_a_folder_without_config(fake_hub, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x")
     assert cli_main(["push", str(tmp_path), "--repo-id", "gina/none"]) == 2
     assert hub.calls == []
+
+
+def test_every_embedded_checkpoint_would_upload_complete():
+    """The upload selection keeps every file of each embedded repository (cards, images they show, a
+    diffusers repository's components, an evaluator folder the card names) and finds nothing stray."""
+    from deqzoo.hub.catalog import embedded_folder, load_catalog
+    from deqzoo.hub.push import checkpoint_upload_files
+
+    for cid, entry in load_catalog().items():
+        upload, stray = checkpoint_upload_files(embedded_folder(entry))
+        assert upload == sorted(entry["files"]) and stray == [], cid
