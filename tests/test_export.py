@@ -123,7 +123,7 @@ def test_ignn_onnx_dynamo_exporter_matches_the_card_model(ignn, tmp_path):
         _close(_onnx_run(path, {"x": x, "operator": operator}), model(x, edges).logits)
 
 
-def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq):
+def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq, ignn, tmp_path):
     model, pixels = mdeq
     with pytest.raises(RuntimeError, match="fixed-iteration inference"):
         torch.jit.trace(model, (pixels,), strict=False)
@@ -131,6 +131,12 @@ def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq):
         torch.export.export(model, (pixels,))
     with pytest.raises(ExportError, match="exportable"):
         export_program(model, (pixels,))
+    graph_model, x, edges = ignn  # before the graph validation's data-dependent checks, the reason
+    with pytest.raises(Exception, match="fixed-iteration inference"):
+        torch.export.export(graph_model, (x, edges))
+    with pytest.raises(Exception, match="fixed-iteration inference"):
+        torch.onnx.export(graph_model, (x, edges), str(tmp_path / "ignn.onnx"), dynamo=False)
+    assert not (tmp_path / "ignn.onnx").exists()
 
 
 def test_unsupported_models_name_the_reason(ignn):
