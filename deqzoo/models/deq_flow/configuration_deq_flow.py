@@ -46,6 +46,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
         motion_dim: motion encoder output channels including the 2 flow channels (original B: 128).
         flow_head_dim: flow head hidden width (original: 2 * motion_dim).
         mask_dim: mask predictor hidden width (original 256); 0 upsamples bilinearly instead of convexly.
+        gma: global motion aggregation (the original's --gma): attention over the context features aggregates
+            the motion features, which the GRU reads beside the local ones.
         weight_norm: weight-normalise the update block (the original's --wnorm), reset once per forward.
         detach_flow_input: f reads the flow through a detached copy (RAFT's ``coords1.detach()``, the original's
             default; False is its --all_grad).
@@ -77,6 +79,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         motion_dim: int = 128,
         flow_head_dim: int = 256,
         mask_dim: int = 256,
+        gma: bool = False,
         weight_norm: bool = False,
         detach_flow_input: bool = True,
         implicit: bool = True,
@@ -105,7 +108,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
             if value not in NORMS:
                 raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
         for name, value in (
-            ("weight_norm", weight_norm), ("detach_flow_input", detach_flow_input), ("implicit", implicit)
+            ("gma", gma), ("weight_norm", weight_norm), ("detach_flow_input", detach_flow_input),
+            ("implicit", implicit),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"DEQFlowConfig.{name} must be a bool, got {value!r}")
@@ -122,6 +126,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         self.motion_dim = motion_dim
         self.flow_head_dim = flow_head_dim
         self.mask_dim = mask_dim
+        self.gma = gma
         self.weight_norm = weight_norm
         self.detach_flow_input = detach_flow_input
         self.implicit = implicit
@@ -156,9 +161,7 @@ def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
                 "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
                 "motion_flow_layers": [128 + extra, 64 + extra // 2], "motion_dim": 128 + extra,
                 "flow_head_dim": 2 * (128 + extra)}
-    if gma:
-        raise NotImplementedError("GMA variants are not built in deqzoo yet")
-    return {**dims, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
+    return {**dims, "gma": gma, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
 
 
 def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
@@ -177,6 +180,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-flow-tiny": _preset(_upstream("tiny"), "DEQ-Flow tiny (the original's --tiny), 2.49 M parameters"),
     "deq-flow-b": _preset(_upstream("B"), "DEQ-Flow-B (the original's default size), 5.24 M parameters"),
     "deq-flow-h": _preset(_upstream("H"), "DEQ-Flow-H (the original's --huge), 13.39 M parameters"),
+    "deq-flow-tiny-gma": _preset(_upstream("tiny", True), "DEQ-Flow tiny with GMA, 2.52 M parameters"),
+    "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
+    "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
     "deq-flow-cpu": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
     "raft-cpu": _preset({**_CPU, "implicit": False, "num_flow_updates": 12},
                         "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates"),

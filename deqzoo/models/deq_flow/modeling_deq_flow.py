@@ -31,6 +31,9 @@ __all__ = [
     "DEQFlowModel",
     "DEQFlowOutput",
     "DEQFlowPreTrainedModel",
+    "GMAUpdateBlock",
+    "GlobalAggregate",
+    "GlobalAttention",
     "prepare_images",
     "sequence_loss",
 ]
@@ -165,14 +168,67 @@ def sequence_loss(
     return fp_correction(l1, list(predictions), weight="exp", gamma=gamma)
 
 
+class GlobalAttention(nn.Module):
+    """GMA's attention over the context features (Jiang et al., 2021; the original's `Attention` without
+    positional terms, as DEQ-Flow builds it): softmax(q·k / sqrt(d)) over all positions, (B, heads, HW, HW)."""
+
+    def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.to_qk = nn.Conv2d(dim, heads * dim_head * 2, 1, bias=False)
+
+    def forward(self, fmap: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = fmap.shape
+        q, k = self.to_qk(fmap).chunk(2, dim=1)
+        q = q.reshape(b, self.heads, -1, h * w).transpose(-1, -2) * self.scale
+        k = k.reshape(b, self.heads, -1, h * w)
+        return torch.softmax(q @ k, dim=-1)
+
+
+class GlobalAggregate(nn.Module):
+    """GMA's aggregation of motion features by the context attention: fmap + γ · attn · to_v(fmap) (γ starts at 0
+    so the block starts as the local one)."""
+
+    def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
+        super().__init__()
+        self.heads = heads
+        inner = heads * dim_head
+        self.to_v = nn.Conv2d(dim, inner, 1, bias=False)
+        self.gamma = nn.Parameter(torch.zeros(1))
+        self.project = nn.Conv2d(inner, dim, 1, bias=False) if dim != inner else None
+
+    def forward(self, attention: torch.Tensor, fmap: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = fmap.shape
+        v = self.to_v(fmap).reshape(b, self.heads, -1, h * w).transpose(-1, -2)
+        out = (attention @ v).transpose(-1, -2).reshape(b, -1, h, w)
+        if self.project is not None:
+            out = self.project(out)
+        return fmap + self.gamma * out
+
+
+class GMAUpdateBlock(tv_raft.UpdateBlock):
+    """torchvision's update block with GMA's global motion aggregation: the GRU reads
+    [context, motion, aggregated motion]."""
+
+    def __init__(self, *, motion_encoder, recurrent_block, flow_head, aggregate: GlobalAggregate):
+        super().__init__(motion_encoder=motion_encoder, recurrent_block=recurrent_block, flow_head=flow_head)
+        self.aggregate = aggregate
+
+    def forward(self, hidden_state, context, corr_features, flow, attention=None):
+        motion = self.motion_encoder(flow, corr_features)
+        x = torch.cat([context, motion, self.aggregate(attention, motion)], dim=1)
+        hidden_state = self.recurrent_block(hidden_state, x)
+        return hidden_state, self.flow_head(hidden_state)
+
+
 @dataclass
 class DEQFlowOutput(DEQModelOutput):
     """loss: sequence / fixed-point-correction loss against `flow_gt` (if given); flow: (B, 2, H, W) at full
     resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution (padded);
     hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state, flow_low), to pass
     as the next pair's ``initial_state``; flow_predictions: the supervised full-resolution flows in training
-    (correction states or unrolled iterates, first to last); deq_stats: solver statistics (None when
-    explicit)."""
+    (correction states or unrolled iterates, first to last); hidden_states: (context features, final hidden
+    state) with ``output_hidden_states=True``; deq_stats: solver statistics (None when explicit)."""
 
     loss: torch.Tensor | None = None
     flow: torch.Tensor | None = None
@@ -180,6 +236,7 @@ class DEQFlowOutput(DEQModelOutput):
     hidden_state: torch.Tensor | None = None
     fixed_point: tuple[torch.Tensor, torch.Tensor] | None = None
     flow_predictions: list[torch.Tensor] | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
 
 
@@ -228,9 +285,19 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             flow_layers=tuple(c.motion_flow_layers),
             out_channels=c.motion_dim,
         )
-        gru = tv_raft.RecurrentBlock(input_size=c.motion_dim + c.context_dim, hidden_size=c.hidden_dim)
+        gru = tv_raft.RecurrentBlock(
+            input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim, hidden_size=c.hidden_dim
+        )
         head = tv_raft.FlowHead(in_channels=c.hidden_dim, hidden_size=c.flow_head_dim)
-        self.update_block = tv_raft.UpdateBlock(motion_encoder=motion, recurrent_block=gru, flow_head=head)
+        if c.gma:  # one head of width context_dim / motion_dim, as DEQ-Flow's GMA variants
+            self.attention = GlobalAttention(c.context_dim, heads=1, dim_head=c.context_dim)
+            self.update_block = GMAUpdateBlock(
+                motion_encoder=motion, recurrent_block=gru, flow_head=head,
+                aggregate=GlobalAggregate(c.motion_dim, heads=1, dim_head=c.motion_dim),
+            )
+        else:
+            self.attention = None
+            self.update_block = tv_raft.UpdateBlock(motion_encoder=motion, recurrent_block=gru, flow_head=head)
         self.mask_predictor = (
             tv_raft.MaskPredictor(in_channels=c.hidden_dim, hidden_size=c.mask_dim, multiplier=0.25)
             if c.mask_dim
@@ -247,16 +314,17 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         return upsample_flow(flow_low, up_mask=mask)
 
     def update_fn(self, context: torch.Tensor, coords0: torch.Tensor):
-        """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context and the
-        correlation pyramid built for this pair."""
+        """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and its
+        GMA attention) and the correlation pyramid built for this pair."""
         detach = self.config.detach_flow_input
+        extra = () if self.attention is None else (self.attention(context),)
 
         def f(state):
             h, flow = state
             if detach:  # RAFT's coords1.detach(): no gradient through the correlation lookup
                 flow = flow.detach()
             corr = self.corr_block.index_pyramid(centroids_coords=coords0 + flow)
-            h, delta = self.update_block(h, context, corr, flow)
+            h, delta = self.update_block(h, context, corr, flow, *extra)
             return h, flow + delta
 
         return f
@@ -275,6 +343,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         flow_gt: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
     ) -> DEQFlowOutput | tuple:
         c = self.config
@@ -315,10 +384,16 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
                 hidden_state=hidden,
                 fixed_point=(hidden.detach(), flow_low.detach()),
                 flow_predictions=supervised if train else None,
+                hidden_states=(context, hidden) if self._flag(output_hidden_states, "output_hidden_states")
+                else None,
                 deq_stats=stats,
             ),
             return_dict,
         )
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The feature encoder's stem (the first map from pixels into features)."""
+        return self.feature_encoder.convnormrelu
 
     def _initial(self, state, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = (like.new_zeros(shape), like.new_zeros(shape[0], 2, *shape[2:]))
