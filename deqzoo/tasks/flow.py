@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +36,16 @@ __all__ = [
     "HELD_OUT_IMAGES",
     "TRAIN_IMAGES",
     "FlowPair",
+    "classical_epe",
+    "classical_flow",
+    "demo",
     "epe",
+    "evaluate",
+    "flow_png",
+    "held_out_set",
+    "model_flow",
     "motorcycle_pair",
+    "predict",
     "synthetic_batch",
     "synthetic_pair",
     "synthetic_video",
@@ -373,3 +382,174 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     if valid is None:
         return float(err.mean())
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluation, baselines, demo, predict
+
+HELD_OUT_PAIRS = 100  # held-out synthetic pairs scored by `evaluate` (seeds 0..99 of the held-out split)
+EVAL_SIZE = (64, 64)
+MOTORCYCLE_SCALE = 0.25
+_MAX_PREDICT_PIXELS = 1024 * 1024  # the all-pairs correlation volume grows with (H·W/64)²
+
+
+def held_out_set(n: int = HELD_OUT_PAIRS, size: tuple[int, int] = EVAL_SIZE):
+    """The held-out evaluation pairs: image1, image2 (N, 3, H, W), flow (N, 2, H, W), valid (N, H, W)."""
+    return synthetic_batch(range(n), size, "held-out")
+
+
+def _gray_u8(image: torch.Tensor) -> np.ndarray:
+    return (image.mean(0).numpy() * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+
+
+def classical_flow(method: str, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
+    """OpenCV's flow between two (3, H, W) images in [0, 1] on grayscale: "farneback"
+    (calcOpticalFlowFarneback, OpenCV's documented example parameters) or "dis" (DISOpticalFlow, MEDIUM
+    preset); "zero" is the zero flow. Returns (2, H, W)."""
+    if method == "zero":
+        return torch.zeros(2, *image1.shape[-2:])
+    import cv2
+
+    a, b = _gray_u8(image1), _gray_u8(image2)
+    if method == "farneback":
+        flow = cv2.calcOpticalFlowFarneback(a, b, None, 0.5, 3, 15, 3, 5, 1.2, 0)
+    elif method == "dis":
+        flow = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM).calc(a, b, None)
+    else:
+        raise ValueError(f"unknown classical method {method!r}; choose zero, farneback or dis")
+    return torch.from_numpy(np.ascontiguousarray(flow.transpose(2, 0, 1))).float()
+
+
+def classical_epe(method: str, image1, image2, flow, valid) -> float:
+    """Mean EPE of a classical method over a batch (per-pair flows, pixels pooled over valid pixels)."""
+    preds = torch.stack([classical_flow(method, a, b) for a, b in zip(image1, image2)])
+    return epe(preds, flow, valid)
+
+
+@torch.no_grad()
+def model_flow(model, image1: torch.Tensor, image2: torch.Tensor, batch_size: int = 25
+               ) -> tuple[torch.Tensor, list[int]]:
+    """The model's flow over a batch in chunks; returns (flow (N, 2, H, W), NFE per chunk)."""
+    model.eval()
+    flows, nfes = [], []
+    for i in range(0, image1.shape[0], batch_size):
+        out = model(image1[i : i + batch_size], image2[i : i + batch_size])
+        flows.append(out.flow)
+        nfes.append(out.deq_stats.nfe if out.deq_stats is not None else model.config.num_flow_updates)
+    return torch.cat(flows), nfes
+
+
+def evaluate(model, *, limit: int | None = None, progress: bool = True,
+             baselines: bool = True) -> dict[str, float]:
+    """End-point error (pixels, valid pixels) on the held-out synthetic pairs and on the motorcycle stereo pair
+    (flow = -disparity at 1/4 resolution), the forward solve's mean f-evaluations, and (with `baselines`) the
+    zero flow, Farneback and DIS on the same pairs. `limit` scores the first N held-out pairs."""
+    from tqdm import tqdm
+
+    n = HELD_OUT_PAIRS if limit is None else max(1, min(int(limit), HELD_OUT_PAIRS))
+    steps = tqdm(total=2 + (3 if baselines else 0), desc="flow eval", disable=not progress, leave=False)
+    image1, image2, flow, valid = held_out_set(n)
+    pred, nfes = model_flow(model, image1, image2)
+    result = {"epe_held_out": epe(pred, flow, valid), "nfe_held_out": float(np.mean(nfes))}
+    steps.update()
+    moto = motorcycle_pair(MOTORCYCLE_SCALE)
+    m_pred, m_nfe = model_flow(model, moto.image1[None], moto.image2[None])
+    result["epe_motorcycle"] = epe(m_pred[0], moto.flow, moto.valid)
+    result["nfe_motorcycle"] = float(m_nfe[0])
+    steps.update()
+    if baselines:
+        for method in ("zero", "farneback", "dis"):
+            result[f"{method}_epe_held_out"] = classical_epe(method, image1, image2, flow, valid)
+            result[f"{method}_epe_motorcycle"] = epe(classical_flow(method, moto.image1, moto.image2), moto.flow,
+                                                     moto.valid)
+            steps.update()
+    steps.close()
+    return {k: round(v, 4) for k, v in result.items()}
+
+
+def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
+    """Write a (2, H, W) flow as a colour PNG (torchvision.utils.flow_to_image: hue = direction, saturation =
+    magnitude relative to the largest)."""
+    from PIL import Image
+    from torchvision.utils import flow_to_image
+
+    rgb = flow_to_image(flow.detach().float().cpu())
+    path = Path(path)
+    Image.fromarray(rgb.permute(1, 2, 0).numpy()).save(path)
+    return path
+
+
+def _free_path(path: Path) -> Path:
+    """`path`, or path-1, path-2... if a file is already there (never overwrite a user's file)."""
+    if not path.exists():
+        return path
+    for i in range(1, 10000):
+        cand = path.with_name(f"{path.stem}-{i}{path.suffix}")
+        if not cand.exists():
+            return cand
+    raise FileExistsError(f"{path}: too many existing files")
+
+
+def demo(model, output_dir: str | Path = "demo_output"):
+    """Flow of one held-out pair and of the motorcycle stereo pair, written as colour PNGs into `output_dir`
+    (replaced on every run); returns (summary line, the motorcycle solve's statistics)."""
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pair = synthetic_pair(0, EVAL_SIZE, "held-out")
+    moto = motorcycle_pair(MOTORCYCLE_SCALE)
+    model.eval()
+    with torch.no_grad():
+        syn = model(pair.image1[None], pair.image2[None])
+        out = model(moto.image1[None], moto.image2[None])
+    name = Path(str(getattr(model, "name_or_path", "") or "deq-flow")).name
+    p1 = flow_png(syn.flow[0], out_dir / f"{name}_held_out_flow.png")
+    p2 = flow_png(out.flow[0], out_dir / f"{name}_motorcycle_flow.png")
+    stats = out.deq_stats
+    if stats is None:  # the explicit twin has no solve: report an empty one
+        from ..core import SolverStats
+
+        stats = SolverStats(nfe=0, abs_residual=torch.zeros(1), rel_residual=torch.zeros(1), trace=torch.zeros(0),
+                            converged=torch.ones(1, dtype=torch.bool), solver="none")
+    summary = (f"held-out pair EPE {epe(syn.flow[0], pair.flow, pair.valid):.2f} px -> {p1}; motorcycle "
+               f"(1/4 res) disparity EPE {epe(out.flow[0], moto.flow, moto.valid):.2f} px -> {p2}")
+    return summary, stats
+
+
+def _read_image(path: str) -> torch.Tensor:
+    from PIL import Image
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"predict: image {path!r} does not exist")
+    with Image.open(p) as img:
+        w, h = img.size
+        if w * h > _MAX_PREDICT_PIXELS:
+            raise ValueError(f"predict: {path} is {w}x{h}; at most {_MAX_PREDICT_PIXELS} pixels (the all-pairs "
+                             "correlation grows with the square of the pixel count): resize it first")
+        arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+def predict(model, input: str) -> str:
+    """Flow between two images as a colour PNG. INPUT is ``FIRST,SECOND`` image paths, optionally
+    ``,OUT.png``; without OUT the file is ``flow_<first>_<second>.png`` in the current directory (a numbered
+    name if that exists: an existing file is never overwritten)."""
+    parts = [p.strip() for p in str(input).split(",")]
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"predict input {input!r}: expected 'FIRST,SECOND' image paths, optionally ',OUT.png'")
+    a, b = _read_image(parts[0]), _read_image(parts[1])
+    if a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
+                         f"{tuple(b.shape[-2:])}; the two frames must have the same size")
+    path = Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"predict: output {path} must end in .png")
+    path = _free_path(path)
+    with torch.no_grad():
+        out = model.eval()(a[None], b[None])
+    flow = out.flow[0]
+    flow_png(flow, path)
+    mag = torch.linalg.vector_norm(flow, dim=0)
+    nfe = f", {out.deq_stats.nfe} f-evaluations" if out.deq_stats is not None else ""
+    return (f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): mean |flow| {float(mag.mean()):.2f} px, "
+            f"max {float(mag.max()):.2f} px{nfe}; written to {path}")
