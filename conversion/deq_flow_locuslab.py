@@ -1,25 +1,26 @@
 """Convert locuslab/deq-flow (Bai, Geng, Savani & Kolter, CVPR 2022) release checkpoints to deqzoo DEQ-Flow.
 
 Input: the released ``.pth`` state dicts of ``DEQFlow`` (code.v.2.0 ``core/deq_flow.py``) or of the v1.0
-``DEQFlowIndexing``/``DEQFlowSliced`` (code.v.1.0 ``core/deq.py``), as written by ``torch.save(model.state_dict())``
-under ``nn.DataParallel`` (a ``module.`` prefix, removed), read with ``torch.load(weights_only=True)``.
-Sizes B, H (``--huge``), large/gigantic and tiny (v2 ``--tiny``), with or without GMA (``--gma``), with or without
-weight normalisation (``--wnorm``), are recognised from the tensor shapes; v1's ``--small`` (a different encoder
-and update block) is refused with a clear error.
+``DEQFlowIndexing``/``DEQFlowSliced`` (code.v.1.0 ``core/deq.py``), as written by
+``torch.save(model.state_dict())`` under ``nn.DataParallel`` (a ``module.`` prefix, removed), read with
+``torch.load(weights_only=True)``. Sizes B, H (``--huge``), large/gigantic and tiny (v2 ``--tiny``), with or
+without GMA (``--gma``), with or without weight normalisation (``--wnorm``), are recognised from the tensor
+shapes; v1's ``--small`` (a different encoder and update block) is refused with a clear error.
 
 Mapping (original -> deqzoo; torchvision's RAFT module names):
-- ``fnet.*`` / ``cnet.*`` -> ``feature_encoder.*`` / ``context_encoder.*``: ``conv1``/``norm1`` -> ``convnormrelu.0``/
-  ``.1``; ``layerK.J.conv1``/``norm1`` -> ``layerK.J.convnormrelu1.0``/``.1``, ``conv2``/``norm2`` -> ``convnormrelu2``;
-  ``layerK.J.downsample.0/.1`` unchanged; ``conv2`` -> ``conv``.
+- ``fnet.*`` / ``cnet.*`` -> ``feature_encoder.*`` / ``context_encoder.*``: ``conv1``/``norm1`` ->
+  ``convnormrelu.0``/ ``.1``; ``layerK.J.conv1``/``norm1`` -> ``layerK.J.convnormrelu1.0``/``.1``,
+  ``conv2``/``norm2`` -> ``convnormrelu2``; ``layerK.J.downsample.0/.1`` unchanged; ``conv2`` -> ``conv``.
 - ``update_block.encoder.convc1/convc2/convf1/convf2/conv`` -> ``update_block.motion_encoder.convcorr1.0/
   convcorr2.0/convflow1.0/convflow2.0/conv.0``; ``update_block.gru.conv{z,r,q}{1,2}`` ->
   ``update_block.recurrent_block.convgru{1,2}.conv{z,r,q}``; ``update_block.flow_head.*`` unchanged.
-- ``mask.0/.2`` (v2) or ``update_block.mask.0/.2`` (v1) -> ``mask_predictor.convrelu.0`` / ``mask_predictor.conv``.
+- ``mask.0/.2`` (v2) or ``update_block.mask.0/.2`` (v1) -> ``mask_predictor.convrelu.0`` /
+  ``mask_predictor.conv``.
 - GMA: ``attn.to_qk`` -> ``attention.to_qk``; ``update_block.gma.{to_v,gamma,project}`` ->
   ``update_block.aggregate.*``.
 Weight-normalised layers keep ``weight_g``/``weight_v`` (deqzoo's engine weight norm uses the same names and
-recomputes the weight once per forward, as the original); ``--option fold_weight_norm=true`` folds them into plain
-weights (w = g · v / ||v||, outputs unchanged) and builds the model without weight norm.
+recomputes the weight once per forward, as the original); ``--option fold_weight_norm=true`` folds them into
+plain weights (w = g · v / ||v||, outputs unchanged) and builds the model without weight norm.
 
 Solver settings follow the original's evaluation (its ``val.sh``: ``--f_solver naive_solver --f_thres 40
 --eval_factor 1.5``): plain fixed-point iteration, 60 steps; relative tolerance 1e-3.
@@ -52,21 +53,30 @@ _ENCODER = [
     (r"(layer\d\.\d)\.downsample\.(\d)\.(.+)$", r"\1.downsample.\2.\3"),
     (r"conv2\.(weight|bias)$", r"conv.\1"),
 ]
-_MOTION = {"convc1": "convcorr1.0", "convc2": "convcorr2.0", "convf1": "convflow1.0", "convf2": "convflow2.0",
-           "conv": "conv.0"}
+_MOTION = {
+    "convc1": "convcorr1.0",
+    "convc2": "convcorr2.0",
+    "convf1": "convflow1.0",
+    "convf2": "convflow2.0",
+    "conv": "conv.0",
+}
 
 
 def _rename(key: str) -> str | None:
     """The deqzoo name of an original key (None: a key with no deqzoo counterpart)."""
     for src, dst in (("fnet.", "feature_encoder."), ("cnet.", "context_encoder.")):
         if key.startswith(src):
-            rest = key[len(src):]
+            rest = key[len(src) :]
             for pat, rep in _ENCODER:
                 if re.match(pat, rest):
                     return dst + re.sub(pat, rep, rest)
             return None
     if m := re.match(r"update_block\.encoder\.(\w+)\.(.+)$", key):
-        return f"update_block.motion_encoder.{_MOTION[m.group(1)]}.{m.group(2)}" if m.group(1) in _MOTION else None
+        return (
+            f"update_block.motion_encoder.{_MOTION[m.group(1)]}.{m.group(2)}"
+            if m.group(1) in _MOTION
+            else None
+        )
     if m := re.match(r"update_block\.gru\.conv([zrq])([12])\.(.+)$", key):
         return f"update_block.recurrent_block.convgru{m.group(2)}.conv{m.group(1)}.{m.group(3)}"
     if key.startswith("update_block.flow_head."):
@@ -99,15 +109,20 @@ def _dim(state: dict[str, torch.Tensor], key: str, axis: int, src: Path) -> int:
     raise ValueError(f"{src}: missing {key}.weight (or weight_v); is this a DEQ-Flow checkpoint?")
 
 
-def convert_state_dict(sd: dict[str, torch.Tensor], src: str | Path, *, fold: bool = False
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def convert_state_dict(
+    sd: dict[str, torch.Tensor], src: str | Path, *, fold: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Original keys -> deqzoo keys, and the DEQFlowConfig fields the shapes imply."""
     src = Path(src)
     if not any(k.startswith("update_block.encoder.convc1") for k in sd):
-        raise ValueError(f"{src}: no update_block.encoder.convc1 weights: not a DEQ-Flow state dict; keys: "
-                         f"{sorted(sd)[:10]}")
+        raise ValueError(
+            f"{src}: no update_block.encoder.convc1 weights: not a DEQ-Flow state dict; keys: "
+            f"{sorted(sd)[:10]}"
+        )
     if "update_block.encoder.convc2.weight" not in sd and "update_block.encoder.convc2.weight_v" not in sd:
-        raise ValueError(f"{src}: a v1.0 '--small' DEQ-Flow (SmallEncoder / SmallUpdateBlock) is not supported")
+        raise ValueError(
+            f"{src}: a v1.0 '--small' DEQ-Flow (SmallEncoder / SmallUpdateBlock) is not supported"
+        )
     state: dict[str, torch.Tensor] = {}
     dropped = []
     for key, value in sd.items():
@@ -128,8 +143,12 @@ def convert_state_dict(sd: dict[str, torch.Tensor], src: str | Path, *, fold: bo
     cdim = _dim(sd, "cnet.conv2", 0, src)
     motion_dim = _dim(sd, "update_block.encoder.conv", 0, src) + 2
     config = {
-        "encoder_layers": [_dim(sd, "fnet.conv1", 0, src), _dim(sd, "fnet.layer1.1.conv2", 0, src),
-                           _dim(sd, "fnet.layer2.1.conv2", 0, src), _dim(sd, "fnet.layer3.1.conv2", 0, src)],
+        "encoder_layers": [
+            _dim(sd, "fnet.conv1", 0, src),
+            _dim(sd, "fnet.layer1.1.conv2", 0, src),
+            _dim(sd, "fnet.layer2.1.conv2", 0, src),
+            _dim(sd, "fnet.layer3.1.conv2", 0, src),
+        ],
         "feature_dim": _dim(sd, "fnet.conv2", 0, src),
         "context_dim": cdim,
         "hidden_dim": _dim(sd, "update_block.flow_head.conv1", 1, src),
@@ -137,21 +156,35 @@ def convert_state_dict(sd: dict[str, torch.Tensor], src: str | Path, *, fold: bo
         "context_norm": "batch" if "cnet.norm1.running_mean" in sd else "instance",
         "corr_levels": 4,
         "corr_radius": radius,
-        "motion_corr_layers": [_dim(sd, "update_block.encoder.convc1", 0, src),
-                               _dim(sd, "update_block.encoder.convc2", 0, src)],
-        "motion_flow_layers": [_dim(sd, "update_block.encoder.convf1", 0, src),
-                               _dim(sd, "update_block.encoder.convf2", 0, src)],
+        "motion_corr_layers": [
+            _dim(sd, "update_block.encoder.convc1", 0, src),
+            _dim(sd, "update_block.encoder.convc2", 0, src),
+        ],
+        "motion_flow_layers": [
+            _dim(sd, "update_block.encoder.convf1", 0, src),
+            _dim(sd, "update_block.encoder.convf2", 0, src),
+        ],
         "motion_dim": motion_dim,
         "flow_head_dim": _dim(sd, "update_block.flow_head.conv1", 0, src),
-        "mask_dim": _dim(sd, "mask.0" if any(k.startswith("mask.") for k in sd) else "update_block.mask.0", 0, src),
+        "mask_dim": _dim(
+            sd, "mask.0" if any(k.startswith("mask.") for k in sd) else "update_block.mask.0", 0, src
+        ),
         "gma": any(k.startswith("attn.") for k in sd),
         "weight_norm": weight_norm,
     }
     return state, config
 
 
-def convert(src: str | Path, out: str | Path, *, fold_weight_norm: bool = False, all_grad: bool = False,
-            deq: dict[str, Any] | None = None, card: bool = True, **options: Any) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    fold_weight_norm: bool = False,
+    all_grad: bool = False,
+    deq: dict[str, Any] | None = None,
+    card: bool = True,
+    **options: Any,
+) -> Path:
     """Convert an original DEQ-Flow state dict into a deqzoo checkpoint directory `out`.
 
     ``all_grad=True`` marks checkpoints trained with the original's ``--all_grad`` (no detach of the flow
@@ -167,8 +200,13 @@ def convert(src: str | Path, out: str | Path, *, fold_weight_norm: bool = False,
         if not isinstance(value, bool):
             raise ValueError(f"option {name} must be true or false, got {value!r}")
     state, fields = convert_state_dict(load_state_dict(src), src, fold=fold_weight_norm)
-    config = DEQFlowConfig(**fields, detach_flow_input=not all_grad, deq={**EVAL_DEQ, **(deq or {})},
-                           architectures=[DEQFlowForOpticalFlow.__name__], **options)
+    config = DEQFlowConfig(
+        **fields,
+        detach_flow_input=not all_grad,
+        deq={**EVAL_DEQ, **(deq or {})},
+        architectures=[DEQFlowForOpticalFlow.__name__],
+        **options,
+    )
     model = DEQFlowForOpticalFlow(config)
     fill_model(model, state, src)
     out = Path(out)
@@ -181,12 +219,17 @@ def convert(src: str | Path, out: str | Path, *, fold_weight_norm: bool = False,
 def _write_card(path: Path, source: str, fields: dict[str, Any]) -> None:
     from deqzoo.hub.cards import render_model_card
 
-    meta = {"license": "mit", "library_name": "deqzoo",
-            "tags": ["deqzoo", "deep-equilibrium", "optical-flow", "deq-flow", "converted"]}
+    meta = {
+        "license": "mit",
+        "library_name": "deqzoo",
+        "tags": ["deqzoo", "deep-equilibrium", "optical-flow", "deq-flow", "converted"],
+    }
     size = {32: "tiny", 128: "B", 192: "large", 256: "H", 384: "gigantic"}.get(fields["hidden_dim"], "custom")
-    body = (f"# DEQ-Flow ({size}{', GMA' if fields['gma'] else ''}) converted from locuslab/deq-flow\n\n"
-            f"Converted with `deqzoo convert` from `{source}` (an original-format state dict). No evaluation was "
-            "run by the converter.\n")
+    body = (
+        f"# DEQ-Flow ({size}{', GMA' if fields['gma'] else ''}) converted from locuslab/deq-flow\n\n"
+        f"Converted with `deqzoo convert` from `{source}` (an original-format state dict). No evaluation was "
+        "run by the converter.\n"
+    )
     (path / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
 
 

@@ -1,11 +1,11 @@
-"""Optical-flow task: FlyingChairs-like pairs rendered from real photographs, the motorcycle stereo pair, and a
-synthetic video, all generated offline and deterministically from scikit-image's bundled images.
+"""Optical-flow task: FlyingChairs-like pairs rendered from real photographs, the motorcycle stereo pair, and
+a synthetic video, all generated offline and deterministically from scikit-image's bundled images.
 
 A scene is a stack of layers (a background and "chairs": elliptical pieces of other photographs), each with a
 per-frame map from frame pixels to its texture's pixels and the inverse. A pixel of frame t belongs to the top
-layer whose mask (an ellipse in texture coordinates, so it moves with its layer) contains it; the flow from frame
-t to t+1 at x is ``inverse_{t+1}(map_t(x)) - x`` for that layer: exact, by construction, not estimated. A pixel
-is valid (not occluded) when its target lies inside frame t+1 and the same layer owns it there.
+layer whose mask (an ellipse in texture coordinates, so it moves with its layer) contains it; the flow from
+frame t to t+1 at x is ``inverse_{t+1}(map_t(x)) - x`` for that layer: exact, by construction, not estimated.
+A pixel is valid (not occluded) when its target lies inside frame t+1 and the same layer owns it there.
 
 Pairs: the background moves by a random affine map plus a smooth random deformation (inverted numerically to
 float precision by a contractive fixed-point iteration); 1 to 3 chairs move by their own affine maps; frame 2
@@ -23,10 +23,10 @@ Example:
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,8 +53,19 @@ __all__ = [
 ]
 
 TRAIN_IMAGES = (
-    "astronaut", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field", "brick", "grass", "gravel",
-    "coins", "moon", "camera", "cell", "page",
+    "astronaut",
+    "coffee",
+    "rocket",
+    "immunohistochemistry",
+    "hubble_deep_field",
+    "brick",
+    "grass",
+    "gravel",
+    "coins",
+    "moon",
+    "camera",
+    "cell",
+    "page",
 )
 HELD_OUT_IMAGES = ("chelsea", "clock", "text")
 _LFW_TRAIN = 150  # lfw_subset faces [0, 150) texture training chairs; [150, 200) are held out
@@ -107,7 +118,9 @@ def _chair_textures(split: str) -> list[torch.Tensor]:
     return _textures(split) + faces
 
 
-def _affine(scale: float, angle: float, shift: tuple[float, float], center: tuple[float, float]) -> np.ndarray:
+def _affine(
+    scale: float, angle: float, shift: tuple[float, float], center: tuple[float, float]
+) -> np.ndarray:
     """3x3 map x -> R(angle)·scale·(x - center) + center + shift (float64)."""
     c, s = math.cos(angle) * scale, math.sin(angle) * scale
     cx, cy = center
@@ -143,8 +156,9 @@ class _Layer:
 
 
 def _grid(h: int, w: int) -> torch.Tensor:
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
-                            indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij"
+    )
     return torch.stack([xs, ys], dim=-1)  # (H, W, 2) as (x, y)
 
 
@@ -152,8 +166,9 @@ def _sample(texture: torch.Tensor, uv: torch.Tensor) -> torch.Tensor:
     """Bilinear texture lookup at (H, W, 2) texture pixels (reflection outside): (3, H, W)."""
     ht, wt = texture.shape[-2:]
     norm = torch.stack([2 * uv[..., 0] / (wt - 1) - 1, 2 * uv[..., 1] / (ht - 1) - 1], dim=-1)
-    return F.grid_sample(texture[None], norm[None].float(), mode="bilinear", padding_mode="reflection",
-                         align_corners=True)[0]
+    return F.grid_sample(
+        texture[None], norm[None].float(), mode="bilinear", padding_mode="reflection", align_corners=True
+    )[0]
 
 
 def _owner(layers: list[_Layer], t: int, xy: torch.Tensor) -> torch.Tensor:
@@ -184,7 +199,9 @@ def _flow(layers: list[_Layer], t: int, h: int, w: int) -> tuple[torch.Tensor, t
         sel = owner == i
         if bool(sel.any()):
             target[sel] = layer.from_tex[t + 1](layer.to_tex[t](xy[sel]))
-    inside = (target[..., 0] >= 0) & (target[..., 0] <= w - 1) & (target[..., 1] >= 0) & (target[..., 1] <= h - 1)
+    inside = (
+        (target[..., 0] >= 0) & (target[..., 0] <= w - 1) & (target[..., 1] >= 0) & (target[..., 1] <= h - 1)
+    )
     valid = inside & (_owner(layers, t + 1, target) == owner)
     return (target - xy).permute(2, 0, 1).float(), valid
 
@@ -202,8 +219,9 @@ def _field_at(field: torch.Tensor, xy: torch.Tensor) -> torch.Tensor:
     shape = xy.shape
     pts = xy.reshape(1, 1, -1, 2)
     norm = torch.stack([2 * pts[..., 0] / (w - 1) - 1, 2 * pts[..., 1] / (h - 1) - 1], dim=-1)
-    out = F.grid_sample(field.permute(2, 0, 1)[None], norm, mode="bilinear", padding_mode="border",
-                        align_corners=True)
+    out = F.grid_sample(
+        field.permute(2, 0, 1)[None], norm, mode="bilinear", padding_mode="border", align_corners=True
+    )
     return out[0, :, 0].T.reshape(shape)
 
 
@@ -231,7 +249,9 @@ def _compose(first: Map, second: Map) -> Map:
     return lambda xy: second(first(xy))
 
 
-def _crop_map(rng: np.random.Generator, tex: torch.Tensor, h: int, w: int, zoom: tuple[float, float]) -> np.ndarray:
+def _crop_map(
+    rng: np.random.Generator, tex: torch.Tensor, h: int, w: int, zoom: tuple[float, float]
+) -> np.ndarray:
     """Frame pixel -> texture pixel: random zoom/rotation around a random point of the texture."""
     ht, wt = tex.shape[-2:]
     scale = math.exp(rng.uniform(math.log(zoom[0]), math.log(zoom[1])))
@@ -244,11 +264,20 @@ def _crop_map(rng: np.random.Generator, tex: torch.Tensor, h: int, w: int, zoom:
     return m
 
 
-def _motion(rng: np.random.Generator, center: tuple[float, float], max_shift: float, max_angle: float,
-            max_log_scale: float) -> np.ndarray:
+def _motion(
+    rng: np.random.Generator,
+    center: tuple[float, float],
+    max_shift: float,
+    max_angle: float,
+    max_log_scale: float,
+) -> np.ndarray:
     """Frame-1 -> frame-2 affine motion about `center`."""
-    return _affine(math.exp(rng.uniform(-max_log_scale, max_log_scale)), rng.uniform(-max_angle, max_angle),
-                   (rng.uniform(-max_shift, max_shift), rng.uniform(-max_shift, max_shift)), center)
+    return _affine(
+        math.exp(rng.uniform(-max_log_scale, max_log_scale)),
+        rng.uniform(-max_angle, max_angle),
+        (rng.uniform(-max_shift, max_shift), rng.uniform(-max_shift, max_shift)),
+        center,
+    )
 
 
 def _inverse_map(m: np.ndarray) -> tuple[Map, Map]:
@@ -256,8 +285,9 @@ def _inverse_map(m: np.ndarray) -> tuple[Map, Map]:
     return (lambda xy: _apply(m, xy)), (lambda uv: _apply(inv, uv))
 
 
-def synthetic_pair(seed: int, size: tuple[int, int] = (64, 64), split: str = "train",
-                   max_shift: float | None = None) -> FlowPair:
+def synthetic_pair(
+    seed: int, size: tuple[int, int] = (64, 64), split: str = "train", max_shift: float | None = None
+) -> FlowPair:
     """One deterministic FlyingChairs-like pair (see the module docstring); `seed` selects it.
 
     `max_shift` bounds the translations in pixels (default: a tenth of the smaller side)."""
@@ -284,8 +314,13 @@ def synthetic_pair(seed: int, size: tuple[int, int] = (64, 64), split: str = "tr
         radius = min(h, w) * rng.uniform(0.12, 0.3)
         scale = float(np.sqrt(abs(np.linalg.det(o1[:2, :2]))))
         tc = _apply(o1, torch.tensor([pos], dtype=torch.float64))[0].tolist()
-        ellipse = (tc[0], tc[1], radius * scale * rng.uniform(0.6, 1.4), radius * scale * rng.uniform(0.6, 1.4),
-                   rng.uniform(0, math.pi))
+        ellipse = (
+            tc[0],
+            tc[1],
+            radius * scale * rng.uniform(0.6, 1.4),
+            radius * scale * rng.uniform(0.6, 1.4),
+            rng.uniform(0, math.pi),
+        )
         m = _motion(rng, pos, shift, 0.15, 0.1)
         o2 = o1 @ np.linalg.inv(m)
         (to1, from1), (to2, from2) = _inverse_map(o1), _inverse_map(o2)
@@ -298,17 +333,20 @@ def synthetic_pair(seed: int, size: tuple[int, int] = (64, 64), split: str = "tr
     return FlowPair(image1, image2, flow, valid)
 
 
-def synthetic_batch(seeds: list[int] | range, size: tuple[int, int] = (64, 64), split: str = "train"
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    seeds: list[int] | range, size: tuple[int, int] = (64, 64), split: str = "train"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stacked pairs: image1, image2 (B, 3, H, W), flow (B, 2, H, W), valid (B, H, W)."""
     pairs = [synthetic_pair(int(s), size, split) for s in seeds]
     return tuple(torch.stack([getattr(p, k) for p in pairs]) for k in ("image1", "image2", "flow", "valid"))
 
 
-def synthetic_video(num_frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthetic_video(
+    num_frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A held-out video: the camera pans (and slowly zooms/rotates) over `chelsea` while a face from the
-    held-out lfw faces moves across. Returns frames (T, 3, H, W), flows (T-1, 2, H, W) and valid (T-1, H, W)."""
+    held-out lfw faces moves across. Returns frames (T, 3, H, W), flows (T-1, 2, H, W) and valid
+    (T-1, H, W)."""
     if num_frames < 2:
         raise ValueError(f"num_frames must be >= 2, got {num_frames}")
     h, w = size
@@ -323,7 +361,9 @@ def synthetic_video(num_frames: int = 12, size: tuple[int, int] = (96, 128), see
     f_start, f_velocity = np.array([w * 0.25, h * 0.3]), rng.uniform(2.5, 4.0, size=2) * np.array([1.0, 0.6])
     bg_maps, face_maps = [], []
     for t in range(num_frames):
-        cam = _affine(1.0 / (1.0 + 0.01 * t), 0.005 * t, tuple(start + velocity * t - np.array(center)), center)
+        cam = _affine(
+            1.0 / (1.0 + 0.01 * t), 0.005 * t, tuple(start + velocity * t - np.array(center)), center
+        )
         bg_maps.append(cam)
         # face: frame -> face texture; 40 px wide on screen, drifting and turning slowly
         pos = f_start + f_velocity * t
@@ -355,7 +395,9 @@ def motorcycle_pair(scale: float = 0.25) -> FlowPair:
 
     def resize(img: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(img.astype(np.float32) / 255.0).permute(2, 0, 1)[None]
-        return F.interpolate(t, size=size, mode="bilinear", antialias=True, align_corners=False)[0].clamp(0, 1)
+        return F.interpolate(t, size=size, mode="bilinear", antialias=True, align_corners=False)[0].clamp(
+            0, 1
+        )
 
     d = torch.from_numpy(np.asarray(disp, dtype=np.float32))
     finite = torch.isfinite(d)
@@ -368,9 +410,11 @@ def motorcycle_pair(scale: float = 0.25) -> FlowPair:
 
 
 def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
-    """Backward warp: out(x) = image(x + flow(x)), bilinear, border-clamped; (B, C, H, W) with (B, 2, H, W)."""
+    """Backward warp out(x) = image(x + flow(x)), bilinear, border-clamped; (B, C, H, W), (B, 2, H, W)."""
     b, _, h, w = image.shape
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=flow.dtype), torch.arange(w, dtype=flow.dtype), indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=flow.dtype), torch.arange(w, dtype=flow.dtype), indexing="ij"
+    )
     x, y = xs + flow[:, 0], ys + flow[:, 1]
     norm = torch.stack([2 * x / max(w - 1, 1) - 1, 2 * y / max(h - 1, 1) - 1], dim=-1)
     return F.grid_sample(image, norm, mode="bilinear", padding_mode="border", align_corners=True)
@@ -384,7 +428,13 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+#
+#
+#
+#
+#
+#
+# ------------------------------------------------------------------------------------------------------------
 # evaluation, baselines, demo, predict
 
 HELD_OUT_PAIRS = 100  # held-out synthetic pairs scored by `evaluate` (seeds 0..99 of the held-out split)
@@ -427,8 +477,9 @@ def classical_epe(method: str, image1, image2, flow, valid) -> float:
 
 
 @torch.no_grad()
-def model_flow(model, image1: torch.Tensor, image2: torch.Tensor, batch_size: int = 25
-               ) -> tuple[torch.Tensor, list[int]]:
+def model_flow(
+    model, image1: torch.Tensor, image2: torch.Tensor, batch_size: int = 25
+) -> tuple[torch.Tensor, list[int]]:
     """The model's flow over a batch in chunks; returns (flow (N, 2, H, W), NFE per chunk)."""
     model.eval()
     flows, nfes = [], []
@@ -439,9 +490,11 @@ def model_flow(model, image1: torch.Tensor, image2: torch.Tensor, batch_size: in
     return torch.cat(flows), nfes
 
 
-def evaluate(model, *, limit: int | None = None, progress: bool = True,
-             baselines: bool = True) -> dict[str, float]:
-    """End-point error (pixels, valid pixels) on the held-out synthetic pairs and on the motorcycle stereo pair
+def evaluate(
+    model, *, limit: int | None = None, progress: bool = True, baselines: bool = True
+) -> dict[str, float]:
+    """End-point error (pixels, valid pixels) on the held-out synthetic pairs and on the motorcycle stereo
+    pair
     (flow = -disparity at 1/4 resolution), the forward solve's mean f-evaluations, and (with `baselines`) the
     zero flow, Farneback and DIS on the same pairs. `limit` scores the first N held-out pairs."""
     from tqdm import tqdm
@@ -460,8 +513,9 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True,
     if baselines:
         for method in ("zero", "farneback", "dis"):
             result[f"{method}_epe_held_out"] = classical_epe(method, image1, image2, flow, valid)
-            result[f"{method}_epe_motorcycle"] = epe(classical_flow(method, moto.image1, moto.image2), moto.flow,
-                                                     moto.valid)
+            result[f"{method}_epe_motorcycle"] = epe(
+                classical_flow(method, moto.image1, moto.image2), moto.flow, moto.valid
+            )
             steps.update()
     steps.close()
     return {k: round(v, 4) for k, v in result.items()}
@@ -508,10 +562,18 @@ def demo(model, output_dir: str | Path = "demo_output"):
     if stats is None:  # the explicit twin has no solve: report an empty one
         from ..core import SolverStats
 
-        stats = SolverStats(nfe=0, abs_residual=torch.zeros(1), rel_residual=torch.zeros(1), trace=torch.zeros(0),
-                            converged=torch.ones(1, dtype=torch.bool), solver="none")
-    summary = (f"held-out pair EPE {epe(syn.flow[0], pair.flow, pair.valid):.2f} px -> {p1}; motorcycle "
-               f"(1/4 res) disparity EPE {epe(out.flow[0], moto.flow, moto.valid):.2f} px -> {p2}")
+        stats = SolverStats(
+            nfe=0,
+            abs_residual=torch.zeros(1),
+            rel_residual=torch.zeros(1),
+            trace=torch.zeros(0),
+            converged=torch.ones(1, dtype=torch.bool),
+            solver="none",
+        )
+    summary = (
+        f"held-out pair EPE {epe(syn.flow[0], pair.flow, pair.valid):.2f} px -> {p1}; motorcycle "
+        f"(1/4 res) disparity EPE {epe(out.flow[0], moto.flow, moto.valid):.2f} px -> {p2}"
+    )
     return summary, stats
 
 
@@ -524,8 +586,10 @@ def _read_image(path: str) -> torch.Tensor:
     with Image.open(p) as img:
         w, h = img.size
         if w * h > _MAX_PREDICT_PIXELS:
-            raise ValueError(f"predict: {path} is {w}x{h}; at most {_MAX_PREDICT_PIXELS} pixels (the all-pairs "
-                             "correlation grows with the square of the pixel count): resize it first")
+            raise ValueError(
+                f"predict: {path} is {w}x{h}; at most {_MAX_PREDICT_PIXELS} pixels (the all-pairs "
+                "correlation grows with the square of the pixel count): resize it first"
+            )
         arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 
@@ -536,12 +600,18 @@ def predict(model, input: str) -> str:
     name if that exists: an existing file is never overwritten)."""
     parts = [p.strip() for p in str(input).split(",")]
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"predict input {input!r}: expected 'FIRST,SECOND' image paths, optionally ',OUT.png'")
+        raise ValueError(
+            f"predict input {input!r}: expected 'FIRST,SECOND' image paths, optionally ',OUT.png'"
+        )
     a, b = _read_image(parts[0]), _read_image(parts[1])
     if a.shape[-2:] != b.shape[-2:]:
-        raise ValueError(f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
-                         f"{tuple(b.shape[-2:])}; the two frames must have the same size")
-    path = Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
+        raise ValueError(
+            f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
+            f"{tuple(b.shape[-2:])}; the two frames must have the same size"
+        )
+    path = (
+        Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
+    )
     if path.suffix.lower() != ".png":
         raise ValueError(f"predict: output {path} must end in .png")
     path = _free_path(path)
@@ -551,5 +621,8 @@ def predict(model, input: str) -> str:
     flow_png(flow, path)
     mag = torch.linalg.vector_norm(flow, dim=0)
     nfe = f", {out.deq_stats.nfe} f-evaluations" if out.deq_stats is not None else ""
-    return (f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): mean |flow| {float(mag.mean()):.2f} px, "
-            f"max {float(mag.max()):.2f} px{nfe}; written to {path}")
+    return (
+        f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): "
+        f"mean |flow| {float(mag.mean()):.2f} px, "
+        f"max {float(mag.max()):.2f} px{nfe}; written to {path}"
+    )

@@ -1,14 +1,15 @@
 """Train DEQ-Flow (or its explicit RAFT twin) on the synthetic FlyingChairs-like pairs of `deqzoo.tasks.flow`.
 
-The recipe follows DEQ-Flow's Algorithm (Bai et al., 2022) at CPU scale: the forward solve by plain fixed-point
-iteration (f_max_iter 24), a one-step phantom gradient, fixed-point correction on 3 states (iterations 8, 16, 24)
-with RAFT's γ = 0.8 weighting; the explicit RAFT baseline unrolls the same update block 12 times with RAFT's
-sequence loss. Both: AdamW, one-cycle learning rate (5% warm-up, linear decay), gradient clipping 1.0, batch 8
-of 64x64 pairs; training pair i of step s is `synthetic_pair(s * batch + i)`, so both models see the same data.
+The recipe follows DEQ-Flow's Algorithm (Bai et al., 2022) at CPU scale: the forward solve by plain
+fixed-point iteration (f_max_iter 24), a one-step phantom gradient, fixed-point correction on 3 states
+(iterations 8, 16, 24) with RAFT's γ = 0.8 weighting; the explicit RAFT baseline unrolls the same update block
+12 times with RAFT's sequence loss. Both: AdamW, one-cycle learning rate (5% warm-up, linear decay), gradient
+clipping 1.0, batch 8 of 64x64 pairs; training pair i of step s is `synthetic_pair(s * batch + i)`, so both
+models see the same data.
 
 Resumable: every --save-every steps OUT/checkpoint/ holds the weights (model.safetensors), the optimizer state
-(optimizer.safetensors) and the step (state.json), written to a temporary folder and renamed; rerunning the same
-command continues from there. The final model is saved with save_pretrained into OUT/model/.
+(optimizer.safetensors) and the step (state.json), written to a temporary folder and renamed; rerunning the
+same command continues from there. The final model is saved with save_pretrained into OUT/model/.
 
     PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu --out runs/deq_flow --steps 3500
     PYTHONPATH=. python examples/deq_flow/train.py --model raft-cpu --out runs/raft --steps 3500
@@ -109,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         start, log = state["step"], state["log"]
         print(f"resumed from step {start}", file=sys.stderr)
     model.train()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=args.model,
-               disable=not args.progress, mininterval=10)
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        desc=args.model,
+        disable=not args.progress,
+        mininterval=10,
+    )
     size, bs = tuple(args.size), args.batch_size
     window: list[tuple[float, float, float]] = []
     t_run = time.time()
@@ -129,8 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         window.append((float(out.loss.detach()), epe(out.flow.detach(), flow, valid), time.time() - t0))
         if (step + 1) % 25 == 0 or step + 1 == args.steps:
             loss, err, sec = (sum(v[i] for v in window) / len(window) for i in range(3))
-            log.append({"step": step + 1, "n": len(window), "loss": loss, "train_epe": err, "sec_per_step": sec,
-                        "nfe": nfe, "lr": opt.param_groups[0]["lr"], "elapsed": elapsed0 + time.time() - t_run})
+            log.append(
+                {
+                    "step": step + 1,
+                    "n": len(window),
+                    "loss": loss,
+                    "train_epe": err,
+                    "sec_per_step": sec,
+                    "nfe": nfe,
+                    "lr": opt.param_groups[0]["lr"],
+                    "elapsed": elapsed0 + time.time() - t_run,
+                }
+            )
             with (args.out / "log.jsonl").open("a") as fh:
                 fh.write(json.dumps(log[-1]) + "\n")
             bar.set_postfix(loss=f"{loss:.3f}", epe=f"{err:.3f}", s=f"{sec:.2f}")
@@ -141,12 +158,22 @@ def main(argv: list[str] | None = None) -> int:
     final = args.out / "model"
     model.save_pretrained(final)
     train_s = sum(e["sec_per_step"] * e["n"] for e in log)
-    (args.out / "summary.json").write_text(json.dumps({
-        "model": args.model, "steps": args.steps, "batch_size": bs, "size": list(size), "lr": args.lr,
-        "seed": args.seed, "model_seconds": round(train_s, 1),
-        "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
-        "final_train_epe": log[-1]["train_epe"] if log else math.nan,
-    }, indent=1))
+    (args.out / "summary.json").write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "steps": args.steps,
+                "batch_size": bs,
+                "size": list(size),
+                "lr": args.lr,
+                "seed": args.seed,
+                "model_seconds": round(train_s, 1),
+                "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
+                "final_train_epe": log[-1]["train_epe"] if log else math.nan,
+            },
+            indent=1,
+        )
+    )
     print(f"saved {final}", file=sys.stderr)
     return 0
 

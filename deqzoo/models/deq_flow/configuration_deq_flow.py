@@ -2,10 +2,10 @@
 
 Bai, Geng, Savani & Kolter, "Deep Equilibrium Optical Flow Estimation", CVPR 2022 (locuslab/deq-flow).
 The blocks are torchvision's RAFT blocks (`torchvision.models.optical_flow.raft`): a feature encoder (instance
-norm) for both frames, a context encoder for the first frame, the all-pairs correlation pyramid, a motion encoder,
-a separable ConvGRU (1x5 then 5x1), a flow head and the convex-upsampling mask predictor. As in the original
-DEQ-Flow, the context encoder outputs only the context (the hidden state starts at zero, not at tanh of a split)
-and f_θ(h, flow) = (GRU(h, [context, motion(flow, corr(flow))]), flow + Δflow(h')).
+norm) for both frames, a context encoder for the first frame, the all-pairs correlation pyramid, a motion
+encoder, a separable ConvGRU (1x5 then 5x1), a flow head and the convex-upsampling mask predictor. As in the
+original DEQ-Flow, the context encoder outputs only the context (the hidden state starts at zero, not at tanh
+of a split) and f_θ(h, flow) = (GRU(h, [context, motion(flow, corr(flow))]), flow + Δflow(h')).
 
 ``implicit=False`` is the explicit RAFT baseline with the very same blocks (same parameter count): the update
 block unrolled ``num_flow_updates`` times from zero, every iterate supervised (RAFT's sequence loss).
@@ -36,8 +36,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
     """Configuration of a DEQ-Flow (or explicit RAFT) optical-flow model.
 
     Args:
-        encoder_layers: widths of the encoders' stem and three residual stages (the original: 64, 64, 96, 128).
-        feature_dim: feature-encoder output channels (correlation features; original 256, tiny 64).
+        encoder_layers: widths of the encoders' stem and three residual stages (the original: 64, 64, 96,
+        128). feature_dim: feature-encoder output channels (correlation features; original 256, tiny 64).
         context_dim: context-encoder output channels (original: equal to hidden_dim).
         hidden_dim: ConvGRU hidden state channels.
         feature_norm, context_norm: "instance", "batch", "group" or "none" (original: instance, batch).
@@ -49,8 +49,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
         gma: global motion aggregation (the original's --gma): attention over the context features aggregates
             the motion features, which the GRU reads beside the local ones.
         weight_norm: weight-normalise the update block (the original's --wnorm), reset once per forward.
-        detach_flow_input: f reads the flow through a detached copy (RAFT's ``coords1.detach()``, the original's
-            default; False is its --all_grad).
+        detach_flow_input: f reads the flow through a detached copy (RAFT's ``coords1.detach()``, the
+            original's default; False is its --all_grad).
         implicit: DEQ-Flow (True) or the explicit RAFT baseline (False).
         num_flow_updates: update iterations of the explicit baseline (RAFT: 12); unused when implicit.
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
@@ -108,7 +108,9 @@ class DEQFlowConfig(DEQPretrainedConfig):
             if value not in NORMS:
                 raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
         for name, value in (
-            ("gma", gma), ("weight_norm", weight_norm), ("detach_flow_input", detach_flow_input),
+            ("gma", gma),
+            ("weight_norm", weight_norm),
+            ("detach_flow_input", detach_flow_input),
             ("implicit", implicit),
         ):
             if not isinstance(value, bool):
@@ -135,7 +137,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
 
     @property
     def min_image_size(self) -> int:
-        """Smallest padded input side: the coarsest correlation level must keep 2 cells (torchvision's check)."""
+        """Smallest padded input side: the coarsest correlation level keeps 2 cells (torchvision's check)."""
         return 8 * 2 * 2 ** (self.corr_levels - 1)
 
 
@@ -153,14 +155,26 @@ def _int_list(name: str, value: Any, lo: int, hi: int) -> list[int]:
 def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
     """The original's presets (locuslab/deq-flow code.v.2.0 core/deq_flow.py and update.py)."""
     if size == "tiny":
-        dims = {"feature_dim": 64, "hidden_dim": 32, "context_dim": 32, "motion_corr_layers": [64, 48],
-                "motion_flow_layers": [32, 16], "motion_dim": 32, "flow_head_dim": 64}
+        dims = {
+            "feature_dim": 64,
+            "hidden_dim": 32,
+            "context_dim": 32,
+            "motion_corr_layers": [64, 48],
+            "motion_flow_layers": [32, 16],
+            "motion_dim": 32,
+            "flow_head_dim": 64,
+        }
     else:
         extra = {"B": 0, "H": 128}[size]
-        dims = {"feature_dim": 256, "hidden_dim": 128 + extra, "context_dim": 128 + extra,
-                "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
-                "motion_flow_layers": [128 + extra, 64 + extra // 2], "motion_dim": 128 + extra,
-                "flow_head_dim": 2 * (128 + extra)}
+        dims = {
+            "feature_dim": 256,
+            "hidden_dim": 128 + extra,
+            "context_dim": 128 + extra,
+            "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
+            "motion_flow_layers": [128 + extra, 64 + extra // 2],
+            "motion_dim": 128 + extra,
+            "flow_head_dim": 2 * (128 + extra),
+        }
     return {**dims, "gma": gma, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
 
 
@@ -170,10 +184,21 @@ def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
 
 # A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.
 _CPU = {
-    "encoder_layers": [32, 32, 48, 64], "feature_dim": 64, "context_dim": 48, "hidden_dim": 48,
-    "feature_norm": "instance", "context_norm": "instance", "corr_levels": 3, "corr_radius": 3,
-    "motion_corr_layers": [64, 48], "motion_flow_layers": [32, 16], "motion_dim": 48, "flow_head_dim": 64,
-    "mask_dim": 64, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"],
+    "encoder_layers": [32, 32, 48, 64],
+    "feature_dim": 64,
+    "context_dim": 48,
+    "hidden_dim": 48,
+    "feature_norm": "instance",
+    "context_norm": "instance",
+    "corr_levels": 3,
+    "corr_radius": 3,
+    "motion_corr_layers": [64, 48],
+    "motion_flow_layers": [32, 16],
+    "motion_dim": 48,
+    "flow_head_dim": 64,
+    "mask_dim": 64,
+    "weight_norm": True,
+    "architectures": ["DEQFlowForOpticalFlow"],
 }
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -184,6 +209,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
     "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
     "deq-flow-cpu": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
-    "raft-cpu": _preset({**_CPU, "implicit": False, "num_flow_updates": 12},
-                        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates"),
+    "raft-cpu": _preset(
+        {**_CPU, "implicit": False, "num_flow_updates": 12},
+        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates",
+    ),
 }

@@ -2,9 +2,9 @@
 
 The encoders, the correlation pyramid, the motion encoder, the separable ConvGRU, the flow head and the mask
 predictor are `torchvision.models.optical_flow.raft` classes. f_θ(h, flow) is one application of the update
-block at 1/8 resolution; `deqzoo.core.DEQ` owns the solve, the backward mode (phantom / Jacobian-free / IFT) and
-the fixed-point correction states (``deq.n_states``). The explicit RAFT baseline (``implicit=False``) applies
-the same f_θ ``num_flow_updates`` times from zero, as torchvision's RAFT.forward does.
+block at 1/8 resolution; `deqzoo.core.DEQ` owns the solve, the backward mode (phantom / Jacobian-free / IFT)
+and the fixed-point correction states (``deq.n_states``). The explicit RAFT baseline (``implicit=False``)
+applies the same f_θ ``num_flow_updates`` times from zero, as torchvision's RAFT.forward does.
 
 Images are (B, C, H, W) float in [0, 1] or uint8 in [0, 255]; grayscale (C = 1) is repeated to RGB, RGBA
 (C = 4) drops alpha; sides not divisible by 8 (or below the correlation pyramid's minimum) are padded by edge
@@ -54,7 +54,9 @@ def _norm_layer(kind: str):
 def _as_rgb(image: torch.Tensor, name: str) -> torch.Tensor:
     """(B, C, H, W) or (C, H, W) float [0, 1] / uint8 -> (B, 3, H, W) float32 in [0, 1]."""
     if not isinstance(image, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (B, C, H, W) or (C, H, W), got {type(image).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor (B, C, H, W) or (C, H, W), got {type(image).__name__}"
+        )
     if image.dim() == 3:
         image = image.unsqueeze(0)
     if image.dim() != 4:
@@ -131,7 +133,9 @@ def _stack_pairs(image1, image2) -> tuple[torch.Tensor, torch.Tensor]:
             "the pairs of a batch must share one size; got pair sizes "
             f"{[s[0][-2:] for s in shapes]} (run pairs of different sizes one at a time)"
         )
-    rgb = [(_as_rgb(a, f"image1[{i}]"), _as_rgb(b, f"image2[{i}]")) for i, (a, b) in enumerate(zip(ones, twos))]
+    rgb = [
+        (_as_rgb(a, f"image1[{i}]"), _as_rgb(b, f"image2[{i}]")) for i, (a, b) in enumerate(zip(ones, twos))
+    ]
     return torch.cat([a for a, _ in rgb]), torch.cat([b for _, b in rgb])
 
 
@@ -170,7 +174,8 @@ def sequence_loss(
 
 class GlobalAttention(nn.Module):
     """GMA's attention over the context features (Jiang et al., 2021; the original's `Attention` without
-    positional terms, as DEQ-Flow builds it): softmax(q·k / sqrt(d)) over all positions, (B, heads, HW, HW)."""
+    positional terms, as DEQ-Flow builds it): softmax(q·k / sqrt(d)) over all positions, (B, heads, HW,
+    HW)."""
 
     def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
         super().__init__()
@@ -186,8 +191,8 @@ class GlobalAttention(nn.Module):
 
 
 class GlobalAggregate(nn.Module):
-    """GMA's aggregation of motion features by the context attention: fmap + γ · attn · to_v(fmap) (γ starts at 0
-    so the block starts as the local one)."""
+    """GMA's aggregation of motion features by the context attention: fmap + γ · attn · to_v(fmap) (γ starts
+    at 0 so the block starts as the local one)."""
 
     def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
         super().__init__()
@@ -225,10 +230,10 @@ class GMAUpdateBlock(tv_raft.UpdateBlock):
 class DEQFlowOutput(DEQModelOutput):
     """loss: sequence / fixed-point-correction loss against `flow_gt` (if given); flow: (B, 2, H, W) at full
     resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution (padded);
-    hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state, flow_low), to pass
-    as the next pair's ``initial_state``; flow_predictions: the supervised full-resolution flows in training
-    (correction states or unrolled iterates, first to last); hidden_states: (context features, final hidden
-    state) with ``output_hidden_states=True``; deq_stats: solver statistics (None when explicit)."""
+    hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state, flow_low), to
+    pass as the next pair's ``initial_state``; flow_predictions: the supervised full-resolution flows in
+    training (correction states or unrolled iterates, first to last); hidden_states: (context features, final
+    hidden state) with ``output_hidden_states=True``; deq_stats: solver statistics (None when explicit)."""
 
     loss: torch.Tensor | None = None
     flow: torch.Tensor | None = None
@@ -292,12 +297,16 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         if c.gma:  # one head of width context_dim / motion_dim, as DEQ-Flow's GMA variants
             self.attention = GlobalAttention(c.context_dim, heads=1, dim_head=c.context_dim)
             self.update_block = GMAUpdateBlock(
-                motion_encoder=motion, recurrent_block=gru, flow_head=head,
+                motion_encoder=motion,
+                recurrent_block=gru,
+                flow_head=head,
                 aggregate=GlobalAggregate(c.motion_dim, heads=1, dim_head=c.motion_dim),
             )
         else:
             self.attention = None
-            self.update_block = tv_raft.UpdateBlock(motion_encoder=motion, recurrent_block=gru, flow_head=head)
+            self.update_block = tv_raft.UpdateBlock(
+                motion_encoder=motion, recurrent_block=gru, flow_head=head
+            )
         self.mask_predictor = (
             tv_raft.MaskPredictor(in_channels=c.hidden_dim, hidden_size=c.mask_dim, multiplier=0.25)
             if c.mask_dim
@@ -309,13 +318,13 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         self.post_init()
 
     def upsample(self, hidden: torch.Tensor, flow_low: torch.Tensor) -> torch.Tensor:
-        """1/8-resolution flow -> full resolution: convex combination by the mask predictor's weights (RAFT)."""
+        """1/8-resolution flow -> full resolution: convex combination by the mask predictor's weights."""
         mask = None if self.mask_predictor is None else self.mask_predictor(hidden)
         return upsample_flow(flow_low, up_mask=mask)
 
     def update_fn(self, context: torch.Tensor, coords0: torch.Tensor):
-        """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and its
-        GMA attention) and the correlation pyramid built for this pair."""
+        """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and
+        its GMA attention) and the correlation pyramid built for this pair."""
         detach = self.config.detach_flow_input
         extra = () if self.attention is None else (self.attention(context),)
 
@@ -384,7 +393,8 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
                 hidden_state=hidden,
                 fixed_point=(hidden.detach(), flow_low.detach()),
                 flow_predictions=supervised if train else None,
-                hidden_states=(context, hidden) if self._flag(output_hidden_states, "output_hidden_states")
+                hidden_states=(context, hidden)
+                if self._flag(output_hidden_states, "output_hidden_states")
                 else None,
                 deq_stats=stats,
             ),
@@ -395,12 +405,16 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         """The feature encoder's stem (the first map from pixels into features)."""
         return self.feature_encoder.convnormrelu
 
-    def _initial(self, state, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _initial(
+        self, state, shape: tuple[int, ...], like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = (like.new_zeros(shape), like.new_zeros(shape[0], 2, *shape[2:]))
         if state is None:
             return zeros
         if not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise TypeError("initial_state must be a (hidden_state, flow_low) pair, e.g. a previous fixed_point")
+            raise TypeError(
+                "initial_state must be a (hidden_state, flow_low) pair, e.g. a previous fixed_point"
+            )
         for got, want, name in zip(state, zeros, ("hidden_state", "flow_low")):
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
                 raise ValueError(
@@ -443,6 +457,3 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
             stats.append(out.deq_stats)
             state = out.fixed_point
         return flows, stats
-
-
-

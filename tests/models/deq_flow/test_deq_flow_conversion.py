@@ -1,8 +1,8 @@
 """Converted original DEQ-Flow checkpoints reproduce the original implementations' flows.
 
-Fixtures (conversion/fixtures/deq_flow/, described in fixtures.json) were produced once by running the upstream
-code (locuslab/deq-flow v1.0 and v2.0, TorchDEQ deq-zoo) outside the repository: an original-format state dict
-of a narrowed model and the original's flow after exactly 6 fixed-point steps of f from zero.
+Fixtures (conversion/fixtures/deq_flow/, described in fixtures.json) were produced once by running the
+upstream code (locuslab/deq-flow v1.0 and v2.0, TorchDEQ deq-zoo) outside the repository: an original-format
+state dict of a narrowed model and the original's flow after exactly 6 fixed-point steps of f from zero.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ CASES = {"v2": L, "v1": L, "torchdeq": T}
 
 
 def _convert(version: str, tmp_path: Path, **options):
-    out = CASES[version].convert(FIX / META[version]["checkpoint"], tmp_path / version,
-                                 implicit=False, num_flow_updates=META["steps"], **options)
+    out = CASES[version].convert(
+        FIX / META[version]["checkpoint"],
+        tmp_path / version,
+        implicit=False,
+        num_flow_updates=META["steps"],
+        **options,
+    )
     model = deqzoo.from_pretrained(out).eval()
     return model, load_file(FIX / META[version]["io"])
 

@@ -15,11 +15,23 @@ import deqzoo
 from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow, prepare_images
 
 ROOT = Path(__file__).resolve().parents[3]
-COUNTS = json.loads((ROOT / "conversion" / "fixtures" / "deq_flow" / "original_param_counts.json").read_text())
+COUNTS = json.loads(
+    (ROOT / "conversion" / "fixtures" / "deq_flow" / "original_param_counts.json").read_text()
+)
 
-SMALL = {"encoder_layers": [8, 8, 12, 16], "feature_dim": 16, "context_dim": 12, "hidden_dim": 12,
-         "corr_levels": 2, "corr_radius": 2, "motion_corr_layers": [16, 12], "motion_flow_layers": [8, 8],
-         "motion_dim": 12, "flow_head_dim": 16, "mask_dim": 16}
+SMALL = {
+    "encoder_layers": [8, 8, 12, 16],
+    "feature_dim": 16,
+    "context_dim": 12,
+    "hidden_dim": 12,
+    "corr_levels": 2,
+    "corr_radius": 2,
+    "motion_corr_layers": [16, 12],
+    "motion_flow_layers": [8, 8],
+    "motion_dim": 12,
+    "flow_head_dim": 16,
+    "mask_dim": 16,
+}
 
 
 def _model(**kw) -> DEQFlowForOpticalFlow:
@@ -31,7 +43,7 @@ def _model(**kw) -> DEQFlowForOpticalFlow:
 
 @pytest.mark.parametrize("size", sorted(COUNTS["counts"]))
 def test_presets_have_the_upstream_parameter_counts(size):
-    """Counted by instantiating locuslab/deq-flow's DEQFlow (fixture records commit and args); built on meta."""
+    """Counted by instantiating locuslab/deq-flow's DEQFlow (the fixture records commit and args)."""
     name = COUNTS["deqzoo_presets"][size]
     with torch.device("meta"):
         model = DEQFlowForOpticalFlow(DEQFlowConfig(**ARCHITECTURES[name]["config"]))
@@ -61,10 +73,13 @@ class _ZeroHiddenContext(nn.Module):
 def test_explicit_twin_equals_torchvisions_raft_loop_on_the_same_blocks():
     """Independent reference: torchvision's RAFT.forward over our modules, 12 updates."""
     model = _model(implicit=False, num_flow_updates=12, context_norm="batch")
-    ref = RAFT(feature_encoder=model.feature_encoder,
-               context_encoder=_ZeroHiddenContext(model.context_encoder, model.config.hidden_dim),
-               corr_block=model.corr_block, update_block=model.update_block,
-               mask_predictor=model.mask_predictor).eval()
+    ref = RAFT(
+        feature_encoder=model.feature_encoder,
+        context_encoder=_ZeroHiddenContext(model.context_encoder, model.config.hidden_dim),
+        corr_block=model.corr_block,
+        update_block=model.update_block,
+        mask_predictor=model.mask_predictor,
+    ).eval()
     torch.manual_seed(1)
     a, b = torch.rand(2, 3, 64, 96), torch.rand(2, 3, 64, 96)
     with torch.no_grad():
@@ -75,8 +90,9 @@ def test_explicit_twin_equals_torchvisions_raft_loop_on_the_same_blocks():
 
 
 def _contractive(model: DEQFlowForOpticalFlow) -> DEQFlowForOpticalFlow:
-    """Random weights have no equilibrium (Δflow never vanishes, so the flow drifts); with a zero flow head the
-    flow stays at its start and a damped GRU candidate makes h contract (trained models learn Δflow -> 0)."""
+    """Random weights have no equilibrium (Δflow never vanishes, so the flow drifts); with a zero flow head
+    the flow stays at its start and a damped GRU candidate makes h contract (trained models learn
+    Δflow -> 0)."""
     with torch.no_grad():
         ub = model.update_block
         ub.flow_head.conv2.weight.zero_()
@@ -96,7 +112,9 @@ def test_deq_output_is_the_fixed_point_of_the_update_operator():
         context = model.encode(*prepare_images(a, b, model.config.min_image_size)[:2])
         coords0 = torch.stack(torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="xy"))[None]
         h, flow = model.update_fn(context, coords0)(out.fixed_point)
-    rel = torch.linalg.vector_norm(torch.cat([(h - out.hidden_state).flatten(), (flow - out.flow_low).flatten()]))
+    rel = torch.linalg.vector_norm(
+        torch.cat([(h - out.hidden_state).flatten(), (flow - out.flow_low).flatten()])
+    )
     assert float(rel) / float(torch.linalg.vector_norm(torch.cat([h.flatten(), flow.flatten()]))) < 1e-5
 
 
