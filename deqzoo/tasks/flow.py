@@ -286,11 +286,16 @@ def _inverse_map(m: np.ndarray) -> tuple[Map, Map]:
 
 
 def synthetic_pair(
-    seed: int, size: tuple[int, int] = (64, 64), split: str = "train", max_shift: float | None = None
+    seed: int,
+    size: tuple[int, int] = (64, 64),
+    split: str = "train",
+    max_shift: float | None = None,
+    photometric: bool = True,
 ) -> FlowPair:
     """One deterministic FlyingChairs-like pair (see the module docstring); `seed` selects it.
 
-    `max_shift` bounds the translations in pixels (default: a tenth of the smaller side)."""
+    `max_shift` bounds the translations in pixels (default: a tenth of the smaller side); `photometric=False`
+    leaves out frame 2's brightness/contrast change and noise (the geometry is the same)."""
     h, w = size
     rng = np.random.default_rng([seed, 0 if split == "train" else 1, h, w])
     textures, chairs = _textures(split), _chair_textures(split)
@@ -328,7 +333,8 @@ def synthetic_pair(
     image1, image2 = _render(layers, 0, h, w), _render(layers, 1, h, w)
     gain, bias = rng.uniform(0.9, 1.1), rng.uniform(-0.05, 0.05)
     noise = torch.from_numpy(rng.normal(0.0, 0.01, size=image2.shape)).float()
-    image2 = (image2 * gain + bias + noise).clamp(0, 1)
+    if photometric:
+        image2 = (image2 * gain + bias + noise).clamp(0, 1)
     flow, valid = _flow(layers, 0, h, w)
     return FlowPair(image1, image2, flow, valid)
 
