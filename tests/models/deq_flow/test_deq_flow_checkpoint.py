@@ -20,7 +20,7 @@ NAMES = ["deqzoo/deq-flow-cpu-synth", "deqzoo/deq-flow-cpu-raft-baseline"]
 def test_card_subset_number_is_what_eval_prints(name):
     model = deqzoo.from_pretrained(name)
     _, body = read_model_card(resolve(name))
-    m = re.search(r"--limit (\d+)` \(the first \d+ held-out pairs\) prints epe_held_out (\d+\.\d+)", body)
+    m = re.search(r"--limit (\d+)` \(first \d+ held-out pairs\) prints epe_held_out (\d+\.\d+)", body)
     assert m, "the card states its subset evaluation"
     got = flow.evaluate(model, limit=int(m.group(1)), progress=False, baselines=False)
     assert got["epe_held_out"] == pytest.approx(float(m.group(2)), abs=1e-4)
