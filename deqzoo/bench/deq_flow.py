@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solver", default="fixed_point", help="forward solver for the reuse part")
     p.add_argument("--max-iter", type=int, default=24, help="f_max_iter for the reuse part")
     p.add_argument("--tol", type=float, default=2e-2, help="f_tol (relative) for the reuse part")
-    p.add_argument("--quick", action="store_true", help="cpu scale only, batch 2, 1 timed step, at most 8 frames")
+    p.add_argument("--quick", action="store_true", help="cpu scale, batch 2, 1 timed step, <= 8 frames")
     p.add_argument("--no-reuse", action="store_true", help="skip the reuse part")
     args = p.parse_args(argv)
     scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
