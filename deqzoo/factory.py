@@ -59,6 +59,8 @@ MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "ignn-chains": ("ignn-chains", ()),
     "implicit2-isiren-camera": ("implicit2-isiren-1l256d", ()),
     "implicit2-igabor-mfn-camera": ("implicit2-igabor-mfn-1l256d", ()),
+    "deq-flow-cpu-synth": ("deq-flow-cpu", ()),
+    "deq-flow-cpu-raft-baseline": ("raft-cpu", ()),
     "ddim-digits-16": (None, ()),  # a diffusers repository: its UNet is built by diffusers, not from a preset
 }
 

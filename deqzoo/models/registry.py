@@ -82,4 +82,16 @@ FAMILIES: list[Family] = [
         },
         architectures=f"{_M}.implicit2.configuration_implicit2:ARCHITECTURES",
     ),
+    Family(
+        model_type="deq_flow",
+        config=f"{_M}.deq_flow.configuration_deq_flow:DEQFlowConfig",
+        models={
+            "AutoModel": f"{_M}.deq_flow.modeling_deq_flow:DEQFlowModel",
+        },
+        # transformers has no Auto class for optical flow: the head is found by config.architectures
+        heads={
+            "DEQFlowForOpticalFlow": f"{_M}.deq_flow.modeling_deq_flow:DEQFlowForOpticalFlow",
+        },
+        architectures=f"{_M}.deq_flow.configuration_deq_flow:ARCHITECTURES",
+    ),
 ]

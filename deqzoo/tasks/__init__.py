@@ -21,6 +21,7 @@ TASKS: dict[str, str] = {
     "chains": "deqzoo.tasks.chains",
     "ddim_digits": "deqzoo.tasks.ddim_digits",
     "implicit2": "deqzoo.tasks.implicit2",
+    "flow": "deqzoo.tasks.flow",
 }
 
 

@@ -25,6 +25,11 @@ TINY = {
 }
 TINY["implicit2"] = ({"hidden_size": 8, "filter_type": "gabor", "in_features": 2, "out_features": 1},
                      lambda: {"coords": torch.rand(2, 5, 2) * 2 - 1})
+TINY["deq_flow"] = ({"encoder_layers": [8, 8, 8, 8], "feature_dim": 8, "context_dim": 8, "hidden_dim": 8,
+                     "corr_levels": 2, "corr_radius": 1, "motion_corr_layers": [8],
+                     "motion_flow_layers": [8, 8],
+                     "motion_dim": 8, "flow_head_dim": 8, "mask_dim": 8},
+                    lambda: {"image1": torch.rand(2, 3, 32, 32), "image2": torch.rand(2, 3, 32, 32)})
 EASY_SOLVE = {"f_max_iter": 200, "f_tol": 1e-5, "on_nonconvergence": "ignore"}
 
 

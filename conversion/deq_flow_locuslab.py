@@ -1,0 +1,236 @@
+"""Convert locuslab/deq-flow (Bai, Geng, Savani & Kolter, CVPR 2022) release checkpoints to deqzoo DEQ-Flow.
+
+Input: the released ``.pth`` state dicts of ``DEQFlow`` (code.v.2.0 ``core/deq_flow.py``) or of the v1.0
+``DEQFlowIndexing``/``DEQFlowSliced`` (code.v.1.0 ``core/deq.py``), as written by
+``torch.save(model.state_dict())`` under ``nn.DataParallel`` (a ``module.`` prefix, removed), read with
+``torch.load(weights_only=True)``. Sizes B, H (``--huge``), large/gigantic and tiny (v2 ``--tiny``), with or
+without GMA (``--gma``), with or without weight normalisation (``--wnorm``), are recognised from the tensor
+shapes; v1's ``--small`` (a different encoder and update block) is refused with a clear error.
+
+Mapping (original -> deqzoo; torchvision's RAFT module names):
+- ``fnet.*`` / ``cnet.*`` -> ``feature_encoder.*`` / ``context_encoder.*``: ``conv1``/``norm1`` ->
+  ``convnormrelu.0``/ ``.1``; ``layerK.J.conv1``/``norm1`` -> ``layerK.J.convnormrelu1.0``/``.1``,
+  ``conv2``/``norm2`` -> ``convnormrelu2``; ``layerK.J.downsample.0/.1`` unchanged; ``conv2`` -> ``conv``.
+- ``update_block.encoder.convc1/convc2/convf1/convf2/conv`` -> ``update_block.motion_encoder.convcorr1.0/
+  convcorr2.0/convflow1.0/convflow2.0/conv.0``; ``update_block.gru.conv{z,r,q}{1,2}`` ->
+  ``update_block.recurrent_block.convgru{1,2}.conv{z,r,q}``; ``update_block.flow_head.*`` unchanged.
+- ``mask.0/.2`` (v2) or ``update_block.mask.0/.2`` (v1) -> ``mask_predictor.convrelu.0`` /
+  ``mask_predictor.conv``.
+- GMA: ``attn.to_qk`` -> ``attention.to_qk``; ``update_block.gma.{to_v,gamma,project}`` ->
+  ``update_block.aggregate.*``.
+Weight-normalised layers keep ``weight_g``/``weight_v`` (deqzoo's engine weight norm uses the same names and
+recomputes the weight once per forward, as the original); ``--option fold_weight_norm=true`` folds them into
+plain weights (w = g · v / ||v||, outputs unchanged) and builds the model without weight norm.
+
+Solver settings follow the original's evaluation (its ``val.sh``: ``--f_solver naive_solver --f_thres 40
+--eval_factor 1.5``): plain fixed-point iteration, 60 steps; relative tolerance 1e-3.
+
+    deqzoo convert deq-flow-locuslab deq-flow-H-things-test-3x.pth out_dir
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._common import fill_model, load_state_dict
+
+__all__ = ["FORMATS", "convert", "convert_state_dict", "fold_weight_norm"]
+
+EVAL_DEQ = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "rel"}
+
+_ENCODER = [
+    (r"conv1\.(weight|bias)$", r"convnormrelu.0.\1"),
+    (r"norm1\.(.+)$", r"convnormrelu.1.\1"),
+    (r"(layer\d\.\d)\.conv1\.(.+)$", r"\1.convnormrelu1.0.\2"),
+    (r"(layer\d\.\d)\.norm1\.(.+)$", r"\1.convnormrelu1.1.\2"),
+    (r"(layer\d\.\d)\.conv2\.(.+)$", r"\1.convnormrelu2.0.\2"),
+    (r"(layer\d\.\d)\.norm2\.(.+)$", r"\1.convnormrelu2.1.\2"),
+    (r"(layer\d\.\d)\.norm3\.(.+)$", r"\1.downsample.1.\2"),  # the same module as downsample.1
+    (r"(layer\d\.\d)\.downsample\.(\d)\.(.+)$", r"\1.downsample.\2.\3"),
+    (r"conv2\.(weight|bias)$", r"conv.\1"),
+]
+_MOTION = {
+    "convc1": "convcorr1.0",
+    "convc2": "convcorr2.0",
+    "convf1": "convflow1.0",
+    "convf2": "convflow2.0",
+    "conv": "conv.0",
+}
+
+
+def _rename(key: str) -> str | None:
+    """The deqzoo name of an original key (None: a key with no deqzoo counterpart)."""
+    for src, dst in (("fnet.", "feature_encoder."), ("cnet.", "context_encoder.")):
+        if key.startswith(src):
+            rest = key[len(src) :]
+            for pat, rep in _ENCODER:
+                if re.match(pat, rest):
+                    return dst + re.sub(pat, rep, rest)
+            return None
+    if m := re.match(r"update_block\.encoder\.(\w+)\.(.+)$", key):
+        return (
+            f"update_block.motion_encoder.{_MOTION[m.group(1)]}.{m.group(2)}"
+            if m.group(1) in _MOTION
+            else None
+        )
+    if m := re.match(r"update_block\.gru\.conv([zrq])([12])\.(.+)$", key):
+        return f"update_block.recurrent_block.convgru{m.group(2)}.conv{m.group(1)}.{m.group(3)}"
+    if key.startswith("update_block.flow_head."):
+        return key
+    if m := re.match(r"(?:update_block\.)?mask\.([02])\.(.+)$", key):
+        return f"mask_predictor.{'convrelu.0' if m.group(1) == '0' else 'conv'}.{m.group(2)}"
+    if m := re.match(r"attn\.to_qk\.(.+)$", key):
+        return f"attention.to_qk.{m.group(1)}"
+    if m := re.match(r"update_block\.gma\.(.+)$", key):
+        return f"update_block.aggregate.{m.group(1)}"
+    return None
+
+
+def fold_weight_norm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Replace every ``X.weight_g``/``X.weight_v`` pair by ``X.weight = g · v / ||v||`` (norm over all but the
+    output dimension, as the original's weight norm with dim 0)."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(".weight_g")]:
+        base = key[: -len("_g")]
+        g, v = out.pop(key).float(), out.pop(base + "_v").float()  # in float32 even for half-precision files
+        norm = v.reshape(v.shape[0], -1).norm(dim=1).reshape(-1, *([1] * (v.dim() - 1)))
+        out[base] = v * (g.reshape(-1, *([1] * (v.dim() - 1))) / norm)
+    return out
+
+
+def _dim(state: dict[str, torch.Tensor], key: str, axis: int, src: Path) -> int:
+    for suffix in ("weight", "weight_v"):
+        if f"{key}.{suffix}" in state:
+            return int(state[f"{key}.{suffix}"].shape[axis])
+    raise ValueError(f"{src}: missing {key}.weight (or weight_v); is this a DEQ-Flow checkpoint?")
+
+
+def convert_state_dict(
+    sd: dict[str, torch.Tensor], src: str | Path, *, fold: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Original keys -> deqzoo keys, and the DEQFlowConfig fields the shapes imply."""
+    src = Path(src)
+    if not any(k.startswith("update_block.encoder.convc1") for k in sd):
+        raise ValueError(
+            f"{src}: no update_block.encoder.convc1 weights: not a DEQ-Flow state dict; keys: "
+            f"{sorted(sd)[:10]}"
+        )
+    if "update_block.encoder.convc2.weight" not in sd and "update_block.encoder.convc2.weight_v" not in sd:
+        raise ValueError(
+            f"{src}: a v1.0 '--small' DEQ-Flow (SmallEncoder / SmallUpdateBlock) is not supported"
+        )
+    state: dict[str, torch.Tensor] = {}
+    dropped = []
+    for key, value in sd.items():
+        new = _rename(key)
+        if new is None:
+            dropped.append(key)
+        else:
+            state[new] = value
+    if dropped:
+        raise ValueError(f"{src}: key(s) with no deqzoo counterpart: {sorted(dropped)[:20]}")
+    weight_norm = any(k.endswith(".weight_g") for k in state)
+    if weight_norm and fold:
+        state, weight_norm = fold_weight_norm(state), False
+    planes = _dim(sd, "update_block.encoder.convc1", 1, src)
+    radius = next((r for r in range(0, 17) if 4 * (2 * r + 1) ** 2 == planes), None)
+    if radius is None:
+        raise ValueError(f"{src}: {planes} correlation planes is not 4 levels x (2r+1)^2")
+    cdim = _dim(sd, "cnet.conv2", 0, src)
+    motion_dim = _dim(sd, "update_block.encoder.conv", 0, src) + 2
+    config = {
+        "encoder_layers": [
+            _dim(sd, "fnet.conv1", 0, src),
+            _dim(sd, "fnet.layer1.1.conv2", 0, src),
+            _dim(sd, "fnet.layer2.1.conv2", 0, src),
+            _dim(sd, "fnet.layer3.1.conv2", 0, src),
+        ],
+        "feature_dim": _dim(sd, "fnet.conv2", 0, src),
+        "context_dim": cdim,
+        "hidden_dim": _dim(sd, "update_block.flow_head.conv1", 1, src),
+        "feature_norm": "batch" if "fnet.norm1.running_mean" in sd else "instance",
+        "context_norm": "batch" if "cnet.norm1.running_mean" in sd else "instance",
+        "corr_levels": 4,
+        "corr_radius": radius,
+        "motion_corr_layers": [
+            _dim(sd, "update_block.encoder.convc1", 0, src),
+            _dim(sd, "update_block.encoder.convc2", 0, src),
+        ],
+        "motion_flow_layers": [
+            _dim(sd, "update_block.encoder.convf1", 0, src),
+            _dim(sd, "update_block.encoder.convf2", 0, src),
+        ],
+        "motion_dim": motion_dim,
+        "flow_head_dim": _dim(sd, "update_block.flow_head.conv1", 0, src),
+        "mask_dim": _dim(
+            sd, "mask.0" if any(k.startswith("mask.") for k in sd) else "update_block.mask.0", 0, src
+        ),
+        "gma": any(k.startswith("attn.") for k in sd),
+        "weight_norm": weight_norm,
+    }
+    return state, config
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    fold_weight_norm: bool = False,
+    all_grad: bool = False,
+    deq: dict[str, Any] | None = None,
+    card: bool = True,
+    **options: Any,
+) -> Path:
+    """Convert an original DEQ-Flow state dict into a deqzoo checkpoint directory `out`.
+
+    ``all_grad=True`` marks checkpoints trained with the original's ``--all_grad`` (no detach of the flow
+    input to f); it changes training only, never inference.
+
+    Example:
+        >>> convert("deq-flow-B-things.pth", "/tmp/deq-flow-b")  # doctest: +SKIP
+    """
+    from deqzoo.models.deq_flow import DEQFlowConfig, DEQFlowForOpticalFlow
+
+    src = Path(src)
+    for name, value in (("fold_weight_norm", fold_weight_norm), ("all_grad", all_grad)):
+        if not isinstance(value, bool):
+            raise ValueError(f"option {name} must be true or false, got {value!r}")
+    state, fields = convert_state_dict(load_state_dict(src), src, fold=fold_weight_norm)
+    config = DEQFlowConfig(
+        **fields,
+        detach_flow_input=not all_grad,
+        deq={**EVAL_DEQ, **(deq or {})},
+        architectures=[DEQFlowForOpticalFlow.__name__],
+        **options,
+    )
+    model = DEQFlowForOpticalFlow(config)
+    fill_model(model, state, src)
+    out = Path(out)
+    model.save_pretrained(out)
+    if card:
+        _write_card(out, src.name, fields)
+    return out
+
+
+def _write_card(path: Path, source: str, fields: dict[str, Any]) -> None:
+    from deqzoo.hub.cards import render_model_card
+
+    meta = {
+        "license": "mit",
+        "library_name": "deqzoo",
+        "tags": ["deqzoo", "deep-equilibrium", "optical-flow", "deq-flow", "converted"],
+    }
+    size = {32: "tiny", 128: "B", 192: "large", 256: "H", 384: "gigantic"}.get(fields["hidden_dim"], "custom")
+    body = (
+        f"# DEQ-Flow ({size}{', GMA' if fields['gma'] else ''}) converted from locuslab/deq-flow\n\n"
+        f"Converted with `deqzoo convert` from `{source}` (an original-format state dict). No evaluation was "
+        "run by the converter.\n"
+    )
+    (path / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
+
+
+FORMATS = {"deq-flow-locuslab": convert}

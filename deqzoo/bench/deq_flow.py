@@ -1,0 +1,324 @@
+"""DEQ-Flow vs its explicit RAFT twin: training-step memory and time at 12 and 24 update iterations, and
+frame-to-frame fixed-point reuse along a synthetic video.
+
+Memory, two ways, each configuration in a fresh subprocess (1 thread, seeded random pairs; the CPU preset at
+batch 4 of 64x64, and the original's B size at batch 1 of 192x192):
+- ``graph_mb``: the bytes of every tensor autograd saves for the backward pass during the forward (unique
+  storages, parameters excluded), recorded by `torch.autograd.graph.saved_tensors_hooks`: the activation
+  memory that unrolling grows and a DEQ's graph-free solve does not. Plus ``param_mb`` (weights and
+  gradients), ``peak_mb = param_mb + graph_mb`` is the training step's tensor peak to within transients.
+- ``rss_growth_mb``: growth of the process's peak resident set (``ru_maxrss``) over one training step, from
+  just after a warm-up step on a 4x smaller batch (or the smallest image size), so the interpreter, torch,
+  weights and thread pools are not counted.
+DEQ-Flow runs its training recipe (forward solve without a graph, one-step phantom gradient) with one
+supervised state and with 3 fixed-point-correction states; RAFT backpropagates through every update (RAFT's
+sequence loss). Time is the median of 3 steps.
+
+Reuse: a trained DEQ-Flow estimates the flow along `synthetic_video` (held-out photo, camera pan and a moving
+face) pair by pair, starting each solve from zero or from the previous pair's fixed point; NFE per pair, EPE
+against the exact flow.
+
+    deqzoo bench deq-flow                      # -> bench_output/deq_flow/deq_flow_bench.json (+ PNG)
+    deqzoo bench deq-flow --quick              # cpu scale, batch 2, at most 8 frames
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "measure_training", "reuse_along_video"]
+
+DEFAULT_CHECKPOINT = "deqzoo/deq-flow-cpu-synth"
+
+
+SCALES = {
+    # name: (DEQ-Flow preset, batch, image side): the CPU preset as trained here, and the original's B size
+    "cpu": ("deq-flow-cpu", 4, 64),
+    "b": ("deq-flow-b", 1, 192),
+}
+
+
+def _build(kind: str, preset: str):
+    """The preset (DEQ-Flow) or its explicit twin: the same config with implicit=False (same parameters)."""
+    from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow
+
+    config = dict(ARCHITECTURES[preset]["config"])
+    if kind != "deq-flow":
+        config["implicit"] = False
+    return DEQFlowForOpticalFlow(DEQFlowConfig(**config))
+
+
+def measure_training(
+    kind: str,
+    iters: int,
+    *,
+    preset: str = "deq-flow-cpu",
+    batch: int = 4,
+    size: int = 64,
+    n_states: int = 1,
+    seed: int = 0,
+    repeats: int = 3,
+) -> dict:
+    """One configuration in this process: saved-graph bytes, parameter bytes, peak RSS growth, step time."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = _build(kind, preset).train()
+    if model.config.implicit:
+        model.set_deq(f_max_iter=iters, n_states=n_states, on_nonconvergence="ignore")
+    else:
+        model.config.num_flow_updates = iters
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch_of(n: int, side: int):
+        return (
+            torch.rand(n, 3, side, side, generator=gen),
+            torch.rand(n, 3, side, side, generator=gen),
+            torch.randn(n, 2, side, side, generator=gen) * 3,
+        )
+
+    def step(a, b, gt):
+        model.zero_grad(set_to_none=False)
+        out = model(a, b, flow_gt=gt)
+        out.loss.backward()
+
+    # warm-up on a smaller problem: gradients allocated, kernels and pools initialised, below the step's peak
+    warm = (max(1, batch // 4), size) if batch >= 4 else (batch, model.config.min_image_size)
+    step(*batch_of(*warm))
+    data = batch_of(batch, size)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.device.type == "cpu":
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.zero_grad(set_to_none=False)
+        out = model(*data[:2], flow_gt=data[2])
+    graph_bytes = sum(saved.values())
+    out.loss.backward()
+    rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # KiB -> MiB (Linux)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(*data)
+        times.append(time.perf_counter() - t0)
+    param_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + gradients
+    return {
+        "model": kind,
+        "preset": preset,
+        "iterations": iters,
+        "n_states": n_states if kind == "deq-flow" else iters,
+        "batch": batch,
+        "size": size,
+        "graph_mb": graph_bytes / 2**20,
+        "param_mb": param_bytes / 2**20,
+        "peak_mb": (graph_bytes + param_bytes) / 2**20,
+        "rss_growth_mb": rss_growth,
+        "step_seconds": statistics.median(times),
+    }
+
+
+def _subprocess(
+    kind: str, iters: int, preset: str, batch: int, size: int, n_states: int, repeats: int
+) -> dict:
+    code = (
+        "import json, sys; from deqzoo.bench.deq_flow import measure_training; "
+        f"print(json.dumps(measure_training({kind!r}, {iters}, preset={preset!r}, batch={batch}, "
+        f"size={size}, n_states={n_states}, repeats={repeats})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"deq-flow bench subprocess ({kind}, {iters}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def reuse_along_video(model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0) -> dict:
+    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and warm (previous fixed point)."""
+    import torch
+
+    from deqzoo.tasks.flow import epe, synthetic_video
+
+    video, flows, valid = synthetic_video(frames, size, seed)
+    result = {}
+    for reuse in (False, True):
+        with torch.no_grad():
+            preds, stats = model.estimate_sequence(video, reuse=reuse)
+        result["reuse" if reuse else "cold"] = {
+            "nfe": [int(s.nfe) for s in stats],
+            "epe": [epe(p, f, v) for p, f, v in zip(preds, flows, valid)],
+            "converged": [bool(s.converged.all()) for s in stats],
+        }
+    for key in ("cold", "reuse"):
+        r = result[key]
+        r["mean_nfe"], r["mean_epe"] = statistics.mean(r["nfe"]), statistics.mean(r["epe"])
+    cold, warm = result["cold"], result["reuse"]
+    # the first pair has nothing to reuse: ratios over the pairs that do
+    result["nfe_ratio"] = statistics.mean(warm["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
+    result["nfe_ratio_all_pairs"] = warm["mean_nfe"] / cold["mean_nfe"]
+    result["epe_change"] = warm["mean_epe"] / cold["mean_epe"] - 1
+    result["frames"], result["size"] = frames, list(size)
+    return result
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    rows = report["training"]
+    for preset in sorted({r["preset"] for r in rows}):
+        for kind, states, style in (("deq-flow", 1, "o-"), ("deq-flow", 3, "s-"), ("raft", None, "^-")):
+            sel = [
+                r
+                for r in rows
+                if r["preset"] == preset
+                and r["model"] == kind
+                and (states is None or r["n_states"] == states)
+            ]
+            label = f"{preset}: " + (
+                kind if states is None else f"{kind} ({states} state{'s' if states > 1 else ''})"
+            )
+            axes[0].plot([r["iterations"] for r in sel], [r["peak_mb"] for r in sel], style, label=label)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("update iterations")
+    axes[0].set_ylabel("training-step tensor peak (MiB)")
+    axes[0].legend(fontsize=7)
+    video = report.get("reuse")
+    if video:
+        for key, style in (("cold", "o-"), ("reuse", "s-")):
+            axes[1].plot(
+                range(1, len(video[key]["nfe"]) + 1),
+                video[key]["nfe"],
+                style,
+                label=f"{key}: mean NFE {video[key]['mean_nfe']:.1f}, EPE {video[key]['mean_epe']:.3f}",
+            )
+        axes[1].set_xlabel("frame pair")
+        axes[1].set_ylabel("forward NFE")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deqzoo bench deq-flow", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench_output/deq_flow"))
+    p.add_argument(
+        "--scales",
+        nargs="+",
+        default=sorted(SCALES),
+        choices=sorted(SCALES),
+        help="cpu: deq-flow-cpu, batch 4 of 64x64; b: the original's B size, batch 1 of 192x192",
+    )
+    p.add_argument("--iterations", type=int, nargs="+", default=[12, 24])
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="trained DEQ-Flow for the reuse part")
+    p.add_argument("--frames", type=int, default=12)
+    p.add_argument("--solver", default="fixed_point", help="forward solver for the reuse part")
+    p.add_argument("--max-iter", type=int, default=24, help="f_max_iter for the reuse part")
+    p.add_argument("--tol", type=float, default=2e-2, help="f_tol (relative) for the reuse part")
+    p.add_argument("--quick", action="store_true", help="cpu scale, batch 2, 1 timed step, <= 8 frames")
+    p.add_argument("--no-reuse", action="store_true", help="skip the reuse part")
+    args = p.parse_args(argv)
+    scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
+    if args.quick:
+        scales = {"cpu": ("deq-flow-cpu", 2, 64)}
+        args.frames, args.repeats = min(args.frames, 8), 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for preset, batch, size in scales.values():
+        for iters in args.iterations:
+            rows.append(_subprocess("raft", iters, preset, batch, size, 0, args.repeats))
+            for states in (1, 3):
+                rows.append(_subprocess("deq-flow", iters, preset, batch, size, states, args.repeats))
+    report: dict = {"training": rows, "method": __doc__.split("\n\n")[1]}
+    lo, hi = min(args.iterations), max(args.iterations)
+
+    def peak(preset, kind, iters, states=None):
+        return next(
+            r["peak_mb"]
+            for r in rows
+            if r["preset"] == preset
+            and r["model"] == kind
+            and r["iterations"] == iters
+            and (states is None or r["n_states"] == states)
+        )
+
+    report["summary"] = {}
+    for preset, _, _ in scales.values():
+        report["summary"].update(
+            {
+                f"{preset}: raft_growth_{lo}_to_{hi}": peak(preset, "raft", hi) / peak(preset, "raft", lo)
+                - 1,
+                f"{preset}: deq_growth_{lo}_to_{hi}_1_state": peak(preset, "deq-flow", hi, 1)
+                / peak(preset, "deq-flow", lo, 1)
+                - 1,
+                f"{preset}: deq_growth_{lo}_to_{hi}_3_states": peak(preset, "deq-flow", hi, 3)
+                / peak(preset, "deq-flow", lo, 3)
+                - 1,
+                f"{preset}: deq_over_raft_at_{lo}_1_state": peak(preset, "deq-flow", lo, 1)
+                / peak(preset, "raft", lo),
+                f"{preset}: deq_over_raft_at_{lo}_3_states": peak(preset, "deq-flow", lo, 3)
+                / peak(preset, "raft", lo),
+            }
+        )
+    if not args.no_reuse:
+        import torch
+
+        import deqzoo
+
+        torch.set_num_threads(1)
+        model = deqzoo.from_pretrained(
+            args.checkpoint,
+            deq={
+                "f_solver": args.solver,
+                "f_max_iter": args.max_iter,
+                "f_tol": args.tol,
+                "on_nonconvergence": "ignore",
+            },
+        ).eval()
+        report["reuse"] = reuse_along_video(model, frames=args.frames)
+        report["reuse"].update(
+            checkpoint=args.checkpoint, solver=args.solver, max_iter=args.max_iter, tol=args.tol
+        )
+    path = args.out / "deq_flow_bench.json"
+    path.write_text(json.dumps(report, indent=1))
+    _plot(report, args.out / "deq_flow_bench.png")
+    for r in rows:
+        print(
+            f"{r['preset']:12s} {r['model']:9s} iters={r['iterations']:3d} states={r['n_states']:3d}  "
+            f"peak {r['peak_mb']:7.1f} MiB "
+            f"(graph {r['graph_mb']:7.1f}, rss growth {r['rss_growth_mb']:7.1f})  "
+            f"step {r['step_seconds']:.2f}s"
+        )
+    for k, v in report["summary"].items():
+        print(f"{k}: {v:.3f}")
+    if "reuse" in report:
+        r = report["reuse"]
+        print(
+            f"reuse: mean NFE {r['cold']['mean_nfe']:.1f} -> {r['reuse']['mean_nfe']:.1f} "
+            f"(ratio {r['nfe_ratio']:.3f} "
+            f"over pairs 2..), mean EPE {r['cold']['mean_epe']:.4f} -> {r['reuse']['mean_epe']:.4f} "
+            f"({100 * r['epe_change']:+.2f}%)"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""DEQ-Flow family: deep equilibrium optical flow on torchvision's RAFT blocks, and its explicit RAFT twin."""
+
+from .configuration_deq_flow import ARCHITECTURES, DEQFlowConfig
+from .modeling_deq_flow import (
+    DEQFlowForOpticalFlow,
+    DEQFlowModel,
+    DEQFlowOutput,
+    DEQFlowPreTrainedModel,
+    prepare_images,
+    sequence_loss,
+    unpad,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "DEQFlowConfig",
+    "DEQFlowForOpticalFlow",
+    "DEQFlowModel",
+    "DEQFlowOutput",
+    "DEQFlowPreTrainedModel",
+    "prepare_images",
+    "sequence_loss",
+    "unpad",
+]

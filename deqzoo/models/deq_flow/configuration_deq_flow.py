@@ -1,0 +1,216 @@
+"""DEQ-Flow configuration: RAFT's update operator solved for its fixed point over (hidden state, flow).
+
+Bai, Geng, Savani & Kolter, "Deep Equilibrium Optical Flow Estimation", CVPR 2022 (locuslab/deq-flow).
+The blocks are torchvision's RAFT blocks (`torchvision.models.optical_flow.raft`): a feature encoder (instance
+norm) for both frames, a context encoder for the first frame, the all-pairs correlation pyramid, a motion
+encoder, a separable ConvGRU (1x5 then 5x1), a flow head and the convex-upsampling mask predictor. As in the
+original DEQ-Flow, the context encoder outputs only the context (the hidden state starts at zero, not at tanh
+of a split) and f_θ(h, flow) = (GRU(h, [context, motion(flow, corr(flow))]), flow + Δflow(h')).
+
+``implicit=False`` is the explicit RAFT baseline with the very same blocks (same parameter count): the update
+block unrolled ``num_flow_updates`` times from zero, every iterate supervised (RAFT's sequence loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...modeling_utils import DEQPretrainedConfig
+
+NORMS = ("instance", "batch", "group", "none")
+
+# The original's CPU-free recipe, adapted: plain fixed-point iteration (its naive_solver), a one-step phantom
+# gradient (its --phantom_grad 1, tau 1) and fixed-point correction states (its --n_losses).
+DEFAULT_DEQ: dict[str, Any] = {
+    "f_solver": "fixed_point",
+    "f_max_iter": 24,
+    "f_tol": 1e-3,
+    "f_stop_mode": "rel",
+    "b_mode": "phantom",
+    "b_mode_kwargs": {"k": 1, "tau": 1.0, "variant": "upg"},
+    "n_states": 3,
+}
+
+
+class DEQFlowConfig(DEQPretrainedConfig):
+    """Configuration of a DEQ-Flow (or explicit RAFT) optical-flow model.
+
+    Args:
+        encoder_layers: widths of the encoders' stem and three residual stages (the original: 64, 64, 96,
+        128). feature_dim: feature-encoder output channels (correlation features; original 256, tiny 64).
+        context_dim: context-encoder output channels (original: equal to hidden_dim).
+        hidden_dim: ConvGRU hidden state channels.
+        feature_norm, context_norm: "instance", "batch", "group" or "none" (original: instance, batch).
+        corr_levels, corr_radius: correlation pyramid levels and lookup radius (original 4, 4).
+        motion_corr_layers, motion_flow_layers: motion encoder widths (original B: (256, 192), (128, 64)).
+        motion_dim: motion encoder output channels including the 2 flow channels (original B: 128).
+        flow_head_dim: flow head hidden width (original: 2 * motion_dim).
+        mask_dim: mask predictor hidden width (original 256); 0 upsamples bilinearly instead of convexly.
+        gma: global motion aggregation (the original's --gma): attention over the context features aggregates
+            the motion features, which the GRU reads beside the local ones.
+        weight_norm: weight-normalise the update block (the original's --wnorm), reset once per forward.
+        detach_flow_input: f reads the flow through a detached copy (RAFT's ``coords1.detach()``, the
+            original's default; False is its --all_grad).
+        implicit: DEQ-Flow (True) or the explicit RAFT baseline (False).
+        num_flow_updates: update iterations of the explicit baseline (RAFT: 12); unused when implicit.
+        deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
+
+    Example:
+        >>> from deqzoo.models.deq_flow import DEQFlowConfig
+        >>> cfg = DEQFlowConfig()
+        >>> cfg.model_type, cfg.hidden_dim, cfg.deq_config.b_mode
+        ('deq_flow', 128, 'phantom')
+    """
+
+    model_type = "deq_flow"
+
+    def __init__(
+        self,
+        encoder_layers: list[int] | tuple[int, ...] = (64, 64, 96, 128),
+        feature_dim: int = 256,
+        context_dim: int = 128,
+        hidden_dim: int = 128,
+        feature_norm: str = "instance",
+        context_norm: str = "batch",
+        corr_levels: int = 4,
+        corr_radius: int = 4,
+        motion_corr_layers: list[int] | tuple[int, ...] = (256, 192),
+        motion_flow_layers: list[int] | tuple[int, ...] = (128, 64),
+        motion_dim: int = 128,
+        flow_head_dim: int = 256,
+        mask_dim: int = 256,
+        gma: bool = False,
+        weight_norm: bool = False,
+        detach_flow_input: bool = True,
+        implicit: bool = True,
+        num_flow_updates: int = 12,
+        deq: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        deq = {**DEFAULT_DEQ, **(deq.to_dict() if hasattr(deq, "to_dict") else (deq or {}))}
+        encoder_layers = _int_list("encoder_layers", encoder_layers, 4, 4)
+        motion_corr_layers = _int_list("motion_corr_layers", motion_corr_layers, 1, 2)
+        motion_flow_layers = _int_list("motion_flow_layers", motion_flow_layers, 2, 2)
+        for name, value, lo, hi in (
+            ("feature_dim", feature_dim, 1, 4096),
+            ("context_dim", context_dim, 1, 4096),
+            ("hidden_dim", hidden_dim, 1, 4096),
+            ("corr_levels", corr_levels, 1, 6),
+            ("corr_radius", corr_radius, 0, 16),
+            ("motion_dim", motion_dim, 3, 4096),
+            ("flow_head_dim", flow_head_dim, 1, 4096),
+            ("mask_dim", mask_dim, 0, 4096),
+            ("num_flow_updates", num_flow_updates, 1, 1000),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"DEQFlowConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        for name, value in (("feature_norm", feature_norm), ("context_norm", context_norm)):
+            if value not in NORMS:
+                raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
+        for name, value in (
+            ("gma", gma),
+            ("weight_norm", weight_norm),
+            ("detach_flow_input", detach_flow_input),
+            ("implicit", implicit),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"DEQFlowConfig.{name} must be a bool, got {value!r}")
+        self.encoder_layers = encoder_layers
+        self.feature_dim = feature_dim
+        self.context_dim = context_dim
+        self.hidden_dim = hidden_dim
+        self.feature_norm = feature_norm
+        self.context_norm = context_norm
+        self.corr_levels = corr_levels
+        self.corr_radius = corr_radius
+        self.motion_corr_layers = motion_corr_layers
+        self.motion_flow_layers = motion_flow_layers
+        self.motion_dim = motion_dim
+        self.flow_head_dim = flow_head_dim
+        self.mask_dim = mask_dim
+        self.gma = gma
+        self.weight_norm = weight_norm
+        self.detach_flow_input = detach_flow_input
+        self.implicit = implicit
+        self.num_flow_updates = num_flow_updates
+        super().__init__(deq=deq, **kwargs)
+
+    @property
+    def min_image_size(self) -> int:
+        """Smallest padded input side: the coarsest correlation level keeps 2 cells (torchvision's check)."""
+        return 8 * 2 * 2 ** (self.corr_levels - 1)
+
+
+def _int_list(name: str, value: Any, lo: int, hi: int) -> list[int]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not lo <= len(value) <= hi:
+        raise ValueError(f"DEQFlowConfig.{name} must be a list of {lo} to {hi} integers, got {value!r}")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+            raise ValueError(f"DEQFlowConfig.{name} entries must be integers in [1, 4096], got {value!r}")
+        out.append(int(v))
+    return out
+
+
+def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
+    """The original's presets (locuslab/deq-flow code.v.2.0 core/deq_flow.py and update.py)."""
+    if size == "tiny":
+        dims = {
+            "feature_dim": 64,
+            "hidden_dim": 32,
+            "context_dim": 32,
+            "motion_corr_layers": [64, 48],
+            "motion_flow_layers": [32, 16],
+            "motion_dim": 32,
+            "flow_head_dim": 64,
+        }
+    else:
+        extra = {"B": 0, "H": 128}[size]
+        dims = {
+            "feature_dim": 256,
+            "hidden_dim": 128 + extra,
+            "context_dim": 128 + extra,
+            "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
+            "motion_flow_layers": [128 + extra, 64 + extra // 2],
+            "motion_dim": 128 + extra,
+            "flow_head_dim": 2 * (128 + extra),
+        }
+    return {**dims, "gma": gma, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
+
+
+def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
+    return {"task": "optical-flow", "auto": "AutoModel", "config": config, "description": what}
+
+
+# A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.
+_CPU = {
+    "encoder_layers": [32, 32, 48, 64],
+    "feature_dim": 64,
+    "context_dim": 48,
+    "hidden_dim": 48,
+    "feature_norm": "instance",
+    "context_norm": "instance",
+    "corr_levels": 3,
+    "corr_radius": 3,
+    "motion_corr_layers": [64, 48],
+    "motion_flow_layers": [32, 16],
+    "motion_dim": 48,
+    "flow_head_dim": 64,
+    "mask_dim": 64,
+    "weight_norm": True,
+    "architectures": ["DEQFlowForOpticalFlow"],
+}
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "deq-flow-tiny": _preset(_upstream("tiny"), "DEQ-Flow tiny (the original's --tiny), 2.49 M parameters"),
+    "deq-flow-b": _preset(_upstream("B"), "DEQ-Flow-B (the original's default size), 5.24 M parameters"),
+    "deq-flow-h": _preset(_upstream("H"), "DEQ-Flow-H (the original's --huge), 13.39 M parameters"),
+    "deq-flow-tiny-gma": _preset(_upstream("tiny", True), "DEQ-Flow tiny with GMA, 2.52 M parameters"),
+    "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
+    "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
+    "deq-flow-cpu": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
+    "raft-cpu": _preset(
+        {**_CPU, "implicit": False, "num_flow_updates": 12},
+        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates",
+    ),
+}

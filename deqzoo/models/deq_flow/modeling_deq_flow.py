@@ -1,0 +1,459 @@
+"""DEQ-Flow models: RAFT's update operator solved for its fixed point by the engine, on torchvision's blocks.
+
+The encoders, the correlation pyramid, the motion encoder, the separable ConvGRU, the flow head and the mask
+predictor are `torchvision.models.optical_flow.raft` classes. f_θ(h, flow) is one application of the update
+block at 1/8 resolution; `deqzoo.core.DEQ` owns the solve, the backward mode (phantom / Jacobian-free / IFT)
+and the fixed-point correction states (``deq.n_states``). The explicit RAFT baseline (``implicit=False``)
+applies the same f_θ ``num_flow_updates`` times from zero, as torchvision's RAFT.forward does.
+
+Images are (B, C, H, W) float in [0, 1] or uint8 in [0, 255]; grayscale (C = 1) is repeated to RGB, RGBA
+(C = 4) drops alpha; sides not divisible by 8 (or below the correlation pyramid's minimum) are padded by edge
+replication and the flow is cropped back, as RAFT's InputPadder does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.optical_flow import raft as tv_raft
+from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
+
+from ...core import DEQ, SolverStats, apply_norm, fp_correction, reset_norm
+from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from .configuration_deq_flow import DEQFlowConfig
+
+__all__ = [
+    "DEQFlowForOpticalFlow",
+    "DEQFlowModel",
+    "DEQFlowOutput",
+    "DEQFlowPreTrainedModel",
+    "GMAUpdateBlock",
+    "GlobalAggregate",
+    "GlobalAttention",
+    "prepare_images",
+    "sequence_loss",
+]
+
+_SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
+
+
+def _norm_layer(kind: str):
+    if kind == "instance":
+        return nn.InstanceNorm2d  # affine=False: no parameters, as the original
+    if kind == "batch":
+        return nn.BatchNorm2d
+    if kind == "group":
+        return lambda c: nn.GroupNorm(max(1, c // 8), c)
+    return None
+
+
+def _as_rgb(image: torch.Tensor, name: str) -> torch.Tensor:
+    """(B, C, H, W) or (C, H, W) float [0, 1] / uint8 -> (B, 3, H, W) float32 in [0, 1]."""
+    if not isinstance(image, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (B, C, H, W) or (C, H, W), got {type(image).__name__}"
+        )
+    if image.dim() == 3:
+        image = image.unsqueeze(0)
+    if image.dim() != 4:
+        raise ValueError(f"{name} must have shape (B, C, H, W) or (C, H, W), got {tuple(image.shape)}")
+    channels = image.shape[1]
+    if channels not in (1, 3, 4):
+        raise ValueError(
+            f"{name} has {channels} channels (shape {tuple(image.shape)}); expected 1 (grayscale), 3 (RGB) "
+            "or 4 (RGBA) channels first"
+        )
+    if image.dtype == torch.uint8:
+        image = image.float() / 255.0
+    elif not image.is_floating_point():
+        raise TypeError(f"{name} must be float in [0, 1] or uint8, got dtype {image.dtype}")
+    if channels == 1:
+        image = image.expand(-1, 3, -1, -1)
+    elif channels == 4:
+        image = image[:, :3]
+    if not bool(torch.isfinite(image).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return image
+
+
+def prepare_images(
+    image1: torch.Tensor, image2: torch.Tensor, min_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """Validate a pair of image batches and pad both to sides divisible by 8 (at least `min_size`).
+
+    Returns the two padded (B, 3, H', W') float batches in [0, 1] and the padding (left, right, top, bottom)
+    that `unpad` removes. Mismatched shapes raise a ValueError naming both.
+
+    Example:
+        >>> import torch
+        >>> a, b, pad = prepare_images(torch.rand(1, 1, 30, 45), torch.rand(1, 1, 30, 45))
+        >>> tuple(a.shape), pad
+        ((1, 3, 32, 48), (1, 2, 1, 1))
+    """
+    if isinstance(image1, (list, tuple)) or isinstance(image2, (list, tuple)):
+        image1, image2 = _stack_pairs(image1, image2)
+    a, b = _as_rgb(image1, "image1"), _as_rgb(image2, "image2")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"image1 and image2 must have the same batch size and spatial size, got {tuple(image1.shape)} "
+            f"and {tuple(image2.shape)}"
+        )
+    h, w = a.shape[-2:]
+    ph = max(-(-h // 8) * 8, min_size) - h
+    pw = max(-(-w // 8) * 8, min_size) - w
+    pad = (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2)
+    if ph or pw:
+        if ph >= h or pw >= w:  # replicate padding cannot invent more than the image: refuse tiny inputs
+            raise ValueError(
+                f"images of size {h}x{w} are too small for this model (needs at least {min_size // 2}x"
+                f"{min_size // 2} before padding to {max(h + ph, min_size)}x{max(w + pw, min_size)})"
+            )
+        a, b = F.pad(a, pad, mode="replicate"), F.pad(b, pad, mode="replicate")
+    return a, b, pad
+
+
+def _stack_pairs(image1, image2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of (C, H, W) images -> batches; every pair (and all pairs of the batch) must share a size."""
+    ones = list(image1) if isinstance(image1, (list, tuple)) else list(image1.unbind(0))
+    twos = list(image2) if isinstance(image2, (list, tuple)) else list(image2.unbind(0))
+    if len(ones) != len(twos):
+        raise ValueError(f"got {len(ones)} first images and {len(twos)} second images")
+    if not ones:
+        raise ValueError("got an empty list of images")
+    shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(ones, twos)]
+    for i, (sa, sb) in enumerate(shapes):
+        if sa[-2:] != sb[-2:]:
+            raise ValueError(f"pair {i}: image1 has shape {sa} but image2 has shape {sb}")
+    if len({s[0][-2:] for s in shapes}) > 1:
+        raise ValueError(
+            "the pairs of a batch must share one size; got pair sizes "
+            f"{[s[0][-2:] for s in shapes]} (run pairs of different sizes one at a time)"
+        )
+    rgb = [
+        (_as_rgb(a, f"image1[{i}]"), _as_rgb(b, f"image2[{i}]")) for i, (a, b) in enumerate(zip(ones, twos))
+    ]
+    return torch.cat([a for a, _ in rgb]), torch.cat([b for _, b in rgb])
+
+
+def unpad(flow: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
+    """Crop a full-resolution (B, 2, H', W') flow back to the unpadded size."""
+    left, right, top, bottom = pad
+    h, w = flow.shape[-2:]
+    return flow[..., top : h - bottom, left : w - right]
+
+
+def sequence_loss(
+    predictions: Sequence[torch.Tensor],
+    flow_gt: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    gamma: float = _SEQUENCE_GAMMA,
+) -> torch.Tensor:
+    """RAFT's sequence loss Σ_i γ^(n-i-1) · mean(valid · |flow_i - gt|₁) (DEQ-Flow's fixed-point correction
+    applies the same weighting to its correction states).
+
+    Example:
+        >>> import torch
+        >>> gt = torch.zeros(1, 2, 4, 4)
+        >>> round(float(sequence_loss([gt + 1, gt], gt)), 6)
+        1.6
+    """
+    if valid is None:
+        valid = torch.ones_like(flow_gt[:, 0])
+
+    def l1(pred: torch.Tensor) -> torch.Tensor:
+        if pred.shape != flow_gt.shape:
+            raise ValueError(f"predicted flow {tuple(pred.shape)} and flow_gt {tuple(flow_gt.shape)} differ")
+        return (valid[:, None] * (pred - flow_gt).abs()).mean()
+
+    return fp_correction(l1, list(predictions), weight="exp", gamma=gamma)
+
+
+class GlobalAttention(nn.Module):
+    """GMA's attention over the context features (Jiang et al., 2021; the original's `Attention` without
+    positional terms, as DEQ-Flow builds it): softmax(q·k / sqrt(d)) over all positions, (B, heads, HW,
+    HW)."""
+
+    def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.to_qk = nn.Conv2d(dim, heads * dim_head * 2, 1, bias=False)
+
+    def forward(self, fmap: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = fmap.shape
+        q, k = self.to_qk(fmap).chunk(2, dim=1)
+        q = q.reshape(b, self.heads, -1, h * w).transpose(-1, -2) * self.scale
+        k = k.reshape(b, self.heads, -1, h * w)
+        return torch.softmax(q @ k, dim=-1)
+
+
+class GlobalAggregate(nn.Module):
+    """GMA's aggregation of motion features by the context attention: fmap + γ · attn · to_v(fmap) (γ starts
+    at 0 so the block starts as the local one)."""
+
+    def __init__(self, dim: int, heads: int = 1, dim_head: int = 128):
+        super().__init__()
+        self.heads = heads
+        inner = heads * dim_head
+        self.to_v = nn.Conv2d(dim, inner, 1, bias=False)
+        self.gamma = nn.Parameter(torch.zeros(1))
+        self.project = nn.Conv2d(inner, dim, 1, bias=False) if dim != inner else None
+
+    def forward(self, attention: torch.Tensor, fmap: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = fmap.shape
+        v = self.to_v(fmap).reshape(b, self.heads, -1, h * w).transpose(-1, -2)
+        out = (attention @ v).transpose(-1, -2).reshape(b, -1, h, w)
+        if self.project is not None:
+            out = self.project(out)
+        return fmap + self.gamma * out
+
+
+class GMAUpdateBlock(tv_raft.UpdateBlock):
+    """torchvision's update block with GMA's global motion aggregation: the GRU reads
+    [context, motion, aggregated motion]."""
+
+    def __init__(self, *, motion_encoder, recurrent_block, flow_head, aggregate: GlobalAggregate):
+        super().__init__(motion_encoder=motion_encoder, recurrent_block=recurrent_block, flow_head=flow_head)
+        self.aggregate = aggregate
+
+    def forward(self, hidden_state, context, corr_features, flow, attention=None):
+        motion = self.motion_encoder(flow, corr_features)
+        x = torch.cat([context, motion, self.aggregate(attention, motion)], dim=1)
+        hidden_state = self.recurrent_block(hidden_state, x)
+        return hidden_state, self.flow_head(hidden_state)
+
+
+@dataclass
+class DEQFlowOutput(DEQModelOutput):
+    """loss: sequence / fixed-point-correction loss against `flow_gt` (if given); flow: (B, 2, H, W) at full
+    resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution (padded);
+    hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state, flow_low), to
+    pass as the next pair's ``initial_state``; flow_predictions: the supervised full-resolution flows in
+    training (correction states or unrolled iterates, first to last); hidden_states: (context features, final
+    hidden state) with ``output_hidden_states=True``; deq_stats: solver statistics (None when explicit)."""
+
+    loss: torch.Tensor | None = None
+    flow: torch.Tensor | None = None
+    flow_low: torch.Tensor | None = None
+    hidden_state: torch.Tensor | None = None
+    fixed_point: tuple[torch.Tensor, torch.Tensor] | None = None
+    flow_predictions: list[torch.Tensor] | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    deq_stats: SolverStats | None = None
+
+
+class DEQFlowPreTrainedModel(DEQPreTrainedModel):
+    """Weights I/O for DEQ-Flow models (config class, prefix); torchvision's blocks initialise themselves."""
+
+    config_class = DEQFlowConfig
+    base_model_prefix = "deq_flow"
+    main_input_name = "image1"
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # torchvision's encoders use kaiming init on construction; transformers' generic init must not undo it
+        return
+
+
+class DEQFlowModel(DEQFlowPreTrainedModel):
+    """Encoders, correlation, update block and upsampler of DEQ-Flow (or of its explicit RAFT twin).
+
+    ``forward(image1, image2, flow_gt=None, valid=None, initial_state=None)``: `initial_state` is a previous
+    pair's ``fixed_point`` (hidden state, 1/8-resolution flow) from which the solve starts (frame-to-frame
+    reuse); without it the solve starts at h = 0, flow = 0.
+
+    Example:
+        >>> import torch
+        >>> import deqzoo
+        >>> model = deqzoo.create_model("deq-flow-cpu").eval()
+        >>> out = model(torch.rand(1, 3, 60, 70), torch.rand(1, 3, 60, 70))
+        >>> tuple(out.flow.shape), out.deq_stats.nfe > 0
+        ((1, 2, 60, 70), True)
+    """
+
+    def __init__(self, config: DEQFlowConfig):
+        super().__init__(config)
+        c = config
+        enc = c.encoder_layers
+        self.feature_encoder = tv_raft.FeatureEncoder(
+            block=tv_raft.ResidualBlock, layers=(*enc, c.feature_dim), norm_layer=_norm_layer(c.feature_norm)
+        )
+        self.context_encoder = tv_raft.FeatureEncoder(
+            block=tv_raft.ResidualBlock, layers=(*enc, c.context_dim), norm_layer=_norm_layer(c.context_norm)
+        )
+        self.corr_block = tv_raft.CorrBlock(num_levels=c.corr_levels, radius=c.corr_radius)
+        motion = tv_raft.MotionEncoder(
+            in_channels_corr=self.corr_block.out_channels,
+            corr_layers=tuple(c.motion_corr_layers),
+            flow_layers=tuple(c.motion_flow_layers),
+            out_channels=c.motion_dim,
+        )
+        gru = tv_raft.RecurrentBlock(
+            input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim, hidden_size=c.hidden_dim
+        )
+        head = tv_raft.FlowHead(in_channels=c.hidden_dim, hidden_size=c.flow_head_dim)
+        if c.gma:  # one head of width context_dim / motion_dim, as DEQ-Flow's GMA variants
+            self.attention = GlobalAttention(c.context_dim, heads=1, dim_head=c.context_dim)
+            self.update_block = GMAUpdateBlock(
+                motion_encoder=motion,
+                recurrent_block=gru,
+                flow_head=head,
+                aggregate=GlobalAggregate(c.motion_dim, heads=1, dim_head=c.motion_dim),
+            )
+        else:
+            self.attention = None
+            self.update_block = tv_raft.UpdateBlock(
+                motion_encoder=motion, recurrent_block=gru, flow_head=head
+            )
+        self.mask_predictor = (
+            tv_raft.MaskPredictor(in_channels=c.hidden_dim, hidden_size=c.mask_dim, multiplier=0.25)
+            if c.mask_dim
+            else None
+        )
+        if c.weight_norm:
+            apply_norm(self.update_block, "weight_norm")
+        self.deq = DEQ(c.deq_config)
+        self.post_init()
+
+    def upsample(self, hidden: torch.Tensor, flow_low: torch.Tensor) -> torch.Tensor:
+        """1/8-resolution flow -> full resolution: convex combination by the mask predictor's weights."""
+        mask = None if self.mask_predictor is None else self.mask_predictor(hidden)
+        return upsample_flow(flow_low, up_mask=mask)
+
+    def update_fn(self, context: torch.Tensor, coords0: torch.Tensor):
+        """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and
+        its GMA attention) and the correlation pyramid built for this pair."""
+        detach = self.config.detach_flow_input
+        extra = () if self.attention is None else (self.attention(context),)
+
+        def f(state):
+            h, flow = state
+            if detach:  # RAFT's coords1.detach(): no gradient through the correlation lookup
+                flow = flow.detach()
+            corr = self.corr_block.index_pyramid(centroids_coords=coords0 + flow)
+            h, delta = self.update_block(h, context, corr, flow, *extra)
+            return h, flow + delta
+
+        return f
+
+    def encode(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
+        """Features of both frames into the correlation pyramid; returns the context (ReLU) of frame 1."""
+        fmaps = self.feature_encoder(torch.cat([2 * image1 - 1, 2 * image2 - 1], dim=0))
+        fmap1, fmap2 = torch.chunk(fmaps, 2, dim=0)
+        self.corr_block.build_pyramid(fmap1, fmap2)
+        return F.relu(self.context_encoder(2 * image1 - 1))
+
+    def forward(
+        self,
+        image1: torch.Tensor,
+        image2: torch.Tensor,
+        flow_gt: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> DEQFlowOutput | tuple:
+        c = self.config
+        a, b, pad = prepare_images(image1, image2, c.min_image_size)
+        if flow_gt is not None and flow_gt.shape != (a.shape[0], 2, *_unpadded(a, pad)):
+            raise ValueError(
+                f"flow_gt must have shape {(a.shape[0], 2, *_unpadded(a, pad))}, got {tuple(flow_gt.shape)}"
+            )
+        if c.weight_norm:
+            reset_norm(self.update_block)
+        context = self.encode(a, b)
+        bsz, _, h8, w8 = context.shape
+        coords0 = make_coords_grid(bsz, h8, w8).to(context)
+        z0 = self._initial(initial_state, (bsz, c.hidden_dim, h8, w8), context)
+        f = self.update_fn(context, coords0)
+        train = torch.is_grad_enabled()
+        stats, supervised = None, []
+        if c.implicit:
+            (hidden, flow_low), stats = self.deq(f, z0)
+            if train and getattr(stats, "states", None):
+                supervised = [self.upsample(hs, fs) for hs, fs in stats.states]
+        else:  # explicit RAFT: the update block applied num_flow_updates times, every iterate supervised
+            z = z0
+            for _ in range(c.num_flow_updates):
+                z = f(z)
+                if train:
+                    supervised.append(self.upsample(*z))
+            hidden, flow_low = z
+        flow = supervised[-1] if supervised else self.upsample(hidden, flow_low)
+        flow = unpad(flow, pad)
+        supervised = [unpad(p, pad) for p in supervised] or [flow]
+        loss = sequence_loss(supervised, flow_gt, valid) if flow_gt is not None else None
+        return self._output(
+            DEQFlowOutput(
+                loss=loss,
+                flow=flow,
+                flow_low=flow_low,
+                hidden_state=hidden,
+                fixed_point=(hidden.detach(), flow_low.detach()),
+                flow_predictions=supervised if train else None,
+                hidden_states=(context, hidden)
+                if self._flag(output_hidden_states, "output_hidden_states")
+                else None,
+                deq_stats=stats,
+            ),
+            return_dict,
+        )
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The feature encoder's stem (the first map from pixels into features)."""
+        return self.feature_encoder.convnormrelu
+
+    def _initial(
+        self, state, shape: tuple[int, ...], like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = (like.new_zeros(shape), like.new_zeros(shape[0], 2, *shape[2:]))
+        if state is None:
+            return zeros
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError(
+                "initial_state must be a (hidden_state, flow_low) pair, e.g. a previous fixed_point"
+            )
+        for got, want, name in zip(state, zeros, ("hidden_state", "flow_low")):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                raise ValueError(
+                    f"initial_state {name} must have shape {tuple(want.shape)} for these images, got "
+                    f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+                )
+        return state[0].detach().to(like), state[1].detach().to(like)
+
+
+def _unpadded(a: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[int, int]:
+    return a.shape[-2] - pad[2] - pad[3], a.shape[-1] - pad[0] - pad[1]
+
+
+class DEQFlowForOpticalFlow(DEQFlowModel):
+    """DEQ-Flow for optical flow, with helpers for pairs and frame sequences (the flow-estimation head is the
+    convex upsampler, so this is the model itself plus conveniences).
+
+    Example:
+        >>> import torch
+        >>> import deqzoo
+        >>> model = deqzoo.create_model("deq-flow-cpu").eval()
+        >>> frames = torch.rand(3, 3, 64, 64)
+        >>> flows, stats = model.estimate_sequence(frames, reuse=True)
+        >>> len(flows), tuple(flows[0].shape)
+        (2, (2, 64, 64))
+    """
+
+    @torch.no_grad()
+    def estimate_sequence(
+        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool = True
+    ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
+        """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats; with
+        `reuse`, each solve starts from the previous pair's fixed point (DEQ-Flow's frame-to-frame reuse)."""
+        if len(frames) < 2:
+            raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
+        flows, stats, state = [], [], None
+        for t in range(len(frames) - 1):
+            out = self(frames[t], frames[t + 1], initial_state=state if reuse else None, return_dict=True)
+            flows.append(out.flow[0])
+            stats.append(out.deq_stats)
+            state = out.fixed_point
+        return flows, stats

@@ -1,0 +1,71 @@
+"""The embedded DEQ-Flow checkpoint and its RAFT twin: card numbers re-evaluated on a subset, the acceptance
+comparison against the classical baselines, predict/demo PNGs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import deqzoo
+from deqzoo.hub.cards import read_model_card
+from deqzoo.hub.loading import resolve
+from deqzoo.tasks import flow
+
+NAMES = ["deqzoo/deq-flow-cpu-synth", "deqzoo/deq-flow-cpu-raft-baseline"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_subset_number_is_what_eval_prints(name):
+    model = deqzoo.from_pretrained(name)
+    _, body = read_model_card(resolve(name))
+    m = re.search(r"--limit (\d+)` \(first \d+ held-out pairs\) prints epe_held_out (\d+\.\d+)", body)
+    assert m, "the card states its subset evaluation"
+    got = flow.evaluate(model, limit=int(m.group(1)), progress=False, baselines=False)
+    assert got["epe_held_out"] == pytest.approx(float(m.group(2)), abs=1e-4)
+
+
+def test_deq_flow_beats_zero_flow_and_farneback_on_held_out_pairs():
+    model = deqzoo.from_pretrained(NAMES[0])
+    meta, _ = read_model_card(resolve(NAMES[0]))
+    image1, image2, gt, valid = flow.held_out_set(20)
+    pred, nfes = flow.model_flow(model, image1, image2)
+    ours = flow.epe(pred, gt, valid)
+    assert ours < flow.classical_epe("zero", image1, image2, gt, valid)
+    assert ours < flow.classical_epe("farneback", image1, image2, gt, valid)
+    assert nfes == [24]  # the card's inference budget
+    assert meta["deqzoo_task"] == "flow"
+
+
+def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch):
+    from PIL import Image
+
+    model = deqzoo.from_pretrained(NAMES[0])
+    pair = flow.synthetic_pair(3, (48, 61), "held-out")
+    paths = []
+    for i, img in enumerate((pair.image1, pair.image2)):
+        arr = (img.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        paths.append(tmp_path / f"f{i}.png")
+        Image.fromarray(arr).save(paths[-1])
+    monkeypatch.chdir(tmp_path)
+    line = flow.predict(model, f"{paths[0]},{paths[1]}")
+    out = tmp_path / "flow_f0_f1.png"
+    assert "written to flow_f0_f1.png" in line and out.is_file()
+    with Image.open(out) as im:
+        assert im.size == (61, 48) and im.mode == "RGB"
+    again = flow.predict(model, f"{paths[0]},{paths[1]}")
+    assert "flow_f0_f1-1.png" in again  # the first file is kept
+    with pytest.raises(ValueError, match="expected 'FIRST,SECOND'"):
+        flow.predict(model, str(paths[0]))
+    Image.fromarray((torch.rand(40, 40, 3).numpy() * 255).astype("uint8")).save(tmp_path / "small.png")
+    with pytest.raises(ValueError, match=r"\(48, 61\).*\(40, 40\)"):
+        flow.predict(model, f"{paths[0]},{tmp_path / 'small.png'}")
+
+
+def test_demo_writes_pngs(tmp_path):
+    model = deqzoo.from_pretrained(NAMES[0])
+    summary, stats = flow.demo(model, output_dir=tmp_path)
+    assert "motorcycle" in summary and stats.nfe == 24
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "deq-flow-cpu-synth_held_out_flow.png", "deq-flow-cpu-synth_motorcycle_flow.png"]

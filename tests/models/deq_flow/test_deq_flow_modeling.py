@@ -1,0 +1,226 @@
+"""DEQ-Flow family: upstream parameter counts, input handling (odd sizes, grayscale, RGBA, uint8, mismatched
+pairs), the explicit twin against torchvision's own RAFT loop, the equilibrium, training outputs and reuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models.optical_flow.raft import RAFT
+
+import deqzoo
+from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow, prepare_images
+
+ROOT = Path(__file__).resolve().parents[3]
+COUNTS = json.loads(
+    (ROOT / "conversion" / "fixtures" / "deq_flow" / "original_param_counts.json").read_text()
+)
+
+SMALL = {
+    "encoder_layers": [8, 8, 12, 16],
+    "feature_dim": 16,
+    "context_dim": 12,
+    "hidden_dim": 12,
+    "corr_levels": 2,
+    "corr_radius": 2,
+    "motion_corr_layers": [16, 12],
+    "motion_flow_layers": [8, 8],
+    "motion_dim": 12,
+    "flow_head_dim": 16,
+    "mask_dim": 16,
+}
+
+
+def _model(**kw) -> DEQFlowForOpticalFlow:
+    torch.manual_seed(0)
+    model = DEQFlowForOpticalFlow(DEQFlowConfig(**{**SMALL, **kw})).eval()
+    model.set_deq(on_nonconvergence="ignore")
+    return model
+
+
+@pytest.mark.parametrize("size", sorted(COUNTS["counts"]))
+def test_presets_have_the_upstream_parameter_counts(size):
+    """Counted by instantiating locuslab/deq-flow's DEQFlow (the fixture records commit and args)."""
+    name = COUNTS["deqzoo_presets"][size]
+    with torch.device("meta"):
+        model = DEQFlowForOpticalFlow(DEQFlowConfig(**ARCHITECTURES[name]["config"]))
+    assert sum(p.numel() for p in model.parameters()) == COUNTS["counts"][size]
+
+
+def test_cpu_preset_and_its_raft_twin_have_equal_parameter_counts():
+    deq, raft = deqzoo.create_model("deq-flow-cpu"), deqzoo.create_model("raft-cpu")
+    assert deq.config.implicit and not raft.config.implicit
+    shapes = {k: v.shape for k, v in deq.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in raft.state_dict().items()}
+    assert deq.num_parameters() == raft.num_parameters()
+
+
+class _ZeroHiddenContext(nn.Module):
+    """Context encoder for torchvision's RAFT whose hidden part is 0 (tanh(0) = 0: DEQ-Flow's zero start)."""
+
+    def __init__(self, encoder: nn.Module, hidden: int):
+        super().__init__()
+        self.encoder, self.hidden = encoder, hidden
+
+    def forward(self, x):
+        ctx = self.encoder(x)
+        return torch.cat([ctx.new_zeros(ctx.shape[0], self.hidden, *ctx.shape[2:]), ctx], dim=1)
+
+
+def test_explicit_twin_equals_torchvisions_raft_loop_on_the_same_blocks():
+    """Independent reference: torchvision's RAFT.forward over our modules, 12 updates."""
+    model = _model(implicit=False, num_flow_updates=12, context_norm="batch")
+    ref = RAFT(
+        feature_encoder=model.feature_encoder,
+        context_encoder=_ZeroHiddenContext(model.context_encoder, model.config.hidden_dim),
+        corr_block=model.corr_block,
+        update_block=model.update_block,
+        mask_predictor=model.mask_predictor,
+    ).eval()
+    torch.manual_seed(1)
+    a, b = torch.rand(2, 3, 64, 96), torch.rand(2, 3, 64, 96)
+    with torch.no_grad():
+        ours = model(a, b).flow
+        theirs = ref(2 * a - 1, 2 * b - 1, num_flow_updates=12)[-1]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert float(ours.abs().max()) > 1e-3  # a non-trivial flow
+
+
+def _contractive(model: DEQFlowForOpticalFlow) -> DEQFlowForOpticalFlow:
+    """Random weights have no equilibrium (Δflow never vanishes, so the flow drifts); with a zero flow head
+    the flow stays at its start and a damped GRU candidate makes h contract (trained models learn
+    Δflow -> 0)."""
+    with torch.no_grad():
+        ub = model.update_block
+        ub.flow_head.conv2.weight.zero_()
+        ub.flow_head.conv2.bias.zero_()
+        for gru in (ub.recurrent_block.convgru1, ub.recurrent_block.convgru2):
+            gru.convq.weight.mul_(0.3)
+    return model
+
+
+def test_deq_output_is_the_fixed_point_of_the_update_operator():
+    model = _contractive(_model(deq={"f_solver": "anderson", "f_max_iter": 200, "f_tol": 1e-6}))
+    torch.manual_seed(2)
+    a, b = torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        out = model(a, b)
+        assert bool(out.deq_stats.converged.all())
+        context = model.encode(*prepare_images(a, b, model.config.min_image_size)[:2])
+        coords0 = torch.stack(torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="xy"))[None]
+        h, flow = model.update_fn(context, coords0)(out.fixed_point)
+    rel = torch.linalg.vector_norm(
+        torch.cat([(h - out.hidden_state).flatten(), (flow - out.flow_low).flatten()])
+    )
+    assert float(rel) / float(torch.linalg.vector_norm(torch.cat([h.flatten(), flow.flatten()]))) < 1e-5
+
+
+@pytest.mark.parametrize("size", [(61, 83), (64, 64), (33, 47)])
+def test_odd_sizes_are_padded_and_cropped_back(size):
+    model = _model()
+    torch.manual_seed(3)
+    a, b = torch.rand(1, 3, *size), torch.rand(1, 3, *size)
+    with torch.no_grad():
+        out = model(a, b)
+        pa, pb, pad = prepare_images(a, b, model.config.min_image_size)
+        assert pa.shape[-1] % 8 == 0 and pa.shape[-2] % 8 == 0
+        padded = model(pa, pb).flow  # the same padded pair: the crop is exactly the unpadded output
+    assert out.flow.shape == (1, 2, *size)
+    left, _, top, _ = pad
+    torch.testing.assert_close(out.flow, padded[..., top : top + size[0], left : left + size[1]])
+
+
+def test_grayscale_rgba_uint8_and_unbatched_inputs():
+    model = _model()
+    torch.manual_seed(4)
+    g1, g2 = torch.rand(1, 1, 40, 48), torch.rand(1, 1, 40, 48)
+    rgb1, rgb2 = g1.repeat(1, 3, 1, 1), g2.repeat(1, 3, 1, 1)
+    with torch.no_grad():
+        ref = model(rgb1, rgb2).flow
+        torch.testing.assert_close(model(g1, g2).flow, ref)
+        rgba = [torch.cat([x, torch.rand(1, 1, 40, 48)], 1) for x in (rgb1, rgb2)]
+        torch.testing.assert_close(model(*rgba).flow, ref)  # alpha is dropped
+        torch.testing.assert_close(model(rgb1[0], rgb2[0]).flow, ref)  # (C, H, W)
+        q1, q2 = (rgb1 * 255).round().to(torch.uint8), (rgb2 * 255).round().to(torch.uint8)
+        torch.testing.assert_close(model(q1, q2).flow, model(q1.float() / 255, q2.float() / 255).flow)
+
+
+def test_bad_inputs_raise_errors_naming_the_shapes():
+    model = _model()
+    with pytest.raises(ValueError, match=r"\(1, 3, 40, 48\) and \(1, 3, 40, 56\)"):
+        model(torch.rand(1, 3, 40, 48), torch.rand(1, 3, 40, 56))
+    with pytest.raises(ValueError, match=r"2 channels.*\(1, 2, 40, 48\)"):
+        model(torch.rand(1, 2, 40, 48), torch.rand(1, 2, 40, 48))
+    with pytest.raises(ValueError, match=r"pair 1: image1 has shape \(3, 40, 48\) but image2 has shape"):
+        model([torch.rand(3, 40, 48)] * 2, [torch.rand(3, 40, 48), torch.rand(3, 48, 48)])
+    with pytest.raises(ValueError, match=r"share one size.*\(40, 48\).*\(48, 48\)"):
+        model([torch.rand(3, 40, 48), torch.rand(3, 48, 48)], [torch.rand(3, 40, 48), torch.rand(3, 48, 48)])
+    with pytest.raises(ValueError, match="too small"):
+        model(torch.rand(1, 3, 9, 9), torch.rand(1, 3, 9, 9))
+    with pytest.raises(ValueError, match="NaN"):
+        model(torch.full((1, 3, 40, 48), float("nan")), torch.rand(1, 3, 40, 48))
+    with pytest.raises(ValueError, match=r"flow_gt must have shape \(1, 2, 40, 48\)"):
+        model(torch.rand(1, 3, 40, 48), torch.rand(1, 3, 40, 48), flow_gt=torch.zeros(1, 2, 40, 40))
+    # a list of same-size pairs is a batch
+    pairs = [torch.rand(3, 40, 48) for _ in range(4)]
+    with torch.no_grad():
+        out = model(pairs[:2], pairs[2:])
+        ref = model(torch.stack(pairs[:2]), torch.stack(pairs[2:]))
+    torch.testing.assert_close(out.flow, ref.flow)
+
+
+def test_training_returns_correction_states_and_gradients_reach_every_parameter():
+    model = _model(deq={"n_states": 3, "f_max_iter": 9}).train()
+    torch.manual_seed(5)
+    a, b, gt = torch.rand(2, 3, 40, 48), torch.rand(2, 3, 40, 48), torch.randn(2, 2, 40, 48)
+    out = model(a, b, flow_gt=gt)
+    assert len(out.flow_predictions) == 3 and out.flow_predictions[-1].shape == (2, 2, 40, 48)
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    # the context norm's affine terms exist only with batch/group norm; everything else learns
+    assert missing == [], missing
+    raft = _model(implicit=False, num_flow_updates=4).train()
+    out = raft(a, b, flow_gt=gt)
+    assert len(out.flow_predictions) == 4 and out.deq_stats is None
+
+
+def test_reuse_starts_from_the_previous_fixed_point():
+    model = _contractive(_model(deq={"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-4}))
+    torch.manual_seed(6)
+    a, b = torch.rand(1, 3, 48, 64), torch.rand(1, 3, 48, 64)
+    with torch.no_grad():
+        cold = model(a, b)
+        warm = model(a, b, initial_state=cold.fixed_point)
+    assert warm.deq_stats.nfe < cold.deq_stats.nfe / 2
+    torch.testing.assert_close(warm.flow, cold.flow, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="initial_state hidden_state must have shape"):
+        model(a, b, initial_state=(torch.zeros(1, 3, 6, 8), torch.zeros(1, 2, 6, 8)))
+    frames = torch.rand(4, 3, 48, 64)
+    flows, stats = model.estimate_sequence(frames, reuse=True)
+    assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
+
+
+def test_weight_norm_save_load_round_trip(tmp_path):
+    model = _model(weight_norm=True)
+    torch.manual_seed(7)
+    a, b = torch.rand(1, 3, 40, 48), torch.rand(1, 3, 40, 48)
+    with torch.no_grad():
+        ref = model(a, b).flow
+    model.save_pretrained(tmp_path)
+    again = deqzoo.from_pretrained(tmp_path, deq={"on_nonconvergence": "ignore"}).eval()
+    assert type(again) is DEQFlowForOpticalFlow
+    assert any(k.endswith("weight_g") for k in again.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(again(a, b).flow, ref)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="corr_levels"):
+        DEQFlowConfig(corr_levels=0)
+    with pytest.raises(ValueError, match="feature_norm"):
+        DEQFlowConfig(feature_norm="layer")
+    with pytest.raises(ValueError, match="encoder_layers"):
+        DEQFlowConfig(encoder_layers=[64, 64])

@@ -1,0 +1,76 @@
+"""The flow task's data: deterministic, exact ground truth (checked by warping), disjoint held-out images,
+the motorcycle stereo pair, the synthetic video; predict and demo write colour PNGs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deqzoo.tasks import TASKS, flow
+
+
+def _warp_error(image1, image2, f, valid):
+    back = flow.warp(image2[None], f[None])[0]
+    err = (back - image1).abs().mean(0)
+    return float(err[valid].mean()), float(err[~valid].mean()) if bool((~valid).any()) else float("nan")
+
+
+def test_pairs_are_deterministic_and_splits_differ():
+    a, b = flow.synthetic_pair(7), flow.synthetic_pair(7)
+    assert torch.equal(a.image1, b.image1) and torch.equal(a.flow, b.flow) and torch.equal(a.valid, b.valid)
+    c = flow.synthetic_pair(7, split="held-out")
+    assert not torch.equal(a.image1, c.image1)
+    assert not set(flow.TRAIN_IMAGES) & set(flow.HELD_OUT_IMAGES)
+    with pytest.raises(ValueError, match="split"):
+        flow.synthetic_pair(0, split="test")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_ground_truth_flow_is_exact(seed):
+    """Warping frame 2 back by the ground truth reproduces frame 1 on valid pixels (to bilinear resampling),
+    while the zero flow and the invalid (occluded) pixels do not."""
+    p = flow.synthetic_pair(seed, (64, 64), "held-out", photometric=False)
+    assert float(p.flow.abs().max()) > 1.0 and 0.3 < float(p.valid.float().mean()) < 1.0
+    valid_err, occluded_err = _warp_error(p.image1, p.image2, p.flow, p.valid)
+    zero_err, _ = _warp_error(p.image1, p.image2, torch.zeros_like(p.flow), p.valid)
+    assert valid_err < 0.35 * zero_err, (valid_err, zero_err)
+    assert valid_err < 0.5 * occluded_err, (valid_err, occluded_err)
+
+
+def test_deformation_inverse_to_rounding():
+    rng = np.random.default_rng(0)
+    field = flow._smooth_field(rng, 64, 64, amplitude=2.0)
+    fwd, back = flow._deformed(flow._affine(1.05, 0.05, (3.0, -2.0), (31.5, 31.5)), field)
+    pts = torch.rand(200, 2, dtype=torch.float64) * 63
+    assert float((fwd(back(pts)) - pts).abs().max()) < 1e-7
+
+
+def test_video_flows_are_exact_and_motorcycle_is_disparity():
+    frames, flows, valid = flow.synthetic_video(5, (96, 128))
+    assert frames.shape == (5, 3, 96, 128) and flows.shape == (4, 2, 96, 128)
+    for t in range(4):
+        err, _ = _warp_error(frames[t], frames[t + 1], flows[t], valid[t])
+        zero, _ = _warp_error(frames[t], frames[t + 1], torch.zeros_like(flows[t]), valid[t])
+        assert err < 0.2 * zero
+    m = flow.motorcycle_pair(0.25)
+    assert m.image1.shape == (3, 125, 185) and bool((m.flow[1] == 0).all())
+    assert bool((m.flow[0][m.valid] < 0).all()) and 0.85 < float(m.valid.float().mean()) < 1.0
+    err, _ = _warp_error(m.image1, m.image2, m.flow, m.valid)
+    zero, _ = _warp_error(m.image1, m.image2, torch.zeros_like(m.flow), m.valid)
+    assert err < 0.5 * zero
+
+
+def test_classical_baselines_and_epe():
+    p = flow.synthetic_pair(0, split="held-out")
+    gt = p.flow
+    assert flow.epe(gt, gt, p.valid) == 0.0
+    zero = flow.epe(flow.classical_flow("zero", p.image1, p.image2), gt, p.valid)
+    dis = flow.epe(flow.classical_flow("dis", p.image1, p.image2), gt, p.valid)
+    assert dis < zero
+    with pytest.raises(ValueError, match="unknown classical"):
+        flow.classical_flow("lucas", p.image1, p.image2)
+
+
+def test_task_is_registered():
+    assert TASKS["flow"] == "deqzoo.tasks.flow"
