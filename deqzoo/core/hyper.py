@@ -14,6 +14,11 @@ unroll that trains the network (`unroll`):
   least squares and β = 1 it is Anderson's iterate Σ_i α_i f(z_i);
 * ``form="simplified"``: z⁺ = β Σ_i g_i + Σ_i α_i z_i, the update as printed in the paper.
 
+``base="none"`` is the paper's method: α̂ comes from the network alone. ``base="anderson"`` (an extension) adds
+the network's output to Anderson's own least-squares weights (from the window's Gram matrix, kept one row per
+step as Anderson does): α̂ = α_LS + δ. A network whose δ is 0 and β is 1 is then exactly Anderson, so
+training only has to learn corrections and the step size.
+
 Example:
     >>> import torch
     >>> from deqzoo.core import solve
@@ -35,10 +40,22 @@ import torch
 
 from .solvers import _check_output, _empty_result, _sq_norms, _to_host, _Tracker, register_solver
 
-__all__ = ["FORMS", "HyperNet", "MeanPoolNet", "UnrollStep", "hyper_update", "hyperanderson",
-           "normalize_alpha", "unroll"]
+__all__ = [
+    "BASES",
+    "FORMS",
+    "HyperNet",
+    "least_squares_alpha",
+    "MeanPoolNet",
+    "UnrollStep",
+    "hyper_update",
+    "hyperanderson",
+    "normalize_alpha",
+    "unroll",
+]
 
 FORMS = ("anderson", "simplified")
+BASES = ("none", "anderson")
+LAM = 1e-5  # Anderson's relative regularization of the Gram matrix (as `deqzoo.core.solvers.anderson`)
 
 
 class HyperNet(Protocol):
@@ -75,8 +92,9 @@ def normalize_alpha(alpha_hat: torch.Tensor) -> torch.Tensor:
     return alpha_hat + (1.0 - alpha_hat.sum(-1, keepdim=True)) / n
 
 
-def hyper_update(X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
-                 form: str = "anderson") -> torch.Tensor:
+def hyper_update(
+    X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, form: str = "anderson"
+) -> torch.Tensor:
     """The next iterate from iterates X (B, n, D), residuals G = f(X) - X (B, n, D), normalized weights
     alpha (B, n) and steps beta (B,); `form` as in the module docstring. Two batched products, no (B, n, D)
     temporary."""
@@ -89,14 +107,43 @@ def hyper_update(X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: to
     raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
 
 
-def _weights(net: HyperNet, C: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(α normalized, β, ok): the network's weights in the state's dtype; ok is False for a sample whose α or
-    β is not finite (it then takes a plain fixed-point step, like Anderson on a failed system)."""
+def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
+    """Anderson's weights from the Gram matrix H (B, n, n) of the window's residuals: (H + reg I) a = 1,
+    α = a / 1ᵀa, reg = lam · max_j H_jj (float64). A sample whose system fails gets NaN (caller falls back).
+
+    Example:
+        >>> G = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]], dtype=torch.float64)
+        >>> least_squares_alpha(G @ G.transpose(1, 2)).tolist()
+        [[0.5, 0.5]]
+    """
+    H = H.double()
+    n = H.shape[-1]
+    reg = lam * H.diagonal(dim1=1, dim2=2).amax(1) + 1e-300
+    A = H + reg[:, None, None] * torch.eye(n, dtype=H.dtype, device=H.device)
+    finite = torch.isfinite(A).flatten(1).all(1)
+    A = torch.where(finite[:, None, None], A, torch.eye(n, dtype=H.dtype, device=H.device))
+    L, info = torch.linalg.cholesky_ex(A)
+    a = torch.cholesky_solve(torch.ones(H.shape[0], n, 1, dtype=H.dtype, device=H.device), L)[:, :, 0]
+    alpha = a / a.sum(1, keepdim=True)
+    bad = (~finite) | (info != 0)
+    return torch.where(bad[:, None], torch.full_like(alpha, float("nan")), alpha)
+
+
+def _weights(
+    net: HyperNet, C: torch.Tensor, dtype: torch.dtype, H: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(α normalized, β, ok): the network's weights in the state's dtype (plus Anderson's least-squares
+    weights from the Gram matrix H when given: ``base="anderson"``); ok is False for a sample whose α or β
+    is not finite (it then takes a plain fixed-point step, like Anderson on a failed system)."""
     alpha_hat, beta = net.mix(C)
     b, n = C.shape[:2]
     if tuple(alpha_hat.shape) != (b, n) or tuple(beta.shape) != (b,):
-        raise ValueError(f"hypersolver network returned alpha {tuple(alpha_hat.shape)} and beta "
-                         f"{tuple(beta.shape)}, expected ({b}, {n}) and ({b},)")
+        raise ValueError(
+            f"hypersolver network returned alpha {tuple(alpha_hat.shape)} and beta "
+            f"{tuple(beta.shape)}, expected ({b}, {n}) and ({b},)"
+        )
+    if H is not None:
+        alpha_hat = least_squares_alpha(H).to(alpha_hat.dtype) + alpha_hat
     alpha = normalize_alpha(alpha_hat.to(dtype))
     beta = beta.to(dtype)
     ok = torch.isfinite(alpha).all(1) & torch.isfinite(beta)
@@ -115,6 +162,7 @@ def hyperanderson(
     net: HyperNet | None = None,
     m: int = 5,
     form: str = "anderson",
+    base: str = "none",
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
 ):
@@ -126,12 +174,16 @@ def hyperanderson(
     residuals oldest first. ``stats.extra["beta"]`` is the mean β of each step (what the network chose).
     """
     if net is None or not callable(getattr(net, "compress", None)) or not callable(getattr(net, "mix", None)):
-        raise TypeError("solver 'hyperanderson' needs net=<a hypersolver network with compress(g) and mix(C)>"
-                        f", got {type(net).__name__}; attach one with model.set_hypersolver(...)")
+        raise TypeError(
+            "solver 'hyperanderson' needs net=<a hypersolver network with compress(g) and mix(C)>"
+            f", got {type(net).__name__}; attach one with model.set_hypersolver(...)"
+        )
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
         raise ValueError(f"hyperanderson memory m must be an integer >= 0, got {m!r}")
     if form not in FORMS:
         raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
+    if base not in BASES:
+        raise ValueError(f"HyperAnderson base must be one of {BASES}, got {base!r}")
     b, d = x0.shape
     if b == 0:
         return _empty_result(x0, "hyperanderson", tol, stop_mode)
@@ -140,6 +192,7 @@ def hyperanderson(
     X = x0.new_empty(b, cap, d)
     G = x0.new_empty(b, cap, d)
     C: torch.Tensor | None = None  # (B, cap, c), allocated at the first compress (c is the network's)
+    H = torch.zeros(b, cap, cap, dtype=torch.float64, device=x0.device) if base == "anderson" else None
     betas: list[torch.Tensor] = []
     x, nfe = x0.clone(), 0
     for k in range(max_iter):
@@ -151,12 +204,17 @@ def hyperanderson(
         if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
             break
         X[:, slot] = x
+        if H is not None:  # one Gram row per step, O(n·D), as Anderson
+            row = torch.bmm(gx.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n).double()
+            H[:, slot, :n] = row
+            H[:, :n, slot] = row
         feat = net.compress(gx)
         if C is None:
             C = feat.new_empty(b, cap, feat.shape[-1])
         C[:, slot] = feat
         order = torch.tensor([(k - n + 1 + i) % cap for i in range(n)], device=x.device)
-        alpha_c, beta, ok = _weights(net, C.index_select(1, order), x.dtype)
+        Hc = None if H is None else H[:, order][:, :, order]
+        alpha_c, beta, ok = _weights(net, C.index_select(1, order), x.dtype, Hc)
         if not bool(ok.all()):  # fall back per sample: plain fixed-point step from the newest iterate
             newest = torch.zeros_like(alpha_c)
             newest[:, -1] = 1.0
@@ -182,8 +240,16 @@ class UnrollStep:
     G: torch.Tensor
 
 
-def unroll(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, net: HyperNet, steps: int, *,
-           m: int = 5, form: str = "anderson") -> tuple[list[UnrollStep], torch.Tensor]:
+def unroll(
+    g: Callable[[torch.Tensor], torch.Tensor],
+    x0: torch.Tensor,
+    net: HyperNet,
+    steps: int,
+    *,
+    m: int = 5,
+    form: str = "anderson",
+    base: str = "none",
+) -> tuple[list[UnrollStep], torch.Tensor]:
     """`steps` HyperAnderson steps with autograd (for training the network by backpropagation through the
     unrolled solve): the same update as the solver, on plain lists. Returns the per-step records and the
     final iterate x_steps (x_0 = x0; f is evaluated at x_0 .. x_{steps-1}).
@@ -203,9 +269,13 @@ def unroll(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, net: Hyp
     x = x0
     for _ in range(steps):
         gx = g(x) - x
-        xs, gs, cs = (xs + [x])[-(m + 1):], (gs + [gx])[-(m + 1):], (cs + [net.compress(gx)])[-(m + 1):]
+        xs, gs, cs = (xs + [x])[-(m + 1) :], (gs + [gx])[-(m + 1) :], (cs + [net.compress(gx)])[-(m + 1) :]
         X, G = torch.stack(xs, 1), torch.stack(gs, 1)
-        alpha, beta, _ = _weights(net, torch.stack(cs, 1), x.dtype)
+        H = torch.bmm(G, G.transpose(1, 2)) if base == "anderson" else None
+        alpha, beta, ok = _weights(net, torch.stack(cs, 1), x.dtype, H)
+        if base == "anderson" and not bool(ok.all()):  # a failed system: the network's weights alone
+            alpha2, beta2, _ = _weights(net, torch.stack(cs, 1), x.dtype)
+            alpha, beta = torch.where(ok[:, None], alpha, alpha2), torch.where(ok, beta, beta2)
         records.append(UnrollStep(x=x, g=gx, alpha=alpha, beta=beta, G=G))
         x = hyper_update(X, G, alpha, beta, form)
     return records, x

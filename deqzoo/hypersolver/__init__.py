@@ -10,14 +10,39 @@ Example:
     >>> model.remove_hypersolver()  # doctest: +SKIP
 """
 
-from .attach import FAMILIES, HyperDEQ, attached_hypersolver, record_problems, remove_hypersolver, set_hypersolver
+from .attach import (
+    FAMILIES,
+    HyperDEQ,
+    attached_hypersolver,
+    record_problems,
+    remove_hypersolver,
+    set_hypersolver,
+)
 from .configuration import HyperSolverConfig, HyperSolverConfigError
-from .io import (HyperSolverError, check_compatible, load_hypersolver, model_fingerprint, resolve_hypersolver,
-                 save_hypersolver)
+from .io import (
+    HyperSolverError,
+    check_compatible,
+    load_hypersolver,
+    model_fingerprint,
+    resolve_hypersolver,
+    save_hypersolver,
+)
 from .modeling import HyperSolver
 
 __all__ = [
-    "FAMILIES", "HyperDEQ", "HyperSolver", "HyperSolverConfig", "HyperSolverConfigError", "HyperSolverError",
-    "attached_hypersolver", "check_compatible", "load_hypersolver", "model_fingerprint", "record_problems",
-    "remove_hypersolver", "resolve_hypersolver", "save_hypersolver", "set_hypersolver",
+    "FAMILIES",
+    "HyperDEQ",
+    "HyperSolver",
+    "HyperSolverConfig",
+    "HyperSolverConfigError",
+    "HyperSolverError",
+    "attached_hypersolver",
+    "check_compatible",
+    "load_hypersolver",
+    "model_fingerprint",
+    "record_problems",
+    "remove_hypersolver",
+    "resolve_hypersolver",
+    "save_hypersolver",
+    "set_hypersolver",
 ]

@@ -1,10 +1,10 @@
-"""Attaching a hypersolver to a zoo model: every DEQ layer of the model solves with HyperAnderson, starting from
-h_φ(input injection).
+"""Attaching a hypersolver to a zoo model: every DEQ layer of the model solves with HyperAnderson, starting
+from h_φ(input injection).
 
-The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so every
-backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a forward
-hook on the family's injection module (`FAMILIES`). The hypersolver is held outside the model's module tree, so
-the model's state dict, saving and parameter count do not change.
+The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so
+every backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a
+forward hook on the family's injection module (`FAMILIES`). The hypersolver is held outside the model's module
+tree, so the model's state dict, saving and parameter count do not change.
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ from ..core import DEQ
 from ..core.state import StatePacker
 from .modeling import HyperSolver
 
-__all__ = ["FAMILIES", "HyperDEQ", "deq_layers", "family_of", "record_problems", "remove_hypersolver",
-           "set_hypersolver"]
+__all__ = [
+    "FAMILIES",
+    "HyperDEQ",
+    "deq_layers",
+    "family_of",
+    "record_problems",
+    "remove_hypersolver",
+    "set_hypersolver",
+]
 
 
 def _mdeq_injection(owner: nn.Module) -> nn.Module:
@@ -80,15 +87,21 @@ class HyperDEQ(DEQ):
         shapes = [tuple(t.shape) for t in tensors]
         hs.check_shapes(shapes)
         # h_φ replaces the model's zero initial state; a caller's own z0 (e.g. fixed-point reuse) is kept
-        if (injection is not None and hs.has_initializer and injection.shape[0] == shapes[0][0]
-                and not any(bool(t.any()) for t in tensors)):
+        if (
+            injection is not None
+            and hs.has_initializer
+            and injection.shape[0] == shapes[0][0]
+            and not any(bool(t.any()) for t in tensors)
+        ):
             with torch.no_grad():
                 init = hs.initial_state(injection.detach(), shapes)
             z0 = init[0] if isinstance(z0, torch.Tensor) else type(z0)(init)
         base = self.config
         c = hs.config
-        self.config = base.update(f_solver="hyperanderson",
-                                  f_solver_kwargs={"net": hs.bind(shapes), "m": c.m, "form": c.form})
+        self.config = base.update(
+            f_solver="hyperanderson",
+            f_solver_kwargs={"net": hs.bind(shapes), "m": c.m, "form": c.form, "base": c.alpha_base},
+        )
         try:
             return super().forward(f, z0)
         finally:
@@ -107,14 +120,18 @@ def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool =
     from .io import check_compatible
 
     if not isinstance(hypersolver, HyperSolver):
-        raise TypeError(f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
-                        f"got {type(hypersolver).__name__}")
+        raise TypeError(
+            f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
+            f"got {type(hypersolver).__name__}"
+        )
     if check:
         check_compatible(model, hypersolver)
     kind, injection_of = family_of(model)
     if kind != hypersolver.config.state_kind:
-        raise ValueError(f"hypersolver {hypersolver.config.model_id or '?'} serves {hypersolver.config.state_kind!r}"
-                         f" states; model {type(model).__name__} has {kind!r} states")
+        raise ValueError(
+            f"hypersolver {hypersolver.config.model_id or '?'} serves {hypersolver.config.state_kind!r}"
+            f" states; model {type(model).__name__} has {kind!r} states"
+        )
     layers = deq_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
@@ -153,6 +170,12 @@ class Problem:
     stats: object | None = None
 
 
+def initial_flat(hs: HyperSolver, p: Problem) -> torch.Tensor:
+    """h_φ(injection) for a recorded problem, flat (B, D) like its x0."""
+    init = hs.initial_state(p.injection, p.packer.shapes)
+    return p.packer.flatten(init[0] if p.packer.is_tensor else init)
+
+
 class _Recorder(DEQ):
     def __init__(self, config, sink: list, injection_module: nn.Module | None, solve: Callable | None):
         super().__init__(config)
@@ -166,9 +189,12 @@ class _Recorder(DEQ):
 
     def forward(self, f, z0):
         packer = StatePacker(z0)
-        p = Problem(g=packer.wrap(f), packer=packer,
-                    injection=None if self._injection is None else self._injection.detach(),
-                    x0=packer.flatten(z0).detach())
+        p = Problem(
+            g=packer.wrap(f),
+            packer=packer,
+            injection=None if self._injection is None else self._injection.detach(),
+            x0=packer.flatten(z0).detach(),
+        )
         self._injection = None
         solve = self.__dict__["solve_fn"]
         if solve is not None:

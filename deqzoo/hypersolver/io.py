@@ -1,4 +1,4 @@
-"""A hypersolver as a hub artifact: ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked on load.
+"""A hypersolver as a hub artifact: ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked.
 
 Checks, each a clear error: the config is a hypersolver config (validated before anything is built); the
 weights file's sha256 matches the one recorded in the config (a corrupted or swapped file names the file and
@@ -19,8 +19,14 @@ from torch import nn
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .modeling import HyperSolver
 
-__all__ = ["HyperSolverError", "check_compatible", "load_hypersolver", "model_fingerprint", "resolve_hypersolver",
-           "save_hypersolver"]
+__all__ = [
+    "HyperSolverError",
+    "check_compatible",
+    "load_hypersolver",
+    "model_fingerprint",
+    "resolve_hypersolver",
+    "save_hypersolver",
+]
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 EMBEDDED_PREFIX = "deqzoo/"
@@ -51,8 +57,11 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def _model_name(model: nn.Module) -> str:
-    return (getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
-            or type(model).__name__)
+    return (
+        getattr(model, "name_or_path", "")
+        or getattr(getattr(model, "config", None), "_name_or_path", "")
+        or type(model).__name__
+    )
 
 
 def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
@@ -61,10 +70,12 @@ def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
     have = model_fingerprint(model)
     if want != have:
         raise HyperSolverError(
-            f"hypersolver trained for {hypersolver.config.model_id or '?'} (fingerprint {want[:16] or 'none'}...) "
-            f"does not fit model {_model_name(model)} (fingerprint {have[:16]}...): it was trained against other "
-            "weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
-            "set_hypersolver at your own risk")
+            f"hypersolver trained for {hypersolver.config.model_id or '?'} "
+            f"(fingerprint {want[:16] or 'none'}...) "
+            f"does not fit model {_model_name(model)} (fingerprint {have[:16]}...): it was trained against "
+            "other weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
+            "set_hypersolver at your own risk"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -101,13 +112,15 @@ def resolve_hypersolver(name_or_path: str | os.PathLike) -> Path:
     if name.startswith(EMBEDDED_PREFIX) and name.count("/") == 1:
         from ..hub.catalog import CARDS_DIR
 
-        short = name[len(EMBEDDED_PREFIX):]
+        short = name[len(EMBEDDED_PREFIX) :]
         folder = CARDS_DIR / short
         if short.startswith("hyperdeq-") and (folder / CONFIG_NAME).is_file():
             return folder
     known = sorted(f"{EMBEDDED_PREFIX}{p.name}" for p in _cards_dir().glob("hyperdeq-*") if p.is_dir())
-    raise HyperSolverError(f"hypersolver {name!r} is neither a directory nor an embedded hypersolver; embedded: "
-                           f"{known or 'none'}")
+    raise HyperSolverError(
+        f"hypersolver {name!r} is neither a directory nor an embedded hypersolver; embedded: "
+        f"{known or 'none'}"
+    )
 
 
 def _cards_dir() -> Path:
@@ -129,10 +142,14 @@ def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
     cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     for p in (cfg_path, w_path):
         if not p.is_file():
-            raise HyperSolverError(f"{p}: missing; a hypersolver directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+            raise HyperSolverError(
+                f"{p}: missing; a hypersolver directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
+            )
     if cfg_path.stat().st_size > MAX_CONFIG_BYTES or w_path.stat().st_size > MAX_WEIGHTS_BYTES:
-        raise HyperSolverError(f"{folder}: config.json or model.safetensors is larger than a hypersolver can be "
-                               f"({MAX_CONFIG_BYTES} / {MAX_WEIGHTS_BYTES} bytes)")
+        raise HyperSolverError(
+            f"{folder}: config.json or model.safetensors is larger than a hypersolver can be "
+            f"({MAX_CONFIG_BYTES} / {MAX_WEIGHTS_BYTES} bytes)"
+        )
     try:
         data = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -144,8 +161,10 @@ def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
     want = config.training.get("weights_sha256")
     have = _sha256(w_path)
     if want is not None and want != have:
-        raise HyperSolverError(f"{w_path}: sha256 {have} does not match the {want} recorded in {cfg_path} "
-                               f"(hypersolver for {config.model_id or '?'}): the file is corrupted or replaced")
+        raise HyperSolverError(
+            f"{w_path}: sha256 {have} does not match the {want} recorded in {cfg_path} "
+            f"(hypersolver for {config.model_id or '?'}): the file is corrupted or replaced"
+        )
     try:
         state = load_file(str(w_path))
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
@@ -156,9 +175,14 @@ def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
     if expected != got:
         missing = sorted(set(expected) - set(got))
         unexpected = sorted(set(got) - set(expected))
-        shapes = [f"{k}: file {got[k]} vs config {expected[k]}" for k in sorted(set(got) & set(expected))
-                  if got[k] != expected[k]]
-        raise HyperSolverError(f"{w_path}: tensors do not match {cfg_path}: missing {missing}, unexpected "
-                               f"{unexpected}, mis-shaped {shapes}")
+        shapes = [
+            f"{k}: file {got[k]} vs config {expected[k]}"
+            for k in sorted(set(got) & set(expected))
+            if got[k] != expected[k]
+        ]
+        raise HyperSolverError(
+            f"{w_path}: tensors do not match {cfg_path}: missing {missing}, unexpected "
+            f"{unexpected}, mis-shaped {shapes}"
+        )
     model.load_state_dict(state)
     return model.eval()

@@ -68,7 +68,7 @@ class HyperSolver(nn.Module):
             self.mix2.bias.zero_()
         if self.init_proj is not None:  # start near the zero initial state the model uses
             with torch.no_grad():
-                for p in (self.init_proj if isinstance(self.init_proj, nn.ModuleList) else [self.init_proj]):
+                for p in self.init_proj if isinstance(self.init_proj, nn.ModuleList) else [self.init_proj]:
                     p.weight.mul_(0.1)
                     p.bias.zero_()
 
@@ -93,7 +93,8 @@ class HyperSolver(nn.Module):
         shapes = [tuple(s) for s in shapes]
         if c.state_kind == "multires":
             ok = len(shapes) == len(c.state_channels) and all(
-                len(s) == 4 and s[1] == ch for s, ch in zip(shapes, c.state_channels))
+                len(s) == 4 and s[1] == ch for s, ch in zip(shapes, c.state_channels)
+            )
             want = f"{len(c.state_channels)} maps (B, C, H, W) with C = {c.state_channels}"
         elif c.state_kind == "sequence":
             ok = len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][2] == c.state_channels[0]
@@ -102,8 +103,10 @@ class HyperSolver(nn.Module):
             ok = True
             want = "any state"
         if not ok:
-            raise ValueError(f"hypersolver for state kind {c.state_kind!r} (model {c.model_id or '?'}) needs "
-                             f"{want}; this model's state has shapes {shapes}")
+            raise ValueError(
+                f"hypersolver for state kind {c.state_kind!r} (model {c.model_id or '?'}) needs "
+                f"{want}; this model's state has shapes {shapes}"
+            )
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         p = self.mix1.weight
@@ -117,8 +120,10 @@ class HyperSolver(nn.Module):
         self.check_shapes(shapes)
         x = self._own(injection)
         if x.shape[-1 if c.state_kind == "sequence" else 1] != c.injection_channels:
-            raise ValueError(f"hypersolver initializer expects an injection with {c.injection_channels} "
-                             f"channels, got shape {tuple(injection.shape)}")
+            raise ValueError(
+                f"hypersolver initializer expects an injection with {c.injection_channels} "
+                f"channels, got shape {tuple(injection.shape)}"
+            )
         if c.state_kind == "multires":
             h = F.relu(self.init_conv(x))
             out = [proj(F.adaptive_avg_pool2d(h, s[-2:])) for proj, s in zip(self.init_proj, shapes)]
@@ -135,7 +140,7 @@ class HyperSolver(nn.Module):
             parts, start = [], 0
             for s in shapes:
                 n = int(torch.Size(s[1:]).numel())
-                part = g[:, start:start + n].reshape(g.shape[0], *s[1:])
+                part = g[:, start : start + n].reshape(g.shape[0], *s[1:])
                 parts.append(F.adaptive_avg_pool2d(part, c.pool).flatten(1))
                 start += n
             return torch.cat(parts, 1)
@@ -150,12 +155,18 @@ class HyperSolver(nn.Module):
         window = self.config.m + 1
         norms = torch.linalg.vector_norm(C, dim=2)  # (B, n)
         newest = norms[:, -1:].clamp_min(_EPS)
-        feats = torch.cat((C / newest[:, :, None], torch.log((norms + _EPS) / newest)[:, :, None],
-                           torch.ones_like(norms)[:, :, None]), 2)
+        feats = torch.cat(
+            (
+                C / newest[:, :, None],
+                torch.log((norms + _EPS) / newest)[:, :, None],
+                torch.ones_like(norms)[:, :, None],
+            ),
+            2,
+        )
         if n < window:  # pad the older end: absent entries are zeros with presence 0
             feats = torch.cat((feats.new_zeros(b, window - n, feats.shape[2]), feats), 1)
         out = self.mix2(F.relu(self.mix1(feats.transpose(1, 2))))  # (B, 2, window)
-        alpha_hat = out[:, 0, window - n:]
+        alpha_hat = out[:, 0, window - n :]
         beta = 2.0 * torch.sigmoid(out[:, 1, -1])
         return alpha_hat, beta
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..core.hyper import unroll
 from ..core.solvers import get_solver
-from .attach import Problem, family_of, record_problems
+from .attach import Problem, family_of, initial_flat, record_problems
 from .configuration import HyperSolverConfig
 from .io import model_fingerprint
 from .modeling import HyperSolver
@@ -42,8 +42,14 @@ def _gt_solver(gt_iter: int, gt_tol: float) -> Callable[[Problem], tuple]:
 
 
 @torch.no_grad()
-def collect_problems(model: nn.Module, batches: Iterable[Callable[[], object]], *, gt_iter: int = 60,
-                     gt_tol: float = 1e-5, progress: bool = True) -> list[Problem]:
+def collect_problems(
+    model: nn.Module,
+    batches: Iterable[Callable[[], object]],
+    *,
+    gt_iter: int = 60,
+    gt_tol: float = 1e-5,
+    progress: bool = True,
+) -> list[Problem]:
     """Run the model on each batch (each item is a callable running one forward) with every DEQ solve
     answered by a long Anderson solve; returns the recorded problems with their ground truth."""
     from tqdm.auto import tqdm
@@ -55,8 +61,9 @@ def collect_problems(model: nn.Module, batches: Iterable[Callable[[], object]], 
     return problems
 
 
-def model_batches(model: nn.Module, task: str, split: str, *, batch_size: int, n_batches: int,
-                  seed: int = 0) -> list[Callable[[], object]]:
+def model_batches(
+    model: nn.Module, task: str, split: str, *, batch_size: int, n_batches: int, seed: int = 0
+) -> list[Callable[[], object]]:
     """Forward calls over a task's own inputs: ``mnist`` image batches (split "train"/"test"), ``pydoc_lm``
     token chunks of the model's tgt_len with the memory carried over (split "train"/"held_out";
     `batch_size` parallel streams)."""
@@ -69,7 +76,7 @@ def model_batches(model: nn.Module, task: str, split: str, *, batch_size: int, n
         order = np.random.default_rng(seed).permutation(len(x)) if split == "train" else np.arange(len(x))
         out = []
         for i in range(n_batches):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+            idx = order[i * batch_size : (i + 1) * batch_size]
             if len(idx) == 0:
                 break
             pixels = mnist.to_pixel_values(x[idx], model)
@@ -86,7 +93,7 @@ def model_batches(model: nn.Module, task: str, split: str, *, batch_size: int, n
         state: dict = {"cache": None}
 
         def run(i):
-            out = model(streams[:, i * seg:(i + 1) * seg], past_key_values=state["cache"])
+            out = model(streams[:, i * seg : (i + 1) * seg], past_key_values=state["cache"])
             state["cache"] = out.past_key_values
             return out
 
@@ -99,11 +106,21 @@ def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverC
     kind, _ = family_of(model)
     cfg = model.config
     if kind == "multires":
-        base = dict(state_kind=kind, state_channels=list(cfg.branch_channels),
-                    injection_channels=int(cfg.branch_channels[0]), pool=1, mix_hidden=8)
+        base = dict(
+            state_kind=kind,
+            state_channels=list(cfg.branch_channels),
+            injection_channels=int(cfg.branch_channels[0]),
+            pool=1,
+            mix_hidden=8,
+        )
     elif kind == "sequence":
-        base = dict(state_kind=kind, state_channels=[int(cfg.d_model)],
-                    injection_channels=3 * int(cfg.n_head) * int(cfg.d_head), init_hidden=6, mix_hidden=8)
+        base = dict(
+            state_kind=kind,
+            state_channels=[int(cfg.d_model)],
+            injection_channels=3 * int(cfg.n_head) * int(cfg.d_head),
+            init_hidden=6,
+            mix_hidden=8,
+        )
     else:
         raise ValueError(f"no default hypersolver for model type {getattr(cfg, 'model_type', '?')!r}")
     base.update(model_id=model_id, model_fingerprint=model_fingerprint(model))
@@ -119,14 +136,24 @@ class TrainResult:
 
 
 def _rel_err(x: torch.Tensor, x_star: torch.Tensor) -> torch.Tensor:
-    return (torch.linalg.vector_norm(x - x_star, dim=1) / torch.linalg.vector_norm(x_star, dim=1).clamp_min(1e-12)
-            ).mean()
+    return (
+        torch.linalg.vector_norm(x - x_star, dim=1) / torch.linalg.vector_norm(x_star, dim=1).clamp_min(1e-12)
+    ).mean()
 
 
-def train_hypersolver(problems: list[Problem], config: HyperSolverConfig, *, steps: int = 200, lr: float = 3e-3,
-                      seed: int = 0, init_weight: float = 0.5, alpha_weight: float = 1.0,
-                      max_seconds: float | None = None, progress: bool = True,
-                      hypersolver: HyperSolver | None = None) -> TrainResult:
+def train_hypersolver(
+    problems: list[Problem],
+    config: HyperSolverConfig,
+    *,
+    steps: int = 200,
+    lr: float = 3e-3,
+    seed: int = 0,
+    init_weight: float = 0.5,
+    alpha_weight: float = 1.0,
+    max_seconds: float | None = None,
+    progress: bool = True,
+    hypersolver: HyperSolver | None = None,
+) -> TrainResult:
     """Train a hypersolver on recorded problems (each with its ground truth x_star); see the module docstring.
     Stops after `steps` optimizer steps or `max_seconds` (whichever first)."""
     from tqdm.auto import tqdm
@@ -137,7 +164,9 @@ def train_hypersolver(problems: list[Problem], config: HyperSolverConfig, *, ste
     hs = hypersolver if hypersolver is not None else HyperSolver(config)
     hs.train()
     opt = torch.optim.Adam(hs.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
+    )
     K, c = config.unroll_steps, config
     weights = torch.arange(1, K + 1, dtype=torch.float32)
     weights = weights / weights.sum()
@@ -150,15 +179,23 @@ def train_hypersolver(problems: list[Problem], config: HyperSolverConfig, *, ste
         shapes = p.packer.shapes
         x_star = p.x_star
         if hs.has_initializer and p.injection is not None:
-            x0 = p.packer.flatten(hs.initial_state(p.injection, shapes))
+            x0 = initial_flat(hs, p)
         else:
             x0 = p.x0
-        records, x_last = unroll(p.g, x0, hs.bind(shapes), K, m=c.m, form=c.form)
+        records, x_last = unroll(p.g, x0, hs.bind(shapes), K, m=c.m, form=c.form, base=c.alpha_base)
         iterates = [r.x for r in records[1:]] + [x_last]  # x_1 .. x_K
         l_conv = sum(w * _rel_err(x, x_star) for w, x in zip(weights, iterates))
         l_init = _rel_err(x0, x_star)
-        l_alpha = sum((torch.linalg.vector_norm(torch.bmm(r.alpha.unsqueeze(1), r.G).squeeze(1), dim=1)
-                       / torch.linalg.vector_norm(r.g, dim=1).clamp_min(1e-12)).mean() for r in records) / K
+        l_alpha = (
+            sum(
+                (
+                    torch.linalg.vector_norm(torch.bmm(r.alpha.unsqueeze(1), r.G).squeeze(1), dim=1)
+                    / torch.linalg.vector_norm(r.g, dim=1).clamp_min(1e-12)
+                ).mean()
+                for r in records
+            )
+            / K
+        )
         a_w = alpha_weight * max(0.0, 1.0 - step / (0.5 * steps))
         loss = l_conv + init_weight * l_init + a_w * l_alpha
         opt.zero_grad(set_to_none=True)
@@ -166,11 +203,19 @@ def train_hypersolver(problems: list[Problem], config: HyperSolverConfig, *, ste
         torch.nn.utils.clip_grad_norm_(hs.parameters(), 1.0)
         opt.step()
         sched.step()
-        entry = {"step": step, "loss": loss.item(), "conv": float(l_conv.detach()), "init": float(l_init.detach()),
-                 "alpha": float(l_alpha.detach()), "final_rel_err": float(_rel_err(x_last.detach(), x_star)),
-                 "seconds": round(time.perf_counter() - start, 2)}
+        entry = {
+            "step": step,
+            "loss": loss.item(),
+            "conv": float(l_conv.detach()),
+            "init": float(l_init.detach()),
+            "alpha": float(l_alpha.detach()),
+            "final_rel_err": float(_rel_err(x_last.detach(), x_star)),
+            "seconds": round(time.perf_counter() - start, 2),
+        }
         log.append(entry)
-        bar.set_postfix(conv=f"{entry['conv']:.3f}", init=f"{entry['init']:.3f}", last=f"{entry['final_rel_err']:.3f}")
+        bar.set_postfix(
+            conv=f"{entry['conv']:.3f}", init=f"{entry['init']:.3f}", last=f"{entry['final_rel_err']:.3f}"
+        )
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     hs.eval()
@@ -190,6 +235,12 @@ def add_arguments(p) -> None:
     p.add_argument("--unroll", type=int, default=6, help="K, the unrolled HyperAnderson steps")
     p.add_argument("--memory", type=int, default=5, help="m (the window holds m + 1 iterates)")
     p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
+    p.add_argument(
+        "--alpha-base",
+        choices=["none", "anderson"],
+        default="none",
+        help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
     p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
     p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")
@@ -223,25 +274,44 @@ def run_cli(args) -> int:
     if bs is None:
         raise ValueError(f"{args.model}: no hypersolver training inputs for task {task!r}")
     split = "train"
-    problems = collect_problems(model, model_batches(model, task, split, batch_size=bs, n_batches=nb,
-                                                     seed=args.seed),
-                                gt_iter=args.gt_iter, gt_tol=args.gt_tol, progress=not args.no_progress)
+    problems = collect_problems(
+        model,
+        model_batches(model, task, split, batch_size=bs, n_batches=nb, seed=args.seed),
+        gt_iter=args.gt_iter,
+        gt_tol=args.gt_tol,
+        progress=not args.no_progress,
+    )
     gt_seconds = time.perf_counter() - t0
-    config = default_config(model, args.model, m=args.memory, unroll_steps=args.unroll, form=args.form)
-    result = train_hypersolver(problems, config, steps=args.steps, lr=args.lr, seed=args.seed,
-                               max_seconds=None if args.max_seconds is None else args.max_seconds - gt_seconds,
-                               progress=not args.no_progress)
+    config = default_config(
+        model, args.model, m=args.memory, unroll_steps=args.unroll, form=args.form, alpha_base=args.alpha_base
+    )
+    result = train_hypersolver(
+        problems,
+        config,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        max_seconds=None if args.max_seconds is None else args.max_seconds - gt_seconds,
+        progress=not args.no_progress,
+    )
     total = time.perf_counter() - t0
     hs = result.hypersolver
     hs.config.training = {
-        "command": "deqzoo train-hypersolver " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-hypersolver"]
-                                                            else [args.model, "--out", args.out]),
+        "command": "deqzoo train-hypersolver "
+        + " ".join(
+            sys.argv[2:] if sys.argv[1:2] == ["train-hypersolver"] else [args.model, "--out", args.out]
+        ),
         "data": f"task {task}, split {split}: {len(problems)} problems x {bs} inputs, no labels",
         "ground_truth": f"anderson, {args.gt_iter} iterations, rel tol {args.gt_tol}",
         "ground_truth_max_rel_residual": max(float(p.stats.rel_residual.max()) for p in problems),
-        "steps": len(result.log), "lr": args.lr, "seed": args.seed, "threads": args.threads,
-        "seconds_ground_truth": round(gt_seconds, 1), "seconds_total": round(total, 1),
-        "final_loss": result.log[-1]["loss"], "final_rel_err_at_K": result.log[-1]["final_rel_err"],
+        "steps": len(result.log),
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "seconds_ground_truth": round(gt_seconds, 1),
+        "seconds_total": round(total, 1),
+        "final_loss": result.log[-1]["loss"],
+        "final_rel_err_at_K": result.log[-1]["final_rel_err"],
         "parameters": hs.num_parameters(),
     }
     out = save_hypersolver(hs, args.out)

@@ -33,8 +33,9 @@ class LeastSquaresNet:
         H = C @ C.transpose(1, 2)
         n = H.shape[1]
         reg = LAM * H.diagonal(dim1=1, dim2=2).amax(1)
-        a = torch.linalg.solve(H + reg[:, None, None] * torch.eye(n, dtype=H.dtype), torch.ones(H.shape[0], n, 1,
-                                                                                                dtype=H.dtype))
+        a = torch.linalg.solve(
+            H + reg[:, None, None] * torch.eye(n, dtype=H.dtype), torch.ones(H.shape[0], n, 1, dtype=H.dtype)
+        )
         a = a[:, :, 0]
         return a / a.sum(1, keepdim=True), torch.ones(H.shape[0], dtype=H.dtype)
 
@@ -52,15 +53,20 @@ def test_normalization_sums_to_one(dtype):
 def test_update_forms_against_closed_form():
     torch.manual_seed(0)
     X, G = torch.randn(2, 4, 5, dtype=torch.float64), torch.randn(2, 4, 5, dtype=torch.float64)
-    alpha, beta = normalize_alpha(torch.randn(2, 4, dtype=torch.float64)), torch.tensor([0.7, 1.3],
-                                                                                         dtype=torch.float64)
+    alpha, beta = (
+        normalize_alpha(torch.randn(2, 4, dtype=torch.float64)),
+        torch.tensor([0.7, 1.3], dtype=torch.float64),
+    )
     want_a = sum(alpha[:, i, None] * (X[:, i] + beta[:, None] * G[:, i]) for i in range(4))
     want_s = beta[:, None] * G.sum(1) + sum(alpha[:, i, None] * X[:, i] for i in range(4))
     assert torch.allclose(hyper_update(X, G, alpha, beta, "anderson"), want_a, atol=1e-12)
     assert torch.allclose(hyper_update(X, G, alpha, beta, "simplified"), want_s, atol=1e-12)
     one = torch.ones(2, 1, dtype=torch.float64)  # a window of one: both forms are a damped step x + βg
-    assert torch.allclose(hyper_update(X[:, :1], G[:, :1], one, beta, "anderson"),
-                          hyper_update(X[:, :1], G[:, :1], one, beta, "simplified"), atol=1e-12)
+    assert torch.allclose(
+        hyper_update(X[:, :1], G[:, :1], one, beta, "anderson"),
+        hyper_update(X[:, :1], G[:, :1], one, beta, "simplified"),
+        atol=1e-12,
+    )
     with pytest.raises(ValueError, match="form"):
         hyper_update(X, G, alpha, beta, "other")
 
@@ -78,8 +84,9 @@ def test_least_squares_alpha_reproduces_anderson(dtype):
         np.testing.assert_allclose(sh.trace.numpy(), sa.trace.numpy(), rtol=rtol, atol=atol)
         torch.testing.assert_close(zh, za, rtol=rtol, atol=max(atol, 1e-5 if dtype == torch.float32 else 0))
     # and it converges like Anderson on the hard problem, while a fixed-point-like net is far slower
-    _, s_ls = hyperanderson(f, x0, max_iter=40, tol=1e-6 if dtype == torch.float32 else 1e-10, m=5,
-                            net=LeastSquaresNet())
+    _, s_ls = hyperanderson(
+        f, x0, max_iter=40, tol=1e-6 if dtype == torch.float32 else 1e-10, m=5, net=LeastSquaresNet()
+    )
     assert s_ls.all_converged
 
 
@@ -93,8 +100,15 @@ def test_per_sample_stopping_and_stats():
     b = torch.randn(2, d, generator=g, dtype=torch.float64)
     f = lambda z: torch.einsum("bij,bj->bi", rates * A, z) + b  # noqa: E731
     net = HyperSolver(HyperSolverConfig(state_kind="vector", pool=4)).double()
-    z, stats = solve(f, torch.zeros(2, d, dtype=torch.float64), solver="hyperanderson", max_iter=200,
-                     tol=1e-8, net=net.bind([(2, d)]), m=3)
+    z, stats = solve(
+        f,
+        torch.zeros(2, d, dtype=torch.float64),
+        solver="hyperanderson",
+        max_iter=200,
+        tol=1e-8,
+        net=net.bind([(2, d)]),
+        m=3,
+    )
     assert stats.solver == "hyperanderson" and stats.converged.tolist() == [True, True]
     assert stats.abs_residual.shape == (2,) and stats.nfe == len(stats.trace) and stats.nfe > 5
     assert float(stats.rel_residual.max()) < 1e-8
@@ -102,8 +116,15 @@ def test_per_sample_stopping_and_stats():
     assert torch.allclose(z, exact, atol=1e-6)
     # the easy sample alone, with the same network: same answer (frozen once converged)
     f0 = lambda z: z @ (rates[0] * A).T + b[:1]  # noqa: E731
-    z0, s0 = solve(f0, torch.zeros(1, d, dtype=torch.float64), solver="hyperanderson", max_iter=200, tol=1e-8,
-                   net=net.bind([(1, d)]), m=3)
+    z0, s0 = solve(
+        f0,
+        torch.zeros(1, d, dtype=torch.float64),
+        solver="hyperanderson",
+        max_iter=200,
+        tol=1e-8,
+        net=net.bind([(1, d)]),
+        m=3,
+    )
     assert s0.nfe < stats.nfe
     torch.testing.assert_close(z0[0], z[0], rtol=0, atol=1e-12)
     assert stats.extra["beta"].shape == (stats.nfe - 1,)
@@ -150,8 +171,14 @@ def test_unroll_is_the_solver_step():
     # the solver's best iterate after 7 evaluations on a monotone problem is its 7th iterate x_6, which the
     # unroll returns after 6 steps; compare residual traces instead (no best-iterate selection involved)
     _, stats = hyperanderson(f, x0, max_iter=6, tol=1e-14, m=2, net=bound)
-    unrolled = [float(torch.linalg.vector_norm(r.g.detach(), dim=1).div(torch.linalg.vector_norm((r.g + r.x).detach(), dim=1) + 1e-12
-                                                                ).max()) for r in records]
+    unrolled = [
+        float(
+            torch.linalg.vector_norm(r.g.detach(), dim=1)
+            .div(torch.linalg.vector_norm((r.g + r.x).detach(), dim=1) + 1e-12)
+            .max()
+        )
+        for r in records
+    ]
     np.testing.assert_allclose(stats.trace.numpy(), unrolled, rtol=1e-9)
     loss = x_k.square().sum()
     loss.backward()
@@ -165,14 +192,26 @@ def test_ift_gradients_match_anderson_float64():
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(d, d).double()
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(d, d, generator=g, dtype=torch.float64) * 0.6 / d ** 0.5)
+        lin.weight.copy_(torch.randn(d, d, generator=g, dtype=torch.float64) * 0.6 / d**0.5)
     x = torch.randn(b, d, generator=g, dtype=torch.float64, requires_grad=True)
     net = HyperSolver(HyperSolverConfig(state_kind="vector", pool=5)).double()
     grads = {}
-    for name, solver, kwargs in (("anderson", "anderson", {}),
-                                 ("hyper", "hyperanderson", {"net": net.bind([(b, d)]), "m": 4})):
-        deq = DEQ(DEQConfig(f_solver=solver, f_solver_kwargs=kwargs, f_max_iter=200, f_tol=1e-11,
-                            b_mode="ift", b_solver="anderson", b_max_iter=200, b_tol=1e-11))
+    for name, solver, kwargs in (
+        ("anderson", "anderson", {}),
+        ("hyper", "hyperanderson", {"net": net.bind([(b, d)]), "m": 4}),
+    ):
+        deq = DEQ(
+            DEQConfig(
+                f_solver=solver,
+                f_solver_kwargs=kwargs,
+                f_max_iter=200,
+                f_tol=1e-11,
+                b_mode="ift",
+                b_solver="anderson",
+                b_max_iter=200,
+                b_tol=1e-11,
+            )
+        )
         lin.zero_grad()
         x.grad = None
         z, stats = deq(lambda z: torch.tanh(lin(z) + x), torch.zeros(b, d, dtype=torch.float64))
