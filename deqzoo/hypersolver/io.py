@@ -96,6 +96,9 @@ def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> 
     tmp = directory / f".{WEIGHTS_NAME}.tmp"
     save_file({k: v.detach().contiguous().cpu() for k, v in hypersolver.state_dict().items()}, str(tmp))
     hypersolver.config.training["weights_sha256"] = _sha256(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # a regular file's mode, not the private one of a temporary file
     os.replace(tmp, directory / WEIGHTS_NAME)
     tmp = directory / f".{CONFIG_NAME}.tmp"
     tmp.write_text(hypersolver.config.to_json())

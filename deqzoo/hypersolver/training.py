@@ -52,10 +52,13 @@ def collect_problems(
 ) -> list[Problem]:
     """Run the model on each batch (each item is a callable running one forward) with every DEQ solve
     answered by a long Anderson solve; returns the recorded problems with their ground truth."""
+    import warnings
+
     from tqdm.auto import tqdm
 
     model.eval()
-    with record_problems(model, solve=_gt_solver(gt_iter, gt_tol)) as problems:
+    with record_problems(model, solve=_gt_solver(gt_iter, gt_tol)) as problems, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the residual reached is recorded in the config
         for run in tqdm(list(batches), desc="ground truth", disable=not progress):
             run()
     return problems
