@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({100 * acc['parameter_share']:.2f}% of the model's "
         f"{result['model_parameters']:,}).",
         "",
-        "alpha_base `anderson` means the network predicts a correction to Anderson's own least-squares mixing "
-        "weights (and the step β) instead of the weights themselves (`none`, the paper's form); see "
+        "alpha_base `anderson` means the network predicts a correction to Anderson's own least-squares "
+        "mixing weights (and the step β) instead of the weights themselves (`none`, the paper's form); see "
         "`deqzoo.core.hyper`.",
         "",
         "## Use",
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Data: {t['data']} (the model's own training inputs). "
         f"Ground truth: {t['ground_truth']} "
         f"(largest relative residual {t['ground_truth_max_rel_residual']:.1e}). {t['steps']} Adam steps "
-        f"(lr {t['lr']}, cosine), seed {t['seed']}, {t['threads']} CPU thread. Losses: L_conv (relative error "
-        "of every unrolled iterate, weights increasing in k) + 0.5 L_init + L_α (decayed to 0 over the first "
+        f"(lr {t['lr']}, cosine), seed {t['seed']}, {t['threads']} CPU thread. "
+        "Losses: L_conv (relative error of every unrolled iterate, weights increasing in k) + 0.5 L_init + L_α (decayed to 0 over the first "
         "half).",
         "",
         f"Training took {t['seconds_total']:.1f} s including the ground-truth solves "
