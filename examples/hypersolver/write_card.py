@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Ground truth: {t['ground_truth']} "
         f"(largest relative residual {t['ground_truth_max_rel_residual']:.1e}). {t['steps']} Adam steps "
         f"(lr {t['lr']}, cosine), seed {t['seed']}, {t['threads']} CPU thread. "
-        "Losses: L_conv (relative error of every unrolled iterate, weights increasing in k) + 0.5 L_init + L_α (decayed to 0 over the first "
+        "Losses: L_conv (relative error of every unrolled iterate, weights increasing in k) + 0.5 L_init "
+        "+ L_α (decayed to 0 over the first "
         "half).",
         "",
         f"Training took {t['seconds_total']:.1f} s including the ground-truth solves "
