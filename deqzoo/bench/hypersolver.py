@@ -54,8 +54,11 @@ class _Timed:
         return fx
 
 
-def _solve(method: str, p, hs, budget: int, deq_cfg, keep: list[int]):
+def _solve(method: str, p, hs, budget: int, deq_cfg, keep: list[int], extra: dict | None = None):
     from deqzoo.core.solvers import get_solver
+
+    if method in (extra or {}):  # another hypersolver for the same model, e.g. the paper's form
+        hs, method = extra[method], "hyperanderson"
 
     timed = _Timed(p.g)
     if method in ("anderson+init", "hyperanderson"):
@@ -175,7 +178,8 @@ def _interp_log(xs, ys, target):
 
 
 def bench_model(
-    key: str, *, limit: int, budgets: list[int], hypersolver: str | None = None, progress: bool = True
+    key: str, *, limit: int, budgets: list[int], hypersolver: str | None = None, progress: bool = True,
+    also: dict[str, str] | None = None,
 ) -> dict:
     from tqdm.auto import tqdm
 
@@ -193,6 +197,10 @@ def bench_model(
     model.requires_grad_(False)
     hs = load_hypersolver(hs_id)
     check_compatible(model, hs)
+    extra = {f"hyperanderson[{label}]": load_hypersolver(path) for label, path in (also or {}).items()}
+    for other in extra.values():
+        check_compatible(model, other)
+    methods = METHODS + tuple(extra)
     task = read_model_card(resolve(model_id))[0].get("deqzoo_task")
     deq_cfg = model.config.deq_config
     ref = get_solver(deq_cfg.f_solver)
@@ -215,41 +223,44 @@ def bench_model(
             run()
     top = max(budgets)
     curves: dict = {}
+    rec = {m: {"res": [], "times": [], "walls": [], "nfes": [], "finals": [],
+               "kept": {k: [] for k in budgets}} for m in methods}
     with torch.no_grad():
-        for method in METHODS:
-            res_all, times_all, walls, nfes, kept = [], [], [], [], {k: [] for k in budgets}
-            finals = []
-            for p in tqdm(problems, desc=f"{key} {method}", disable=not progress):
-                x, stats, res, times, wall = _solve(method, p, hs, top, deq_cfg, budgets)
-                res_all.append(res)
-                times_all.append(times)
-                walls.append(wall)
-                nfes.append(stats.nfe)
-                finals.append((x, stats))
-                for k in budgets:
-                    if method != "anderson-default":
-                        kept[k].append(stats.extra["kept"][k] if k < stats.nfe else x)
+        for method in methods:  # warm-up (kernels compiled, caches and allocator primed), not recorded
+            _solve(method, problems[0], hs, min(top, 4), deq_cfg, [], extra)
+        # side by side: every method on a problem before the next problem, so load drift hits all alike
+        for p in tqdm(problems, desc=f"{key} solves", disable=not progress):
+            for method in methods:
+                x, stats, res, times, wall = _solve(method, p, hs, top, deq_cfg, budgets, extra)
+                r = rec[method]
+                r["res"].append(res)
+                r["times"].append(times)
+                r["walls"].append(wall)
+                r["nfes"].append(stats.nfe)
+                r["finals"].append((x, stats))
+                if method != "anderson-default":
+                    for k in budgets:
+                        r["kept"][k].append(stats.extra["kept"][k] if k < stats.nfe else x)
+        for method in methods:
+            r = rec[method]
+            finals = r["finals"]
             if method == "anderson-default":
                 rel = torch.cat([s.rel_residual.double() for _, s in finals])
                 outs = _forward_all(model, runs, [x for x, _ in finals])
                 curves[method] = {
-                    "mean_nfe": float(np.mean(nfes)),
+                    "mean_nfe": float(np.mean(r["nfes"])),
                     "mean_rel_residual": float(rel.mean()),
                     "median_rel_residual": float(rel.median()),
-                    "wall_s": float(np.sum(walls)),
+                    "wall_s": float(np.sum(r["walls"])),
                     "metric": _metric(task, outs, targets),
                     "converged": float(torch.cat([s.converged for _, s in finals]).double().mean()),
                 }
                 continue
             # best-so-far residual per sample after k evaluations = what a solve with budget k returns
-            best = [torch.cummin(r, 1).values for r in res_all]
-            mean_best = torch.cat(best).mean(0).tolist()
-            current = torch.cat(res_all).mean(0).tolist()  # residual of the iterate itself (no best-of)
-            wall_at = np.sum([t for t in times_all], 0).tolist()  # cumulative over problems, per NFE
-            metric = {}
-            for k in budgets:
-                outs = _forward_all(model, runs, kept[k])
-                metric[k] = _metric(task, outs, targets)
+            mean_best = torch.cat([torch.cummin(x, 1).values for x in r["res"]]).mean(0).tolist()
+            current = torch.cat(r["res"]).mean(0).tolist()  # residual of the iterate itself (no best-of)
+            wall_at = np.sum(r["times"], 0).tolist()  # summed over problems, per NFE
+            metric = {k: _metric(task, _forward_all(model, runs, r["kept"][k]), targets) for k in budgets}
             curves[method] = {
                 "nfe": list(range(1, top + 1)),
                 "mean_rel_residual": mean_best,
@@ -321,11 +332,11 @@ def _acceptance(out: dict) -> dict:
     if higher_better:
         worst = min((d["hyperanderson"] - d["anderson"] for d in diffs), default=None)
         acc["metric_worst_gap"] = worst
-        acc["metric_met"] = worst is not None and worst >= -0.001
+        acc["metric_met"] = worst is not None and worst >= -0.001 - 1e-9  # 0.1 points, as a fraction
     else:
         worst = max((d["hyperanderson"] / d["anderson"] - 1 for d in diffs), default=None)
         acc["metric_worst_gap"] = worst
-        acc["metric_met"] = worst is not None and worst <= 0.005
+        acc["metric_met"] = worst is not None and worst <= 0.005 + 1e-9
     K = out["unroll_steps_K"]
     cur = ha["mean_rel_residual_current"]
     if len(cur) >= 2 * K:
@@ -349,9 +360,9 @@ def _plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(results), 3, figsize=(15, 4.2 * len(results)), squeeze=False)
-    colors = {"anderson": "C0", "broyden": "C1", "anderson+init": "C2", "hyperanderson": "C3"}
     for row, r in zip(axes, results):
         c = r["curves"]
+        colors = {m: f"C{i}" for i, m in enumerate(k for k in c if k != "anderson-default")}
         ref = c["anderson-default"]
         for m, col in colors.items():
             row[0].semilogy(c[m]["nfe"], c[m]["mean_rel_residual"], color=col, label=m)
@@ -375,6 +386,8 @@ def _plot(results: list[dict], path: Path) -> None:
         row[0].set(title=f"{name}: residual vs NFE", xlabel="NFE", ylabel="mean relative residual")
         row[1].set(title=f"{name}: residual vs wall time", xlabel=f"wall s ({r['problems']} solves)")
         row[2].set(title=f"{name}: {r['metric_name']} vs wall time", xlabel="wall s", ylabel=r["metric_name"])
+        if r["metric_name"] == "perplexity":
+            row[2].set_yscale("log")
         row[0].legend(fontsize=7)
         row[2].legend(fontsize=7)
     fig.tight_layout()
@@ -389,7 +402,7 @@ def markdown_table(r: dict) -> str:
         "| method | " + " | ".join(f"NFE {k}" for k in c["anderson"]["budgets"]) + " |",
         "|---|" + "---|" * len(c["anderson"]["budgets"]),
     ]
-    for m in ("anderson", "broyden", "anderson+init", "hyperanderson"):
+    for m in [k for k in c if k != "anderson-default"]:
         cells = [
             f"{c[m]['mean_rel_residual'][k - 1]:.2e} / {mt:.4g} / {w:.2f}s"
             for k, mt, w in zip(c[m]["budgets"], c[m]["metric"], c[m]["wall_s_at_budget"])
@@ -454,12 +467,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="held-out inputs (mdeq: images, default 500) / chunks (pydoc: default 24)",
     )
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=PATH",
+                        help="another hypersolver for the (single) model, benchmarked as hyperanderson[LABEL]")
     parser.add_argument("--budgets", type=int, nargs="+", default=None)
     parser.add_argument("--out", default="bench_output/hypersolver.json")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from deqzoo.core import _kernels
+
+    _kernels.warm_up(block=True)  # no solve may run the torch path while the kernels compile
     override = dict(s.split("=", 1) for s in args.hypersolver)
     results = []
     for key in args.models:
@@ -475,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 limit=limit,
                 budgets=sorted(budgets),
                 hypersolver=override.get(key),
+                also=dict(a.split("=", 1) for a in args.also),
                 progress=not args.no_progress,
             )
         )
