@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from deqzoo.bench.hypersolver import markdown_table
+from deqzoo.bench.hypersolver import _acceptance, markdown_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder")
     p.add_argument("--bench", required=True)
     p.add_argument("--png", required=True)
-    p.add_argument("--extra", default="", help="markdown appended (e.g. the paper-form comparison)")
+    p.add_argument("--extra", default="", help="markdown appended (a file or text)")
+    p.add_argument("--bench-command", required=True, help="the command that wrote --bench")
+    p.add_argument("--also", default=None, help="the hypersolver benchmarked as hyperanderson[paper]")
     p.add_argument("--model-seconds", type=float, required=True, help="the model's training time (its card)")
     args = p.parse_args(argv)
     folder = Path(args.folder)
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg["training"]
     bench = json.loads(Path(args.bench).read_text())
     result = next(r for r in bench["results"] if r["model"] == cfg["model_id"])
+    result["acceptance"] = _acceptance(result)  # recomputed from the stored curves (same function)
+    (folder / "bench_hypersolver.json").write_text(json.dumps(bench, indent=1) + "\n")
     acc = result["acceptance"]
     shutil.copyfile(args.png, folder / "pareto.png")
     name = folder.name
@@ -97,23 +101,39 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Speed and accuracy (held-out data, one side-by-side run)",
         "",
-        f"`deqzoo bench hypersolver --models {bench_key(cfg['model_id'])}`: {result['problems']} held-out "
-        f"solves, {result['samples']} samples. Task metric: {metric}.",
+        f"`{args.bench_command}` ({result['problems']} held-out solves, {result['samples']} samples; task "
+        f"metric: {metric}; JSON: `bench_hypersolver.json`). Methods: `anderson` and `broyden` from the "
+        "model's zero start, `anderson+init` from this hypersolver's initializer alone, `hyperanderson` "
+        "(this hypersolver), `hyperanderson[paper]` (the paper's form, see below); every method runs to its "
+        "budget without early stopping, and a budget's answer is each sample's best iterate so far (what a "
+        "solve with that budget returns). Wall times are summed over the solves, measured side by side "
+        "(every method on a problem before the next problem) on a shared 2-core CPU, one thread.",
         "",
         markdown_table(result),
         "",
         "![residual vs NFE, residual vs wall time, metric vs wall time](pareto.png)",
         "",
     ]
+    if args.also:
+        other = json.loads((Path(args.also) / "config.json").read_text())
+        ot = other["training"]
+        lines += [
+            "## The paper's form",
+            "",
+            "`hyperanderson[paper]` is the same architecture trained by the same command with "
+            "`--alpha-base none` (α̂ from the network alone, as in Bai et al.), kept outside the repository "
+            f"(trained in {ot['seconds_total']:.1f} s, {ot['steps']} steps):",
+            "",
+            "```bash",
+            ot["command"],
+            "```",
+            "",
+        ]
     if args.extra:
         lines += [Path(args.extra).read_text() if Path(args.extra).is_file() else args.extra, ""]
     (folder / "README.md").write_text("\n".join(lines))
     print(f"wrote {folder / 'README.md'}")
     return 0
-
-
-def bench_key(model_id: str) -> str:
-    return "mdeq" if "mdeq" in model_id else "pydoc"
 
 
 if __name__ == "__main__":
