@@ -39,8 +39,8 @@ class HyperSolverError(ValueError):
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """sha256 over the model type and every tensor of its state dict (name, shape, dtype, values): a
-    hypersolver trained for one set of weights is refused by a retrained model of the same architecture.
+    """sha256 over the model type and every tensor of its state dict (name, shape, values): a hypersolver
+    trained for one set of weights is refused by a retrained model of the same architecture.
 
     Example:
         >>> import deqzoo
@@ -50,8 +50,10 @@ def model_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     digest.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
     for name, t in sorted(model.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        # values as float64 / int64: exact for float32 weights, so casting the model to float64 (or moving
+        # it to another device) keeps its fingerprint; other weights (retrained, quantized) change it
+        t = t.detach().to("cpu", torch.float64 if t.is_floating_point() else torch.int64).contiguous()
+        digest.update(f"{name}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
