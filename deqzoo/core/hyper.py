@@ -96,15 +96,15 @@ def hyper_update(
     X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, form: str = "anderson"
 ) -> torch.Tensor:
     """The next iterate from iterates X (B, n, D), residuals G = f(X) - X (B, n, D), normalized weights
-    alpha (B, n) and steps beta (B,); `form` as in the module docstring. Two batched products, no (B, n, D)
-    temporary."""
+    alpha (B, n) and steps beta (B,); `form` as in the module docstring. Two batched products into one
+    output, no (B, n, D) temporary."""
+    if form not in FORMS:
+        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
     a = alpha.unsqueeze(1)
-    mixed_x = torch.bmm(a, X).squeeze(1)
-    if form == "anderson":
-        return mixed_x + beta[:, None] * torch.bmm(a, G).squeeze(1)
-    if form == "simplified":
-        return mixed_x + beta[:, None] * G.sum(1)
-    raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
+    # one output buffer, accumulated in place (two separate products and a sum allocate three large tensors)
+    w_g = a * beta[:, None, None] if form == "anderson" else beta[:, None, None].expand_as(a)
+    out = torch.bmm(a, X)
+    return out.baddbmm_(w_g, G).squeeze(1)  # bmm's backward does not need its output: in place is safe
 
 
 def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
