@@ -142,6 +142,8 @@ def _weights(
             f"hypersolver network returned alpha {tuple(alpha_hat.shape)} and beta "
             f"{tuple(beta.shape)}, expected ({b}, {n}) and ({b},)"
         )
+    device = C.device if H is None else H.device  # the state's device (the network may live elsewhere)
+    alpha_hat, beta = alpha_hat.to(device), beta.to(device)
     if H is not None:
         alpha_hat = least_squares_alpha(H).to(alpha_hat.dtype) + alpha_hat
     alpha = normalize_alpha(alpha_hat.to(dtype))
@@ -208,7 +210,7 @@ def hyperanderson(
             row = torch.bmm(gx.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n).double()
             H[:, slot, :n] = row
             H[:, :n, slot] = row
-        feat = net.compress(gx)
+        feat = net.compress(gx).to(x.device)
         if C is None:
             C = feat.new_empty(b, cap, feat.shape[-1])
         C[:, slot] = feat

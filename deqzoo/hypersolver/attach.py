@@ -86,6 +86,8 @@ class HyperDEQ(DEQ):
         tensors = [z0] if isinstance(z0, torch.Tensor) else list(z0)
         shapes = [tuple(t.shape) for t in tensors]
         hs.check_shapes(shapes)
+        if hs.mix1.weight.device != tensors[0].device:  # follow the model (model.to(device) does not see it)
+            hs.to(tensors[0].device)
         # h_φ replaces the model's zero initial state; a caller's own z0 (e.g. fixed-point reuse) is kept
         if (
             injection is not None
