@@ -189,6 +189,12 @@ def cmd_bench(args, rest: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
+def cmd_train_hypersolver(args) -> int:
+    from deqzoo.hypersolver.training import run_cli
+
+    return run_cli(args)
+
+
 def _solver_names() -> list[str]:
     from deqzoo.core import SOLVERS
 
@@ -331,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint")
+    from deqzoo.hypersolver.training import add_arguments
+
+    add_arguments(p)
     return parser
 
 
@@ -376,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
+                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo,
+                    "train-hypersolver": cmd_train_hypersolver}
         handler = handlers[command]
     if command == "demo":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network

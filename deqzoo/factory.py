@@ -172,10 +172,13 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
     return model_cls(config)
 
 
-def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None, **kwargs: Any):
+def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None,
+                    hypersolver: str | os.PathLike | None = None, **kwargs: Any):
     """Load any deqzoo checkpoint: a directory, an embedded id (offline), or a Hub repo id.
 
-    The model class comes from config.json (`model_type` -> family, `architectures` -> head).
+    The model class comes from config.json (`model_type` -> family, `architectures` -> head). `hypersolver`
+    (an embedded id such as ``deqzoo/hyperdeq-mdeq-tiny-mnist`` or a directory) attaches a HyperDEQ solver
+    trained for this model (`model.set_hypersolver`); one trained for other weights is an error naming both.
 
     Example:
         >>> import deqzoo
@@ -217,6 +220,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     cls = _model_class(family, architectures=architectures)
     model = cls.from_pretrained(directory, deq=deq, **kwargs)
     model.name_or_path = str(name_or_path)
+    if hypersolver is not None:
+        model.set_hypersolver(hypersolver)
     return model
 
 

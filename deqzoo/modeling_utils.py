@@ -236,6 +236,38 @@ class DEQPreTrainedModel(PreTrainedModel):
                 module._deqzoo_warned = False
         return new
 
+    def set_hypersolver(self, hypersolver, *, check: bool = True) -> DEQPreTrainedModel:
+        """Solve every DEQ layer with a HyperDEQ hypersolver (`deqzoo.hypersolver`): an embedded id, a
+        directory or a `HyperSolver`. It must have been trained for this model's weights (fingerprint; the
+        error names both); ``check=False`` skips that. Backward modes, `on_nonconvergence` and `deq_stats`
+        work as with any solver; the budget and tolerance stay ``config.deq``'s. Returns the model.
+
+        Example:
+            >>> import deqzoo
+            >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+            >>> model.set_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist").hypersolver is not None
+            True
+            >>> model.remove_hypersolver().hypersolver is None
+            True
+        """
+        from .hypersolver import HyperSolver, load_hypersolver, set_hypersolver
+
+        hs = hypersolver if isinstance(hypersolver, HyperSolver) else load_hypersolver(hypersolver)
+        return set_hypersolver(self, hs, check=check)
+
+    def remove_hypersolver(self) -> DEQPreTrainedModel:
+        """Back to the solver in ``config.deq`` (a no-op without a hypersolver). Returns the model."""
+        from .hypersolver import remove_hypersolver
+
+        return remove_hypersolver(self)
+
+    @property
+    def hypersolver(self):
+        """The attached `deqzoo.hypersolver.HyperSolver`, or None."""
+        from .hypersolver import attached_hypersolver
+
+        return attached_hypersolver(self)
+
     def _output(self, output: ModelOutput, return_dict: bool | None) -> ModelOutput | tuple:
         """`output`, or its tuple of non-None fields with ``return_dict=False`` (as in transformers)."""
         if return_dict is None:

@@ -832,3 +832,6 @@ def solve(
             packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode, **solver_kwargs
         )
     return packer.unflatten(x), stats
+
+
+from . import hyper as _hyper  # noqa: E402,F401  (registers "hyperanderson"; it reuses this module's tracker)

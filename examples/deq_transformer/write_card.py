@@ -22,6 +22,15 @@ from deqzoo.hub.cards import write_model_card
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 from deqzoo.tasks import pydoc_lm
 
+# measured after training (the run did not record its time); see the HyperDEQ hypersolver's card
+TRAINING_TIME = (
+    'Training time was not recorded when this checkpoint was trained; measured afterwards (for the '
+    "HyperDEQ hypersolver's 10% budget) by running the training command above (output to a scratch "
+    'directory) for 140 s on the shared 2-core CPU, one thread: 253 of 800 steps in 140 s (0.553 s/step; '
+    'every training forward solve was already at its 14-iteration cap, so later steps cost the same), '
+    'extrapolated to 800 x 0.553 s = about 443 s (7.4 min) of training loop, excluding start-up and '
+    'tokenizer training.'
+)
 
 def _train_command(a: dict) -> str:
     cmd = (f"python examples/deq_transformer/train_pydoc.py --steps {a['steps']} --dropout {a['dropout']} "
@@ -125,6 +134,7 @@ f_max_iter={cfg.deq['f_max_iter']}, f_tol={cfg.deq['f_tol']}).
 **Recipe.** {targs['steps']} steps of Adam (lr {targs['lr']}, 5% warmup, cosine), batch {targs['batch']} x
 {targs['seg']} tokens ({targs['steps'] * targs['batch'] * targs['seg']:,} training tokens), variational
 dropout {targs['dropout']}, gradient clipping 0.25; gradient: {grad}. Seed {targs['seed']}, one CPU thread.
+{TRAINING_TIME}
 
 **Baselines** (same data, tokenizer, steps, batch and tokens; every row is `evaluate()` on the same split):
 

@@ -114,10 +114,20 @@ def _parameter_count(config: dict[str, Any]) -> int:
     return parameter_count(config)
 
 
+def _is_hypersolver(folder: Path) -> bool:
+    """A HyperDEQ hypersolver folder (`deqzoo.hypersolver`): a solver artifact, not a model checkpoint; it is
+    loaded by id through `deqzoo.hypersolver.load_hypersolver` (its config records its weights' sha256)."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "hypersolver"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def build_catalog(cards_dir: Path = CARDS_DIR, root: Path = REPO_ROOT, *,
                   skip_incomplete: bool = False) -> dict[str, Any]:
     """Describe every checkpoint folder; an incomplete folder is an error unless `skip_incomplete`."""
-    folders = sorted(p for p in Path(cards_dir).glob("*/") if p.is_dir() and not p.name.startswith("."))
+    folders = sorted(p for p in Path(cards_dir).glob("*/") if p.is_dir() and not p.name.startswith(".")
+                     and not _is_hypersolver(p))
     entries = []
     for folder in folders:
         try:

@@ -1,0 +1,283 @@
+"""HyperAnderson (Bai, Koltun & Kolter, "Neural Deep Equilibrium Solvers", ICLR 2022): Anderson's update with
+the mixing weights α and the step β predicted by a small learned network instead of a least-squares solve.
+
+The engine knows nothing about the network except two calls (`HyperNet`): ``compress(g)`` maps a flat residual
+(B, D) to a few features (B, c), once per step; ``mix(C)`` maps the compressed residuals of the window, oldest
+first (B, n, c) with n <= m + 1, to raw weights α̂ (B, n) and steps β (B,). Family-specific compressors and the
+trained networks live in `deqzoo.hypersolver`, so core still imports no model.
+
+One step, shared by the registered solver (no autograd, preallocated ring buffers) and by the differentiable
+unroll that trains the network (`unroll`):
+
+* α = α̂ + (1 - 1ᵀα̂) / n  (`normalize_alpha`: the weights sum to one, as Anderson's do);
+* ``form="anderson"``: z⁺ = Σ_i α_i (z_i + β g_i), the Anderson-consistent update: with α from Anderson's
+  least squares and β = 1 it is Anderson's iterate Σ_i α_i f(z_i);
+* ``form="simplified"``: z⁺ = β Σ_i g_i + Σ_i α_i z_i, the update as printed in the paper.
+
+``base="none"`` is the paper's method: α̂ comes from the network alone. ``base="anderson"`` (an extension) adds
+the network's output to Anderson's own least-squares weights (from the window's Gram matrix, kept one row per
+step as Anderson does): α̂ = α_LS + δ. A network whose δ is 0 and β is 1 is then exactly Anderson, so
+training only has to learn corrections and the step size.
+
+Example:
+    >>> import torch
+    >>> from deqzoo.core import solve
+    >>> from deqzoo.core.hyper import MeanPoolNet
+    >>> A = 0.5 * torch.eye(4); b = torch.ones(2, 4)
+    >>> z, stats = solve(lambda z: z @ A + b, torch.zeros(2, 4), solver="hyperanderson",
+    ...                  max_iter=60, tol=1e-5, net=MeanPoolNet(), m=0)
+    >>> stats.solver, bool(stats.converged.all()), torch.allclose(z, 2 * b, atol=1e-4)
+    ('hyperanderson', True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .solvers import _check_output, _empty_result, _sq_norms, _to_host, _Tracker, register_solver
+
+__all__ = [
+    "BASES",
+    "FORMS",
+    "HyperNet",
+    "least_squares_alpha",
+    "MeanPoolNet",
+    "UnrollStep",
+    "hyper_update",
+    "hyperanderson",
+    "normalize_alpha",
+    "unroll",
+]
+
+FORMS = ("anderson", "simplified")
+BASES = ("none", "anderson")
+LAM = 1e-5  # Anderson's relative regularization of the Gram matrix (as `deqzoo.core.solvers.anderson`)
+
+
+class HyperNet(Protocol):
+    """What the engine needs from a learned mixer (see the module docstring)."""
+
+    def compress(self, g: torch.Tensor) -> torch.Tensor: ...
+
+    def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class MeanPoolNet:
+    """A parameter-free HyperNet: equal weights over the window and β = `beta` (a reference and a doctest
+    helper; with m = 0 windows it is damped fixed-point iteration)."""
+
+    def __init__(self, beta: float = 1.0, bins: int = 4):
+        self.beta, self.bins = beta, bins
+
+    def compress(self, g: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.adaptive_avg_pool1d(g[:, None], self.bins)[:, 0]
+
+    def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = C.shape
+        return C.new_full((b, n), 1.0 / n), C.new_full((b,), self.beta)
+
+
+def normalize_alpha(alpha_hat: torch.Tensor) -> torch.Tensor:
+    """α = α̂ + (1 - 1ᵀα̂)/n over the last dimension (n weights): the result sums to one.
+
+    Example:
+        >>> round(normalize_alpha(torch.tensor([[0.2, 0.2, 0.2]])).sum().item(), 6)
+        1.0
+    """
+    n = alpha_hat.shape[-1]
+    return alpha_hat + (1.0 - alpha_hat.sum(-1, keepdim=True)) / n
+
+
+def hyper_update(
+    X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, form: str = "anderson"
+) -> torch.Tensor:
+    """The next iterate from iterates X (B, n, D), residuals G = f(X) - X (B, n, D), normalized weights
+    alpha (B, n) and steps beta (B,); `form` as in the module docstring. Two batched products into one
+    output, no (B, n, D) temporary."""
+    if form not in FORMS:
+        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
+    a = alpha.unsqueeze(1)
+    # one output buffer, accumulated in place (two separate products and a sum allocate three large tensors)
+    w_g = a * beta[:, None, None] if form == "anderson" else beta[:, None, None].expand_as(a)
+    out = torch.bmm(a, X)
+    return out.baddbmm_(w_g, G).squeeze(1)  # bmm's backward does not need its output: in place is safe
+
+
+def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
+    """Anderson's weights from the Gram matrix H (B, n, n) of the window's residuals: (H + reg I) a = 1,
+    α = a / 1ᵀa, reg = lam · max_j H_jj (float64). A sample whose system fails gets NaN (caller falls back).
+
+    Example:
+        >>> G = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]], dtype=torch.float64)
+        >>> least_squares_alpha(G @ G.transpose(1, 2)).tolist()
+        [[0.5, 0.5]]
+    """
+    H = H.double()
+    n = H.shape[-1]
+    reg = lam * H.diagonal(dim1=1, dim2=2).amax(1) + 1e-300
+    A = H + reg[:, None, None] * torch.eye(n, dtype=H.dtype, device=H.device)
+    finite = torch.isfinite(A).flatten(1).all(1)
+    A = torch.where(finite[:, None, None], A, torch.eye(n, dtype=H.dtype, device=H.device))
+    L, info = torch.linalg.cholesky_ex(A)
+    a = torch.cholesky_solve(torch.ones(H.shape[0], n, 1, dtype=H.dtype, device=H.device), L)[:, :, 0]
+    alpha = a / a.sum(1, keepdim=True)
+    bad = (~finite) | (info != 0)
+    return torch.where(bad[:, None], torch.full_like(alpha, float("nan")), alpha)
+
+
+def _weights(
+    net: HyperNet, C: torch.Tensor, dtype: torch.dtype, H: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(α normalized, β, ok): the network's weights in the state's dtype (plus Anderson's least-squares
+    weights from the Gram matrix H when given: ``base="anderson"``); ok is False for a sample whose α or β
+    is not finite (it then takes a plain fixed-point step, like Anderson on a failed system)."""
+    alpha_hat, beta = net.mix(C)
+    b, n = C.shape[:2]
+    if tuple(alpha_hat.shape) != (b, n) or tuple(beta.shape) != (b,):
+        raise ValueError(
+            f"hypersolver network returned alpha {tuple(alpha_hat.shape)} and beta "
+            f"{tuple(beta.shape)}, expected ({b}, {n}) and ({b},)"
+        )
+    device = C.device if H is None else H.device  # the state's device (the network may live elsewhere)
+    alpha_hat, beta = alpha_hat.to(device), beta.to(device)
+    if H is not None:
+        alpha_hat = least_squares_alpha(H).to(alpha_hat.dtype) + alpha_hat
+    alpha = normalize_alpha(alpha_hat.to(dtype))
+    beta = beta.to(dtype)
+    ok = torch.isfinite(alpha).all(1) & torch.isfinite(beta)
+    return alpha, beta, ok
+
+
+@register_solver("hyperanderson")
+@torch.no_grad()
+def hyperanderson(
+    g,
+    x0,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    net: HyperNet | None = None,
+    m: int = 5,
+    form: str = "anderson",
+    base: str = "none",
+    keep_steps: Iterable[int] = (),
+    div_factor: float = 1e6,
+):
+    """HyperAnderson: Anderson's update over the last m + 1 iterates with α and β from the learned `net`.
+
+    Same contract as every built-in solver (`deqzoo.core.solvers`): per-sample best iterate, freezing of
+    converged samples, trace, divergence and non-finite stops, ``keep_steps`` (the shared `_Tracker`). History
+    buffers are preallocated once (m + 1 slots) and written in place; the network sees the compressed
+    residuals oldest first. ``stats.extra["beta"]`` is the mean β of each step (what the network chose).
+    """
+    if net is None or not callable(getattr(net, "compress", None)) or not callable(getattr(net, "mix", None)):
+        raise TypeError(
+            "solver 'hyperanderson' needs net=<a hypersolver network with compress(g) and mix(C)>"
+            f", got {type(net).__name__}; attach one with model.set_hypersolver(...)"
+        )
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"hyperanderson memory m must be an integer >= 0, got {m!r}")
+    if form not in FORMS:
+        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
+    if base not in BASES:
+        raise ValueError(f"HyperAnderson base must be one of {BASES}, got {base!r}")
+    b, d = x0.shape
+    if b == 0:
+        return _empty_result(x0, "hyperanderson", tol, stop_mode)
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "hyperanderson", keep_steps, div_factor)
+    cap = min(m + 1, max_iter)
+    X = x0.new_empty(b, cap, d)
+    G = x0.new_empty(b, cap, d)
+    C: torch.Tensor | None = None  # (B, cap, c), allocated at the first compress (c is the network's)
+    H = torch.zeros(b, cap, cap, dtype=torch.float64, device=x0.device) if base == "anderson" else None
+    betas: list[torch.Tensor] = []
+    x, nfe = x0.clone(), 0
+    for k in range(max_iter):
+        fx = _check_output(g(x), x)
+        nfe += 1
+        slot, n = k % cap, min(k + 1, cap)
+        gx = torch.sub(fx, x, out=G[:, slot])
+        host = _to_host(_sq_norms(gx, fx))
+        if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
+            break
+        X[:, slot] = x
+        if H is not None:  # one Gram row per step, O(n·D), as Anderson
+            row = torch.bmm(gx.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n).double()
+            H[:, slot, :n] = row
+            H[:, :n, slot] = row
+        feat = net.compress(gx).to(x.device)
+        if C is None:
+            C = feat.new_empty(b, cap, feat.shape[-1])
+        C[:, slot] = feat
+        order = torch.tensor([(k - n + 1 + i) % cap for i in range(n)], device=x.device)
+        Hc = None if H is None else H[:, order][:, :, order]
+        alpha_c, beta, ok = _weights(net, C.index_select(1, order), x.dtype, Hc)
+        if not bool(ok.all()):  # fall back per sample: plain fixed-point step from the newest iterate
+            newest = torch.zeros_like(alpha_c)
+            newest[:, -1] = 1.0
+            alpha_c = torch.where(ok[:, None], alpha_c, newest)
+            beta = torch.where(ok, beta, torch.ones_like(beta))
+        alpha = torch.zeros(b, cap, dtype=x.dtype, device=x.device)
+        alpha[:, order] = alpha_c
+        betas.append(beta.mean())
+        x = tracker.next_iterate(hyper_update(X[:, :n], G[:, :n], alpha[:, :n], beta, form))
+    extra = {"beta": torch.stack(betas).double().cpu() if betas else torch.zeros(0, dtype=torch.float64)}
+    return tracker.result(), tracker.stats(nfe, **extra)
+
+
+@dataclass
+class UnrollStep:
+    """One differentiable step of `unroll`: the iterate x_k, its residual g_k = f(x_k) - x_k, and the
+    normalized weights α (B, n) and window residuals G (B, n, D) that produced x_{k+1}."""
+
+    x: torch.Tensor
+    g: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    G: torch.Tensor
+
+
+def unroll(
+    g: Callable[[torch.Tensor], torch.Tensor],
+    x0: torch.Tensor,
+    net: HyperNet,
+    steps: int,
+    *,
+    m: int = 5,
+    form: str = "anderson",
+    base: str = "none",
+) -> tuple[list[UnrollStep], torch.Tensor]:
+    """`steps` HyperAnderson steps with autograd (for training the network by backpropagation through the
+    unrolled solve): the same update as the solver, on plain lists. Returns the per-step records and the
+    final iterate x_steps (x_0 = x0; f is evaluated at x_0 .. x_{steps-1}).
+
+    Example:
+        >>> import torch
+        >>> recs, x = unroll(lambda z: 0.5 * z + 1, torch.zeros(2, 3), MeanPoolNet(), 3, m=1)
+        >>> len(recs), x.shape
+        (3, torch.Size([2, 3]))
+    """
+    if form not in FORMS:
+        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
+    xs: list[torch.Tensor] = []
+    gs: list[torch.Tensor] = []
+    cs: list[torch.Tensor] = []
+    records: list[UnrollStep] = []
+    x = x0
+    for _ in range(steps):
+        gx = g(x) - x
+        xs, gs, cs = (xs + [x])[-(m + 1) :], (gs + [gx])[-(m + 1) :], (cs + [net.compress(gx)])[-(m + 1) :]
+        X, G = torch.stack(xs, 1), torch.stack(gs, 1)
+        H = torch.bmm(G, G.transpose(1, 2)) if base == "anderson" else None
+        alpha, beta, ok = _weights(net, torch.stack(cs, 1), x.dtype, H)
+        if base == "anderson" and not bool(ok.all()):  # a failed system: the network's weights alone
+            alpha2, beta2, _ = _weights(net, torch.stack(cs, 1), x.dtype)
+            alpha, beta = torch.where(ok[:, None], alpha, alpha2), torch.where(ok, beta, beta2)
+        records.append(UnrollStep(x=x, g=gx, alpha=alpha, beta=beta, G=G))
+        x = hyper_update(X, G, alpha, beta, form)
+    return records, x

@@ -1,0 +1,48 @@
+"""HyperDEQ: learned equilibrium solvers (Bai, Koltun & Kolter, ICLR 2022) trained on frozen zoo models.
+
+A hypersolver is a small artifact published next to the checkpoint it accelerates: an initializer h_φ over the
+model's input injection and a HyperAnderson network s_ξ (`deqzoo.core.hyper` holds the update itself).
+
+Example:
+    >>> import deqzoo  # doctest: +SKIP
+    >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist",  # doctest: +SKIP
+    ...                                hypersolver="deqzoo/hyperdeq-mdeq-tiny-mnist")
+    >>> model.remove_hypersolver()  # doctest: +SKIP
+"""
+
+from .attach import (
+    FAMILIES,
+    HyperDEQ,
+    attached_hypersolver,
+    record_problems,
+    remove_hypersolver,
+    set_hypersolver,
+)
+from .configuration import HyperSolverConfig, HyperSolverConfigError
+from .io import (
+    HyperSolverError,
+    check_compatible,
+    load_hypersolver,
+    model_fingerprint,
+    resolve_hypersolver,
+    save_hypersolver,
+)
+from .modeling import HyperSolver
+
+__all__ = [
+    "FAMILIES",
+    "HyperDEQ",
+    "HyperSolver",
+    "HyperSolverConfig",
+    "HyperSolverConfigError",
+    "HyperSolverError",
+    "attached_hypersolver",
+    "check_compatible",
+    "load_hypersolver",
+    "model_fingerprint",
+    "record_problems",
+    "remove_hypersolver",
+    "resolve_hypersolver",
+    "save_hypersolver",
+    "set_hypersolver",
+]

@@ -1,0 +1,229 @@
+"""Attaching a hypersolver to a zoo model: every DEQ layer of the model solves with HyperAnderson, starting
+from h_φ(input injection).
+
+The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so
+every backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a
+forward hook on the family's injection module (`FAMILIES`). The hypersolver is held outside the model's module
+tree, so the model's state dict, saving and parameter count do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..core import DEQ
+from ..core.state import StatePacker
+from .modeling import HyperSolver
+
+__all__ = [
+    "FAMILIES",
+    "HyperDEQ",
+    "deq_layers",
+    "family_of",
+    "record_problems",
+    "remove_hypersolver",
+    "set_hypersolver",
+]
+
+
+def _mdeq_injection(owner: nn.Module) -> nn.Module:
+    return owner.stage0 if getattr(owner, "stage0", None) is not None else owner.downsample
+
+
+def _transformer_injection(owner: nn.Module) -> nn.Module:
+    return owner.injection
+
+
+# model_type -> (state kind, the module whose output is the input injection, given the DEQ layer's owner)
+FAMILIES: dict[str, tuple[str, Callable[[nn.Module], nn.Module]]] = {
+    "mdeq": ("multires", _mdeq_injection),
+    "deq_transformer": ("sequence", _transformer_injection),
+}
+
+
+def family_of(model: nn.Module) -> tuple[str, Callable[[nn.Module], nn.Module] | None]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return FAMILIES.get(model_type, ("vector", None))
+
+
+def deq_layers(model: nn.Module) -> list[tuple[nn.Module, str, DEQ]]:
+    """(owner, attribute name, DEQ layer) for every DEQ layer of the model."""
+    found = []
+    for owner in model.modules():
+        for name, child in owner.named_children():
+            if isinstance(child, DEQ):
+                found.append((owner, name, child))
+    return found
+
+
+class HyperDEQ(DEQ):
+    """A DEQ layer that solves with a hypersolver (see the module docstring). `config` stays the model's."""
+
+    def __init__(self, config, hypersolver: HyperSolver, injection_module: nn.Module | None):
+        super().__init__(config)
+        self.__dict__["hypersolver"] = hypersolver  # not a submodule: the model's state dict is unchanged
+        self._injection: torch.Tensor | None = None
+        self._hook = None
+        if injection_module is not None and hypersolver.has_initializer:
+            self._hook = injection_module.register_forward_hook(self._capture)
+
+    def _capture(self, _module, _inputs, output) -> None:
+        self._injection = output
+
+    def detach_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def forward(self, f, z0):
+        hs: HyperSolver = self.__dict__["hypersolver"]
+        injection, self._injection = self._injection, None
+        tensors = [z0] if isinstance(z0, torch.Tensor) else list(z0)
+        shapes = [tuple(t.shape) for t in tensors]
+        hs.check_shapes(shapes)
+        if hs.mix1.weight.device != tensors[0].device:  # follow the model (model.to(device) does not see it)
+            hs.to(tensors[0].device)
+        # h_φ replaces the model's zero initial state; a caller's own z0 (e.g. fixed-point reuse) is kept
+        if (
+            injection is not None
+            and hs.has_initializer
+            and injection.shape[0] == shapes[0][0]
+            and not any(bool(t.any()) for t in tensors)
+        ):
+            with torch.no_grad():
+                init = hs.initial_state(injection.detach(), shapes)
+            z0 = init[0] if isinstance(z0, torch.Tensor) else type(z0)(init)
+        base = self.config
+        c = hs.config
+        self.config = base.update(
+            f_solver="hyperanderson",
+            f_solver_kwargs={"net": hs.bind(shapes), "m": c.m, "form": c.form, "base": c.alpha_base},
+        )
+        try:
+            return super().forward(f, z0)
+        finally:
+            self.config = base
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", hypersolver={self.__dict__['hypersolver'].config.model_id or '?'}"
+
+
+def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool = True) -> nn.Module:
+    """Make every DEQ layer of `model` solve with `hypersolver` (replacing one attached before).
+
+    With ``check`` the hypersolver's recorded model fingerprint must equal the model's
+    (`deqzoo.hypersolver.model_fingerprint`); a mismatch is an error naming both.
+    """
+    from .io import check_compatible
+
+    if not isinstance(hypersolver, HyperSolver):
+        raise TypeError(
+            f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
+            f"got {type(hypersolver).__name__}"
+        )
+    if check:
+        check_compatible(model, hypersolver)
+    kind, injection_of = family_of(model)
+    if kind != hypersolver.config.state_kind:
+        raise ValueError(
+            f"hypersolver {hypersolver.config.model_id or '?'} serves {hypersolver.config.state_kind!r}"
+            f" states; model {type(model).__name__} has {kind!r} states"
+        )
+    layers = deq_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
+    remove_hypersolver(model)
+    for owner, name, layer in deq_layers(model):
+        inj = injection_of(owner) if injection_of is not None else None
+        setattr(owner, name, HyperDEQ(layer.config, hypersolver, inj))
+    return model
+
+
+def remove_hypersolver(model: nn.Module) -> nn.Module:
+    """Back to the model's own solver settings (`config.deq`); a no-op without a hypersolver."""
+    for owner, name, layer in deq_layers(model):
+        if isinstance(layer, HyperDEQ):
+            layer.detach_hook()
+            setattr(owner, name, DEQ(layer.config))
+    return model
+
+
+def attached_hypersolver(model: nn.Module) -> HyperSolver | None:
+    for _, _, layer in deq_layers(model):
+        if isinstance(layer, HyperDEQ):
+            return layer.__dict__["hypersolver"]
+    return None
+
+
+@dataclass
+class Problem:
+    """One captured fixed-point problem: f on flat states, the packer, the injection and the model's z0."""
+
+    g: Callable[[torch.Tensor], torch.Tensor]
+    packer: StatePacker
+    injection: torch.Tensor | None
+    x0: torch.Tensor
+    x_star: torch.Tensor | None = None
+    stats: object | None = None
+
+
+def initial_flat(hs: HyperSolver, p: Problem) -> torch.Tensor:
+    """h_φ(injection) for a recorded problem, flat (B, D) like its x0."""
+    init = hs.initial_state(p.injection, p.packer.shapes)
+    return p.packer.flatten(init[0] if p.packer.is_tensor else init)
+
+
+class _Recorder(DEQ):
+    def __init__(self, config, sink: list, injection_module: nn.Module | None, solve: Callable | None):
+        super().__init__(config)
+        self.__dict__["sink"] = sink
+        self.__dict__["solve_fn"] = solve
+        self._injection = None
+        self._hook = injection_module.register_forward_hook(self._capture) if injection_module else None
+
+    def _capture(self, _module, _inputs, output) -> None:
+        self._injection = output
+
+    def forward(self, f, z0):
+        packer = StatePacker(z0)
+        p = Problem(
+            g=packer.wrap(f),
+            packer=packer,
+            injection=None if self._injection is None else self._injection.detach(),
+            x0=packer.flatten(z0).detach(),
+        )
+        self._injection = None
+        solve = self.__dict__["solve_fn"]
+        if solve is not None:
+            p.x_star, p.stats = solve(p)
+            self.__dict__["sink"].append(p)
+            return packer.unflatten(p.x_star), p.stats
+        self.__dict__["sink"].append(p)
+        return super().forward(f, z0)
+
+
+@contextlib.contextmanager
+def record_problems(model: nn.Module, solve: Callable | None = None) -> Iterator[list[Problem]]:
+    """Within the block, every DEQ solve of `model` is recorded as a `Problem` into the yielded list. With
+    `solve(problem) -> (x_star, stats)` the recorder solves it that way (e.g. a long classic solve for the
+    ground truth) and the model continues from that answer (no gradient)."""
+    sink: list[Problem] = []
+    _, injection_of = family_of(model)
+    saved = []
+    for owner, name, layer in deq_layers(model):
+        inj = injection_of(owner) if injection_of is not None else None
+        rec = _Recorder(layer.config, sink, inj, solve)
+        saved.append((owner, name, layer, rec))
+        setattr(owner, name, rec)
+    try:
+        yield sink
+    finally:
+        for owner, name, layer, rec in saved:
+            if rec._hook is not None:
+                rec._hook.remove()
+            setattr(owner, name, layer)

@@ -1,0 +1,193 @@
+"""A hypersolver as a hub artifact: ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked.
+
+Checks, each a clear error: the config is a hypersolver config (validated before anything is built); the
+weights file's sha256 matches the one recorded in the config (a corrupted or swapped file names the file and
+both digests); the tensor names and shapes match the config; and, when attached, the model's fingerprint
+matches the one the hypersolver was trained for (the error names both models).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .configuration import HyperSolverConfig, HyperSolverConfigError
+from .modeling import HyperSolver
+
+__all__ = [
+    "HyperSolverError",
+    "check_compatible",
+    "load_hypersolver",
+    "model_fingerprint",
+    "resolve_hypersolver",
+    "save_hypersolver",
+]
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+EMBEDDED_PREFIX = "deqzoo/"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_WEIGHTS_BYTES = 64 << 20
+
+
+class HyperSolverError(ValueError):
+    """A hypersolver cannot be loaded or does not fit the model (the message names both sides)."""
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 over the model type and every tensor of its state dict (name, shape, values): a hypersolver
+    trained for one set of weights is refused by a retrained model of the same architecture.
+
+    Example:
+        >>> import deqzoo
+        >>> a = deqzoo.create_model("mdeq-mnist-tiny"); len(model_fingerprint(a))
+        64
+    """
+    digest = hashlib.sha256()
+    digest.update(str(getattr(getattr(model, "config", None), "model_type", type(model).__name__)).encode())
+    for name, t in sorted(model.state_dict().items()):
+        # values as float64 / int64: exact for float32 weights, so casting the model to float64 (or moving
+        # it to another device) keeps its fingerprint; other weights (retrained, quantized) change it
+        t = t.detach().to("cpu", torch.float64 if t.is_floating_point() else torch.int64).contiguous()
+        digest.update(f"{name}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def _model_name(model: nn.Module) -> str:
+    return (
+        getattr(model, "name_or_path", "")
+        or getattr(getattr(model, "config", None), "_name_or_path", "")
+        or type(model).__name__
+    )
+
+
+def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
+    """Raise `HyperSolverError` unless `hypersolver` was trained for this model's weights."""
+    want = hypersolver.config.model_fingerprint
+    have = model_fingerprint(model)
+    if want != have:
+        raise HyperSolverError(
+            f"hypersolver trained for {hypersolver.config.model_id or '?'} "
+            f"(fingerprint {want[:16] or 'none'}...) "
+            f"does not fit model {_model_name(model)} (fingerprint {have[:16]}...): it was trained against "
+            "other weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
+            "set_hypersolver at your own risk"
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> Path:
+    """Write config.json (with the weights' sha256) and model.safetensors into `directory`; other files there
+    (a card) are kept. Each file is written to a temporary name and renamed into place."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{WEIGHTS_NAME}.tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in hypersolver.state_dict().items()}, str(tmp))
+    hypersolver.config.training["weights_sha256"] = _sha256(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # a regular file's mode, not the private one of a temporary file
+    os.replace(tmp, directory / WEIGHTS_NAME)
+    tmp = directory / f".{CONFIG_NAME}.tmp"
+    tmp.write_text(hypersolver.config.to_json())
+    os.replace(tmp, directory / CONFIG_NAME)
+    return directory
+
+
+def resolve_hypersolver(name_or_path: str | os.PathLike) -> Path:
+    """A local directory, or an embedded hypersolver id ``deqzoo/hyperdeq-...`` (in ``model_cards/``)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    if name.startswith(EMBEDDED_PREFIX) and name.count("/") == 1:
+        from ..hub.catalog import CARDS_DIR
+
+        short = name[len(EMBEDDED_PREFIX) :]
+        folder = CARDS_DIR / short
+        if short.startswith("hyperdeq-") and (folder / CONFIG_NAME).is_file():
+            return folder
+    known = sorted(f"{EMBEDDED_PREFIX}{p.name}" for p in _cards_dir().glob("hyperdeq-*") if p.is_dir())
+    raise HyperSolverError(
+        f"hypersolver {name!r} is neither a directory nor an embedded hypersolver; embedded: "
+        f"{known or 'none'}"
+    )
+
+
+def _cards_dir() -> Path:
+    from ..hub.catalog import CARDS_DIR
+
+    return CARDS_DIR
+
+
+def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
+    """Load and verify a hypersolver (see the module docstring for the checks).
+
+    Example:
+        >>> hs = load_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist")  # doctest: +SKIP
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = resolve_hypersolver(name_or_path)
+    cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise HyperSolverError(
+                f"{p}: missing; a hypersolver directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
+            )
+    if cfg_path.stat().st_size > MAX_CONFIG_BYTES or w_path.stat().st_size > MAX_WEIGHTS_BYTES:
+        raise HyperSolverError(
+            f"{folder}: config.json or model.safetensors is larger than a hypersolver can be "
+            f"({MAX_CONFIG_BYTES} / {MAX_WEIGHTS_BYTES} bytes)"
+        )
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HyperSolverError(f"{cfg_path}: not valid JSON ({err})") from None
+    try:
+        config = HyperSolverConfig.from_dict(data, source=str(cfg_path))
+    except HyperSolverConfigError as err:
+        raise HyperSolverError(str(err)) from None
+    want = config.training.get("weights_sha256")
+    have = _sha256(w_path)
+    if want is not None and want != have:
+        raise HyperSolverError(
+            f"{w_path}: sha256 {have} does not match the {want} recorded in {cfg_path} "
+            f"(hypersolver for {config.model_id or '?'}): the file is corrupted or replaced"
+        )
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise HyperSolverError(f"{w_path}: not a readable safetensors file ({err})") from None
+    model = HyperSolver(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))
+        unexpected = sorted(set(got) - set(expected))
+        shapes = [
+            f"{k}: file {got[k]} vs config {expected[k]}"
+            for k in sorted(set(got) & set(expected))
+            if got[k] != expected[k]
+        ]
+        raise HyperSolverError(
+            f"{w_path}: tensors do not match {cfg_path}: missing {missing}, unexpected "
+            f"{unexpected}, mis-shaped {shapes}"
+        )
+    model.load_state_dict(state)
+    return model.eval()

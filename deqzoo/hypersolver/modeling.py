@@ -1,0 +1,189 @@
+"""HyperSolver: the learned initializer h_φ and HyperAnderson network s_ξ for one kind of DEQ state.
+
+State kinds (the family-specific parts; the update itself is `deqzoo.core.hyper`):
+
+* ``multires`` (MDEQ): the state is one (C_i, H_i, W_i) map per resolution. h_φ: a depthwise 3x3 conv + ReLU
+  over the input injection, average-pooled to each resolution's size and projected by a 1x1 conv. Residuals
+  are compressed by adaptive average pooling of each resolution to pool x pool.
+* ``sequence`` (DEQ-Transformer): the state is (L, d). h_φ: a causal Conv1d(k=3) + ReLU over the injection,
+  then a linear map to d. Residuals are compressed to their last token.
+* ``vector``: any flat state; no initializer; residuals compressed by 1-D adaptive average pooling.
+
+Every compressor is adaptive (pooling / last token), so a hypersolver runs on any image size or sequence
+length. s_ξ: the compressed residuals of the window (oldest first, padded to m + 1 with a presence flag),
+scaled by the newest one's norm, plus their log-norms relative to it, go through two temporal Conv1d(k=3)
+layers that predict α̂ per window entry and β (from the newest entry, β = 2·sigmoid(·), 1 at initialisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration import HyperSolverConfig
+
+__all__ = ["BoundNet", "HyperSolver"]
+
+_EPS = 1e-20
+
+
+class HyperSolver(nn.Module):
+    """A hypersolver: ``initial_state(injection, shapes)`` (h_φ) and ``bind(shapes)`` (s_ξ for flat states).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.hypersolver import HyperSolver, HyperSolverConfig
+        >>> hs = HyperSolver(HyperSolverConfig(state_kind="multires", state_channels=[4, 4],
+        ...                                    injection_channels=4))
+        >>> shapes = [(2, 4, 8, 8), (2, 4, 4, 4)]
+        >>> [tuple(z.shape) for z in hs.initial_state(torch.randn(2, 4, 8, 8), shapes)]
+        [(2, 4, 8, 8), (2, 4, 4, 4)]
+        >>> net = hs.bind(shapes)
+        >>> net.compress(torch.randn(2, 4 * 64 + 4 * 16)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, config: HyperSolverConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        inj, h = c.injection_channels, c.init_hidden
+        if c.state_kind == "multires" and inj:
+            self.init_conv = nn.Conv2d(inj, inj, 3, padding=1, groups=inj)
+            self.init_proj = nn.ModuleList(nn.Conv2d(inj, ch, 1) for ch in c.state_channels)
+        elif c.state_kind == "sequence" and inj:
+            self.init_conv = nn.Conv1d(inj, h, 3)
+            self.init_proj = nn.Linear(h, c.state_channels[0])
+        else:
+            self.init_conv = None
+            self.init_proj = None
+        width = self.feature_width() + 2  # + relative log-norm + presence flag
+        self.mix1 = nn.Conv1d(width, c.mix_hidden, 3, padding=1)
+        self.mix2 = nn.Conv1d(c.mix_hidden, 2, 3, padding=1)
+        with torch.no_grad():  # start as equal weights and β = 1
+            self.mix2.weight.zero_()
+            self.mix2.bias.zero_()
+        if self.init_proj is not None:  # start near the zero initial state the model uses
+            with torch.no_grad():
+                for p in self.init_proj if isinstance(self.init_proj, nn.ModuleList) else [self.init_proj]:
+                    p.weight.mul_(0.1)
+                    p.bias.zero_()
+
+    def feature_width(self) -> int:
+        c = self.config
+        if c.state_kind == "multires":
+            return sum(c.state_channels) * c.pool * c.pool
+        if c.state_kind == "sequence":
+            return c.state_channels[0]
+        return c.pool
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def has_initializer(self) -> bool:
+        return self.init_conv is not None
+
+    def check_shapes(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Raise a clear error when a model's state does not have the structure this hypersolver serves."""
+        c = self.config
+        shapes = [tuple(s) for s in shapes]
+        if c.state_kind == "multires":
+            ok = len(shapes) == len(c.state_channels) and all(
+                len(s) == 4 and s[1] == ch for s, ch in zip(shapes, c.state_channels)
+            )
+            want = f"{len(c.state_channels)} maps (B, C, H, W) with C = {c.state_channels}"
+        elif c.state_kind == "sequence":
+            ok = len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][2] == c.state_channels[0]
+            want = f"one (B, L, {c.state_channels[0]}) tensor"
+        else:
+            ok = True
+            want = "any state"
+        if not ok:
+            raise ValueError(
+                f"hypersolver for state kind {c.state_kind!r} (model {c.model_id or '?'}) needs "
+                f"{want}; this model's state has shapes {shapes}"
+            )
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        p = self.mix1.weight
+        return t.to(p.device, p.dtype)
+
+    def initial_state(self, injection: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """h_φ(injection): one tensor per state shape (in the injection's dtype and device)."""
+        c = self.config
+        if self.init_conv is None:
+            raise ValueError("this hypersolver has no initializer (injection_channels = 0)")
+        self.check_shapes(shapes)
+        x = self._own(injection)
+        if x.shape[-1 if c.state_kind == "sequence" else 1] != c.injection_channels:
+            raise ValueError(
+                f"hypersolver initializer expects an injection with {c.injection_channels} "
+                f"channels, got shape {tuple(injection.shape)}"
+            )
+        if c.state_kind == "multires":
+            h = F.relu(self.init_conv(x))
+            out = [proj(F.adaptive_avg_pool2d(h, s[-2:])) for proj, s in zip(self.init_proj, shapes)]
+        else:  # sequence: causal conv over positions (left padding), so no position sees a later token
+            h = F.relu(self.init_conv(F.pad(x.transpose(1, 2), (2, 0))))
+            out = [self.init_proj(h.transpose(1, 2))]
+        return [o.to(injection.device, injection.dtype) for o in out]
+
+    def compress(self, g: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """Flat residuals (B, D) -> (B, feature_width()) features."""
+        c = self.config
+        g = self._own(g)
+        if c.state_kind == "multires":
+            parts, start = [], 0
+            for s in shapes:
+                n = int(torch.Size(s[1:]).numel())
+                part = g[:, start : start + n].reshape(g.shape[0], *s[1:])
+                parts.append(F.adaptive_avg_pool2d(part, c.pool).flatten(1))
+                start += n
+            return torch.cat(parts, 1)
+        if c.state_kind == "sequence":
+            d = shapes[0][2]
+            return g[:, -d:]  # the last token's residual
+        return F.adaptive_avg_pool1d(g[:, None], c.pool)[:, 0]
+
+    def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compressed residuals (B, n, c), oldest first, n <= m + 1 -> (α̂ (B, n), β (B,))."""
+        b, n, _ = C.shape
+        window = self.config.m + 1
+        norms = torch.linalg.vector_norm(C, dim=2)  # (B, n)
+        newest = norms[:, -1:].clamp_min(_EPS)
+        feats = torch.cat(
+            (
+                C / newest[:, :, None],
+                torch.log((norms + _EPS) / newest)[:, :, None],
+                torch.ones_like(norms)[:, :, None],
+            ),
+            2,
+        )
+        if n < window:  # pad the older end: absent entries are zeros with presence 0
+            feats = torch.cat((feats.new_zeros(b, window - n, feats.shape[2]), feats), 1)
+        out = self.mix2(F.relu(self.mix1(feats.transpose(1, 2))))  # (B, 2, window)
+        alpha_hat = out[:, 0, window - n :]
+        beta = 2.0 * torch.sigmoid(out[:, 1, -1])
+        return alpha_hat, beta
+
+    def bind(self, shapes: Sequence[tuple[int, ...]]) -> BoundNet:
+        """The engine's view (`deqzoo.core.hyper.HyperNet`) for states of these shapes (batch first)."""
+        self.check_shapes(shapes)
+        return BoundNet(self, [tuple(s) for s in shapes])
+
+
+class BoundNet:
+    """A HyperSolver bound to one state layout: what `solve(..., solver="hyperanderson", net=...)` takes."""
+
+    def __init__(self, hs: HyperSolver, shapes: list[tuple[int, ...]]):
+        self.hs, self.shapes = hs, shapes
+
+    def compress(self, g: torch.Tensor) -> torch.Tensor:
+        return self.hs.compress(g, self.shapes)
+
+    def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hs.mix(C)

@@ -1,0 +1,185 @@
+"""Hypersolvers as hub artifacts: attach/remove, wrong model, corrupted files, other shapes, gradients."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import deqzoo
+from deqzoo.core.solvers import anderson
+from deqzoo.hypersolver import (
+    HyperSolver,
+    HyperSolverConfig,
+    HyperSolverError,
+    load_hypersolver,
+    model_fingerprint,
+    save_hypersolver,
+)
+from deqzoo.hypersolver.attach import HyperDEQ
+from deqzoo.hypersolver.io import resolve_hypersolver
+from deqzoo.hypersolver.training import default_config
+
+MDEQ, MDEQ_HS = "deqzoo/mdeq-tiny-mnist", "deqzoo/hyperdeq-mdeq-tiny-mnist"
+LM, LM_HS = "deqzoo/deq-transformer-tiny-pydoc", "deqzoo/hyperdeq-deq-transformer-tiny-pydoc"
+
+
+def _pixels(n=4, size=28, seed=0):
+    from deqzoo.tasks import mnist
+
+    x, _ = mnist.load_split("test")
+    pixels = mnist.to_pixel_values(x[:n], deqzoo.from_pretrained(MDEQ))
+    if size != 28:
+        pixels = torch.nn.functional.interpolate(pixels, size=(size, size), mode="bilinear")
+    return pixels
+
+
+def test_attach_and_remove_keep_the_model():
+    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS).eval()
+    keys = set(model.state_dict())
+    assert model.hypersolver is not None and isinstance(model.mdeq.deq, HyperDEQ)
+    pixels = _pixels()
+    with torch.no_grad():
+        out = model(pixels)
+    assert out.deq_stats.solver == "hyperanderson" and out.deq_stats.converged.all()
+    assert set(model.state_dict()) == keys  # the hypersolver is not part of the checkpoint
+    model.remove_hypersolver()
+    assert model.hypersolver is None
+    with torch.no_grad():
+        plain = model(pixels)
+    assert plain.deq_stats.solver == "anderson"
+    # both answer the same equilibrium (to the tolerance): same predictions
+    assert torch.equal(out.logits.argmax(-1), plain.logits.argmax(-1))
+    # solver settings still apply: the budget is config.deq's
+    model.set_hypersolver(MDEQ_HS)
+    model.set_deq(f_max_iter=3, on_nonconvergence="ignore")
+    with torch.no_grad():
+        short = model(pixels)
+    assert short.deq_stats.nfe == 3 and short.deq_stats.solver == "hyperanderson"
+
+
+def test_wrong_model_is_a_clear_error_naming_both():
+    other = deqzoo.from_pretrained("deqzoo/lipschitz-mdeq-tiny-mnist")  # same family, other weights
+    with pytest.raises(HyperSolverError) as err:
+        other.set_hypersolver(MDEQ_HS)
+    assert "mdeq-tiny-mnist" in str(err.value) and "lipschitz-mdeq-tiny-mnist" in str(err.value)
+    lm = deqzoo.from_pretrained(LM)
+    with pytest.raises(HyperSolverError, match="deq-transformer-tiny-pydoc"):
+        lm.set_hypersolver(MDEQ_HS)
+    # skipping the fingerprint check cannot attach a hypersolver of another state layout
+    with pytest.raises(ValueError, match="multires"):
+        lm.set_hypersolver(MDEQ_HS, check=False)
+    cifar = deqzoo.create_model("mdeq-cifar-tiny")  # 3 channels, other widths
+    cifar.set_hypersolver(MDEQ_HS, check=False)
+    with (
+        pytest.raises(ValueError, match=r"hypersolver .* needs .* this model's state has shapes"),
+        torch.no_grad(),
+    ):
+        cifar(torch.randn(1, 3, 32, 32))
+
+
+def test_corrupted_and_invalid_files(tmp_path):
+    src = resolve_hypersolver(MDEQ_HS)
+    bad = tmp_path / "hs"
+    shutil.copytree(src, bad)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in the tensor data
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(HyperSolverError, match=r"model.safetensors: sha256 .* does not match"):
+        load_hypersolver(bad)
+    model = deqzoo.from_pretrained(MDEQ)
+    with pytest.raises(HyperSolverError, match="corrupted"):
+        model.set_hypersolver(bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 16)  # not safetensors, with a matching digest
+    cfg = json.loads((bad / "config.json").read_text())
+    import hashlib
+
+    cfg["training"]["weights_sha256"] = hashlib.sha256(b"\x00" * 16).hexdigest()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HyperSolverError, match="not a readable safetensors file"):
+        load_hypersolver(bad)
+    cfg["model_type"] = "mdeq"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HyperSolverError, match="'model_type' must be 'hypersolver'"):
+        load_hypersolver(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(HyperSolverError, match="not valid JSON"):
+        load_hypersolver(bad)
+    with pytest.raises(HyperSolverError, match="neither a directory nor an embedded"):
+        load_hypersolver("deqzoo/hyperdeq-nothing")
+
+
+def test_save_load_round_trip(tmp_path):
+    model = deqzoo.create_model("mdeq-mnist-tiny")
+    hs = HyperSolver(default_config(model, "mine", alpha_base="anderson"))
+    for p in hs.parameters():
+        p.data.normal_()
+    save_hypersolver(hs, tmp_path / "hs")
+    (tmp_path / "hs" / "README.md").write_text("card")
+    save_hypersolver(hs, tmp_path / "hs")  # saving again keeps other files
+    assert (tmp_path / "hs" / "README.md").read_text() == "card"
+    back = load_hypersolver(tmp_path / "hs")
+    assert back.config.model_fingerprint == model_fingerprint(model)
+    for (k, a), (_, b) in zip(hs.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    model.set_hypersolver(back)  # fingerprint matches
+    assert model.hypersolver is back
+
+
+def test_larger_image_solves():
+    """The compressors and initializer are shape-agnostic: a 40x40 image (trained on 28x28) solves."""
+    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS, deq={"f_max_iter": 40}).eval()
+    with torch.no_grad():
+        out = model(_pixels(n=3, size=40))
+    stats = out.deq_stats
+    assert out.logits.shape == (3, 10) and stats.solver == "hyperanderson"
+    assert stats.converged.all() and float(stats.rel_residual.max()) < 1e-3
+
+
+def test_longer_sequence_solves():
+    """A 128-token input (trained on 64-token chunks) solves with the sequence hypersolver."""
+    model = deqzoo.from_pretrained(LM, hypersolver=LM_HS, deq={"f_max_iter": 60}).eval()
+    model.set_deq(on_nonconvergence="ignore")
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids)
+    stats = out.deq_stats
+    assert out.logits.shape == (1, 128, model.config.vocab_size) and stats.solver == "hyperanderson"
+    assert torch.isfinite(stats.rel_residual).all() and float(stats.rel_residual.max()) < 1e-2
+
+
+def test_model_trains_with_the_hypersolver_float64():
+    """IFT gradients of the MDEQ's parameters with the hypersolver equal those with Anderson (1e-4)."""
+    model = deqzoo.from_pretrained(MDEQ).double().eval()
+    model.set_deq(f_max_iter=120, f_tol=1e-11, b_max_iter=120, b_tol=1e-11, on_nonconvergence="raise")
+    pixels, labels = _pixels(n=2).double(), torch.tensor([3, 7])
+    grads = {}
+    for name in ("anderson", "hyper"):
+        if name == "hyper":
+            model.set_hypersolver(MDEQ_HS)
+        model.zero_grad()
+        out = model(pixels, labels=labels)
+        assert out.deq_stats.solver == ("hyperanderson" if name == "hyper" else "anderson")
+        out.loss.backward()
+        grads[name] = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert grads["anderson"].keys() == grads["hyper"].keys() and len(grads["hyper"]) > 10
+    a = torch.cat([g.flatten() for g in grads["anderson"].values()])
+    h = torch.cat([g.flatten() for g in grads["hyper"].values()])
+    assert float(torch.linalg.vector_norm(a - h) / torch.linalg.vector_norm(a)) < 1e-4
+
+
+def test_base_anderson_with_zero_correction_is_anderson():
+    """alpha_base="anderson" with an untrained network (correction 0, β = 1) takes Anderson's steps."""
+    cfg = HyperSolverConfig(state_kind="vector", pool=4, alpha_base="anderson", m=5)
+    net = HyperSolver(cfg).double().bind([(3, 24)])
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(24, 24, generator=g, dtype=torch.float64) * 0.3
+    x = torch.randn(3, 24, generator=g, dtype=torch.float64)
+    f = lambda z: torch.tanh(z @ W.T + x)  # noqa: E731
+    from deqzoo.core.hyper import hyperanderson
+
+    x0 = torch.zeros(3, 24, dtype=torch.float64)
+    za, sa = anderson(f, x0, max_iter=12, tol=1e-14, m=6)
+    zh, sh = hyperanderson(f, x0, max_iter=12, tol=1e-14, m=5, net=net, base="anderson")
+    torch.testing.assert_close(sh.trace, sa.trace, rtol=1e-7, atol=1e-13)
+    torch.testing.assert_close(zh, za, rtol=1e-7, atol=1e-12)
