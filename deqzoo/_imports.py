@@ -37,7 +37,7 @@ class _HookedLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         _run(self._name)
-        if _PENDING and self._name.startswith("deqzoo."):  # a deferred registration may proceed now
+        if _PENDING and self._name.startswith(_RETRY_PREFIXES):  # a deferred registration may proceed now
             _register_transformers(self._name)
 
     def __getattr__(self, attr):  # get_resource_reader, is_package, ... of the wrapped loader
@@ -46,9 +46,9 @@ class _HookedLoader(importlib.abc.Loader):
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        # deqzoo's own submodules are always wrapped: the one that finishes last retries a deferred
-        # registration (its import began before the deferral, so it cannot be wrapped later)
-        if name not in _HOOKS and not name.startswith("deqzoo."):
+        # deqzoo's and transformers' submodules are always wrapped: the one that finishes last retries a
+        # deferred registration (its import began before the deferral, so it cannot be wrapped later)
+        if name not in _HOOKS and not name.startswith(_RETRY_PREFIXES):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -98,6 +98,7 @@ _TRANSFORMERS_AUTO = tuple(f"transformers.models.auto.{m}" for m in (
     "configuration_auto", "auto_factory", "modeling_auto", "image_processing_auto", "tokenization_auto"))
 
 
+_RETRY_PREFIXES = ("deqzoo.", "transformers.")  # submodules whose completion retries a deferred registration
 _PENDING = False  # a registration was deferred: the next deqzoo submodule to finish importing retries it
 
 
@@ -106,10 +107,12 @@ def _initializing(module) -> bool:
 
 
 def _blocked(current: str | None) -> bool:
-    """Whether a module registration needs is half-imported (other than `current`, whose hook is running
-    and which is still flagged as initializing): transformers' Auto modules or deqzoo's own submodules."""
-    return any(name != current and (name in _TRANSFORMERS_AUTO or name.startswith("deqzoo."))
-               and _initializing(module) for name, module in list(sys.modules.items()))
+    """Whether a module registration may need is half-imported (other than `current`, whose hook is running
+    and which is still flagged as initializing): any submodule of transformers or deqzoo. E.g.
+    ``from transformers import PreTrainedModel`` runs modeling_utils, which imports configuration_auto midway:
+    registering when that completes would meet a half-defined PreTrainedModel."""
+    return any(name != current and name.startswith(_RETRY_PREFIXES) and _initializing(module)
+               for name, module in list(sys.modules.items()))
 
 
 def _register_transformers(name: str | None = None) -> None:

@@ -229,31 +229,6 @@ def train_hypersolver(
 DEFAULT_DATA = {"mnist": (16, 16), "pydoc_lm": (8, 12)}
 
 
-def add_arguments(p) -> None:
-    """The options of `deqzoo train-hypersolver` (cli.py adds the subcommand and calls `run_cli`)."""
-    p.add_argument("model", help="checkpoint id or directory (e.g. deqzoo/mdeq-tiny-mnist)")
-    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long")
-    p.add_argument("--unroll", type=int, default=6, help="K, the unrolled HyperAnderson steps")
-    p.add_argument("--memory", type=int, default=5, help="m (the window holds m + 1 iterates)")
-    p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
-    p.add_argument(
-        "--alpha-base",
-        choices=["none", "anderson"],
-        default="none",
-        help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights",
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
-    p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
-    p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")
-    p.add_argument("--gt-tol", type=float, default=1e-5, help="ground truth: relative tolerance")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
-
-
 def run_cli(args) -> int:
     """`deqzoo train-hypersolver MODEL --out DIR`: record problems on the model's training inputs (no labels),
     solve them for the ground truth, train, save; prints the summary as JSON."""

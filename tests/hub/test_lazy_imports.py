@@ -46,14 +46,18 @@ def test_cli_help_imports_no_heavy_library_and_is_fast():
     assert time.perf_counter() - start < 10
 
 
-@pytest.mark.parametrize("first", ["deqzoo", "transformers", "timm"])
+@pytest.mark.parametrize("first", ["deqzoo", "transformers", "timm", "PreTrainedModel", "pipeline"])
 def test_stock_transformers_auto_classes_find_the_families(first):
     """Registration happens when transformers' Auto machinery is imported after deqzoo, at once when it was
     imported before, and (timm first) when deqzoo's own modules are half-imported at that moment: no family
     may fail to register (warnings are errors here)."""
     imports = {"deqzoo": "import deqzoo\nimport transformers\n",
                "transformers": "import transformers\nfrom transformers import AutoConfig\nimport deqzoo\n",
-               "timm": "import deqzoo\nimport timm\nimport transformers\n"}[first]
+               "timm": "import deqzoo\nimport timm\nimport transformers\n",
+               # modeling_utils imports the Auto modules midway: registration must wait for it to complete
+               "PreTrainedModel": ("import deqzoo\nfrom transformers import PreTrainedModel\n"
+                                   "import transformers\n"),
+               "pipeline": "import deqzoo\nfrom transformers import pipeline\nimport transformers\n"}[first]
     code = "import warnings\nwarnings.simplefilter('error', UserWarning)\n" + imports + (
         "from deqzoo.hub import resolve\n"
         "mnist, lm_dir = resolve('deqzoo/mdeq-tiny-mnist'), resolve('deqzoo/deq-transformer-tiny-pydoc')\n"
