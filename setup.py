@@ -1,9 +1,10 @@
 """Build hook: a wheel carries the embedded checkpoints.
 
 The checkpoints live in ``model_cards/`` at the repository root (each folder a Hub repository). A regular
-(non-editable) build copies the files the catalog lists (``deqzoo/hub/catalog.json``, with their sha256)
-into the package as ``deqzoo/_model_cards/<folder>/``, where :func:`deqzoo.hub.catalog.embedded_folder`
-finds them; an editable install reads ``model_cards/`` in place. Everything else is in pyproject.toml.
+(non-editable) build copies the files the catalog lists (``deqzoo/hub/catalog.json``: checkpoints and
+hypersolvers, with their sha256) into the package as ``deqzoo/_model_cards/<folder>/``, where
+:func:`deqzoo.hub.catalog.embedded_folder` finds them; an editable install reads ``model_cards/`` in place.
+Everything else is in pyproject.toml.
 """
 
 import hashlib
@@ -24,7 +25,8 @@ class BuildPyWithCheckpoints(build_py):
             return
         catalog = json.loads((ROOT / "deqzoo" / "hub" / "catalog.json").read_text())
         target_root = Path(self.build_lib) / "deqzoo" / "_model_cards"
-        for entry in catalog.get("checkpoints", {}).values():
+        entries = [*catalog.get("checkpoints", {}).values(), *catalog.get("hypersolvers", {}).values()]
+        for entry in entries:
             source = ROOT / entry["location"]
             target = target_root / Path(entry["location"]).name
             for rel, digest in entry["files"].items():

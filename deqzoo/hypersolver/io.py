@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
-EMBEDDED_PREFIX = "deqzoo/"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 64 << 20
 
@@ -109,29 +108,24 @@ def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> 
 
 
 def resolve_hypersolver(name_or_path: str | os.PathLike) -> Path:
-    """A local directory, or an embedded hypersolver id ``deqzoo/hyperdeq-...`` (in ``model_cards/``)."""
+    """A local directory, or an embedded hypersolver id ``deqzoo/hyperdeq-...`` (listed in the catalog: in
+    ``model_cards/`` or, installed from a wheel, in the package)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    name = str(name_or_path)
-    if name.startswith(EMBEDDED_PREFIX) and name.count("/") == 1:
-        from ..hub.catalog import CARDS_DIR
+    from ..hub.catalog import embedded_folder, load_hypersolver_catalog
 
-        short = name[len(EMBEDDED_PREFIX) :]
-        folder = CARDS_DIR / short
-        if short.startswith("hyperdeq-") and (folder / CONFIG_NAME).is_file():
+    name = str(name_or_path)
+    embedded = load_hypersolver_catalog()  # the source tree's model_cards/ or a wheel's packaged copy
+    if name in embedded:
+        folder = embedded_folder(embedded[name])
+        if folder is not None:
             return folder
-    known = sorted(f"{EMBEDDED_PREFIX}{p.name}" for p in _cards_dir().glob("hyperdeq-*") if p.is_dir())
+    known = sorted(embedded)
     raise HyperSolverError(
         f"hypersolver {name!r} is neither a directory nor an embedded hypersolver; embedded: "
         f"{known or 'none'}"
     )
-
-
-def _cards_dir() -> Path:
-    from ..hub.catalog import CARDS_DIR
-
-    return CARDS_DIR
 
 
 def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:

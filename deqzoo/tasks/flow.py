@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._files import free_path
+
 __all__ = [
     "HELD_OUT_IMAGES",
     "TRAIN_IMAGES",
@@ -539,16 +541,6 @@ def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
     return path
 
 
-def _free_path(path: Path) -> Path:
-    """`path`, or path-1, path-2... if a file is already there (never overwrite a user's file)."""
-    if not path.exists():
-        return path
-    for i in range(1, 10000):
-        cand = path.with_name(f"{path.stem}-{i}{path.suffix}")
-        if not cand.exists():
-            return cand
-    raise FileExistsError(f"{path}: too many existing files")
-
 
 def demo(model, output_dir: str | Path = "demo_output"):
     """Flow of one held-out pair and of the motorcycle stereo pair, written as colour PNGs into `output_dir`
@@ -620,7 +612,7 @@ def predict(model, input: str) -> str:
     )
     if path.suffix.lower() != ".png":
         raise ValueError(f"predict: output {path} must end in .png")
-    path = _free_path(path)
+    path = free_path(path)
     with torch.no_grad():
         out = model.eval()(a[None], b[None])
     flow = out.flow[0]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..core import FixedPointCache, SolverStats, SpectralProjector
+from ._files import free_path
 
 __all__ = [
     "IMAGES",
@@ -265,16 +266,6 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
     Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
 
 
-def _free_path(path: Path) -> Path:
-    """`path`, or path-1, path-2... if a file is already there (never overwrite a user's file)."""
-    if not path.exists():
-        return path
-    for i in range(1, 10000):
-        cand = path.with_name(f"{path.stem}-{i}{path.suffix}")
-        if not cand.exists():
-            return cand
-    raise FileExistsError(f"{path}: too many existing renders")
-
 
 def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStats]:
     """Render the representation at twice its fitted resolution into `output_dir` (the demo's own folder; its
@@ -340,7 +331,7 @@ def predict(model, input: str) -> str:
     path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
     if path.suffix.lower() != ".png":
         raise ValueError(f"predict: output {path} must end in .png")
-    path = _free_path(path)
+    path = free_path(path)
     start = time.perf_counter()
     image = model.eval().render(h, w)
     _save_png(image, path)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from deqzoo.hub.catalog import REPO_ROOT, load_catalog
+from deqzoo.hub.catalog import REPO_ROOT, load_catalog, load_hypersolver_catalog
 
 pytestmark = pytest.mark.wheel
 
@@ -78,7 +78,7 @@ def test_wheel_carries_every_embedded_checkpoint(wheel_env):
 
     _, _, _, _, wheel = wheel_env
     names = set(zipfile.ZipFile(wheel).namelist())
-    for cid, entry in load_catalog().items():
+    for cid, entry in [*load_catalog().items(), *load_hypersolver_catalog().items()]:
         folder = Path(entry["location"]).name
         for rel in entry["files"]:
             assert f"deqzoo/_model_cards/{folder}/{rel}" in names, (cid, rel)
@@ -94,6 +94,10 @@ def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
         "for cid in sorted(load_catalog()):\n"
         "    model = deqzoo.from_pretrained(cid)\n"
         "    out['models'][cid] = [type(model).__name__, str(resolve(cid))]\n"
+        "from deqzoo.hypersolver.io import resolve_hypersolver\n"
+        "hyper = 'deqzoo/hyperdeq-mdeq-tiny-mnist'\n"
+        "model = deqzoo.from_pretrained('deqzoo/mdeq-tiny-mnist', hypersolver=hyper)\n"
+        "out['hypersolver'] = str(resolve_hypersolver(hyper))\n"
         "print(json.dumps(out))\n")
     proc = subprocess.run([str(python), "-c", code], cwd=work, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -104,6 +108,7 @@ def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
     for cid, (cls, folder) in out["models"].items():
         assert folder.startswith(str(Path(purelib) / "deqzoo" / "_model_cards")), (cid, folder)
         assert cls != "NoneType"
+    assert out["hypersolver"].startswith(str(Path(purelib) / "deqzoo" / "_model_cards")), out["hypersolver"]
 
 
 def test_wheel_install_runs_the_demo_offline(wheel_env):

@@ -123,11 +123,28 @@ def _is_hypersolver(folder: Path) -> bool:
         return False
 
 
+def describe_hypersolver(folder: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
+    """Catalog entry for one hypersolver folder: where it is and its files' sha256 (what a wheel carries)."""
+    for needed in ("config.json", WEIGHTS_NAME, CARD_NAME):
+        if not (folder / needed).is_file():
+            raise FileNotFoundError(f"{folder}: a hypersolver folder needs {needed}")
+    try:
+        location = folder.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        location = str(folder.resolve())
+    files = {p.relative_to(folder).as_posix(): sha256_file(p) for p in _checkpoint_files(folder)}
+    return {"id": f"{NAMESPACE}/{folder.name}", "location": location, "files": files,
+            "size_bytes": sum((folder / name).stat().st_size for name in files),
+            "model_id": json.loads((folder / "config.json").read_text()).get("model_id")}
+
+
 def build_catalog(cards_dir: Path = CARDS_DIR, root: Path = REPO_ROOT, *,
                   skip_incomplete: bool = False) -> dict[str, Any]:
-    """Describe every checkpoint folder; an incomplete folder is an error unless `skip_incomplete`."""
-    folders = sorted(p for p in Path(cards_dir).glob("*/") if p.is_dir() and not p.name.startswith(".")
-                     and not _is_hypersolver(p))
+    """Describe every checkpoint folder (and, apart, every hypersolver folder); an incomplete folder is an
+    error unless `skip_incomplete`."""
+    candidates = sorted(p for p in Path(cards_dir).glob("*/") if p.is_dir() and not p.name.startswith("."))
+    hypersolvers = [describe_hypersolver(p, root) for p in candidates if _is_hypersolver(p)]
+    folders = [p for p in candidates if not _is_hypersolver(p)]
     entries = []
     for folder in folders:
         try:
@@ -136,7 +153,8 @@ def build_catalog(cards_dir: Path = CARDS_DIR, root: Path = REPO_ROOT, *,
             if not skip_incomplete:
                 raise
             print(f"skipping incomplete checkpoint folder: {err}")
-    return {"format": 1, "checkpoints": {entry["id"]: entry for entry in entries}}
+    return {"format": 1, "checkpoints": {entry["id"]: entry for entry in entries},
+            "hypersolvers": {entry["id"]: entry for entry in hypersolvers}}
 
 
 def write_catalog(catalog: dict[str, Any], path: Path = CATALOG_PATH) -> Path:
@@ -153,6 +171,20 @@ def load_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
         return {}
     data = json.loads(path.read_text())
     return data.get("checkpoints", {})
+
+
+def load_hypersolver_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """{id: entry} of the embedded hypersolvers (`deqzoo.hypersolver`); their folders resolve through
+    `embedded_folder` like checkpoints'.
+
+    Example:
+        >>> "deqzoo/hyperdeq-mdeq-tiny-mnist" in load_hypersolver_catalog()
+        True
+    """
+    path = Path(path) if path is not None else CATALOG_PATH
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("hypersolvers", {})
 
 
 README_START, README_END = "<!-- catalog:start -->", "<!-- catalog:end -->"
