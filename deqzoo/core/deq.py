@@ -58,7 +58,11 @@ class DEQ(nn.Module):
         return cfg.f_max_iter
 
     def forward(self, f, z0: State) -> tuple[State, SolverStats]:
-        cfg = self.config
+        return self.solve_with(self.config, f, z0)
+
+    def solve_with(self, cfg: DEQConfig, f, z0: State) -> tuple[State, SolverStats]:
+        """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
+        that solves with per-call settings, e.g. a hypersolver, is safe across threads)."""
         if torch.jit.is_tracing() or torch.compiler.is_exporting():
             raise RuntimeError(
                 f"DEQ: the {cfg.f_solver!r} forward solve cannot be traced or exported: its stopping test "
@@ -76,7 +80,7 @@ class DEQ(nn.Module):
         if grad and not getattr(mode, "needs_solve", True):
             x = mode(g, None, ctx)
             x_star = x
-            self._report(ctx.stats)
+            self._report(ctx.stats, cfg)
             stats = ctx.stats
         else:
             kwargs = dict(cfg.f_solver_kwargs)
@@ -89,7 +93,7 @@ class DEQ(nn.Module):
                 x_star, stats = get_solver(cfg.f_solver)(
                     g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
                 )
-            self._report(stats)
+            self._report(stats, cfg)
             if not grad:
                 return packer.unflatten(x_star), stats
             ctx.stats = stats
@@ -97,7 +101,7 @@ class DEQ(nn.Module):
         if cfg.jac_reg_samples > 0:
             stats.jac_loss = self._jac_loss(g, x_star if ctx.kept is None else x, ctx)
         if keep:
-            stats.states = [packer.unflatten(s) for s in self._states(g, x, ctx, keep)]
+            stats.states = [packer.unflatten(s) for s in self._states(g, x, ctx, keep, cfg)]
         return packer.unflatten(x), stats
 
     def _jac_loss(self, g, x_star: torch.Tensor, ctx: BackwardContext) -> torch.Tensor:
@@ -106,10 +110,10 @@ class DEQ(nn.Module):
         else:  # modes without an f call at a leaf z* (phantom UPG, unrolled): one more differentiable call
             xs = x_star.detach().requires_grad_()
             fx = g(xs)
-        return jacobian_reg(fx, xs, n_samples=self.config.jac_reg_samples)
+        return jacobian_reg(fx, xs, n_samples=ctx.config.jac_reg_samples)
 
-    def _states(self, g, x: torch.Tensor, ctx: BackwardContext, keep: list[int]) -> list[torch.Tensor]:
-        cfg = self.config
+    def _states(self, g, x: torch.Tensor, ctx: BackwardContext, keep: list[int],
+                cfg: DEQConfig) -> list[torch.Tensor]:
         kept_graph = ctx.kept or {}
         kept_plain = ctx.stats.extra.get("kept", {}) if ctx.stats is not None else {}
         out = []
@@ -124,8 +128,8 @@ class DEQ(nn.Module):
                 out.append(x)
         return out
 
-    def _report(self, stats: SolverStats) -> None:
-        mode = self.config.on_nonconvergence
+    def _report(self, stats: SolverStats, cfg: DEQConfig) -> None:
+        mode = cfg.on_nonconvergence
         if mode == "ignore" or stats.all_converged:
             return
         flags = "".join(

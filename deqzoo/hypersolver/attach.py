@@ -98,16 +98,12 @@ class HyperDEQ(DEQ):
             with torch.no_grad():
                 init = hs.initial_state(injection.detach(), shapes)
             z0 = init[0] if isinstance(z0, torch.Tensor) else type(z0)(init)
-        base = self.config
         c = hs.config
-        self.config = base.update(
+        cfg = self.config.update(  # per call, never stored: self.config stays the model's (thread-safe)
             f_solver="hyperanderson",
             f_solver_kwargs={"net": hs.bind(shapes), "m": c.m, "form": c.form, "base": c.alpha_base},
         )
-        try:
-            return super().forward(f, z0)
-        finally:
-            self.config = base
+        return self.solve_with(cfg, f, z0)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", hypersolver={self.__dict__['hypersolver'].config.model_id or '?'}"

@@ -126,6 +126,27 @@ def test_save_load_round_trip(tmp_path):
     assert model.hypersolver is back
 
 
+def test_solving_with_the_hypersolver_leaves_the_layer_config_alone():
+    """The hypersolver's settings are per call: while f runs, the layer's config is still the model's own
+    (another thread using the model at that moment sees the model's settings, not a half-swapped config)."""
+    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS).eval()
+    layer = model.mdeq.deq
+    seen = []
+    hook = model.mdeq.register_forward_pre_hook(lambda *_: seen.append(layer.config.f_solver))
+    original = layer.config
+    inner = layer.solve_with
+
+    def spy(cfg, f, z0):
+        return inner(cfg, lambda z: (seen.append(layer.config.f_solver), f(z))[1], z0)
+
+    layer.solve_with = spy
+    with torch.no_grad():
+        out = model(_pixels(n=2))
+    hook.remove()
+    assert out.deq_stats.solver == "hyperanderson"
+    assert layer.config is original and set(seen) == {"anderson"} and len(seen) > 2
+
+
 def test_larger_image_solves():
     """The compressors and initializer are shape-agnostic: a 40x40 image (trained on 28x28) solves."""
     model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS, deq={"f_max_iter": 40}).eval()
