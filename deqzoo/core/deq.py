@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,24 @@ class DEQ(nn.Module):
         super().__init__()
         config = config or DEQConfig()
         self.config = config.update(**overrides) if overrides else config
+        self.compile_options: dict[str, Any] | None = None  # set by `compile_f`; not part of the config
+
+    def compile_f(self, enabled: bool = True, **options: Any) -> DEQ:
+        """Run f through ``torch.compile(f, **options)`` in every solve (False: back to eager).
+
+        The solver loop stays eager (its stopping test reads values every step); f, the costly part, is one
+        compiled graph per call, with no graph break per step, compiled on the first solve and reused by
+        every later step and solve with the same shapes.
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import DEQ
+            >>> deq = DEQ(f_solver="fixed_point", f_max_iter=30, f_tol=1e-6).compile_f()
+            >>> deq.compile_options
+            {}
+        """
+        self.compile_options = dict(options) if enabled else None
+        return self
 
     def extra_repr(self) -> str:
         c = self.config
@@ -68,6 +87,9 @@ class DEQ(nn.Module):
                 f"DEQ: the {cfg.f_solver!r} forward solve cannot be traced or exported: its stopping test "
                 "and statistics read tensor values every step. Export under fixed-iteration inference "
                 "instead: deqzoo.export.exportable(model) (see deqzoo.export)")
+        if self.compile_options is not None:
+            f = torch.compile(f, **self.compile_options)  # compiled code is cached per code object: one
+            # compilation serves every later call of the same model function (guards: shapes, dtypes)
         packer = StatePacker(z0)
         x0 = packer.flatten(z0)
         packer.check_finite(x0)

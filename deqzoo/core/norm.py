@@ -226,6 +226,8 @@ def _norms_of(module: nn.Module) -> list[_Norm]:
 
 
 def _pre_hook(module: nn.Module, _args) -> None:
+    if torch.compiler.is_compiling():  # a compiled f (DEQ.compile_f): the stamp compares data pointers, which
+        return  # breaks the graph; the model's forward has reset the weights before the solve (reset_norm)
     for fn in _norms_of(module):
         fn.refresh_if_stale(module)
 
