@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import re
@@ -47,6 +46,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from deqzoo.hub.catalog import sha256_file
 
 from ._common import check_output
 
@@ -582,14 +583,6 @@ def convert_state_dict(
     return model.eval(), info
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_converted(model, info: dict[str, Any], src: Path, out: Path, fmt: str, source_desc: str) -> Path:
     """Save config.json + model.safetensors + preprocessor_config.json + README.md (card) into `out`."""
     from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
@@ -616,7 +609,7 @@ def _write_card(out: Path, model, info: dict[str, Any], src: Path, fmt: str, sou
     solver = {k: v for k, v in cfg.deq.items() if k.startswith("f_") and k != "f_solver_kwargs"}
     body = f"""Converted from an original checkpoint ({source_desc}) with `deqzoo convert {fmt}`.
 
-- Source file: `{src.name}` (sha256 `{_sha256(src)}`)
+- Source file: `{src.name}` (sha256 `{sha256_file(src)}`)
 - Architecture: {f"preset `{preset}`" if preset else "read from the checkpoint and options"}; branch channels
   {cfg.branch_channels}, expansion {cfg.expansion_factor}, {n_params:,} parameters
 - Solver settings (from the original config; change with `model.set_deq(...)`): `{solver}`

@@ -63,6 +63,17 @@ class SolverStats:
             states=[per_sample(s) for s in self.states] if self.states is not None else None,
         )
 
+    @classmethod
+    def no_solve(cls, batch: int = 1) -> SolverStats:
+        """Statistics of an explicit network (no fixed point solved): 0 evaluations, residual 0, converged.
+
+        Example:
+            >>> SolverStats.no_solve(2).summary()
+            'none: nfe=0 max rel residual=0.00e+00 converged=2/2'
+        """
+        return cls(nfe=0, abs_residual=torch.zeros(batch), rel_residual=torch.zeros(batch),
+                   trace=torch.zeros(0), converged=torch.ones(batch, dtype=torch.bool), solver="none")
+
     @property
     def residual(self) -> torch.Tensor:
         """Per-sample residual in the solve's stop mode."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .modeling import HyperSolver
 
@@ -79,32 +80,35 @@ def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
         )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> Path:
-    """Write config.json (with the weights' sha256) and model.safetensors into `directory`; other files there
-    (a card) are kept. Each file is written to a temporary name and renamed into place."""
+    """Write config.json (with the weights' sha256) and model.safetensors into `directory`, atomically as a
+    pair (`deqzoo.hub.saving.atomic_save`); other files there (a card) are kept. A directory that holds some
+    other checkpoint (a config.json that is not a hypersolver's) is refused: its weights would be replaced."""
     from safetensors.torch import save_file
 
+    from ..hub.saving import atomic_save
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{WEIGHTS_NAME}.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in hypersolver.state_dict().items()}, str(tmp))
-    hypersolver.config.training["weights_sha256"] = _sha256(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # a regular file's mode, not the private one of a temporary file
-    os.replace(tmp, directory / WEIGHTS_NAME)
-    tmp = directory / f".{CONFIG_NAME}.tmp"
-    tmp.write_text(hypersolver.config.to_json())
-    os.replace(tmp, directory / CONFIG_NAME)
-    return directory
+    existing = directory / CONFIG_NAME
+    if existing.is_file():
+        try:
+            kind = json.loads(existing.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind != "hypersolver":
+            raise HyperSolverError(
+                f"{existing}: the directory holds a checkpoint that is not a hypersolver (model_type "
+                f"{kind!r}); saving would replace its config.json and model.safetensors. Choose another --out"
+            )
+
+    def write(tmp: Path) -> None:
+        weights = tmp / WEIGHTS_NAME
+        state = {k: v.detach().contiguous().cpu() for k, v in hypersolver.state_dict().items()}
+        save_file(state, str(weights))
+        hypersolver.config.training["weights_sha256"] = sha256_file(weights)
+        (tmp / CONFIG_NAME).write_text(hypersolver.config.to_json())
+
+    return atomic_save(directory, write)
 
 
 def resolve_hypersolver(name_or_path: str | os.PathLike) -> Path:
@@ -158,7 +162,7 @@ def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
     except HyperSolverConfigError as err:
         raise HyperSolverError(str(err)) from None
     want = config.training.get("weights_sha256")
-    have = _sha256(w_path)
+    have = sha256_file(w_path)
     if want is not None and want != have:
         raise HyperSolverError(
             f"{w_path}: sha256 {have} does not match the {want} recorded in {cfg_path} "

@@ -557,17 +557,10 @@ def demo(model, output_dir: str | Path = "demo_output"):
     p1 = flow_png(syn.flow[0], out_dir / f"{name}_held_out_flow.png")
     p2 = flow_png(out.flow[0], out_dir / f"{name}_motorcycle_flow.png")
     stats = out.deq_stats
-    if stats is None:  # the explicit twin has no solve: report an empty one
+    if stats is None:  # the explicit twin has no solve
         from ..core import SolverStats
 
-        stats = SolverStats(
-            nfe=0,
-            abs_residual=torch.zeros(1),
-            rel_residual=torch.zeros(1),
-            trace=torch.zeros(0),
-            converged=torch.ones(1, dtype=torch.bool),
-            solver="none",
-        )
+        stats = SolverStats.no_solve()
     summary = (
         f"held-out pair EPE {epe(syn.flow[0], pair.flow, pair.valid):.2f} px -> {p1}; motorcycle "
         f"(1/4 res) disparity EPE {epe(out.flow[0], moto.flow, moto.valid):.2f} px -> {p2}"

@@ -287,15 +287,8 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
         f"rendered at 2x ({2 * size}x{2 * size}) to {path}"
     )
     st = (render_stats or [None])[0]
-    if st is None:  # explicit networks have no solve: report an empty one
-        st = SolverStats(
-            nfe=0,
-            abs_residual=torch.zeros(1),
-            rel_residual=torch.zeros(1),
-            trace=torch.zeros(0),
-            converged=torch.ones(1, dtype=torch.bool),
-            solver="none",
-        )
+    if st is None:  # explicit networks have no solve
+        st = SolverStats.no_solve()
     return summary, st
 
 

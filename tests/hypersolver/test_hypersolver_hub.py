@@ -126,6 +126,17 @@ def test_save_load_round_trip(tmp_path):
     assert model.hypersolver is back
 
 
+def test_save_refuses_a_model_checkpoint_folder(tmp_path):
+    """--out pointing at a model's own folder must not replace the model's config.json/model.safetensors."""
+    model = deqzoo.create_model("mdeq-mnist-tiny")
+    model.save_pretrained(tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()}
+    hs = HyperSolver(default_config(model, "mine", alpha_base="anderson"))
+    with pytest.raises(HyperSolverError, match="not a hypersolver"):
+        save_hypersolver(hs, tmp_path / "model")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()} == before
+
+
 def test_solving_with_the_hypersolver_leaves_the_layer_config_alone():
     """The hypersolver's settings are per call: while f runs, the layer's config is still the model's own
     (another thread using the model at that moment sees the model's settings, not a half-swapped config)."""
