@@ -47,6 +47,21 @@ def _layout(directory, nested: bool) -> dict[str, bytes]:
     return files
 
 
+def _fork() -> int:
+    """os.fork(), with the child off every lock it shares with this process. tqdm's write lock is a
+    process-shared multiprocessing semaphore inherited across fork: a child SIGKILLed while a progress bar
+    holds it leaves it held for good, and the next progress bar here (or tqdm's monitor thread) waits forever
+    (the hang seen after 17 tests). The child gets a private lock instead."""
+    pid = os.fork()
+    if pid == 0:
+        import tqdm.auto
+        import tqdm.std
+
+        for cls in {tqdm.std.tqdm, tqdm.auto.tqdm}:
+            cls.set_lock(threading.RLock())
+    return pid
+
+
 def _raw_state(directory):
     """(hidden_size, mix.weight) read without deqzoo: what any reader finds at the path right now."""
     config = json.loads((directory / "config.json").read_text())
@@ -66,7 +81,7 @@ def _which(directory, old, new) -> str:
 def _fork_save(model, target, *, stage: str | None = None, env: dict | None = None, chdir=None,
                mid_write: bool = False) -> int:
     """Save `model` to `target` in a child killed at `stage`; returns the child's signal (0 if none)."""
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:  # child: never returns into pytest
         try:
             os.environ.update(env or {})
@@ -187,7 +202,7 @@ def test_kill_at_random_instants_always_leaves_a_checkpoint(tmp_path, toy_family
     files = _layout(target, nested=True)
     rng = random.Random(0)
     for _ in range(8):
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             try:
                 while True:
@@ -257,7 +272,7 @@ def test_kill_with_another_process_holding_the_lock_file(tmp_path, toy_family):
     """The lock is an flock: a second process blocks on it too (not only threads of this one)."""
     target = (tmp_path / "ckpt").resolve()
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         try:
             with saving.save_lock(target):
