@@ -15,8 +15,9 @@ depend on the rest of its batch.
 
 Kernels receive numpy arrays only (never raw addresses): the solvers check f's output positively before
 they hand a view of it over (`deqzoo.core.solvers._readable`), and numba checks every array's type,
-dimension and layout when it unboxes it. The iterate f is called on is a fresh array each step (``x``); the
-kernel writes the next one into another fresh array (``xn``), so f may keep its inputs.
+dimension and layout when it unboxes it. The iterate f is called on (``x``) is never the array the kernel
+writes the next one into (``xn``); the solver recycles an iterate's array only once nothing but the solver
+holds it, so f may keep its inputs.
 
 Norms and dot products accumulate in the state's dtype over many vector lanes (float32: ~1e-7 relative, as a
 BLAS dot), in float64 when that overflows; the small systems are solved in float64.

@@ -4,12 +4,13 @@ A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStat
 (B, D) to (B, D) and runs without autograd. Every built-in solver keeps per-sample statistics and returns,
 per sample, the iterate with the lowest residual seen; a sample whose residual is below tol is frozen there
 (its next iterates are its best one, its history is no longer updated), so its result does not depend on the
-rest of its batch. f is called on a fresh tensor every step, never on a buffer the solver writes again, so f
-may keep its inputs; f's output is checked (shape, dtype) on every call. Built-ins also accept
-``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for fixed-point correction)
-and ``div_factor`` (stop when the largest absolute residual exceeds ``div_factor`` times the largest best
-one: divergence). Memory grows with the work done (histories of min(m, steps taken) entries), never with
-max_iter. An empty batch (B = 0) returns an empty result without calling f.
+rest of its batch. f is called on a new tensor every step, never on a buffer the solver writes while f holds
+it, so f may keep its inputs (the fused path recycles an iterate's array only when nothing outside the solver
+holds the iterate, a view, an array or an autograd graph of it); f's output is checked (shape, dtype) on every
+call. Built-ins also accept ``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for
+fixed-point correction) and ``div_factor`` (stop when the largest absolute residual exceeds ``div_factor``
+times the largest best one: divergence). Memory grows with the work done (histories of min(m, steps taken)
+entries), never with max_iter. An empty batch (B = 0) returns an empty result without calling f.
 
 Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
 the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
@@ -26,6 +27,7 @@ they agree per sample to rounding.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -296,7 +298,8 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
                  div_factor: float) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
     """Run a fused kernel step ``step(k, fx, x, xn, best_x, *hist(k), best, active, *consts, rel, tol,
     div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
-    solver's history arrays with room for step k. Every iterate is a fresh tensor: f may keep its input."""
+    solver's history arrays with room for step k. Every iterate is a new tensor; its array is recycled for a
+later iterate only when nothing but the solver holds it (`_holders`), so f may keep its input."""
     b = x0.shape[0]
     x = x0.clone(memory_format=torch.contiguous_format)
     xa = x.numpy()
@@ -308,6 +311,9 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     kept: dict[int, torch.Tensor] = {}
     trace: list[float] = []
     shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
+    x = torch.from_numpy(xa)  # iterates are tensors over arrays of ours: `_holders` counts who holds them
+    held = _holders(x)
+    spare = None  # an iterate's array that nothing outside the solver holds: the next step writes into it
     for k in range(max_iter):
         arrays = hist(k)
         fx = g(x)
@@ -336,16 +342,31 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
             pass
         if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
             fa = _readable(_check_output(fx, x), x)
-        xna = np.empty_like(xa)
+        xna = np.empty_like(xa) if spare is None else spare
         flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
         trace.append(t)
         if flags:
             break  # steps in `keep` from here on keep the final best iterate
         if keep and k + 1 in keep:
             kept[k + 1] = best_x.clone()
-        x, xa = torch.from_numpy(xna), xna
+        del fx, fa  # f's output may be a view of x: it must not count as a holder below
+        spare = xa if held[0] >= 0 and _holders(x) == held else None  # see `_holders`
+        x = torch.from_numpy(xna)
+        xa = xna
     return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
                           _kept_extra(keep, kept, best_x, {}))  # fmt: skip
+
+
+def _holders(x: torch.Tensor) -> tuple[int, int, int]:
+    """Who holds iterate x: references to the Python object, to its TensorImpl (autograd's saved tensors,
+    C++ containers) and to its storage (views, ``.numpy()`` arrays). Counts equal to a fresh iterate's,
+    taken the same way, mean that nothing but the solver holds x: its array may then take a later iterate
+    without f ever seeing a buffer change under a reference it kept. An f that kept x, a view of it, or
+    saved it for backward makes x held, and the next step gets a fresh array instead."""
+    try:
+        return sys.getrefcount(x), x._use_count(), torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):  # private counters gone in some torch: never recycle
+        return (-1, -1, -1)
 
 
 class _Pooled:

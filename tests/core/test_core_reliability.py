@@ -182,23 +182,69 @@ def test_fused_and_torch_paths_agree_per_sample(monkeypatch, solver, dtype, tol)
             assert err.max() < (1e-7 if dtype == torch.float64 else 1e-2), err
 
 
+_KEEPERS = {
+    "tensor": lambda z: z,
+    "view": lambda z: z[1:],
+    "numpy": lambda z: z.numpy(),
+    "reshaped": lambda z: z.reshape(-1),
+    "graph": lambda z: _saved_for_backward(z),  # autograd holds z itself, no Python reference to it
+}
+
+
+def _saved_for_backward(z):
+    w = torch.ones(z.shape[-1], dtype=z.dtype, requires_grad=True)
+    return (z * w).sum(), w  # d/dw = z.sum(0), read from the saved z
+
+
+@pytest.mark.parametrize("keep", list(_KEEPERS))
 @pytest.mark.parametrize("solver", [fixed_point, anderson, broyden, gmres])
-def test_f_may_keep_its_inputs(path, solver):
-    """f keeps every input it sees (no copy): none is written afterwards, and all are distinct tensors."""
+def test_f_may_keep_its_inputs(path, solver, keep):
+    """f keeps every input it sees, or a view, array or autograd graph of it (no copy): none is written
+    afterwards, and all are distinct buffers."""
     f, x0 = _staggered(torch.float64)
-    seen, copies = [], []
+    seen, held, copies = [], [], []
 
     def keeper(z):
-        seen.append(z)
+        with torch.enable_grad():
+            held.append(_KEEPERS[keep](z))
+        seen.append(z.data_ptr())
         copies.append(z.clone())
         return f(z)
 
     solver(keeper, x0, max_iter=40, tol=1e-9)
     assert len(seen) > 5
-    for z, c in zip(seen, copies):
-        assert torch.equal(z, c)
-    ptrs = {z.data_ptr() for z in seen}
-    assert len(ptrs) == len(seen) or solver is gmres  # gmres calls f on x0 + v_j: fresh, but it may re-add
+    for h, c in zip(held, copies):
+        if keep == "graph":
+            (g,) = torch.autograd.grad(h[0], h[1])
+            assert torch.equal(g, c.sum(0))
+        else:
+            h = torch.as_tensor(h).reshape(-1)
+            assert torch.equal(h, c.reshape(-1)[-h.numel():])
+    assert len(set(seen)) == len(seen) or solver is gmres  # gmres: f on x0 + v_j, fresh, but it may re-add
+
+
+def test_iterates_f_does_not_keep_are_recycled():
+    """The fused path's iterates live in two arrays when f keeps none of them (no allocation per step), and
+    the solve equals the one where f keeps them all."""
+    if not (_kernels.AVAILABLE and _kernels.ENABLED and _kernels.warm_up(block=True)):
+        pytest.skip("fused kernels unavailable")
+    f, x0 = _staggered(torch.float64)
+    ptrs, kept = [], []
+
+    def plain(z):
+        ptrs.append(z.data_ptr())
+        return f(z)
+
+    def keeper(z):
+        kept.append(z)
+        return f(z)
+
+    for solver in (anderson, broyden):
+        ptrs.clear(), kept.clear()
+        z1, s1 = solver(plain, x0, max_iter=40, tol=1e-9)
+        z2, s2 = solver(keeper, x0, max_iter=40, tol=1e-9)
+        assert s1.nfe == s2.nfe > 5 and torch.equal(z1, z2) and torch.equal(s1.trace, s2.trace)
+        assert len(set(ptrs)) == 2, len(set(ptrs))
 
 
 # ------------------------------------------------------------------------------------------- empty batches
