@@ -499,14 +499,17 @@ def _compile() -> None:
 def _compile_elsewhere() -> None:
     """Compile in a child process that writes numba's cache, then load from it here. A compiling thread
     would hold the GIL for tens of seconds and stall every torch op of the solves meanwhile (each op waits
-    for the GIL when it returns); the child runs on another core and the solves keep their speed. If the
-    child fails (no writable cache, for one), compile in this thread after all."""
+    for the GIL when it returns); the child runs at the lowest priority, on the cores the solves leave idle.
+    If the child fails (no writable cache, for one), compile in this thread after all."""
     import subprocess
     import sys
 
-    # this file alone, under its own name (numba's cache records it), without the package's heavy imports
+    # this file alone, under its own name (numba's cache records it), without the package's heavy imports;
+    # at the lowest priority: on a machine with few cores the child would otherwise take a core from
+    # torch's thread pool, and every op of the user's first forwards waits for its slowest thread
     code = (
-        "import importlib.util, sys; "
+        "import importlib.util, os, sys; "
+        "hasattr(os, 'nice') and os.nice(19); "
         f"spec = importlib.util.spec_from_file_location({__name__!r}, {__file__!r}); "
         f"mod = importlib.util.module_from_spec(spec); sys.modules[{__name__!r}] = mod; "
         "spec.loader.exec_module(mod); mod._compile(); sys.exit(1 if mod._error else 0)"
