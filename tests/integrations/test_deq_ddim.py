@@ -15,10 +15,10 @@ from deqzoo.integrations.diffusers import DEQDDIMPipeline  # noqa: E402
 EMBEDDED = Path(__file__).resolve().parents[2] / "model_cards" / "ddim-digits-16"
 
 
-def _random_unet(seed: int = 0, out_scale: float = 1.0) -> UNet2DModel:
+def _random_unet(seed: int = 0, out_scale: float = 1.0, size: int = 32) -> UNet2DModel:
     torch.manual_seed(seed)
     unet = UNet2DModel(
-        sample_size=32,
+        sample_size=size,
         in_channels=3,
         out_channels=3,
         block_out_channels=(8, 16),
@@ -68,13 +68,29 @@ def test_matches_ddim_pipeline_random_unet_saved_by_diffusers(T, tmp_path):
 def test_raw_random_unet_chain_is_chaotic_even_for_diffusers():
     """Why the random UNet above has a damped output layer: with raw random weights the DDIM chain at T=50
     amplifies float32 rounding to O(1) (diffusers' own DDIMPipeline at batch 1 vs batch 2 disagrees), so no
-    parallel evaluation order can match it to 1e-3; the safeguarded solve still returns an exact fixed point
-    of its own arithmetic."""
+    parallel evaluation order can match it to 1e-3 in float32; in float64 it does (the test below)."""
     torch.set_num_threads(1)
-    unet, sched = _random_unet(), DDIMScheduler()
+    unet, sched = _random_unet(size=16), DDIMScheduler()
     both = _ddim_reference(unet, sched, 50, 2, seed=1)
     first = _ddim_reference(unet, sched, 50, 1, seed=1)  # the same x_T[0] (same generator stream)
     assert (both[:1] - first).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("T", [10, 50])
+def test_matches_ddim_pipeline_raw_random_unet_float64(T):
+    """With raw random weights (no damping) the chain is chaotic in float32 (the test above: diffusers
+    disagrees with itself by > 1e-2), but in float64 the reference is reproducible, and DEQ-DDIM matches
+    diffusers' DDIMPipeline to rounding (measured: 6e-14 at T=10, 3e-10 at T=50, 16x16 images)."""
+    torch.set_num_threads(1)
+    unet, sched = _random_unet(size=16).double(), DDIMScheduler()
+    first = _ddim_reference(unet, sched, T, 1, seed=1)
+    ref = _ddim_reference(unet, sched, T, 2, seed=1)
+    assert ref.dtype == torch.float64 and (ref[:1] - first).abs().max().item() < 1e-6
+    out = DEQDDIMPipeline(unet=unet, scheduler=sched)(
+        batch_size=2, generator=torch.manual_seed(1), num_inference_steps=T, output_type="pt"
+    )
+    assert out.images.dtype == torch.float64
+    assert (out.images - ref).abs().max().item() <= 1e-6
 
 
 def test_telescoped_map_fixed_point_is_the_chain_float64():
