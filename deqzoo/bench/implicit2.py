@@ -35,6 +35,12 @@ import numpy as np
 _GEN_EXPLICIT_LAYERS = 1  # explicit baseline of the generalization table: same width, one layer
 
 
+def paper_input_scale(filter_type: str, size: int) -> float:
+    """The original's frequency scale per pixel: camera at 512² uses 256 for Fourier/Gabor MFNs and 128 for
+    SIREN (its `siren_like` filters get input_scale / 2); a size² grid gets the same frequencies per pixel."""
+    return (128.0 if filter_type == "siren" else 256.0) * size / 512
+
+
 def _settings(args) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     groups = set(args.groups.split(","))
@@ -54,6 +60,7 @@ def _settings(args) -> list[dict[str, Any]]:
                         "width": width,
                         "T": 1,
                         "reuse": True,
+                        "input_scale": paper_input_scale(f, args.size),
                         **rep,
                     }
                 )
@@ -66,6 +73,7 @@ def _settings(args) -> list[dict[str, Any]]:
         "width": 256,
         "T": 1,
         "reuse": True,
+        "input_scale": paper_input_scale(first, args.size),
         **rep,
     }
     if "reuse" in groups:
@@ -74,7 +82,8 @@ def _settings(args) -> list[dict[str, Any]]:
         out.append({**base, "name": f"reuse-{first}-onestep", "group": "reuse", "max_iter": 1})
     if "T" in groups:
         for t in ("0", "inf"):
-            out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t})
+            steps = args.t_steps or args.steps
+            out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t, "steps": steps})
     if "gen" in groups:
         from ..tasks.implicit2 import IMAGES
 
@@ -157,7 +166,7 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         data.train_values,
         int(setting["steps"]),
         reuse=setting["reuse"],
-        eval_every=max(1, int(setting["steps"]) // 3),
+        eval_every=int(setting.get("eval_every", 10)),
         eval_fn=eval_fn,
         desc=setting["name"],
     )
@@ -171,6 +180,7 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         "train_psnr": [-10 * np.log10(max(v / 4.0, 1e-30)) for v in hist["loss"]],
         "nfe": hist["nfe"],
         "residual": hist["residual"],
+        "f_tol": cfg.deq_config.f_tol,
         "step_time": hist["step_time"],
         "eval": hist["eval"],
         "final_psnr": hist["eval"][-1][1],
@@ -198,6 +208,8 @@ def _launch(setting, args) -> subprocess.Popen:
         str(args.size),
         "--steps",
         str(args.steps),
+        "--t-steps",
+        str(args.t_steps),
         "--gen-size",
         str(args.gen_size),
         "--gen-steps",
@@ -292,7 +304,7 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
             summary["reuse"]["psnr_with"] = round(with_["final_psnr"], 2)
             summary["reuse"]["mean_rel_residual_with_after_100"] = float(_mean_after(with_["residual"], 100))
         summary["reuse"]["psnr_without"] = round(r0["final_psnr"], 2)
-        summary["reuse"]["tol"] = "rel 1e-3 (fixed_point, max 100)"
+        summary["reuse"]["tol"] = f"rel {r0.get('f_tol', 1e-3):g} (fixed_point, max 100)"
         ax.set(
             xlabel="training step",
             ylabel="forward f-evaluations",
@@ -307,18 +319,24 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     ts = {str(r["T"]): r for r in records.values() if r["group"] == "T"}
     if ts:
         f = next(iter(ts.values()))["filter"]
+        t_steps = min(int(r["steps"]) for r in ts.values())
         if f"rep-{f}-imp-1l256d" in records:
             ts["1"] = records[f"rep-{f}-imp-1l256d"]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for t in sorted(ts, key=lambda s: float(s)):
             r = ts[t]
-            ax.plot(np.arange(1, len(r["train_psnr"]) + 1), r["train_psnr"], label=f"T = {t}")
+            n = min(t_steps, len(r["train_psnr"]))  # every T compared at the same step count
+            axes[0].plot(np.arange(1, n + 1), r["train_psnr"][:n], label=f"T = {t}")
+            ev = [(s, v) for s, v in r["eval"] if s <= t_steps]
+            axes[1].plot(*zip(*ev), "o-", label=f"T = {t}")
             summary["T"][t] = {
-                "final_psnr": round(r["final_psnr"], 2),
-                "step_time_s": round(_mean_after(r["step_time"], 5), 3),
+                "steps": ev[-1][0],
+                "final_psnr": round(ev[-1][1], 2),
+                "step_time_s": round(_mean_after(r["step_time"][:n], 5), 3),
             }
-        ax.set(xlabel="step", ylabel="training PSNR (dB)", title="NPG with T terms (T=0 JFB, T=inf IFT)")
-        ax.legend()
+        axes[0].set(xlabel="step", ylabel="training PSNR (dB)", title="NPG with T terms (T=0 JFB, T=inf IFT)")
+        axes[1].set(xlabel="step", ylabel="PSNR from a zero initial state (dB)", title="evaluation")
+        axes[0].legend()
         fig.tight_layout()
         fig.savefig(out / "npg_T.png", dpi=110)
         plt.close(fig)
@@ -364,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_implicit2")
     p.add_argument("--size", type=int, default=128, help="camera resolution for rep/reuse/T")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--t-steps", type=int, default=0, help="steps of the T=0 / T=inf runs (default --steps); "
+                   "every T is compared at this step count (the T=1 run's evaluation at that step)")
     p.add_argument("--gen-size", type=int, default=128, help="image resolution of the generalization grid")
     p.add_argument("--gen-steps", type=int, default=150)
     p.add_argument("--filters", default="gabor,siren")
@@ -411,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["settings"] = {
         "size": args.size,
         "steps": args.steps,
+        "t_steps": args.t_steps or args.steps,
         "gen_size": args.gen_size,
         "gen_steps": args.gen_steps,
         "seed": args.seed,
