@@ -45,7 +45,8 @@ def _settings(args) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     groups = set(args.groups.split(","))
     filters = args.filters.split(",")
-    rep = {"image": "camera", "size": args.size, "split": "full", "steps": args.steps}
+    rep = {"image": "camera", "size": args.size, "split": "full", "steps": args.steps,
+           "t_steps": args.t_steps or args.steps}
     if "rep" in groups:
         for f in filters:
             for imp, layers, width in ((True, 1, 256), (True, 1, 512), (False, 1, 256), (False, 4, 256)):
@@ -167,6 +168,7 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         int(setting["steps"]),
         reuse=setting["reuse"],
         eval_every=int(setting.get("eval_every", 10)),
+        eval_at=(int(setting.get("t_steps", 0)),),  # the T comparison's step count
         eval_fn=eval_fn,
         desc=setting["name"],
     )

@@ -170,6 +170,7 @@ def fit(
     reuse: bool = True,
     project: bool = True,
     eval_every: int = 25,
+    eval_at: tuple[int, ...] = (),
     eval_fn=None,
     memory_step: int = 5,
     progress: bool = True,
@@ -178,9 +179,8 @@ def fit(
     """Full-batch Adam on (coords, values) for `steps` steps; returns the history.
 
     History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models), ``residual`` (the
-    solve's relative residual at its returned iterate) and ``step_time``
-    (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn
-    is given;
+    solve's relative residual at its returned iterate) and ``step_time`` (seconds); every `eval_every`
+    steps, at the steps in `eval_at` and at the end, ``eval`` = (step, eval_fn(model)) when eval_fn is given;
     ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
     gradients
     and Adam moments.
@@ -222,7 +222,7 @@ def fit(
         del out  # this step's graph goes now, before the evaluation below
         hist["step_time"].append(time.perf_counter() - t0)
 
-        if eval_fn is not None and (step % eval_every == 0 or step == steps):
+        if eval_fn is not None and (step % eval_every == 0 or step == steps or step in eval_at):
             model.eval()
             hist["eval"].append((step, eval_fn(model)))
             model.train()
