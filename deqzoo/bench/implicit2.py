@@ -85,6 +85,11 @@ def _settings(args) -> list[dict[str, Any]]:
         for t in ("0", "inf"):
             steps = args.t_steps or args.steps
             out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t, "steps": steps})
+    if "time" in groups:
+        for f in filters:
+            out.append({**rep, "name": f"time-{f}", "group": "time", "filter": f, "T": 1, "reuse": True,
+                        "input_scale": paper_input_scale(f, args.size), "warmup": 2,
+                        "rounds": args.time_rounds})
     if "gen" in groups:
         from ..tasks.implicit2 import IMAGES
 
@@ -122,16 +127,13 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | None) -> dict[str, Any]:
-    """Train one setting in this process; returns its record (also written to out_dir/runs/NAME.json)."""
+def _build(setting: dict[str, Any], data, seed: int):
+    """The setting's model (config from the setting, seeded initialisation)."""
     import torch
 
-    torch.set_num_threads(1)
     from ..core import neumann_backward
     from ..models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-    from ..tasks.implicit2 import fit, image_data, psnr
 
-    data = image_data(setting["image"], int(setting["size"]), setting["split"])
     T = float("inf") if str(setting["T"]) == "inf" else int(setting["T"])
     cfg = Implicit2Config(
         filter_type=setting["filter"],
@@ -147,6 +149,56 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     )
     torch.manual_seed(seed)
     model = Implicit2ForSignalRepresentation(cfg)
+    return model
+
+
+def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[str, Any]:
+    """Time per training step of implicit 1L-256D and explicit 4L-256D under the same machine load: their
+    steps alternate (ABBA order per pair of rounds) in one process after `warmup` steps each."""
+    from ..tasks.implicit2 import Fitter
+
+    fitters = {}
+    for kind, implicit, layers in (("imp-1l256d", True, 1), ("exp-4l256d", False, 4)):
+        model = _build({**setting, "implicit": implicit, "layers": layers, "width": 256}, data, seed)
+        fitters[kind] = Fitter(model, data.train_coords, data.train_values)
+    times: dict[str, list[float]] = {k: [] for k in fitters}
+    nfe: list[int] = []
+    for _ in range(int(setting["warmup"])):
+        for f in fitters.values():
+            f.step()
+    for r in range(int(setting["rounds"])):
+        for kind in list(fitters)[:: 1 if r % 2 == 0 else -1]:
+            rec = fitters[kind].step()
+            times[kind].append(rec["step_time"])
+            if kind.startswith("imp"):
+                nfe.append(rec["nfe"])
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    record = {
+        **setting,
+        "seed": seed,
+        "step_times": times,
+        "median_step_time": med,
+        "imp_nfe": nfe,
+        "time_ratio": med["imp-1l256d"] / med["exp-4l256d"],
+        "round_ratios": [a / b for a, b in zip(times["imp-1l256d"], times["exp-4l256d"])],
+    }
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs" / f"{setting['name']}.json").write_text(json.dumps(record))
+    return record
+
+
+def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | None) -> dict[str, Any]:
+    """Train one setting in this process; returns its record (also written to out_dir/runs/NAME.json)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ..tasks.implicit2 import fit, image_data, psnr
+
+    data = image_data(setting["image"], int(setting["size"]), setting["split"])
+    if setting["group"] == "time":
+        return run_timing(setting, data, out_dir, seed)
+    model = _build(setting, data, seed)
+    cfg = model.config
     rss0 = _rss_kib("VmRSS")
 
     eval_iter = cfg.deq_config.f_max_iter
@@ -212,6 +264,8 @@ def _launch(setting, args) -> subprocess.Popen:
         str(args.steps),
         "--t-steps",
         str(args.t_steps),
+        "--time-rounds",
+        str(args.time_rounds),
         "--gen-size",
         str(args.gen_size),
         "--gen-steps",
@@ -241,7 +295,16 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "pngs": {}}
+    summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "time": {}, "pngs": {}}
+    for r in records.values():
+        if r["group"] == "time":
+            summary["time"][r["filter"]] = {
+                "median_step_time_s": {k: round(v, 3) for k, v in r["median_step_time"].items()},
+                "time_ratio_imp1l_vs_exp4l": round(r["time_ratio"], 3),
+                "round_ratios": [round(x, 3) for x in r["round_ratios"]],
+                "imp_nfe": r["imp_nfe"],
+                "rounds": r["rounds"],
+            }
     rep = [r for r in records.values() if r["group"] == "rep"]
     for r in rep:
         summary["rep"].append(
@@ -386,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--t-steps", type=int, default=0, help="steps of the T=0 / T=inf runs (default --steps); "
                    "every T is compared at this step count (the T=1 run's evaluation at that step)")
+    p.add_argument("--time-rounds", type=int, default=6,
+                   help="timed steps per network, alternating (time group)")
     p.add_argument("--gen-size", type=int, default=128, help="image resolution of the generalization grid")
     p.add_argument("--gen-steps", type=int, default=150)
     p.add_argument("--filters", default="gabor,siren")
@@ -442,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": 1,
     }
     (out / "implicit2.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("rep", "reuse", "T", "gen")}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("rep", "reuse", "T", "gen", "time")}, indent=1))
     return 1 if failed else 0
 
 

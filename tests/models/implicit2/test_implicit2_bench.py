@@ -3,13 +3,15 @@ at the same step count, PNGs (one bench call: each setting is its own process)."
 
 import json
 
+import pytest
+
 from deqzoo.bench.implicit2 import main
 
 
 def test_bench_writes_json_and_pngs(tmp_path):
-    only = "rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf"
-    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--filters", "gabor", "--groups", "rep,reuse,T",
-            "--only", only, "--out", str(tmp_path)]
+    only = "rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf,time-gabor"
+    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "2", "--filters", "gabor",
+            "--groups", "rep,reuse,T,time", "--only", only, "--out", str(tmp_path)]
     assert main([*args, "--jobs", "2"]) == 0
     s = json.loads((tmp_path / "implicit2.json").read_text())
     rows = {r["name"]: r for r in s["rep"]}
@@ -26,6 +28,11 @@ def test_bench_writes_json_and_pngs(tmp_path):
     assert s["T"]["1"]["final_psnr"] == round(rec["eval"][0][1], 2)
     # the paper's per-pixel frequencies: 256 (MFN) and 128 (SIREN) at 512², scaled with the grid
     assert rec["input_scale"] == 256.0 * 8 / 512
+    # interleaved timing: both networks stepped alternately, the ratio is of their medians
+    t = s["time"]["gabor"]
+    assert len(t["round_ratios"]) == 2 and len(t["imp_nfe"]) == 2
+    med = t["median_step_time_s"]
+    assert t["time_ratio_imp1l_vs_exp4l"] == pytest.approx(med["imp-1l256d"] / med["exp-4l256d"], abs=0.02)
     for png in ("rep_psnr.png", "reuse_nfe.png", "npg_T.png"):
         assert (tmp_path / png).exists()
     # a rerun resumes: nothing left to train
