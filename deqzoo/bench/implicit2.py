@@ -6,7 +6,9 @@ Groups (``--groups``, default all):
   memory (tensors saved for backward + weights, gradients, Adam moments; and the process's peak RSS growth),
   parameters.
 - ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3).
-- ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4).
+- ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4), all at ``--t-steps``.
+- ``time``: implicit 1L-256D and explicit 4L-256D training steps alternated in one process (the time ratio
+  under the same machine load).
 - ``gen``: generalization (train on 25% of the pixels, PSNR on a disjoint 25%) over every bundled image,
   implicit vs explicit at equal width.
 
@@ -15,8 +17,10 @@ Every setting runs in its own process (a clean peak-RSS measurement; finished se
 ``OUT/implicit2.json`` and
 PNGs (``rep_psnr.png``, ``reuse_nfe.png``, ``npg_T.png``, ``gen.png``).
 
-Example:
-    python -m deqzoo.cli bench implicit2 --size 128 --steps 150 --out bench_implicit2
+Example (the runs of examples/implicit2/README.md; ~1 h on one CPU thread):
+    python -m deqzoo.cli bench implicit2 --filters gabor,siren --groups rep,reuse,T,time \
+        --only rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf,\
+time-gabor --out bench_implicit2
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ def paper_input_scale(filter_type: str, size: int) -> float:
     return (128.0 if filter_type == "siren" else 256.0) * size / 512
 
 
+def _t_steps(args) -> int:
+    """Steps of the T comparison: --t-steps (0 = --steps), never more than --steps (T = 1 is the
+    representation run's evaluation at that step)."""
+    return min(args.t_steps or args.steps, args.steps)
+
+
 def _settings(args) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     groups = set(args.groups.split(","))
     filters = args.filters.split(",")
     rep = {"image": "camera", "size": args.size, "split": "full", "steps": args.steps,
-           "t_steps": args.t_steps or args.steps}
+           "t_steps": _t_steps(args)}
     if "rep" in groups:
         for f in filters:
             for imp, layers, width in ((True, 1, 256), (True, 1, 512), (False, 1, 256), (False, 4, 256)):
@@ -83,7 +93,7 @@ def _settings(args) -> list[dict[str, Any]]:
         out.append({**base, "name": f"reuse-{first}-onestep", "group": "reuse", "max_iter": 1})
     if "T" in groups:
         for t in ("0", "inf"):
-            steps = args.t_steps or args.steps
+            steps = _t_steps(args)
             out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t, "steps": steps})
     if "time" in groups:
         for f in filters:
@@ -445,9 +455,9 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deqzoo bench implicit2", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_implicit2")
-    p.add_argument("--size", type=int, default=128, help="camera resolution for rep/reuse/T")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--t-steps", type=int, default=0, help="steps of the T=0 / T=inf runs (default --steps); "
+    p.add_argument("--size", type=int, default=256, help="camera resolution for rep/reuse/T/time")
+    p.add_argument("--steps", type=int, default=110)
+    p.add_argument("--t-steps", type=int, default=40, help="steps of the T=0 / T=inf runs (0: --steps); "
                    "every T is compared at this step count (the T=1 run's evaluation at that step)")
     p.add_argument("--time-rounds", type=int, default=6,
                    help="timed steps per network, alternating (time group)")
@@ -498,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["settings"] = {
         "size": args.size,
         "steps": args.steps,
-        "t_steps": args.t_steps or args.steps,
+        "t_steps": _t_steps(args),
         "gen_size": args.gen_size,
         "gen_steps": args.gen_steps,
         "seed": args.seed,
