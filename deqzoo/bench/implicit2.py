@@ -6,7 +6,9 @@ Groups (``--groups``, default all):
   memory (tensors saved for backward + weights, gradients, Adam moments; and the process's peak RSS growth),
   parameters.
 - ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3).
-- ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4).
+- ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4), all at ``--t-steps``.
+- ``time``: implicit 1L-256D and explicit 4L-256D training steps alternated in one process (the time ratio
+  under the same machine load).
 - ``gen``: generalization (train on 25% of the pixels, PSNR on a disjoint 25%) over every bundled image,
   implicit vs explicit at equal width.
 
@@ -15,8 +17,10 @@ Every setting runs in its own process (a clean peak-RSS measurement; finished se
 ``OUT/implicit2.json`` and
 PNGs (``rep_psnr.png``, ``reuse_nfe.png``, ``npg_T.png``, ``gen.png``).
 
-Example:
-    python -m deqzoo.cli bench implicit2 --size 128 --steps 150 --out bench_implicit2
+Example (the runs of examples/implicit2/README.md; ~1 h on one CPU thread):
+    python -m deqzoo.cli bench implicit2 --filters gabor,siren --groups rep,reuse,T,time \
+        --only rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf,\
+time-gabor --out bench_implicit2
 """
 
 from __future__ import annotations
@@ -35,11 +39,24 @@ import numpy as np
 _GEN_EXPLICIT_LAYERS = 1  # explicit baseline of the generalization table: same width, one layer
 
 
+def paper_input_scale(filter_type: str, size: int) -> float:
+    """The original's frequency scale per pixel: camera at 512² uses 256 for Fourier/Gabor MFNs and 128 for
+    SIREN (its `siren_like` filters get input_scale / 2); a size² grid gets the same frequencies per pixel."""
+    return (128.0 if filter_type == "siren" else 256.0) * size / 512
+
+
+def _t_steps(args) -> int:
+    """Steps of the T comparison: --t-steps (0 = --steps), never more than --steps (T = 1 is the
+    representation run's evaluation at that step)."""
+    return min(args.t_steps or args.steps, args.steps)
+
+
 def _settings(args) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     groups = set(args.groups.split(","))
     filters = args.filters.split(",")
-    rep = {"image": "camera", "size": args.size, "split": "full", "steps": args.steps}
+    rep = {"image": "camera", "size": args.size, "split": "full", "steps": args.steps,
+           "t_steps": _t_steps(args)}
     if "rep" in groups:
         for f in filters:
             for imp, layers, width in ((True, 1, 256), (True, 1, 512), (False, 1, 256), (False, 4, 256)):
@@ -54,6 +71,7 @@ def _settings(args) -> list[dict[str, Any]]:
                         "width": width,
                         "T": 1,
                         "reuse": True,
+                        "input_scale": paper_input_scale(f, args.size),
                         **rep,
                     }
                 )
@@ -66,6 +84,7 @@ def _settings(args) -> list[dict[str, Any]]:
         "width": 256,
         "T": 1,
         "reuse": True,
+        "input_scale": paper_input_scale(first, args.size),
         **rep,
     }
     if "reuse" in groups:
@@ -74,7 +93,13 @@ def _settings(args) -> list[dict[str, Any]]:
         out.append({**base, "name": f"reuse-{first}-onestep", "group": "reuse", "max_iter": 1})
     if "T" in groups:
         for t in ("0", "inf"):
-            out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t})
+            steps = _t_steps(args)
+            out.append({**base, "name": f"T-{first}-T{t}", "group": "T", "T": t, "steps": steps})
+    if "time" in groups:
+        for f in filters:
+            out.append({**rep, "name": f"time-{f}", "group": "time", "filter": f, "T": 1, "reuse": True,
+                        "input_scale": paper_input_scale(f, args.size), "warmup": 2,
+                        "rounds": args.time_rounds})
     if "gen" in groups:
         from ..tasks.implicit2 import IMAGES
 
@@ -112,16 +137,13 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | None) -> dict[str, Any]:
-    """Train one setting in this process; returns its record (also written to out_dir/runs/NAME.json)."""
+def _build(setting: dict[str, Any], data, seed: int):
+    """The setting's model (config from the setting, seeded initialisation)."""
     import torch
 
-    torch.set_num_threads(1)
     from ..core import neumann_backward
     from ..models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-    from ..tasks.implicit2 import fit, image_data, psnr
 
-    data = image_data(setting["image"], int(setting["size"]), setting["split"])
     T = float("inf") if str(setting["T"]) == "inf" else int(setting["T"])
     cfg = Implicit2Config(
         filter_type=setting["filter"],
@@ -137,6 +159,56 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     )
     torch.manual_seed(seed)
     model = Implicit2ForSignalRepresentation(cfg)
+    return model
+
+
+def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[str, Any]:
+    """Time per training step of implicit 1L-256D and explicit 4L-256D under the same machine load: their
+    steps alternate (ABBA order per pair of rounds) in one process after `warmup` steps each."""
+    from ..tasks.implicit2 import Fitter
+
+    fitters = {}
+    for kind, implicit, layers in (("imp-1l256d", True, 1), ("exp-4l256d", False, 4)):
+        model = _build({**setting, "implicit": implicit, "layers": layers, "width": 256}, data, seed)
+        fitters[kind] = Fitter(model, data.train_coords, data.train_values)
+    times: dict[str, list[float]] = {k: [] for k in fitters}
+    nfe: list[int] = []
+    for _ in range(int(setting["warmup"])):
+        for f in fitters.values():
+            f.step()
+    for r in range(int(setting["rounds"])):
+        for kind in list(fitters)[:: 1 if r % 2 == 0 else -1]:
+            rec = fitters[kind].step()
+            times[kind].append(rec["step_time"])
+            if kind.startswith("imp"):
+                nfe.append(rec["nfe"])
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    record = {
+        **setting,
+        "seed": seed,
+        "step_times": times,
+        "median_step_time": med,
+        "imp_nfe": nfe,
+        "time_ratio": med["imp-1l256d"] / med["exp-4l256d"],
+        "round_ratios": [a / b for a, b in zip(times["imp-1l256d"], times["exp-4l256d"])],
+    }
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs" / f"{setting['name']}.json").write_text(json.dumps(record))
+    return record
+
+
+def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | None) -> dict[str, Any]:
+    """Train one setting in this process; returns its record (also written to out_dir/runs/NAME.json)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ..tasks.implicit2 import fit, image_data, psnr
+
+    data = image_data(setting["image"], int(setting["size"]), setting["split"])
+    if setting["group"] == "time":
+        return run_timing(setting, data, out_dir, seed)
+    model = _build(setting, data, seed)
+    cfg = model.config
     rss0 = _rss_kib("VmRSS")
 
     eval_iter = cfg.deq_config.f_max_iter
@@ -157,7 +229,8 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         data.train_values,
         int(setting["steps"]),
         reuse=setting["reuse"],
-        eval_every=max(1, int(setting["steps"]) // 3),
+        eval_every=int(setting.get("eval_every", 10)),
+        eval_at=(int(setting.get("t_steps", 0)),),  # the T comparison's step count
         eval_fn=eval_fn,
         desc=setting["name"],
     )
@@ -171,6 +244,7 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         "train_psnr": [-10 * np.log10(max(v / 4.0, 1e-30)) for v in hist["loss"]],
         "nfe": hist["nfe"],
         "residual": hist["residual"],
+        "f_tol": cfg.deq_config.f_tol,
         "step_time": hist["step_time"],
         "eval": hist["eval"],
         "final_psnr": hist["eval"][-1][1],
@@ -198,6 +272,10 @@ def _launch(setting, args) -> subprocess.Popen:
         str(args.size),
         "--steps",
         str(args.steps),
+        "--t-steps",
+        str(args.t_steps),
+        "--time-rounds",
+        str(args.time_rounds),
         "--gen-size",
         str(args.gen_size),
         "--gen-steps",
@@ -227,7 +305,16 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "pngs": {}}
+    summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "time": {}, "pngs": {}}
+    for r in records.values():
+        if r["group"] == "time":
+            summary["time"][r["filter"]] = {
+                "median_step_time_s": {k: round(v, 3) for k, v in r["median_step_time"].items()},
+                "time_ratio_imp1l_vs_exp4l": round(r["time_ratio"], 3),
+                "round_ratios": [round(x, 3) for x in r["round_ratios"]],
+                "imp_nfe": r["imp_nfe"],
+                "rounds": r["rounds"],
+            }
     rep = [r for r in records.values() if r["group"] == "rep"]
     for r in rep:
         summary["rep"].append(
@@ -292,7 +379,7 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
             summary["reuse"]["psnr_with"] = round(with_["final_psnr"], 2)
             summary["reuse"]["mean_rel_residual_with_after_100"] = float(_mean_after(with_["residual"], 100))
         summary["reuse"]["psnr_without"] = round(r0["final_psnr"], 2)
-        summary["reuse"]["tol"] = "rel 1e-3 (fixed_point, max 100)"
+        summary["reuse"]["tol"] = f"rel {r0.get('f_tol', 1e-3):g} (fixed_point, max 100)"
         ax.set(
             xlabel="training step",
             ylabel="forward f-evaluations",
@@ -307,18 +394,24 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     ts = {str(r["T"]): r for r in records.values() if r["group"] == "T"}
     if ts:
         f = next(iter(ts.values()))["filter"]
+        t_steps = min(int(r["steps"]) for r in ts.values())
         if f"rep-{f}-imp-1l256d" in records:
             ts["1"] = records[f"rep-{f}-imp-1l256d"]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for t in sorted(ts, key=lambda s: float(s)):
             r = ts[t]
-            ax.plot(np.arange(1, len(r["train_psnr"]) + 1), r["train_psnr"], label=f"T = {t}")
+            n = min(t_steps, len(r["train_psnr"]))  # every T compared at the same step count
+            axes[0].plot(np.arange(1, n + 1), r["train_psnr"][:n], label=f"T = {t}")
+            ev = [(s, v) for s, v in r["eval"] if s <= t_steps]
+            axes[1].plot(*zip(*ev), "o-", label=f"T = {t}")
             summary["T"][t] = {
-                "final_psnr": round(r["final_psnr"], 2),
-                "step_time_s": round(_mean_after(r["step_time"], 5), 3),
+                "steps": ev[-1][0],
+                "final_psnr": round(ev[-1][1], 2),
+                "step_time_s": round(_mean_after(r["step_time"][:n], 5), 3),
             }
-        ax.set(xlabel="step", ylabel="training PSNR (dB)", title="NPG with T terms (T=0 JFB, T=inf IFT)")
-        ax.legend()
+        axes[0].set(xlabel="step", ylabel="training PSNR (dB)", title="NPG with T terms (T=0 JFB, T=inf IFT)")
+        axes[1].set(xlabel="step", ylabel="PSNR from a zero initial state (dB)", title="evaluation")
+        axes[0].legend()
         fig.tight_layout()
         fig.savefig(out / "npg_T.png", dpi=110)
         plt.close(fig)
@@ -362,8 +455,12 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deqzoo bench implicit2", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_implicit2")
-    p.add_argument("--size", type=int, default=128, help="camera resolution for rep/reuse/T")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--size", type=int, default=256, help="camera resolution for rep/reuse/T/time")
+    p.add_argument("--steps", type=int, default=110)
+    p.add_argument("--t-steps", type=int, default=40, help="steps of the T=0 / T=inf runs (0: --steps); "
+                   "every T is compared at this step count (the T=1 run's evaluation at that step)")
+    p.add_argument("--time-rounds", type=int, default=6,
+                   help="timed steps per network, alternating (time group)")
     p.add_argument("--gen-size", type=int, default=128, help="image resolution of the generalization grid")
     p.add_argument("--gen-steps", type=int, default=150)
     p.add_argument("--filters", default="gabor,siren")
@@ -411,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["settings"] = {
         "size": args.size,
         "steps": args.steps,
+        "t_steps": _t_steps(args),
         "gen_size": args.gen_size,
         "gen_steps": args.gen_steps,
         "seed": args.seed,
@@ -419,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": 1,
     }
     (out / "implicit2.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("rep", "reuse", "T", "gen")}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("rep", "reuse", "T", "gen", "time")}, indent=1))
     return 1 if failed else 0
 
 

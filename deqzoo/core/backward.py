@@ -160,11 +160,12 @@ def phantom(g, x_star, ctx: BackwardContext):
 
     def neumann(vjp, grad):
         with torch.no_grad():
-            v, acc = grad, grad.clone()
+            v, acc = grad, grad
             for _ in range(k - 1):
-                v = torch.lerp(v, vjp(v), tau)
-                acc += v
-            return acc.mul_(tau)
+                v = vjp(v) if tau == 1.0 else torch.lerp(v, vjp(v), tau)
+                acc = acc + v  # never in place: acc starts as the incoming gradient itself
+            # tau = 1 (Implicit²'s NPG) skips the identity lerp and scaling: three full-size passes per step
+            return acc if tau == 1.0 else acc * tau
 
     return _adjoint_hook(g, x_star, ctx, neumann)
 

@@ -40,6 +40,7 @@ from ._files import free_path
 __all__ = [
     "IMAGES",
     "ImageData",
+    "Fitter",
     "demo",
     "evaluate",
     "fit",
@@ -160,6 +161,74 @@ class _SavedBytes:
         return sum(self.storages.values())
 
 
+class Fitter:
+    """One full-batch training run's state (Adam, the fixed-point cache, the spectral projector) and its step.
+
+    ``step(measure_memory=False)`` takes one optimizer step and returns ``loss``, ``nfe`` (forward-solve
+    f-evaluations, 0 for explicit networks), ``residual`` (the solve's relative residual), ``step_time``
+    (seconds) and, when measured, ``saved_bytes`` (tensors saved for backward). `fit` loops over it; the
+    bench alternates the steps of two Fitters to time them under the same machine load.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
+        >>> from deqzoo.tasks.implicit2 import Fitter, image_data
+        >>> data = image_data("camera", 8)
+        >>> model = Implicit2ForSignalRepresentation(Implicit2Config(hidden_size=16, filter_type="gabor"))
+        >>> record = Fitter(model, data.train_coords, data.train_values).step()
+        >>> sorted(record)
+        ['loss', 'nfe', 'residual', 'saved_bytes', 'step_time']
+    """
+
+    def __init__(
+        self,
+        model,
+        coords: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        lr: float = 1e-3,
+        reuse: bool = True,
+        project: bool = True,
+    ):
+        self.model, self.coords, self.values = model, coords, values
+        self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+        self.cache = FixedPointCache() if reuse else None
+        max_norm = model.config.spectral_max_norm
+        self.projector = (
+            SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
+        )
+        n_params = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.state_bytes = 4 * n_params  # weights, gradients, two Adam moments
+
+    def step(self, measure_memory: bool = False) -> dict[str, Any]:
+        model = self.model
+        model.train()
+        t0 = time.perf_counter()
+        saved = 0
+        if measure_memory:
+            meter = _SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+                out = model(self.coords, self.values, fixed_point_cache=self.cache)
+            saved = meter.total
+        else:
+            out = model(self.coords, self.values, fixed_point_cache=self.cache)
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        stats = out.deq_stats
+        record = {
+            "loss": float(out.loss.detach()),
+            "nfe": stats.nfe if stats is not None else 0,
+            "residual": float(stats.rel_residual.max()) if stats is not None else 0.0,
+            "saved_bytes": saved,
+        }
+        self.opt.step()
+        if self.projector is not None:
+            self.projector.step()
+        del out  # this step's graph goes now
+        record["step_time"] = time.perf_counter() - t0
+        return record
+
+
 def fit(
     model,
     coords: torch.Tensor,
@@ -170,62 +239,34 @@ def fit(
     reuse: bool = True,
     project: bool = True,
     eval_every: int = 25,
+    eval_at: tuple[int, ...] = (),
     eval_fn=None,
     memory_step: int = 5,
     progress: bool = True,
     desc: str = "fit",
 ) -> dict[str, Any]:
-    """Full-batch Adam on (coords, values) for `steps` steps; returns the history.
+    """Full-batch Adam on (coords, values) for `steps` steps (a `Fitter`); returns the history.
 
     History: per step ``loss``, ``nfe`` (forward-solve f-evaluations, implicit models), ``residual`` (the
-    solve's relative residual at its returned iterate) and ``step_time``
-    (seconds); every `eval_every` steps (and at the end) ``eval`` = (step, eval_fn(model)) when eval_fn
-    is given;
+    solve's relative residual at its returned iterate) and ``step_time`` (seconds); every `eval_every`
+    steps, at the steps in `eval_at` and at the end, ``eval`` = (step, eval_fn(model)) when eval_fn is given;
     ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
-    gradients
-    and Adam moments.
+    gradients and Adam moments.
     """
     from tqdm.auto import tqdm
 
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    cache = FixedPointCache() if reuse else None
-    max_norm = model.config.spectral_max_norm
-    projector = SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
-    hist: dict[str, Any] = {
-        "loss": [],
-        "nfe": [],
-        "residual": [],
-        "step_time": [],
-        "eval": [],
-        "saved_bytes": 0,
-    }
-    n_params = sum(p.numel() * p.element_size() for p in model.parameters())
-    hist["state_bytes"] = 4 * n_params  # weights, gradients, two Adam moments
-    model.train()
+    fitter = Fitter(model, coords, values, lr=lr, reuse=reuse, project=project)
+    hist: dict[str, Any] = {"loss": [], "nfe": [], "residual": [], "step_time": [], "eval": [],
+                            "saved_bytes": 0, "state_bytes": fitter.state_bytes}
     for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, mininterval=5):
-        t0 = time.perf_counter()
-        meter = _SavedBytes() if step == memory_step else None
-        if meter is not None:
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-                out = model(coords, values, fixed_point_cache=cache)
-            hist["saved_bytes"] = meter.total
-        else:
-            out = model(coords, values, fixed_point_cache=cache)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        hist["loss"].append(float(out.loss.detach()))
-        hist["nfe"].append(out.deq_stats.nfe if out.deq_stats is not None else 0)
-        hist["residual"].append(float(out.deq_stats.rel_residual.max()) if out.deq_stats is not None else 0.0)
-        opt.step()
-        if projector is not None:
-            projector.step()
-        del out  # this step's graph goes now, before the evaluation below
-        hist["step_time"].append(time.perf_counter() - t0)
-
-        if eval_fn is not None and (step % eval_every == 0 or step == steps):
+        record = fitter.step(measure_memory=step == memory_step)
+        if step == memory_step:
+            hist["saved_bytes"] = record["saved_bytes"]
+        for key in ("loss", "nfe", "residual", "step_time"):
+            hist[key].append(record[key])
+        if eval_fn is not None and (step % eval_every == 0 or step == steps or step in eval_at):
             model.eval()
             hist["eval"].append((step, eval_fn(model)))
-            model.train()
     model.eval()
     return hist
 

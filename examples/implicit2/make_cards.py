@@ -1,9 +1,9 @@
 """Embed the camera representations fitted by the implicit2 bench as checkpoints with model cards.
 
-    python -m deqzoo.cli bench implicit2 --size 128 --steps 150 --filters gabor,siren --groups rep \
-        --only rep-gabor-imp-1l256d,rep-siren-imp-1l256d --jobs 2 \
-        --save-models outputs/i2bench/models --out outputs/i2bench
-    python examples/implicit2/make_cards.py outputs/i2bench [outputs/i2bench64]
+    python -m deqzoo.cli bench implicit2 --size 256 --steps 110 --t-steps 40 --filters gabor,siren \
+        --groups rep,reuse,T --only rep-gabor-imp-1l256d,rep-siren-imp-1l256d \
+        --save-models outputs/i2bench256/models --out outputs/i2bench256
+    python examples/implicit2/make_cards.py outputs/i2bench256 outputs/i2bench256
 
 Copies config.json + model.safetensors from OUT/models/<setting> into model_cards/<name>/ and writes
 README.md;
@@ -36,8 +36,8 @@ CARDS = {
     "rep-gabor-imp-1l256d": ("implicit2-igabor-mfn-camera", "Gabor-iMFN 1L-256D", "gabor"),
 }
 TRAIN = (
-    "python -m deqzoo.cli bench implicit2 --size 128 --steps 150 --filters gabor,siren --groups rep "
-    "--only {setting} --save-models outputs/i2bench/models --out outputs/i2bench"
+    "python -m deqzoo.cli bench implicit2 --size 256 --steps 110 --t-steps 40 --filters gabor,siren "
+    "--groups rep,reuse,T --only {setting} --save-models outputs/i2bench256/models --out outputs/i2bench256"
 )
 
 
@@ -54,20 +54,28 @@ def comparison_table(bench: Path) -> str:
     for r in sorted(s["rep"], key=lambda r: r["name"]):
         kind = f"{'implicit' if r['implicit'] else 'explicit'} {r['filter']} {r['layers']}L-{r['width']}D"
         ratio = (
-            f"{r.get('psnr_minus_exp4l', '?')} dB, {r.get('memory_ratio_vs_exp4l', '?')}x, "
-            f"{r.get('time_ratio_vs_exp4l', '?')}x"
+            f"{r['psnr_minus_exp4l']} dB, {r['memory_ratio_vs_exp4l']}x, {r['time_ratio_vs_exp4l']}x"
+            if "psnr_minus_exp4l" in r else "(no explicit 4L run of this filter at this size)"
         )
         rows.append(
             f"| {kind} | {r['params']} | {r['final_psnr']} | {r['step_time_s']} | "
             f"{r['train_memory_bytes'] / 2**20:.1f} | {ratio} |"
         )
     st = s["settings"]
+    timing = "".join(
+        f"\nInterleaved timing ({f}: implicit 1L and explicit 4L training steps alternated in one process, "
+        f"{t['rounds']} each, same load): median {t['median_step_time_s']['imp-1l256d']} s vs "
+        f"{t['median_step_time_s']['exp-4l256d']} s per step, ratio **{t['time_ratio_imp1l_vs_exp4l']}x** "
+        f"(the table's step times are each run's own mean, taken minutes apart under different load).\n"
+        for f, t in s.get("time", {}).items()
+    )
     return (
         f"\n## Side by side (camera {st['size']}x{st['size']}, {st['steps']} steps each, same data, seed, "
         f"optimizer)\n\nFrom `deqzoo bench implicit2 --size {st['size']} --steps {st['steps']}` (one thread, "
         "a shared 2-core CPU; memory = tensors saved for backward + weights, gradients, Adam moments):\n\n"
         + "\n".join(rows)
         + "\n"
+        + timing
     )
 
 
@@ -131,8 +139,10 @@ GPU; this machine allowed {rec["steps"]} at {rec["size"]}x{rec["size"]}), seed {
 fixed-point reuse
 across steps (`deqzoo.core.FixedPointCache`), NPG with T = 1 (b_mode phantom/npg, k = 2), spectral norm of W
 kept <= 0.97 after every optimizer step (`deqzoo.core.SpectralProjector`); forward: fixed-point iteration to a
-relative residual of 1e-3 (<= 100 steps) from the previous fixed point. The original's initialisation
-(input scale 256 / sqrt(2), W ~ U(±1/sqrt(D)), Gabor γ ~ Gamma(1.5, 1), μ ~ U(-1, 1)).
+relative residual of {rec.get("f_tol", 1e-3):g} (<= 100 steps; the original's tolerance) from the previous
+fixed point. The original's initialisation (W ~ U(±1/sqrt(D)), Gabor γ ~ Gamma(1.5, 1), μ ~ U(-1, 1)) and
+its frequencies per pixel: input scale {rec["input_scale"]:g} / sqrt(2) at {rec["size"]} px (the original:
+{"128" if filt == "siren" else "256"} at 512 px).
 Training time: {minutes:.1f} min on one thread of a shared CPU. PSNR from a zero initial state during
 training:
 {curve}. Forward f-evaluations per training step: {nfe[0]} at step 1, mean {np.mean(nfe[100:]):.2f}

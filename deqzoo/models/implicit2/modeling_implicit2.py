@@ -102,10 +102,21 @@ class Implicit2Filter(nn.Module):
             return pre
         gate = torch.sin(pre)
         if self.kind == "gabor":
-            # ||x - μ||² expanded as the original (no (N, D, d) intermediate)
-            sq = x.square().sum(-1, keepdim=True) + self.mu.square().sum(-1) - 2 * x @ self.mu.t()
-            gate = gate * torch.exp(-0.5 * F.relu(self.gamma) * sq)
+            gate = gate * torch.exp(self.log_envelope(x))
         return gate
+
+    def log_envelope(self, x: torch.Tensor) -> torch.Tensor:
+        """-½ relu(γ) ||x - μ||², (..., N, D), as one product with a (d + 2)-wide inner dimension:
+        [x, 1, ||x||²] · [γ μᵀ; -½ γ ||μ||²; -½ γ]. The original expands ||x - μ||² the same way (no
+        (N, D, d) intermediate); folding γ into the small factor leaves one full-size output instead of five
+        full-size elementwise passes (forward and backward), which dominate a CPU training step."""
+        g = F.relu(self.gamma)
+        ones = x.new_ones(x.shape[:-1] + (1,))
+        feats = torch.cat([x, ones, x.square().sum(-1, keepdim=True)], dim=-1)
+        coef = torch.cat(
+            [self.mu.t() * g, (-0.5 * g * self.mu.square().sum(-1))[None], (-0.5 * g)[None]], dim=0
+        )
+        return feats @ coef
 
     def combine(self, zlin: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """The layer's output from W z + b and this filter's response."""
@@ -241,11 +252,31 @@ class Implicit2Model(Implicit2PreTrainedModel):
             layer.filter.response(x) for layer in self.layers
         ]
 
-    def layer_stack(self, z: torch.Tensor, u0: torch.Tensor, responses: list[torch.Tensor]) -> torch.Tensor:
-        """f(z; x): z + g₀(x) through every layer."""
-        h = z + u0
-        for layer, r in zip(self.layers, responses):
-            h = layer.filter.combine(layer.z_map(h), r)
+    def first_offset(self, u0: torch.Tensor, responses: list[torch.Tensor]) -> torch.Tensor:
+        """The part of the first layer's pre-activation that does not depend on z: W₁ g₀(x) + b₁ (plus
+        U₁x + c₁ for SIREN). Computed once per forward, so each f call of the solve costs one fused
+        product (W₁ z + offset) and one elementwise op for the first layer."""
+        first = self.layers[0]
+        offset = first.z_map(u0)
+        return offset + responses[0] if first.filter.kind == "siren" else offset
+
+    def layer_stack(
+        self, z: torch.Tensor | None, offset: torch.Tensor, responses: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """f(z; x): z + g₀(x) through every layer; `offset` = first_offset(g₀(x), responses); z=None is
+        the explicit network's zero state (its first pre-activation is the offset itself)."""
+        h = None
+        for i, (layer, r) in enumerate(zip(self.layers, responses)):
+            if i == 0:
+                if z is None:
+                    pre = offset
+                else:  # W z + offset in one fused product
+                    flat = torch.addmm(offset.reshape(-1, offset.shape[-1]), z.reshape(-1, z.shape[-1]),
+                                       layer.z_map.weight.t())
+                    pre = flat.view(offset.shape)
+                h = torch.sin(pre) if layer.filter.kind == "siren" else pre * r
+            else:
+                h = layer.filter.combine(layer.z_map(h), r)
         return h
 
     def forward(
@@ -258,15 +289,17 @@ class Implicit2Model(Implicit2PreTrainedModel):
     ) -> Implicit2ModelOutput | tuple:
         x = self.check_coordinates(coords)
         u0, responses = self.injection(x)
-        z0 = u0.new_zeros(u0.shape)
+        offset = self.first_offset(u0, responses)
         hidden = self._flag(output_hidden_states, "output_hidden_states")
         if not self.config.implicit:
-            z = self.layer_stack(z0, u0, responses)
+            z = self.layer_stack(None, offset, responses)
             return self._output(Implicit2ModelOutput(
                 last_hidden_state=z, hidden_states=(u0, z) if hidden else None), return_dict)
 
+        z0 = u0.new_zeros(u0.shape)
+
         def f(z: torch.Tensor) -> torch.Tensor:
-            return self.layer_stack(z, u0, responses)
+            return self.layer_stack(z, offset, responses)
 
         if fixed_point_cache is not None:
             z0 = fixed_point_cache.initial(cache_key, z0, key_input=x)

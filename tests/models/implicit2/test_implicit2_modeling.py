@@ -161,7 +161,9 @@ def test_save_load_roundtrip_and_auto_loading(tmp_path):
 
 
 def test_render_covers_the_range_at_any_resolution():
-    model = _model(filter_type="fourier")
+    # a tight solve: the stopping test is per signal, so a 2-point and a 117-point batch stop at different
+    # iterates at the default tolerance (1e-2); this test is about where the pixels are
+    model = _model(filter_type="fourier", deq={"f_tol": 1e-9, "f_max_iter": 1000})
     img = model.render(9, 13)
     assert img.shape == (9, 13, 1) and float(img.min()) >= 0 and float(img.max()) <= 1
     # the render's pixel (r, c) is the model at (x = col, y = row) on the [-1, 1] grid
@@ -179,3 +181,38 @@ def test_presets_build():
     model = deqzoo.create_model("implicit2-igabor-mfn-1l256d") if hasattr(deqzoo, "create_model") else None
     if model is not None:
         assert model.config.hidden_size == 256 and model.config.implicit
+
+
+def test_two_layer_imfn_fixed_point_formula_with_the_folded_first_layer():
+    """num_layers=2: z* = (W₂((W₁(z* + g₀) + b₁) ∘ g₁) + b₂) ∘ g₂ by hand; the model folds W₁g₀ + b₁ into one
+    offset per forward, which must not change f."""
+    model = _model(torch.float64, filter_type="fourier", num_layers=2,
+                   deq={"f_tol": 1e-12, "f_max_iter": 4000})
+    x = coordinate_grid((4, 5), dtype=torch.float64)
+    m = model.implicit2
+
+    def gate(filt):
+        return torch.sin(x @ filt.x_map.weight.t() + filt.x_map.bias)
+
+    (l1, l2), g0 = m.layers, gate(m.init_filter)
+    z = m(x).last_hidden_state[0]
+    h = ((z + g0) @ l1.z_map.weight.t() + l1.z_map.bias) * gate(l1.filter)
+    rhs = (h @ l2.z_map.weight.t() + l2.z_map.bias) * gate(l2.filter)
+    torch.testing.assert_close(z, rhs, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gabor_log_envelope_matches_the_direct_distance(dtype):
+    """The envelope exponent as one (d + 2)-wide product equals -γ/2 ||x - μ||² computed pointwise, also for
+    sharp envelopes (large γ) and points far from the centres (3-D coordinates)."""
+    torch.manual_seed(1)
+    filt = _model(dtype, filter_type="gabor", in_features=3).implicit2.init_filter
+    with torch.no_grad():
+        filt.gamma.copy_(torch.logspace(-2, 3, filt.gamma.numel(), dtype=dtype))
+        filt.gamma[0] = -1.0  # relu(γ) = 0: a flat envelope
+    x = torch.cat([coordinate_grid((4, 4, 4), dtype=dtype), 1e-3 * torch.randn(5, 3, dtype=dtype)])
+    direct = -0.5 * filt.gamma.relu() * ((x.double()[:, None] - filt.mu.double()[None]) ** 2).sum(-1)
+    got = filt.log_envelope(x).double()
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(got, direct, rtol=tol, atol=tol * float(direct.abs().max()))
+    assert bool((got[:, 0] == 0).all())

@@ -65,7 +65,7 @@ def test_fit_improves_psnr_keeps_the_spectral_bound_and_reuses_fixed_points():
         lr=3e-3,
         progress=False,
         eval_every=30,
-        eval_fn=lambda m: task.psnr(m(data.test_coords).values, data.test_values),
+        eval_fn=torch.no_grad()(lambda m: task.psnr(m(data.test_coords).values, data.test_values)),
     )
     after = task.evaluate(model)["psnr"]
     assert after > before + 3
@@ -74,7 +74,8 @@ def test_fit_improves_psnr_keeps_the_spectral_bound_and_reuses_fixed_points():
     assert float(torch.linalg.matrix_norm(w, ord=2)) <= 0.97 * (1 + 1e-3)
     # reuse: later solves start at the previous fixed point (the first starts from zeros)
     assert sum(hist["nfe"][30:]) / 30 < hist["nfe"][0]
-    assert max(hist["residual"]) < 1e-3  # every solve reached the tolerance
+    assert model.config.deq_config.f_tol == 1e-2  # the original's tolerance
+    assert max(hist["residual"]) < 1e-2  # every solve reached it
     assert hist["saved_bytes"] > 0 and len(hist["step_time"]) == 60
 
 
