@@ -93,11 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
+    p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
+    p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = deqzoo.create_model(args.model)
+    extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
+    if args.all_grad:
+        extra["detach_flow_input"] = False
+    model = deqzoo.create_model(args.model, **extra)
+    if args.deq:
+        model.set_deq(**args.deq)
     model.set_deq(on_nonconvergence="ignore")  # training iterates to f_max_iter by design
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -133,9 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         nfe = out.deq_stats.nfe if out.deq_stats is not None else model.config.num_flow_updates
-        window.append((float(out.loss.detach()), epe(out.flow.detach(), flow, valid), time.time() - t0))
+        jac = getattr(out.deq_stats, "jac_loss", None)
+        window.append(
+            (
+                float(out.loss.detach()),
+                epe(out.flow.detach(), flow, valid),
+                time.time() - t0,
+                float(jac.detach()) if jac is not None else 0.0,
+                float(out.deq_stats.rel_residual.mean()) if out.deq_stats is not None else 0.0,
+            )
+        )
         if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            loss, err, sec = (sum(v[i] for v in window) / len(window) for i in range(3))
+            loss, err, sec, jac_mean, residual = (sum(v[i] for v in window) / len(window) for i in range(5))
             log.append(
                 {
                     "step": step + 1,
@@ -144,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     "train_epe": err,
                     "sec_per_step": sec,
                     "nfe": nfe,
+                    "jac_loss": jac_mean,
+                    "rel_residual": residual,
                     "lr": opt.param_groups[0]["lr"],
                     "elapsed": elapsed0 + time.time() - t_run,
                 }
@@ -167,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                 "size": list(size),
                 "lr": args.lr,
                 "seed": args.seed,
+                "deq": args.deq,
+                "jac_loss_weight": args.jac_loss_weight,
+                "all_grad": args.all_grad,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
                 "final_train_epe": log[-1]["train_epe"] if log else math.nan,

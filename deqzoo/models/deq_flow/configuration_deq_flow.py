@@ -53,6 +53,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
             original's default; False is its --all_grad).
         implicit: DEQ-Flow (True) or the explicit RAFT baseline (False).
         num_flow_updates: update iterations of the explicit baseline (RAFT: 12); unused when implicit.
+        jac_loss_weight: weight of the engine's Jacobian regularizer (``deq={"jac_reg_samples": k}``) added to
+            the training loss (0: off; Bai et al., 2021); only DEQ-Flow (implicit) has one.
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
 
     Example:
@@ -84,6 +86,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         detach_flow_input: bool = True,
         implicit: bool = True,
         num_flow_updates: int = 12,
+        jac_loss_weight: float = 0.0,
         deq: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
@@ -104,6 +107,14 @@ class DEQFlowConfig(DEQPretrainedConfig):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"DEQFlowConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if (
+            isinstance(jac_loss_weight, bool)
+            or not isinstance(jac_loss_weight, (int, float))
+            or not 0 <= jac_loss_weight < float("inf")
+        ):
+            raise ValueError(
+                f"DEQFlowConfig.jac_loss_weight must be a finite number >= 0, got {jac_loss_weight!r}"
+            )
         for name, value in (("feature_norm", feature_norm), ("context_norm", context_norm)):
             if value not in NORMS:
                 raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
@@ -133,6 +144,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         self.detach_flow_input = detach_flow_input
         self.implicit = implicit
         self.num_flow_updates = num_flow_updates
+        self.jac_loss_weight = float(jac_loss_weight)
         super().__init__(deq=deq, **kwargs)
 
     @property
