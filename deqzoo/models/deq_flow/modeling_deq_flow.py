@@ -229,8 +229,8 @@ class GMAUpdateBlock(tv_raft.UpdateBlock):
 @dataclass
 class DEQFlowOutput(DEQModelOutput):
     """loss: sequence / fixed-point-correction loss against `flow_gt` (if given; plus ``jac_loss_weight``
-    times the engine's Jacobian regularizer when ``deq.jac_reg_samples`` > 0 in training); flow: (B, 2, H, W) at
-    full resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution
+    times the engine's Jacobian regularizer when ``deq.jac_reg_samples`` > 0 in training); flow: (B, 2, H, W)
+    at full resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution
     (padded); hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state,
     flow_low), to pass as the next pair's ``initial_state``; flow_predictions: the supervised full-
     resolution flows in training (correction states or unrolled iterates, first to last); hidden_states:
