@@ -80,39 +80,50 @@ def _bench_section(paths: list[Path]) -> str:
     lines = [
         "## Training memory and frame-to-frame reuse (`deqzoo bench deq-flow`)",
         "",
-        "Tensor peak of one training step = weights + gradients + every tensor autograd saves for backward "
-        "(unique storages, `saved_tensors_hooks`); RSS = growth of the process's peak resident set over the "
-        "step; one subprocess per row, 1 thread.",
+        "Step peak = the peak of live tensor bytes over one whole training step (forward and backward: "
+        "weights, gradients, saved activations, recomputation, transients), from PyTorch's profiler memory "
+        "timeline; weights+graph = weights + gradients + every tensor autograd saves in the forward (unique "
+        "storages, `saved_tensors_hooks`), split by the part of the model that saved it (encoders / "
+        "correlation / update block / upsampler / other); RSS = growth of the process's peak resident set "
+        "over the step. Encoder checkpointing = transformers' activation checkpointing "
+        "(`model.gradient_checkpointing_enable()`), per residual block of both encoders, the same setting "
+        "for both models. One subprocess per row, 1 thread.",
         "",
-        "| preset (batch, side) | model | update iterations | supervised states | tensor peak MiB | "
-        "graph MiB | RSS growth MiB | step s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| preset (batch, side) | encoder ckpt | model | iterations | supervised states | step peak MiB | "
+        "weights+graph MiB | graph by part MiB (enc / corr / update / ups / other) | RSS growth MiB | "
+        "step s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    reuse = None
+    reuse, summaries = None, []
     for path in paths:
         report = json.loads(Path(path).read_text())
         for r in report["training"]:
+            part = " / ".join(f"{v:.1f}" for v in r["graph_by_part_mb"].values())
             lines.append(
-                f"| {r['preset']} ({r['batch']}, {r['size']}) | {r['model']} | {r['iterations']} | "
-                f"{r['n_states']} | {r['peak_mb']:.1f} | {r['graph_mb']:.1f} | {r['rss_growth_mb']:.1f} | "
-                f"{r['step_seconds']:.2f} |"
+                f"| {r['preset']} ({r['batch']}, {r['size']}) | {'on' if r['checkpointing'] else 'off'} | "
+                f"{r['model']} | {r['iterations']} | {r['n_states']} | {r['step_peak_mb']:.1f} | "
+                f"{r['peak_mb']:.1f} | {part} | {r['rss_growth_mb']:.1f} | {r['step_seconds']:.2f} |"
             )
+        summaries.append(report["summary"])
         reuse = report.get("reuse") or reuse
+    lines += ["", "Ratios (step peak; DEQ-Flow over RAFT at the fewer iterations, growth to the more):", ""]
+    for summary in summaries:
+        for key, value in summary.items():
+            if key.split(": ")[1].startswith("step_peak"):
+                lines.append(f"- {key}: {value:.3f}")
     if reuse:
         c, w = reuse["cold"], reuse["reuse"]
         lines += [
             "",
             f"Reuse along `synthetic_video` ({reuse['frames']} frames of {reuse['size'][0]}x"
-            f"{reuse['size'][1]}, held-out photo): solver {reuse['solver']}, at most {reuse['max_iter']} "
-            f"steps, relative tolerance {reuse['tol']}. Mean NFE per pair {c['mean_nfe']:.2f} from zero, "
-            f"{w['mean_nfe']:.2f} from the previous pair's fixed point (ratio {reuse['nfe_ratio']:.3f} "
-            "over the "
-            f"pairs that have a previous one); mean EPE {c['mean_epe']:.4f} -> {w['mean_epe']:.4f} "
-            f"({100 * reuse['epe_change']:+.1f}%). Reuse saves f-evaluations but costs accuracy with this "
-            "checkpoint: its update operator is not contractive enough (the relative residual levels off "
-            "near "
-            "0.5-1% instead of reaching the tolerance), so iterating on from a previous fixed point drifts "
-            "rather than refines.",
+            f"{reuse['size'][1]}, held-out photo, `model.estimate_sequence`): solver {reuse['solver']}, "
+            f"at most {reuse['max_iter']} steps, relative tolerance {reuse['tol']}. Mean NFE per pair "
+            f"{c['mean_nfe']:.2f} from zero, {w['mean_nfe']:.2f} from the previous pair's fixed point "
+            f"(ratio {reuse['nfe_ratio']:.3f} over the pairs that have a previous one); mean EPE "
+            f"{c['mean_epe']:.4f} -> {w['mean_epe']:.4f} ({100 * reuse['epe_change']:+.1f}%); solves below "
+            "the tolerance: "
+            f"{sum(c['converged'])}/{len(c['converged'])} cold, {sum(w['converged'])}/{len(w['converged'])} "
+            "with reuse.",
         ]
     return "\n".join(lines)
 

@@ -95,12 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
+    p.add_argument("--residual-loss-weight", type=float, default=0.0, help="equilibrium residual weight")
     p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
+    if args.residual_loss_weight:
+        extra["residual_loss_weight"] = args.residual_loss_weight
     if args.all_grad:
         extra["detach_flow_input"] = False
     model = deqzoo.create_model(args.model, **extra)
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seed": args.seed,
                 "deq": args.deq,
                 "jac_loss_weight": args.jac_loss_weight,
+                "residual_loss_weight": args.residual_loss_weight,
                 "all_grad": args.all_grad,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,

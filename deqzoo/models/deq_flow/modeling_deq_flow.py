@@ -245,6 +245,16 @@ class DEQFlowOutput(DEQModelOutput):
     flow_predictions: list[torch.Tensor] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
+    residual_loss: torch.Tensor | None = None
+
+
+def _relative_residual(f, z: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean over the batch of ||f(z) - z|| / ||z|| over the whole state (the solver's relative residual), with
+    graph through f only."""
+    fz = f(z)
+    num = sum((a - b).flatten(1).pow(2).sum(1) for a, b in zip(fz, z)).sqrt()
+    den = sum(b.flatten(1).pow(2).sum(1) for b in z).sqrt().clamp_min(1e-6)
+    return (num / den).mean()
 
 
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
@@ -408,6 +418,10 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         jac = getattr(stats, "jac_loss", None)
         if loss is not None and jac is not None and c.jac_loss_weight:
             loss = loss + c.jac_loss_weight * jac
+        residual = None
+        if loss is not None and c.implicit and train and c.residual_loss_weight:
+            residual = _relative_residual(f, (hidden.detach(), flow_low.detach()))
+            loss = loss + c.residual_loss_weight * residual
         return self._output(
             DEQFlowOutput(
                 loss=loss,
@@ -420,6 +434,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
                 if self._flag(output_hidden_states, "output_hidden_states")
                 else None,
                 deq_stats=stats,
+                residual_loss=residual,
             ),
             return_dict,
         )
