@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
     p.add_argument("--residual-loss-weight", type=float, default=0.0, help="equilibrium residual weight")
+    p.add_argument(
+        "--residual-ramp", type=float, default=0.0, help="fraction of steps to ramp it up"
+    )
     p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
@@ -136,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
+        if args.residual_loss_weight and args.residual_ramp:  # linear ramp: first learn to move, then to stop
+            ramp = min(1.0, (step + 1) / max(1, args.residual_ramp * args.steps))
+            model.config.residual_loss_weight = args.residual_loss_weight * ramp
         image1, image2, flow, valid = synthetic_batch(range(step * bs, (step + 1) * bs), size, "train")
         t0 = time.time()
         out = model(image1, image2, flow_gt=flow, valid=valid.float())
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 "deq": args.deq,
                 "jac_loss_weight": args.jac_loss_weight,
                 "residual_loss_weight": args.residual_loss_weight,
+                "residual_ramp": args.residual_ramp,
                 "all_grad": args.all_grad,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
