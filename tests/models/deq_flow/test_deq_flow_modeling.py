@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
@@ -271,3 +272,28 @@ def test_jacobian_regularizer_joins_the_training_loss():
     jac = out.deq_stats.jac_loss
     assert jac is not None and float(jac.detach()) > 0
     torch.testing.assert_close(out.loss, plain.loss + 0.5 * jac)
+
+
+def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
+    """residual_loss = ||f(z) - z|| / ||z|| at the returned state z, recomputed here from the update
+    operator, and part of the training loss; none in inference."""
+    model = _model(residual_loss_weight=3.0, deq={"f_max_iter": 5}).train()
+    torch.manual_seed(11)
+    a, b, gt = torch.rand(2, 3, 40, 48), torch.rand(2, 3, 40, 48), torch.randn(2, 2, 40, 48)
+    out = model(a, b, flow_gt=gt)
+    model.config.residual_loss_weight = 0.0
+    plain = model(a, b, flow_gt=gt)
+    h, flow = out.fixed_point
+    with torch.no_grad():
+        pa, pb, _ = prepare_images(a, b, model.config.min_image_size)
+        context = model.encode(pa, pb)
+        f = model.update_fn(context, make_coords_grid(2, *context.shape[-2:]))
+        fh, fflow = f((h, flow))
+        num = ((fh - h).flatten(1).pow(2).sum(1) + (fflow - flow).flatten(1).pow(2).sum(1)).sqrt()
+        den = (h.flatten(1).pow(2).sum(1) + flow.flatten(1).pow(2).sum(1)).sqrt()
+        expected = (num / den).mean()
+    torch.testing.assert_close(out.residual_loss.detach(), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.loss.detach(), plain.loss.detach() + 3.0 * expected, rtol=1e-4, atol=1e-5)
+    assert plain.residual_loss is None
+    with torch.no_grad():
+        assert model(a, b).residual_loss is None  # inference: no extra f call
