@@ -37,7 +37,8 @@ def test_saved_graph_by_part_and_encoder_checkpointing():
             assert on["graph_by_part_mb"][part] == off["graph_by_part_mb"][part]
         assert on["step_peak_mb"] < off["step_peak_mb"]
         assert off["step_peak_mb"] >= off["peak_mb"] * 0.95  # the timeline sees at least the saved graph
-    assert rows["raft", False]["graph_by_part_mb"]["update block"] > 3 * rows["deq-flow", False][
+    # 4 unrolled updates keep their graphs; the DEQ keeps one phantom step's
+    assert rows["raft", False]["graph_by_part_mb"]["update block"] > 1.5 * rows["deq-flow", False][
         "graph_by_part_mb"]["update block"]
 
 
