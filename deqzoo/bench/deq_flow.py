@@ -322,23 +322,27 @@ def _plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     rows = report["training"]
-    for preset in sorted({r["preset"] for r in rows}):
-        for kind, states, style in (("deq-flow", 1, "o-"), ("deq-flow", 3, "s-"), ("raft", None, "^-")):
+    settings = sorted({(r["preset"], r["checkpointing"]) for r in rows})
+    for preset, ckpt in settings:
+        for kind, states, marker in (("deq-flow", 1, "o"), ("deq-flow", 3, "s"), ("raft", None, "^")):
             sel = [
                 r
                 for r in rows
                 if r["preset"] == preset
+                and r["checkpointing"] == ckpt
                 and r["model"] == kind
                 and (states is None or r["n_states"] == states)
             ]
-            label = f"{preset}: " + (
+            label = f"{preset}{', enc. ckpt' if ckpt else ''}: " + (
                 kind if states is None else f"{kind} ({states} state{'s' if states > 1 else ''})"
             )
-            axes[0].plot([r["iterations"] for r in sel], [r["peak_mb"] for r in sel], style, label=label)
-    axes[0].set_yscale("log")
+            style = marker + ("--" if ckpt else "-")
+            axes[0].plot([r["iterations"] for r in sel], [r["step_peak_mb"] for r in sel], style, label=label)
+    if rows:
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=6)
     axes[0].set_xlabel("update iterations")
     axes[0].set_ylabel("training-step tensor peak (MiB)")
-    axes[0].legend(fontsize=7)
     video = report.get("reuse")
     if video:
         for key, style in (("cold", "o-"), ("reuse", "s-")):
@@ -383,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tol", type=float, default=2e-2, help="f_tol (relative) for the reuse part")
     p.add_argument("--quick", action="store_true", help="cpu scale, batch 2, 1 timed step, <= 8 frames")
     p.add_argument("--no-reuse", action="store_true", help="skip the reuse part")
+    p.add_argument("--no-training", action="store_true", help="skip the training-memory part")
     args = p.parse_args(argv)
     scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
     if args.quick:
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         args.frames, args.repeats = min(args.frames, 8), 1
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for preset, batch, size in scales.values():
+    for preset, batch, size in [] if args.no_training else scales.values():
         for ckpt in args.checkpointing:
             for iters in args.iterations:
                 rows.append(_subprocess("raft", iters, preset, batch, size, 0, args.repeats, ckpt))
