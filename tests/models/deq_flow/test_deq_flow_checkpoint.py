@@ -30,11 +30,14 @@ def test_deq_flow_beats_zero_flow_and_farneback_on_held_out_pairs():
     model = deqzoo.from_pretrained(NAMES[0])
     meta, _ = read_model_card(resolve(NAMES[0]))
     image1, image2, gt, valid = flow.held_out_set(20)
-    pred, nfes = flow.model_flow(model, image1, image2)
+    converged: list[bool] = []
+    pred, nfes = flow.model_flow(model, image1, image2, converged=converged)
     ours = flow.epe(pred, gt, valid)
     assert ours < flow.classical_epe("zero", image1, image2, gt, valid)
     assert ours < flow.classical_epe("farneback", image1, image2, gt, valid)
-    assert nfes == [24]  # the card's inference budget
+    assert len(converged) == 20 and max(nfes) <= model.config.deq_config.f_max_iter
+    if model.config.on_nonconvergence == "warn":  # shipped with the default only because its solves converge
+        assert all(converged) and max(nfes) < model.config.deq_config.f_max_iter
     assert meta["deqzoo_task"] == "flow"
 
 
@@ -66,6 +69,6 @@ def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch)
 def test_demo_writes_pngs(tmp_path):
     model = deqzoo.from_pretrained(NAMES[0])
     summary, stats = flow.demo(model, output_dir=tmp_path)
-    assert "motorcycle" in summary and stats.nfe == 24
+    assert "motorcycle" in summary and 1 <= stats.nfe <= model.config.deq_config.f_max_iter
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "deq-flow-cpu-synth_held_out_flow.png", "deq-flow-cpu-synth_motorcycle_flow.png"]
