@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--residual-ramp", type=float, default=0.0, help="fraction of steps to ramp it up"
     )
+    p.add_argument("--init", type=Path, help="start from this model folder's weights (fine-tuning)")
     p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     model = deqzoo.create_model(args.model, **extra)
     if args.deq:
         model.set_deq(**args.deq)
+    if args.init is not None:
+        model.load_state_dict(load_file(args.init / "model.safetensors"))
     model.set_deq(on_nonconvergence="ignore")  # training iterates to f_max_iter by design
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "residual_loss_weight": args.residual_loss_weight,
                 "residual_ramp": args.residual_ramp,
                 "all_grad": args.all_grad,
+                "init": str(args.init) if args.init else None,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
                 "final_train_epe": log[-1]["train_epe"] if log else math.nan,
