@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--residual-ramp", type=float, default=0.0, help="fraction of steps to ramp it up"
     )
+    p.add_argument("--flow-residual-weight", type=float, default=0.0, help="flow drift weight (px)")
     p.add_argument("--init", type=Path, help="start from this model folder's weights (fine-tuning)")
     p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
     if args.residual_loss_weight:
         extra["residual_loss_weight"] = args.residual_loss_weight
+    if args.flow_residual_weight:
+        extra["flow_residual_weight"] = args.flow_residual_weight
     if args.all_grad:
         extra["detach_flow_input"] = False
     model = deqzoo.create_model(args.model, **extra)
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 "jac_loss_weight": args.jac_loss_weight,
                 "residual_loss_weight": args.residual_loss_weight,
                 "residual_ramp": args.residual_ramp,
+                "flow_residual_weight": args.flow_residual_weight,
                 "all_grad": args.all_grad,
                 "init": str(args.init) if args.init else None,
                 "model_seconds": round(train_s, 1),

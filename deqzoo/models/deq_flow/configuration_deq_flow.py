@@ -58,6 +58,8 @@ class DEQFlowConfig(DEQPretrainedConfig):
             the training loss (0: off; Bai et al., 2021); only DEQ-Flow (implicit) has one.
         residual_loss_weight: weight of the equilibrium residual ||f(z) - z|| / ||z|| at the solve's output z
             (held fixed: only f learns to map it onto itself) added to the training loss; 0: off.
+        flow_residual_weight: weight of the flow part alone of that residual, the mean |Δflow| f would
+            still add at the output, in full-resolution pixels (the flow's drift per step); 0: off.
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
 
     Example:
@@ -91,6 +93,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         num_flow_updates: int = 12,
         jac_loss_weight: float = 0.0,
         residual_loss_weight: float = 0.0,
+        flow_residual_weight: float = 0.0,
         deq: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
@@ -114,6 +117,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         for name, value in (
             ("jac_loss_weight", jac_loss_weight),
             ("residual_loss_weight", residual_loss_weight),
+            ("flow_residual_weight", flow_residual_weight),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"DEQFlowConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -148,6 +152,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
         self.num_flow_updates = num_flow_updates
         self.jac_loss_weight = float(jac_loss_weight)
         self.residual_loss_weight = float(residual_loss_weight)
+        self.flow_residual_weight = float(flow_residual_weight)
         super().__init__(deq=deq, **kwargs)
 
     @property

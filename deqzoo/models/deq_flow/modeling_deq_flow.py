@@ -248,10 +248,8 @@ class DEQFlowOutput(DEQModelOutput):
     residual_loss: torch.Tensor | None = None
 
 
-def _relative_residual(f, z: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean over the batch of ||f(z) - z|| / ||z|| over the whole state (the solver's relative residual), with
-    graph through f only."""
-    fz = f(z)
+def _relative_residual(fz: tuple[torch.Tensor, ...], z: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over the batch of ||f(z) - z|| / ||z|| over the whole state (the solver's relative residual)."""
     num = sum((a - b).flatten(1).pow(2).sum(1) for a, b in zip(fz, z)).sqrt()
     den = sum(b.flatten(1).pow(2).sum(1) for b in z).sqrt().clamp_min(1e-6)
     return (num / den).mean()
@@ -419,9 +417,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         if loss is not None and jac is not None and c.jac_loss_weight:
             loss = loss + c.jac_loss_weight * jac
         residual = None
-        if loss is not None and c.implicit and train and c.residual_loss_weight:
-            residual = _relative_residual(f, (hidden.detach(), flow_low.detach()))
-            loss = loss + c.residual_loss_weight * residual
+        if loss is not None and c.implicit and train and (c.residual_loss_weight or c.flow_residual_weight):
+            z = (hidden.detach(), flow_low.detach())
+            fz = f(z)
+            residual = _relative_residual(fz, z)
+            drift = 8 * (fz[1] - z[1]).abs().mean()  # 1/8-resolution flow -> full-resolution pixels
+            loss = loss + c.residual_loss_weight * residual + c.flow_residual_weight * drift
         return self._output(
             DEQFlowOutput(
                 loss=loss,
