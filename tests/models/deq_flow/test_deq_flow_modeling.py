@@ -298,6 +298,8 @@ def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
     model.config.flow_residual_weight = 2.0  # the flow's drift per step, in full-resolution pixels
     drift = model(a, b, flow_gt=gt)
     expected_drift = 8 * (fflow - flow).abs().mean()
-    torch.testing.assert_close(drift.loss.detach(), plain.loss.detach() + 2.0 * expected_drift, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        drift.loss.detach(), plain.loss.detach() + 2.0 * expected_drift, rtol=1e-4, atol=1e-5
+    )
     with torch.no_grad():
         assert model(a, b).residual_loss is None  # inference: no extra f call
