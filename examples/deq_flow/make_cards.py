@@ -56,16 +56,28 @@ def _policy(folder: Path, converged: bool) -> str:
     return cfg["on_nonconvergence"]
 
 
-def _curves(runs: dict[str, Path], path: Path) -> None:
+def _log(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _curves(runs: dict[str, list[Path]], path: Path) -> None:
+    """Training-batch EPE per run; a run given as several stages is drawn as one curve, step after step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, run in runs.items():
-        log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
-        ax.plot([e["step"] for e in log], [e["train_epe"] for e in log], label=label)
+    for label, stages in runs.items():
+        steps, errs, offset = [], [], 0
+        for run in stages:
+            log = _log(run)
+            steps += [offset + e["step"] for e in log]
+            errs += [e["train_epe"] for e in log]
+            offset = steps[-1]
+        ax.plot(steps, errs, label=label)
+        for run in stages[:-1]:
+            ax.axvline(_log(run)[-1]["step"], color="grey", lw=0.5, ls=":")
     ax.set_xlabel("training step (batch 8)")
     ax.set_ylabel("training-batch EPE (px, 25-step mean)")
     ax.legend()
@@ -140,11 +152,31 @@ def _bench_section(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _train_commands(model_name: str, s: dict, stage1: dict | None, bench: str) -> str:
+    """The commands that train this card's model and write the cards (two train.py stages when fine-tuned)."""
+    train = "PYTHONPATH=. python examples/deq_flow/train.py --model " + model_name
+    lines, run = [], f"outputs/{model_name}"
+    if stage1 is not None:
+        lines.append(f"{train} --out {run} --steps {stage1['steps']} --seed {stage1['seed']}")
+        lines.append(
+            f"{train} --out {run}-stage2 --steps {s['steps']} --seed {s['seed']} --lr {s['lr']:g} "
+            f"--init {run}/model{_recipe_flags(s)}"
+        )
+        cards = f"outputs/deq-flow-cpu-stage2 outputs/raft-cpu --stage1 outputs/deq-flow-cpu --bench {bench}"
+    else:
+        lines.append(f"{train} --out {run} --steps {s['steps']} --seed {s['seed']}{_recipe_flags(s)}")
+        cards = f"outputs/deq-flow-cpu outputs/raft-cpu --bench {bench}"
+    lines.append("PYTHONPATH=. python examples/deq_flow/make_cards.py " + cards)
+    return "\n".join(lines)
+
+
 def _recipe_flags(summary: dict) -> str:
     """The train.py options of a run beyond model/out/steps/seed, from its summary.json."""
     flags = []
     if summary.get("residual_loss_weight"):
         flags.append(f"--residual-loss-weight {summary['residual_loss_weight']:g}")
+    if summary.get("flow_residual_weight"):
+        flags.append(f"--flow-residual-weight {summary['flow_residual_weight']:g}")
     if summary.get("residual_ramp"):
         flags.append(f"--residual-ramp {summary['residual_ramp']:g}")
     if summary.get("jac_loss_weight"):
@@ -156,8 +188,9 @@ def _recipe_flags(summary: dict) -> str:
     return "".join(" " + f for f in flags)
 
 
-def _deq_recipe(summary: dict) -> str:
-    text = (
+def _deq_recipe(summary: dict, stage1: dict | None = None) -> str:
+    text = "" if stage1 is None else f"Stage 1 ({stage1['steps']} steps): "
+    text += (
         "DEQ-Flow: the paper's Algorithm at CPU scale: forward solve without a graph (plain fixed-point "
         "iteration, at most 24 steps, stopping below a relative residual of 1e-3), one-step phantom gradient "
         "(UPG, k = 1, τ = 1: the original's `--phantom_grad 1`), fixed-point correction on the states at "
@@ -175,6 +208,16 @@ def _deq_recipe(summary: dict) -> str:
         )
     if summary.get("jac_loss_weight"):
         text += f", the Jacobian regularizer with weight {summary['jac_loss_weight']:g}"
+    if stage1 is not None:
+        text += (
+            f". Stage 2 ({summary['steps']} more steps from stage 1's weights, a fresh AdamW and one-cycle "
+            f"schedule at peak lr {summary['lr']:g}, the same data stream from pair 0): the same losses plus "
+            "one term that is not in the paper, the flow's drift at the solve's output: the mean |Δflow| "
+            "that one more application of f would still add, in full-resolution pixels (the output held "
+            "fixed, so only f learns to stop there; one more f evaluation per step), with weight "
+            f"{summary['flow_residual_weight']:g}. Stage 1 alone is the previous checkpoint, whose flow "
+            "kept drifting (see Convergence)"
+        )
     return text + "."
 
 
@@ -233,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("deq_run", type=Path)
     p.add_argument("raft_run", type=Path)
     p.add_argument(
+        "--stage1",
+        type=Path,
+        help="the run deq_run was fine-tuned from (train.py --init RUN/model): both stages in the card",
+    )
+    p.add_argument(
         "--bench",
         type=Path,
         nargs="*",
@@ -255,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         print(name, json.dumps(results[name]))
     r = results[DEQ_NAME]
     policy = _policy(deq_dir, r["converged_held_out"] == 1.0 and r["converged_motorcycle"] == 1.0)
-    _curves({"DEQ-Flow": args.deq_run, "explicit RAFT (12 updates)": args.raft_run}, deq_dir / "training.png")
+    deq_stages = [args.stage1, args.deq_run] if args.stage1 else [args.deq_run]
+    _curves({"DEQ-Flow": deq_stages, "explicit RAFT (12 updates)": [args.raft_run]}, deq_dir / "training.png")
     shutil.copyfile(deq_dir / "training.png", raft_dir / "training.png")
     summaries = {
         n: json.loads((r / "summary.json").read_text())
@@ -263,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = _table(results[DEQ_NAME], results[RAFT_NAME])
     reading = _reading(results[DEQ_NAME], results[RAFT_NAME])
-    deq_recipe = _deq_recipe(summaries[DEQ_NAME])
+    stage1 = json.loads((args.stage1 / "summary.json").read_text()) if args.stage1 else None
+    deq_recipe = _deq_recipe(summaries[DEQ_NAME], stage1)
+    if stage1 is not None:  # wall clock of both stages
+        for key in ("wall_seconds", "model_seconds"):
+            summaries[DEQ_NAME][key] += stage1[key]
     for name, d, model_name in (
         (DEQ_NAME, deq_dir, "deq-flow-cpu"),
         (RAFT_NAME, raft_dir, "raft-cpu"),
@@ -317,12 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             dataset_name=f"{100} held-out synthetic pairs (64x64) and the motorcycle stereo pair",
             metrics=metrics,
             tags=["deq-flow", "optical-flow", "raft", "implicit-model"],
-            train_command=(
-                f"PYTHONPATH=. python examples/deq_flow/train.py --model {model_name} "
-                f"--out outputs/{model_name} --steps {s['steps']} --seed {s['seed']}{_recipe_flags(s)}\n"
-                "PYTHONPATH=. python examples/deq_flow/make_cards.py outputs/deq-flow-cpu outputs/raft-cpu "
-                f"--bench {bench}"
-            ),
+            train_command=_train_commands(model_name, s, stage1 if is_deq else None, bench),
             eval_command=f"deqzoo eval deqzoo/{name}",
             body_markdown=body,
             license="apache-2.0",
