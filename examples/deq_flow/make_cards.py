@@ -111,8 +111,8 @@ def _bench_section(paths: list[Path]) -> str:
         "storages, `saved_tensors_hooks`), split by the part of the model that saved it (encoders / "
         "correlation / update block / upsampler / other); RSS = growth of the process's peak resident set "
         "over the step. Encoder checkpointing = transformers' activation checkpointing "
-        "(`model.gradient_checkpointing_enable()`), per residual block of both encoders, the same setting "
-        "for both models. One subprocess per row, 1 thread.",
+        "(`model.activation_checkpointing_enable()`, formerly `gradient_checkpointing_enable()`), per "
+        "residual block of both encoders, the same setting for both models. One subprocess per row, 1 thread.",
         "",
         "| preset (batch, side) | encoder ckpt | model | iterations | supervised states | step peak MiB | "
         "weights+graph MiB | graph by part MiB (enc / corr / update / ups / other) | RSS growth MiB | "
@@ -153,7 +153,7 @@ def _bench_section(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def _train_commands(model_name: str, s: dict, stage1: dict | None, bench: str) -> str:
+def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str) -> str:
     """The commands that train this card's model and write the cards (two train.py stages when fine-tuned)."""
     train = "PYTHONPATH=. python examples/deq_flow/train.py --model " + model_name
     lines, run = [], f"outputs/{model_name}"
@@ -163,10 +163,8 @@ def _train_commands(model_name: str, s: dict, stage1: dict | None, bench: str) -
             f"{train} --out {run}-stage2 --steps {s['steps']} --seed {s['seed']} --lr {s['lr']:g} "
             f"--init {run}/model{_recipe_flags(s)}"
         )
-        cards = f"outputs/deq-flow-cpu-stage2 outputs/raft-cpu --stage1 outputs/deq-flow-cpu --bench {bench}"
     else:
         lines.append(f"{train} --out {run} --steps {s['steps']} --seed {s['seed']}{_recipe_flags(s)}")
-        cards = f"outputs/deq-flow-cpu outputs/raft-cpu --bench {bench}"
     lines.append("PYTHONPATH=. python examples/deq_flow/make_cards.py " + cards)
     return "\n".join(lines)
 
@@ -366,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         bench = " ".join(str(b) for b in args.bench)
+        cards = (
+            f"outputs/deq-flow-cpu-stage2 outputs/raft-cpu --stage1 outputs/deq-flow-cpu --bench {bench}"
+            if stage1 is not None
+            else f"outputs/deq-flow-cpu outputs/raft-cpu --bench {bench}"
+        )
         write_model_card(
             d,
             model_id=f"deqzoo/{name}",
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             dataset_name=f"{100} held-out synthetic pairs (64x64) and the motorcycle stereo pair",
             metrics=metrics,
             tags=["deq-flow", "optical-flow", "raft", "implicit-model"],
-            train_command=_train_commands(model_name, s, stage1 if is_deq else None, bench),
+            train_command=_train_commands(model_name, s, stage1 if is_deq else None, cards),
             eval_command=f"deqzoo eval deqzoo/{name}",
             body_markdown=body,
             license="apache-2.0",
@@ -445,7 +448,8 @@ numbers; the memory and reuse measurements of this implementation are in the DEQ
 (`torchvision.utils.flow_to_image`); `model(image1, image2)` takes (B, C, H, W) float in [0, 1] or uint8,
 grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back); `initial_state=` a previous
 `out.fixed_point` starts the solve there, `model.estimate_sequence(frames, reuse=True)` runs a video;
-`model.gradient_checkpointing_enable()` recomputes the encoders in the backward (less training memory)."""
+`model.gradient_checkpointing_enable()` (`activation_checkpointing_enable()` in transformers 5.x) recomputes
+the encoders block by block in the backward (less training memory, same gradients)."""
 
 
 if __name__ == "__main__":
