@@ -112,7 +112,8 @@ def _bench_section(paths: list[Path]) -> str:
         "correlation / update block / upsampler / other); RSS = growth of the process's peak resident set "
         "over the step. Encoder checkpointing = transformers' activation checkpointing "
         "(`model.activation_checkpointing_enable()`, formerly `gradient_checkpointing_enable()`), per "
-        "residual block of both encoders, the same setting for both models. One subprocess per row, 1 thread.",
+        "residual block of both encoders, the same setting for both models. One subprocess per row, "
+        "1 thread.",
         "",
         "| preset (batch, side) | encoder ckpt | model | iterations | supervised states | step peak MiB | "
         "weights+graph MiB | graph by part MiB (enc / corr / update / ups / other) | RSS growth MiB | "
