@@ -1,7 +1,8 @@
-"""Write the embedded DEQ-Flow checkpoint and its explicit RAFT twin from two training runs.
+"""Write the embedded DEQ-Flow checkpoint and its explicit RAFT twin from their training runs.
 
-    PYTHONPATH=. python examples/deq_flow/make_cards.py outputs/deq-flow-cpu outputs/raft-cpu \
-        --bench examples/deq_flow/results/bench_cpu_64_reuse.json examples/deq_flow/results/bench_b_192.json
+    PYTHONPATH=. python examples/deq_flow/make_cards.py outputs/deq-flow-cpu-stage2 outputs/raft-cpu \
+        --stage1 outputs/deq-flow-cpu --bench examples/deq_flow/results/bench_cpu_64.json \
+        examples/deq_flow/results/bench_b_192.json examples/deq_flow/results/bench_reuse.json
 
 Copies OUT/model/{config.json, model.safetensors} of each run into model_cards/<name>/ (the DEQ's solver set
 to its inference settings), evaluates both with `deqzoo.tasks.flow.evaluate` (exactly what `deqzoo eval`
