@@ -1,12 +1,15 @@
 """DEQ-Flow vs its explicit RAFT twin: training-step memory and time at 12 and 24 update iterations, and
 frame-to-frame fixed-point reuse along a synthetic video.
 
-Memory, two ways, each configuration in a fresh subprocess (1 thread, seeded random pairs; the CPU preset at
-batch 4 of 64x64, and the original's B size at batch 1 of 192x192):
+Memory, each configuration in a fresh subprocess (1 thread, seeded random pairs; the CPU preset at batch 4 of
+64x64, and the original's B size at batch 1 of 192x192), with and without transformers' activation
+checkpointing of the encoders (``--checkpointing off on``; per residual block, the same setting for both):
+- ``step_peak_mb``: the peak of live tensor bytes over one whole training step (forward and backward: weights,
+  gradients, saved activations, recomputation and transients), from the profiler's memory timeline.
 - ``graph_mb``: the bytes of every tensor autograd saves for the backward pass during the forward (unique
-  storages, parameters excluded), recorded by `torch.autograd.graph.saved_tensors_hooks`: the activation
-  memory that unrolling grows and a DEQ's graph-free solve does not. Plus ``param_mb`` (weights and
-  gradients), ``peak_mb = param_mb + graph_mb`` is the training step's tensor peak to within transients.
+  storages, parameters excluded), recorded by `torch.autograd.graph.saved_tensors_hooks`, and
+  ``graph_by_part_mb``: the same split by the part that saved it (encoders, correlation, update block,
+  upsampler, other). Plus ``param_mb`` (weights and gradients); ``peak_mb = param_mb + graph_mb``.
 - ``rss_growth_mb``: growth of the process's peak resident set (``ru_maxrss``) over one training step, from
   just after a warm-up step on a 4x smaller batch (or the smallest image size), so the interpreter, torch,
   weights and thread pools are not counted.
@@ -20,20 +23,23 @@ against the exact flow.
 
     deqzoo bench deq-flow                      # -> bench_output/deq_flow/deq_flow_bench.json (+ PNG)
     deqzoo bench deq-flow --quick              # cpu scale, batch 2, at most 8 frames
+    deqzoo bench deq-flow --no-training        # reuse only (the embedded checkpoint, its tolerance 5e-3)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["main", "measure_training", "reuse_along_video"]
+__all__ = ["enable_checkpointing", "main", "measure_training", "reuse_along_video", "step_peak_bytes"]
 
 DEFAULT_CHECKPOINT = "deqzoo/deq-flow-cpu-synth"
 
@@ -55,6 +61,101 @@ def _build(kind: str, preset: str):
     return DEQFlowForOpticalFlow(DEQFlowConfig(**config))
 
 
+# which part of the model saved a tensor for backward: top-level children by name, plus the correlation
+# pyramid's methods and the upsampler (methods the model calls directly, not modules)
+_PARTS = {
+    "feature_encoder": "encoders",
+    "context_encoder": "encoders",
+    "attention": "update block",
+    "update_block": "update block",
+    "mask_predictor": "upsampler",
+}
+PARTS = ("encoders", "correlation", "update block", "upsampler", "other")
+
+
+@contextlib.contextmanager
+def saved_by_part(model, exclude: set[int]):
+    """Record {storage pointer: (bytes, part)} of every tensor autograd saves in this block (first saver
+    wins), the part being the innermost labelled module or method running when it was saved."""
+    import torch
+
+    label = ["other"]
+    saved: dict[int, tuple[int, str]] = {}
+    handles, patched = [], []
+
+    def push(part):
+        return lambda *_: label.append(part)
+
+    def pop(*_):  # a forward hook's non-None return would replace the module's output
+        label.pop()
+
+    for child, part in _PARTS.items():
+        module = getattr(model, child, None)
+        if module is not None:
+            handles.append(module.register_forward_pre_hook(push(part)))
+            handles.append(module.register_forward_hook(pop))
+
+    def labelled(fn, part):
+        def run(*args, **kwargs):
+            label.append(part)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                label.pop()
+
+        return run
+
+    for owner, name, part in (
+        (model.corr_block, "build_pyramid", "correlation"),
+        (model.corr_block, "index_pyramid", "correlation"),
+        (model, "upsample", "upsampler"),
+        (model, "_encoder", "encoders"),  # under checkpointing: the block inputs the checkpoints keep
+    ):
+        setattr(owner, name, labelled(getattr(owner, name), part))  # instance attribute shadows the method
+        patched.append((owner, name))
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude and st.device.type == "cpu":
+            saved.setdefault(st.data_ptr(), (st.nbytes(), label[-1]))
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield saved
+    finally:
+        for h in handles:
+            h.remove()
+        for owner, name in patched:
+            delattr(owner, name)
+
+
+def enable_checkpointing(model) -> None:
+    """transformers' activation checkpointing (``activation_checkpointing_enable``, named
+    ``gradient_checkpointing_enable`` before transformers 5.x deprecated that name)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def step_peak_bytes(step) -> int:
+    """Peak of the live tensor bytes over one call of `step()` (forward and backward: weights, gradients,
+    saved activations, recomputation and transients), from the profiler's memory timeline."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # export_memory_timeline: deprecated for CUDA users
+        path = Path(tmp) / "memory.json"
+        prof.export_memory_timeline(str(path), device="cpu")
+        _, sizes = json.loads(path.read_text())
+    return int(max(sum(row) for row in sizes))
+
+
 def measure_training(
     kind: str,
     iters: int,
@@ -65,13 +166,18 @@ def measure_training(
     n_states: int = 1,
     seed: int = 0,
     repeats: int = 3,
+    checkpointing: bool = False,
 ) -> dict:
-    """One configuration in this process: saved-graph bytes, parameter bytes, peak RSS growth, step time."""
+    """One configuration in this process: saved-graph bytes (by part), parameter bytes, the step's tensor
+    peak, peak RSS growth, step time. `checkpointing`: the encoders' activation checkpointing (transformers'
+    ``gradient_checkpointing_enable``), on for both models alike."""
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = _build(kind, preset).train()
+    if checkpointing:
+        enable_checkpointing(model)
     if model.config.implicit:
         model.set_deq(f_max_iter=iters, n_states=n_states, on_nonconvergence="ignore")
     else:
@@ -96,20 +202,15 @@ def measure_training(
     data = batch_of(batch, size)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.device.type == "cpu":
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_by_part(model, params) as saved:
         model.zero_grad(set_to_none=False)
         out = model(*data[:2], flow_gt=data[2])
-    graph_bytes = sum(saved.values())
+    graph_bytes = sum(n for n, _ in saved.values())
+    by_part = {part: sum(n for n, p in saved.values() if p == part) / 2**20 for part in PARTS}
     out.loss.backward()
+    del out
     rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # KiB -> MiB (Linux)
+    step_peak = step_peak_bytes(lambda: step(*data))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -121,23 +222,33 @@ def measure_training(
         "preset": preset,
         "iterations": iters,
         "n_states": n_states if kind == "deq-flow" else iters,
+        "checkpointing": checkpointing,
         "batch": batch,
         "size": size,
         "graph_mb": graph_bytes / 2**20,
+        "graph_by_part_mb": by_part,
         "param_mb": param_bytes / 2**20,
         "peak_mb": (graph_bytes + param_bytes) / 2**20,
+        "step_peak_mb": step_peak / 2**20,
         "rss_growth_mb": rss_growth,
         "step_seconds": statistics.median(times),
     }
 
 
 def _subprocess(
-    kind: str, iters: int, preset: str, batch: int, size: int, n_states: int, repeats: int
+    kind: str,
+    iters: int,
+    preset: str,
+    batch: int,
+    size: int,
+    n_states: int,
+    repeats: int,
+    checkpointing: bool,
 ) -> dict:
     code = (
         "import json, sys; from deqzoo.bench.deq_flow import measure_training; "
         f"print(json.dumps(measure_training({kind!r}, {iters}, preset={preset!r}, batch={batch}, "
-        f"size={size}, n_states={n_states}, repeats={repeats})))"
+        f"size={size}, n_states={n_states}, repeats={repeats}, checkpointing={checkpointing})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -173,6 +284,40 @@ def reuse_along_video(model, *, frames: int = 12, size: tuple[int, int] = (96, 1
     return result
 
 
+def summarize(rows: list[dict], iterations: list[int]) -> dict[str, float]:
+    """Growth from the fewest to the most iterations and DEQ-Flow / RAFT at the fewest, per preset and
+    encoder-checkpointing setting, for the step's tensor peak (``step_peak``) and weights + saved graph
+    (``saved``)."""
+    lo, hi = min(iterations), max(iterations)
+    out: dict[str, float] = {}
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        for ckpt in dict.fromkeys(r["checkpointing"] for r in rows if r["preset"] == preset):
+
+            def peak(kind, iters, states=None, key="step_peak_mb", preset=preset, ckpt=ckpt):
+                return next(
+                    r[key]
+                    for r in rows
+                    if r["preset"] == preset
+                    and r["checkpointing"] == ckpt
+                    and r["model"] == kind
+                    and r["iterations"] == iters
+                    and (states is None or r["n_states"] == states)
+                )
+
+            tag = f"{preset}, encoder checkpointing {'on' if ckpt else 'off'}"
+            for key, name in (("step_peak_mb", "step_peak"), ("peak_mb", "saved")):
+                raft_lo = peak("raft", lo, key=key)
+                out[f"{tag}: {name} raft_growth_{lo}_to_{hi}"] = peak("raft", hi, key=key) / raft_lo - 1
+                for states in (1, 3):
+                    s = f"{states}_state{'s' if states > 1 else ''}"
+                    out[f"{tag}: {name} deq_growth_{lo}_to_{hi}_{s}"] = (
+                        peak("deq-flow", hi, states, key) / peak("deq-flow", lo, states, key) - 1
+                    )
+                    deq_lo = peak("deq-flow", lo, states, key)
+                    out[f"{tag}: {name} deq_over_raft_at_{lo}_{s}"] = deq_lo / raft_lo
+    return out
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -181,23 +326,27 @@ def _plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     rows = report["training"]
-    for preset in sorted({r["preset"] for r in rows}):
-        for kind, states, style in (("deq-flow", 1, "o-"), ("deq-flow", 3, "s-"), ("raft", None, "^-")):
+    settings = sorted({(r["preset"], r["checkpointing"]) for r in rows})
+    for preset, ckpt in settings:
+        for kind, states, marker in (("deq-flow", 1, "o"), ("deq-flow", 3, "s"), ("raft", None, "^")):
             sel = [
                 r
                 for r in rows
                 if r["preset"] == preset
+                and r["checkpointing"] == ckpt
                 and r["model"] == kind
                 and (states is None or r["n_states"] == states)
             ]
-            label = f"{preset}: " + (
+            label = f"{preset}{', enc. ckpt' if ckpt else ''}: " + (
                 kind if states is None else f"{kind} ({states} state{'s' if states > 1 else ''})"
             )
-            axes[0].plot([r["iterations"] for r in sel], [r["peak_mb"] for r in sel], style, label=label)
-    axes[0].set_yscale("log")
+            style = marker + ("--" if ckpt else "-")
+            axes[0].plot([r["iterations"] for r in sel], [r["step_peak_mb"] for r in sel], style, label=label)
+    if rows:
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=6)
     axes[0].set_xlabel("update iterations")
     axes[0].set_ylabel("training-step tensor peak (MiB)")
-    axes[0].legend(fontsize=7)
     video = report.get("reuse")
     if video:
         for key, style in (("cold", "o-"), ("reuse", "s-")):
@@ -227,13 +376,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--iterations", type=int, nargs="+", default=[12, 24])
     p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument(
+        "--checkpointing",
+        nargs="+",
+        type=lambda v: {"off": False, "on": True}[v],
+        default=[False, True],
+        metavar="{off,on}",
+        help="encoder activation checkpointing settings to measure (both models under each)",
+    )
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="trained DEQ-Flow for the reuse part")
     p.add_argument("--frames", type=int, default=12)
     p.add_argument("--solver", default="fixed_point", help="forward solver for the reuse part")
     p.add_argument("--max-iter", type=int, default=24, help="f_max_iter for the reuse part")
-    p.add_argument("--tol", type=float, default=2e-2, help="f_tol (relative) for the reuse part")
+    p.add_argument("--tol", type=float, default=5e-3, help="f_tol (relative) for the reuse part (the card's)")
     p.add_argument("--quick", action="store_true", help="cpu scale, batch 2, 1 timed step, <= 8 frames")
     p.add_argument("--no-reuse", action="store_true", help="skip the reuse part")
+    p.add_argument("--no-training", action="store_true", help="skip the training-memory part")
     args = p.parse_args(argv)
     scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
     if args.quick:
@@ -241,42 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         args.frames, args.repeats = min(args.frames, 8), 1
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for preset, batch, size in scales.values():
-        for iters in args.iterations:
-            rows.append(_subprocess("raft", iters, preset, batch, size, 0, args.repeats))
-            for states in (1, 3):
-                rows.append(_subprocess("deq-flow", iters, preset, batch, size, states, args.repeats))
+    for preset, batch, size in [] if args.no_training else scales.values():
+        for ckpt in args.checkpointing:
+            for iters in args.iterations:
+                rows.append(_subprocess("raft", iters, preset, batch, size, 0, args.repeats, ckpt))
+                for states in (1, 3):
+                    rows.append(
+                        _subprocess("deq-flow", iters, preset, batch, size, states, args.repeats, ckpt)
+                    )
     report: dict = {"training": rows, "method": __doc__.split("\n\n")[1]}
-    lo, hi = min(args.iterations), max(args.iterations)
-
-    def peak(preset, kind, iters, states=None):
-        return next(
-            r["peak_mb"]
-            for r in rows
-            if r["preset"] == preset
-            and r["model"] == kind
-            and r["iterations"] == iters
-            and (states is None or r["n_states"] == states)
-        )
-
-    report["summary"] = {}
-    for preset, _, _ in scales.values():
-        report["summary"].update(
-            {
-                f"{preset}: raft_growth_{lo}_to_{hi}": peak(preset, "raft", hi) / peak(preset, "raft", lo)
-                - 1,
-                f"{preset}: deq_growth_{lo}_to_{hi}_1_state": peak(preset, "deq-flow", hi, 1)
-                / peak(preset, "deq-flow", lo, 1)
-                - 1,
-                f"{preset}: deq_growth_{lo}_to_{hi}_3_states": peak(preset, "deq-flow", hi, 3)
-                / peak(preset, "deq-flow", lo, 3)
-                - 1,
-                f"{preset}: deq_over_raft_at_{lo}_1_state": peak(preset, "deq-flow", lo, 1)
-                / peak(preset, "raft", lo),
-                f"{preset}: deq_over_raft_at_{lo}_3_states": peak(preset, "deq-flow", lo, 3)
-                / peak(preset, "raft", lo),
-            }
-        )
+    report["summary"] = summarize(rows, args.iterations)
     if not args.no_reuse:
         import torch
 
@@ -301,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     _plot(report, args.out / "deq_flow_bench.png")
     for r in rows:
         print(
-            f"{r['preset']:12s} {r['model']:9s} iters={r['iterations']:3d} states={r['n_states']:3d}  "
-            f"peak {r['peak_mb']:7.1f} MiB "
-            f"(graph {r['graph_mb']:7.1f}, rss growth {r['rss_growth_mb']:7.1f})  "
+            f"{r['preset']:12s} {r['model']:9s} ckpt={'on ' if r['checkpointing'] else 'off'} "
+            f"iters={r['iterations']:3d} states={r['n_states']:3d}  step peak {r['step_peak_mb']:7.1f} MiB "
+            f"(weights+graph {r['peak_mb']:7.1f}, graph {r['graph_mb']:7.1f}, "
+            f"rss growth {r['rss_growth_mb']:7.1f})  "
             f"step {r['step_seconds']:.2f}s"
         )
     for k, v in report["summary"].items():

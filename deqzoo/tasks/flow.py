@@ -486,15 +486,18 @@ def classical_epe(method: str, image1, image2, flow, valid) -> float:
 
 @torch.no_grad()
 def model_flow(
-    model, image1: torch.Tensor, image2: torch.Tensor, batch_size: int = 25
+    model, image1: torch.Tensor, image2: torch.Tensor, batch_size: int = 25, converged: list | None = None
 ) -> tuple[torch.Tensor, list[int]]:
-    """The model's flow over a batch in chunks; returns (flow (N, 2, H, W), NFE per chunk)."""
+    """The model's flow over a batch in chunks; returns (flow (N, 2, H, W), NFE per chunk). A `converged`
+    list receives one bool per pair: its forward solve ended below the tolerance (DEQ-Flow only)."""
     model.eval()
     flows, nfes = [], []
     for i in range(0, image1.shape[0], batch_size):
         out = model(image1[i : i + batch_size], image2[i : i + batch_size])
         flows.append(out.flow)
         nfes.append(out.deq_stats.nfe if out.deq_stats is not None else model.config.num_flow_updates)
+        if converged is not None and out.deq_stats is not None:
+            converged.extend(bool(c) for c in out.deq_stats.converged)
     return torch.cat(flows), nfes
 
 
@@ -502,21 +505,27 @@ def evaluate(
     model, *, limit: int | None = None, progress: bool = True, baselines: bool = True
 ) -> dict[str, float]:
     """End-point error (pixels, valid pixels) on the held-out synthetic pairs and on the motorcycle stereo
-    pair
-    (flow = -disparity at 1/4 resolution), the forward solve's mean f-evaluations, and (with `baselines`) the
-    zero flow, Farneback and DIS on the same pairs. `limit` scores the first N held-out pairs."""
+    pair (flow = -disparity at 1/4 resolution), the forward solve's mean f-evaluations and (DEQ-Flow) the
+    fraction of solves that ended below the tolerance, and (with `baselines`) the zero flow, Farneback and DIS
+    on the same pairs. `limit` scores the first N held-out pairs."""
     from tqdm import tqdm
 
     n = HELD_OUT_PAIRS if limit is None else max(1, min(int(limit), HELD_OUT_PAIRS))
     steps = tqdm(total=2 + (3 if baselines else 0), desc="flow eval", disable=not progress, leave=False)
     image1, image2, flow, valid = held_out_set(n)
-    pred, nfes = model_flow(model, image1, image2)
+    converged: list[bool] = []
+    pred, nfes = model_flow(model, image1, image2, converged=converged)
     result = {"epe_held_out": epe(pred, flow, valid), "nfe_held_out": float(np.mean(nfes))}
+    if converged:  # DEQ-Flow: the fraction of pairs whose solve ended below its tolerance
+        result["converged_held_out"] = float(np.mean(converged))
     steps.update()
     moto = motorcycle_pair(MOTORCYCLE_SCALE)
-    m_pred, m_nfe = model_flow(model, moto.image1[None], moto.image2[None])
+    converged = []
+    m_pred, m_nfe = model_flow(model, moto.image1[None], moto.image2[None], converged=converged)
     result["epe_motorcycle"] = epe(m_pred[0], moto.flow, moto.valid)
     result["nfe_motorcycle"] = float(m_nfe[0])
+    if converged:
+        result["converged_motorcycle"] = float(converged[0])
     steps.update()
     if baselines:
         for method in ("zero", "farneback", "dis"):

@@ -93,11 +93,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
+    p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
+    p.add_argument("--residual-loss-weight", type=float, default=0.0, help="equilibrium residual weight")
+    p.add_argument(
+        "--residual-ramp", type=float, default=0.0, help="fraction of steps to ramp it up"
+    )
+    p.add_argument("--flow-residual-weight", type=float, default=0.0, help="flow drift weight (px)")
+    p.add_argument("--init", type=Path, help="start from this model folder's weights (fine-tuning)")
+    p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = deqzoo.create_model(args.model)
+    extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
+    if args.residual_loss_weight:
+        extra["residual_loss_weight"] = args.residual_loss_weight
+    if args.flow_residual_weight:
+        extra["flow_residual_weight"] = args.flow_residual_weight
+    if args.all_grad:
+        extra["detach_flow_input"] = False
+    model = deqzoo.create_model(args.model, **extra)
+    if args.deq:
+        model.set_deq(**args.deq)
+    if args.init is not None:
+        model.load_state_dict(load_file(args.init / "model.safetensors"))
     model.set_deq(on_nonconvergence="ignore")  # training iterates to f_max_iter by design
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
+        if args.residual_loss_weight and args.residual_ramp:  # linear ramp: first learn to move, then to stop
+            ramp = min(1.0, (step + 1) / max(1, args.residual_ramp * args.steps))
+            model.config.residual_loss_weight = args.residual_loss_weight * ramp
         image1, image2, flow, valid = synthetic_batch(range(step * bs, (step + 1) * bs), size, "train")
         t0 = time.time()
         out = model(image1, image2, flow_gt=flow, valid=valid.float())
@@ -133,9 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         nfe = out.deq_stats.nfe if out.deq_stats is not None else model.config.num_flow_updates
-        window.append((float(out.loss.detach()), epe(out.flow.detach(), flow, valid), time.time() - t0))
+        jac = getattr(out.deq_stats, "jac_loss", None)
+        window.append(
+            (
+                float(out.loss.detach()),
+                epe(out.flow.detach(), flow, valid),
+                time.time() - t0,
+                float(jac.detach()) if jac is not None else 0.0,
+                float(out.deq_stats.rel_residual.mean()) if out.deq_stats is not None else 0.0,
+            )
+        )
         if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            loss, err, sec = (sum(v[i] for v in window) / len(window) for i in range(3))
+            loss, err, sec, jac_mean, residual = (sum(v[i] for v in window) / len(window) for i in range(5))
             log.append(
                 {
                     "step": step + 1,
@@ -144,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                     "train_epe": err,
                     "sec_per_step": sec,
                     "nfe": nfe,
+                    "jac_loss": jac_mean,
+                    "rel_residual": residual,
                     "lr": opt.param_groups[0]["lr"],
                     "elapsed": elapsed0 + time.time() - t_run,
                 }
@@ -167,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                 "size": list(size),
                 "lr": args.lr,
                 "seed": args.seed,
+                "deq": args.deq,
+                "jac_loss_weight": args.jac_loss_weight,
+                "residual_loss_weight": args.residual_loss_weight,
+                "residual_ramp": args.residual_ramp,
+                "flow_residual_weight": args.flow_residual_weight,
+                "all_grad": args.all_grad,
+                "init": str(args.init) if args.init else None,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
                 "final_train_epe": log[-1]["train_epe"] if log else math.nan,

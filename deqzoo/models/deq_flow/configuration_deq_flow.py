@@ -13,6 +13,7 @@ block unrolled ``num_flow_updates`` times from zero, every iterate supervised (R
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...modeling_utils import DEQPretrainedConfig
@@ -53,6 +54,12 @@ class DEQFlowConfig(DEQPretrainedConfig):
             original's default; False is its --all_grad).
         implicit: DEQ-Flow (True) or the explicit RAFT baseline (False).
         num_flow_updates: update iterations of the explicit baseline (RAFT: 12); unused when implicit.
+        jac_loss_weight: weight of the engine's Jacobian regularizer (``deq={"jac_reg_samples": k}``) added to
+            the training loss (0: off; Bai et al., 2021); only DEQ-Flow (implicit) has one.
+        residual_loss_weight: weight of the equilibrium residual ||f(z) - z|| / ||z|| at the solve's output z
+            (held fixed: only f learns to map it onto itself) added to the training loss; 0: off.
+        flow_residual_weight: weight of the flow part alone of that residual, the mean |Δflow| f would
+            still add at the output, in full-resolution pixels (the flow's drift per step); 0: off.
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
 
     Example:
@@ -84,6 +91,9 @@ class DEQFlowConfig(DEQPretrainedConfig):
         detach_flow_input: bool = True,
         implicit: bool = True,
         num_flow_updates: int = 12,
+        jac_loss_weight: float = 0.0,
+        residual_loss_weight: float = 0.0,
+        flow_residual_weight: float = 0.0,
         deq: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
@@ -104,6 +114,13 @@ class DEQFlowConfig(DEQPretrainedConfig):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"DEQFlowConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        for name, value in (
+            ("jac_loss_weight", jac_loss_weight),
+            ("residual_loss_weight", residual_loss_weight),
+            ("flow_residual_weight", flow_residual_weight),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"DEQFlowConfig.{name} must be a finite number >= 0, got {value!r}")
         for name, value in (("feature_norm", feature_norm), ("context_norm", context_norm)):
             if value not in NORMS:
                 raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
@@ -133,6 +150,9 @@ class DEQFlowConfig(DEQPretrainedConfig):
         self.detach_flow_input = detach_flow_input
         self.implicit = implicit
         self.num_flow_updates = num_flow_updates
+        self.jac_loss_weight = float(jac_loss_weight)
+        self.residual_loss_weight = float(residual_loss_weight)
+        self.flow_residual_weight = float(flow_residual_weight)
         super().__init__(deq=deq, **kwargs)
 
     @property

@@ -228,12 +228,14 @@ class GMAUpdateBlock(tv_raft.UpdateBlock):
 
 @dataclass
 class DEQFlowOutput(DEQModelOutput):
-    """loss: sequence / fixed-point-correction loss against `flow_gt` (if given); flow: (B, 2, H, W) at full
-    resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution (padded);
-    hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state, flow_low), to
-    pass as the next pair's ``initial_state``; flow_predictions: the supervised full-resolution flows in
-    training (correction states or unrolled iterates, first to last); hidden_states: (context features, final
-    hidden state) with ``output_hidden_states=True``; deq_stats: solver statistics (None when explicit)."""
+    """loss: sequence / fixed-point-correction loss against `flow_gt` (if given; plus ``jac_loss_weight``
+    times the engine's Jacobian regularizer when ``deq.jac_reg_samples`` > 0 in training); flow: (B, 2, H, W)
+    at full resolution (x then y displacement, in pixels); flow_low: (B, 2, H/8, W/8) at 1/8 resolution
+    (padded); hidden_state: the final GRU state (B, hidden_dim, H/8, W/8); fixed_point: (hidden_state,
+    flow_low), to pass as the next pair's ``initial_state``; flow_predictions: the supervised full-
+    resolution flows in training (correction states or unrolled iterates, first to last); hidden_states:
+    (context features, final hidden state) with ``output_hidden_states=True``; deq_stats: solver statistics
+    (None when explicit)."""
 
     loss: torch.Tensor | None = None
     flow: torch.Tensor | None = None
@@ -243,6 +245,14 @@ class DEQFlowOutput(DEQModelOutput):
     flow_predictions: list[torch.Tensor] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
+    residual_loss: torch.Tensor | None = None
+
+
+def _relative_residual(fz: tuple[torch.Tensor, ...], z: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over the batch of ||f(z) - z|| / ||z|| over the whole state (the solver's relative residual)."""
+    num = sum((a - b).flatten(1).pow(2).sum(1) for a, b in zip(fz, z)).sqrt()
+    den = sum(b.flatten(1).pow(2).sum(1) for b in z).sqrt().clamp_min(1e-6)
+    return (num / den).mean()
 
 
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
@@ -251,6 +261,10 @@ class DEQFlowPreTrainedModel(DEQPreTrainedModel):
     config_class = DEQFlowConfig
     base_model_prefix = "deq_flow"
     main_input_name = "image1"
+    # transformers' activation_checkpointing_enable() (gradient_checkpointing_enable() before v6) recomputes
+    # the feature and context encoders in backward instead of keeping their activations: the same option for
+    # DEQ-Flow and its explicit RAFT twin (the update iterations are not checkpointed)
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         # torchvision's encoders use kaiming init on construction; transformers' generic init must not undo it
@@ -315,6 +329,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         if c.weight_norm:
             apply_norm(self.update_block, "weight_norm")
         self.deq = DEQ(c.deq_config)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def upsample(self, hidden: torch.Tensor, flow_low: torch.Tensor) -> torch.Tensor:
@@ -338,12 +353,25 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
 
         return f
 
+    def _encoder(self, encoder: tv_raft.FeatureEncoder, x: torch.Tensor) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # activation checkpointing (transformers' convention, per block as per decoder layer there): only
+            # each residual block's input is kept and the backward recomputes one block at a time (the whole
+            # encoder as one checkpoint would bring all its activations back at once in the backward). The
+            # blocks are torchvision's FeatureEncoder.forward in order. BatchNorm updates its running
+            # statistics twice per step, as under any checkpointing.
+            stages = (encoder.convnormrelu, *encoder.layer1, *encoder.layer2, *encoder.layer3, encoder.conv)
+            for stage in stages:
+                x = self._gradient_checkpointing_func(stage.__call__, x)
+            return x
+        return encoder(x)
+
     def encode(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
         """Features of both frames into the correlation pyramid; returns the context (ReLU) of frame 1."""
-        fmaps = self.feature_encoder(torch.cat([2 * image1 - 1, 2 * image2 - 1], dim=0))
+        fmaps = self._encoder(self.feature_encoder, torch.cat([2 * image1 - 1, 2 * image2 - 1], dim=0))
         fmap1, fmap2 = torch.chunk(fmaps, 2, dim=0)
         self.corr_block.build_pyramid(fmap1, fmap2)
-        return F.relu(self.context_encoder(2 * image1 - 1))
+        return F.relu(self._encoder(self.context_encoder, 2 * image1 - 1))
 
     def forward(
         self,
@@ -385,6 +413,16 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         flow = unpad(flow, pad)
         supervised = [unpad(p, pad) for p in supervised] or [flow]
         loss = sequence_loss(supervised, flow_gt, valid) if flow_gt is not None else None
+        jac = getattr(stats, "jac_loss", None)
+        if loss is not None and jac is not None and c.jac_loss_weight:
+            loss = loss + c.jac_loss_weight * jac
+        residual = None
+        if loss is not None and c.implicit and train and (c.residual_loss_weight or c.flow_residual_weight):
+            z = (hidden.detach(), flow_low.detach())
+            fz = f(z)
+            residual = _relative_residual(fz, z)
+            drift = 8 * (fz[1] - z[1]).abs().mean()  # 1/8-resolution flow -> full-resolution pixels
+            loss = loss + c.residual_loss_weight * residual + c.flow_residual_weight * drift
         return self._output(
             DEQFlowOutput(
                 loss=loss,
@@ -397,6 +435,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
                 if self._flag(output_hidden_states, "output_hidden_states")
                 else None,
                 deq_stats=stats,
+                residual_loss=residual,
             ),
             return_dict,
         )

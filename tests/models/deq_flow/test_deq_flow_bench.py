@@ -19,18 +19,47 @@ def test_deq_graph_is_constant_in_iterations_and_raft_grows():
     assert deq6["peak_mb"] < raft6["peak_mb"]
 
 
+def test_saved_graph_by_part_and_encoder_checkpointing():
+    """The saved graph splits into the model's parts (the encoders dominate DEQ-Flow's); activation
+    checkpointing of the encoders removes their saved activations and lowers the step's tensor peak (forward
+    and backward, recomputation included) for both models alike, leaving the other parts as they were."""
+    rows = {
+        (kind, ckpt): bench.measure_training(kind, 4, batch=2, repeats=1, checkpointing=ckpt)
+        for kind in ("deq-flow", "raft")
+        for ckpt in (False, True)
+    }
+    for kind in ("deq-flow", "raft"):
+        off, on = rows[kind, False], rows[kind, True]
+        assert abs(sum(off["graph_by_part_mb"].values()) - off["graph_mb"]) < 1e-9
+        assert off["graph_by_part_mb"]["encoders"] > 0.5 * off["graph_mb"] if kind == "deq-flow" else True
+        assert on["graph_by_part_mb"]["encoders"] < 0.3 * off["graph_by_part_mb"]["encoders"]  # block inputs
+        for part in ("correlation", "update block", "upsampler"):
+            assert on["graph_by_part_mb"][part] == off["graph_by_part_mb"][part]
+        assert on["step_peak_mb"] < off["step_peak_mb"]
+        assert off["step_peak_mb"] >= off["peak_mb"] * 0.95  # the timeline sees at least the saved graph
+    # 4 unrolled updates keep their graphs; the DEQ keeps one phantom step's
+    assert rows["raft", False]["graph_by_part_mb"]["update block"] > 1.5 * rows["deq-flow", False][
+        "graph_by_part_mb"]["update block"]
+
+
 def test_main_writes_the_report(tmp_path, monkeypatch):
-    def in_process(kind, iters, preset, batch, size, n_states, repeats):
+    def in_process(kind, iters, preset, batch, size, n_states, repeats, checkpointing):
         return bench.measure_training(kind, iters, preset=preset, batch=batch, size=size, n_states=n_states,
-                                      repeats=1)
+                                      repeats=1, checkpointing=checkpointing)
 
     monkeypatch.setattr(bench, "_subprocess", in_process)
     assert bench.main(["--quick", "--iterations", "2", "4", "--frames", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "deq_flow_bench.json").read_text())
     assert (tmp_path / "deq_flow_bench.png").is_file()
-    assert len(report["training"]) == 6
-    assert report["summary"]["deq-flow-cpu: deq_growth_2_to_4_1_state"] == 0.0
-    assert report["summary"]["deq-flow-cpu: raft_growth_2_to_4"] > 0.05
+    assert len(report["training"]) == 12  # 2 checkpointing settings x 2 iteration counts x 3 rows
+    assert {r["checkpointing"] for r in report["training"]} == {False, True}
+    summary = report["summary"]
+    for ckpt in ("off", "on"):
+        tag = f"deq-flow-cpu, encoder checkpointing {ckpt}"
+        assert summary[f"{tag}: saved deq_growth_2_to_4_1_state"] == 0.0
+        assert abs(summary[f"{tag}: step_peak deq_growth_2_to_4_1_state"]) < 0.05
+        assert summary[f"{tag}: saved raft_growth_2_to_4"] > 0.05
+        assert summary[f"{tag}: step_peak raft_growth_2_to_4"] > 0.05
     video = report["reuse"]
     assert len(video["cold"]["nfe"]) == len(video["reuse"]["nfe"]) == 2
     assert video["cold"]["nfe"][0] == video["reuse"]["nfe"][0]  # the first pair has nothing to reuse

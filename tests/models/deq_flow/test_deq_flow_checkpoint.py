@@ -30,11 +30,14 @@ def test_deq_flow_beats_zero_flow_and_farneback_on_held_out_pairs():
     model = deqzoo.from_pretrained(NAMES[0])
     meta, _ = read_model_card(resolve(NAMES[0]))
     image1, image2, gt, valid = flow.held_out_set(20)
-    pred, nfes = flow.model_flow(model, image1, image2)
+    converged: list[bool] = []
+    pred, nfes = flow.model_flow(model, image1, image2, converged=converged)
     ours = flow.epe(pred, gt, valid)
     assert ours < flow.classical_epe("zero", image1, image2, gt, valid)
     assert ours < flow.classical_epe("farneback", image1, image2, gt, valid)
-    assert nfes == [24]  # the card's inference budget
+    assert len(converged) == 20 and max(nfes) <= model.config.deq_config.f_max_iter
+    if model.config.on_nonconvergence == "warn":  # shipped with the default only because its solves converge
+        assert all(converged) and max(nfes) < model.config.deq_config.f_max_iter
     assert meta["deqzoo_task"] == "flow"
 
 
@@ -66,6 +69,24 @@ def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch)
 def test_demo_writes_pngs(tmp_path):
     model = deqzoo.from_pretrained(NAMES[0])
     summary, stats = flow.demo(model, output_dir=tmp_path)
-    assert "motorcycle" in summary and stats.nfe == 24
+    assert "motorcycle" in summary and 1 <= stats.nfe <= model.config.deq_config.f_max_iter
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "deq-flow-cpu-synth_held_out_flow.png", "deq-flow-cpu-synth_motorcycle_flow.png"]
+
+
+def test_reuse_along_a_video_saves_solver_steps_at_the_same_accuracy():
+    """The embedded DEQ-Flow started from the previous pair's fixed point (estimate_sequence) needs fewer
+    f-evaluations than from zero along a synthetic video, with every solve converged and no loss of accuracy
+    (the card's reuse bench, 12 frames of 96x128, reports ratio 0.713; this shorter, smaller video saves
+    less: about 0.9)."""
+    model = deqzoo.from_pretrained(NAMES[0])
+    video, flows, valid = flow.synthetic_video(8, (64, 96), 0)
+    result = {}
+    for reuse in (False, True):
+        preds, stats = model.estimate_sequence(video, reuse=reuse)
+        nfe = sum(s.nfe for s in stats[1:])
+        err = sum(flow.epe(p, f, v) for p, f, v in zip(preds, flows, valid)) / len(preds)
+        result[reuse] = (nfe, err, all(bool(s.converged.all()) for s in stats))
+    assert result[False][2] and result[True][2]
+    assert result[True][0] < 0.95 * result[False][0]
+    assert result[True][1] <= 1.02 * result[False][1]

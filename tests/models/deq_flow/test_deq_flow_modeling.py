@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
+from deqzoo.bench.deq_flow import enable_checkpointing
 from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow, prepare_images
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -224,3 +226,80 @@ def test_config_rejects_bad_values():
         DEQFlowConfig(feature_norm="layer")
     with pytest.raises(ValueError, match="encoder_layers"):
         DEQFlowConfig(encoder_layers=[64, 64])
+    with pytest.raises(ValueError, match="jac_loss_weight"):
+        DEQFlowConfig(jac_loss_weight=-1.0)
+
+
+@pytest.mark.parametrize("implicit", [True, False])
+def test_encoder_checkpointing_gives_the_same_loss_and_gradients(implicit):
+    """transformers' activation checkpointing of the encoders (batch norm in the context encoder, so a
+    recomputation that drew different statistics would show) changes memory, not the numbers."""
+    model = _model(implicit=implicit, num_flow_updates=3, context_norm="batch", deq={"n_states": 2}).train()
+    torch.manual_seed(8)
+    a, b, gt = torch.rand(2, 3, 40, 48), torch.rand(2, 3, 40, 48), torch.randn(2, 2, 40, 48)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        out = model(a, b, flow_gt=gt)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.detach(), grads
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_loss, ref = loss_and_grads()
+    model.load_state_dict(state)  # batch norm running statistics as before the reference step
+    assert not model.is_gradient_checkpointing
+    enable_checkpointing(model)
+    assert model.is_gradient_checkpointing
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], msg=name)
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    assert not model.is_gradient_checkpointing
+
+
+def test_jacobian_regularizer_joins_the_training_loss():
+    model = _model(deq={"jac_reg_samples": 1}, jac_loss_weight=0.5).train()
+    torch.manual_seed(9)
+    a, b, gt = torch.rand(1, 3, 40, 48), torch.rand(1, 3, 40, 48), torch.randn(1, 2, 40, 48)
+    torch.manual_seed(10)
+    out = model(a, b, flow_gt=gt)
+    torch.manual_seed(10)
+    model.config.jac_loss_weight = 0.0
+    plain = model(a, b, flow_gt=gt)
+    jac = out.deq_stats.jac_loss
+    assert jac is not None and float(jac.detach()) > 0
+    torch.testing.assert_close(out.loss, plain.loss + 0.5 * jac)
+
+
+def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
+    """residual_loss = ||f(z) - z|| / ||z|| at the returned state z, recomputed here from the update
+    operator, and part of the training loss; none in inference."""
+    model = _model(residual_loss_weight=3.0, deq={"f_max_iter": 5}).train()
+    torch.manual_seed(11)
+    a, b, gt = torch.rand(2, 3, 40, 48), torch.rand(2, 3, 40, 48), torch.randn(2, 2, 40, 48)
+    out = model(a, b, flow_gt=gt)
+    model.config.residual_loss_weight = 0.0
+    plain = model(a, b, flow_gt=gt)
+    h, flow = out.fixed_point
+    with torch.no_grad():
+        pa, pb, _ = prepare_images(a, b, model.config.min_image_size)
+        context = model.encode(pa, pb)
+        f = model.update_fn(context, make_coords_grid(2, *context.shape[-2:]))
+        fh, fflow = f((h, flow))
+        num = ((fh - h).flatten(1).pow(2).sum(1) + (fflow - flow).flatten(1).pow(2).sum(1)).sqrt()
+        den = (h.flatten(1).pow(2).sum(1) + flow.flatten(1).pow(2).sum(1)).sqrt()
+        expected = (num / den).mean()
+    torch.testing.assert_close(out.residual_loss.detach(), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.loss.detach(), plain.loss.detach() + 3.0 * expected, rtol=1e-4, atol=1e-5)
+    assert plain.residual_loss is None
+    model.config.flow_residual_weight = 2.0  # the flow's drift per step, in full-resolution pixels
+    drift = model(a, b, flow_gt=gt)
+    expected_drift = 8 * (fflow - flow).abs().mean()
+    torch.testing.assert_close(
+        drift.loss.detach(), plain.loss.detach() + 2.0 * expected_drift, rtol=1e-4, atol=1e-5
+    )
+    with torch.no_grad():
+        assert model(a, b).residual_loss is None  # inference: no extra f call
