@@ -10,8 +10,8 @@ from deqzoo.bench.implicit2 import main
 
 def test_bench_writes_json_and_pngs(tmp_path):
     only = "rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf,time-gabor"
-    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "2", "--filters", "gabor",
-            "--groups", "rep,reuse,T,time", "--only", only, "--out", str(tmp_path)]
+    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "2", "--time-after", "4",
+            "--filters", "gabor", "--groups", "rep,reuse,T,time", "--only", only, "--out", str(tmp_path)]
     assert main([*args, "--jobs", "2"]) == 0
     s = json.loads((tmp_path / "implicit2.json").read_text())
     rows = {r["name"]: r for r in s["rep"]}
@@ -32,6 +32,7 @@ def test_bench_writes_json_and_pngs(tmp_path):
     t = s["time"]["gabor"]
     assert len(t["round_ratios"]) == 2 and len(t["imp_nfe"]) == 2
     trec = json.loads((tmp_path / "runs" / "time-gabor.json").read_text())
+    assert trec["warmup_implicit"] == 4 and trec["warmup"] == 2  # --time-after: the implicit net trains first
     med = {k: sorted(v)[0] / 2 + sorted(v)[1] / 2 for k, v in trec["step_times"].items()}  # median of 2
     assert t["time_ratio_imp1l_vs_exp4l"] == pytest.approx(med["imp-1l256d"] / med["exp-4l256d"], abs=1e-3)
     for png in ("rep_psnr.png", "reuse_nfe.png", "npg_T.png"):
