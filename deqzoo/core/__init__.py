@@ -5,7 +5,14 @@ from .config import DEQConfig
 from .deq import DEQ, DEQConvergenceError
 from .norm import NORMS, apply_norm, register_norm, remove_norm, reset_norm
 from .projection import SpectralProjector, spectral_norm_estimate
-from .regularize import VariationalDropout, fp_correction, jacobian_reg, mixed_init, reset_dropout
+from .regularize import (
+    VariationalDropout,
+    fp_correction,
+    jacobian_reg,
+    mixed_init,
+    reset_dropout,
+    residual_penalty,
+)
 from .reuse import FixedPointCache
 from .solvers import SOLVERS, get_solver, register_solver, solve
 from .state import StatePacker
@@ -35,6 +42,7 @@ __all__ = [
     "remove_norm",
     "reset_dropout",
     "reset_norm",
+    "residual_penalty",
     "solve",
     "spectral_norm_estimate",
 ]

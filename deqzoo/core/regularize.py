@@ -1,5 +1,5 @@
-"""Regularizers and training aids for DEQs: Jacobian regularization, fixed-point correction, mixed
-initialization, variational dropout.
+"""Regularizers and training aids for DEQs: Jacobian regularization, the equilibrium residual penalty,
+fixed-point correction, mixed initialization, variational dropout.
 
 Example:
     >>> import torch
@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["VariationalDropout", "fp_correction", "jacobian_reg", "mixed_init", "reset_dropout"]
+__all__ = [
+    "VariationalDropout", "fp_correction", "jacobian_reg", "mixed_init", "reset_dropout", "residual_penalty",
+]  # fmt: skip
 
 _Tensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -51,6 +53,27 @@ def jacobian_reg(fz: _Tensors, z: _Tensors, n_samples: int = 1, create_graph: bo
         )
         total = total + sum((g * g).sum() for g in vjs if g is not None)
     return total / (n_samples * numel)
+
+
+def residual_penalty(f: Callable, z: _Tensors) -> tuple[_Tensors, torch.Tensor]:
+    """One more application of f at a solve's output z, held fixed: returns (f(z), the batch mean of
+    ||f(z) - z|| / ||z|| over the whole state, the solver's relative residual). Added to a training loss, it
+    teaches f (not the state: z is detached) to stop at the point the solver returns; a family may also
+    penalise a part of f(z) - z in its own units (DEQ-Flow: the flow's drift in pixels).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core.regularize import residual_penalty
+        >>> W = torch.nn.Linear(4, 4)
+        >>> fz, r = residual_penalty(lambda z: torch.tanh(W(z)), torch.ones(2, 4))
+        >>> r.requires_grad, fz.shape
+        (True, torch.Size([2, 4]))
+    """
+    z = z.detach() if isinstance(z, torch.Tensor) else tuple(t.detach() for t in z)
+    fz = f(z)
+    num = sum((a - b).flatten(1).pow(2).sum(1) for a, b in zip(_as_list(fz), _as_list(z))).sqrt()
+    den = sum(b.flatten(1).pow(2).sum(1) for b in _as_list(z)).sqrt().clamp_min(1e-6)
+    return fz, (num / den).mean()
 
 
 def mixed_init(like: _Tensors) -> _Tensors:

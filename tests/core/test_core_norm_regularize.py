@@ -178,3 +178,28 @@ def test_fp_correction_weights():
     assert abs(loss.item() - (0.8**2 * 1.0 + 0.8 * 0.25)) < 1e-6
     with pytest.raises(ValueError, match="unknown weight"):
         fp_correction(nn.functional.mse_loss, preds, target, weight="nope")
+
+
+def test_residual_penalty_is_the_relative_residual_and_trains_f_only():
+    """residual_penalty(f, z) = mean_b ||f(z)_b - z_b|| / ||z_b|| over a tuple state, recomputed densely here;
+    its gradient reaches f's weights and never z."""
+    from deqzoo.core import residual_penalty
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 6, dtype=torch.float64)
+    a = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(z):
+        return torch.tanh(lin(z[0])), 0.5 * z[1] + z[0][:, :4].reshape(3, 2, 2)
+
+    fz, r = residual_penalty(f, (a, b))
+    flat_z = torch.cat([a.detach(), b.detach().flatten(1)], 1)
+    flat_f = torch.cat([fz[0].detach(), fz[1].detach().flatten(1)], 1)
+    expected = ((flat_f - flat_z).norm(dim=1) / flat_z.norm(dim=1)).mean()
+    torch.testing.assert_close(r.detach(), expected)
+    r.backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    assert a.grad is None and b.grad is None
+    fz1, r1 = residual_penalty(torch.tanh, a)  # a plain tensor state
+    torch.testing.assert_close(r1, ((torch.tanh(a) - a).norm(dim=1) / a.norm(dim=1)).mean().detach())

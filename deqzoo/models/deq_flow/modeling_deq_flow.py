@@ -22,7 +22,7 @@ from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
 from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
 
-from ...core import DEQ, SolverStats, apply_norm, fp_correction, reset_norm
+from ...core import DEQ, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_deq_flow import DEQFlowConfig
 
@@ -248,13 +248,6 @@ class DEQFlowOutput(DEQModelOutput):
     residual_loss: torch.Tensor | None = None
 
 
-def _relative_residual(fz: tuple[torch.Tensor, ...], z: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Mean over the batch of ||f(z) - z|| / ||z|| over the whole state (the solver's relative residual)."""
-    num = sum((a - b).flatten(1).pow(2).sum(1) for a, b in zip(fz, z)).sqrt()
-    den = sum(b.flatten(1).pow(2).sum(1) for b in z).sqrt().clamp_min(1e-6)
-    return (num / den).mean()
-
-
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
     """Weights I/O for DEQ-Flow models (config class, prefix); torchvision's blocks initialise themselves."""
 
@@ -418,10 +411,8 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             loss = loss + c.jac_loss_weight * jac
         residual = None
         if loss is not None and c.implicit and train and (c.residual_loss_weight or c.flow_residual_weight):
-            z = (hidden.detach(), flow_low.detach())
-            fz = f(z)
-            residual = _relative_residual(fz, z)
-            drift = 8 * (fz[1] - z[1]).abs().mean()  # 1/8-resolution flow -> full-resolution pixels
+            fz, residual = residual_penalty(f, (hidden, flow_low))
+            drift = 8 * (fz[1] - flow_low.detach()).abs().mean()  # 1/8-resolution flow -> full-resolution px
             loss = loss + c.residual_loss_weight * residual + c.flow_residual_weight * drift
         return self._output(
             DEQFlowOutput(
