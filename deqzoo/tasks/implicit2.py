@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,13 +205,9 @@ class Fitter:
         model = self.model
         model.train()
         t0 = time.perf_counter()
-        saved = 0
-        if measure_memory:
-            meter = _SavedBytes()
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-                out = model(self.coords, self.values, fixed_point_cache=self.cache)
-            saved = meter.total
-        else:
+        meter = _SavedBytes() if measure_memory else None
+        hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t) if meter else nullcontext()
+        with hooks:
             out = model(self.coords, self.values, fixed_point_cache=self.cache)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -219,7 +216,7 @@ class Fitter:
             "loss": float(out.loss.detach()),
             "nfe": stats.nfe if stats is not None else 0,
             "residual": float(stats.rel_residual.max()) if stats is not None else 0.0,
-            "saved_bytes": saved,
+            "saved_bytes": meter.total if meter else 0,
         }
         self.opt.step()
         if self.projector is not None:
