@@ -7,8 +7,10 @@ sequential-backprop inversion, side by side in one run; writes JSON and a PNG.
 
 Sampling, per T: wall time, UNet image evaluations, sequential depth (batched chain evaluations) and the max
 abs error of the final image against DDIMPipeline's, per iteration for the two parallel methods ("equal
-tolerance" = the first iteration whose error is <= 1e-3). Inversion: MSE against wall time for DEQ-DDIM
-(Anderson warm start + phantom gradient, tau = 0.1), DDIM ODE inversion, Adam through the sequential chain.
+tolerance" = the first iteration whose error is <= 1e-3). Inversion: MSE against wall time for DDIM ODE
+inversion, DEQ-DDIM (Anderson warm start + phantom gradient, tau = 0.1) from the equilibrium start (the
+inverse chain solved as one fixed point) and from the ODE inversion (the paper's start), and Adam through
+the sequential chain from each start; times to the sequential baseline's final MSE, as ratios.
 """
 
 from __future__ import annotations
@@ -113,7 +115,33 @@ def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
     return row
 
 
+def _sequential_backprop(pipe, chain, x_start, target, budget: float, lr: float, t_offset: float) -> list:
+    """Adam on x_T through the T-step sequential chain for `budget` seconds: [(seconds, mean mse)]."""
+    from deqzoo.integrations.diffusers import _mse01, sequential_ddim
+
+    param = torch.nn.Parameter(x_start.clone())
+    opt = torch.optim.Adam([param], lr=lr)
+    pipe.unet.requires_grad_(False)
+    hist, t0 = [], time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < budget:
+            out = sequential_ddim(chain, param)
+            loss = ((out - target) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hist.append((t_offset + time.perf_counter() - t0, float(_mse01(out.detach(), target).mean())))
+    finally:
+        pipe.unet.requires_grad_(True)
+    return hist
+
+
 def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
+    """Inversion of n held-out digits at T steps, each method for `budget` wall seconds, one after another:
+    DDIM ODE inversion; DEQ-DDIM from the equilibrium start (the inverse chain solved as one fixed point,
+    the default) and from the ODE inversion (the paper's start), both then Adam with phantom gradients through
+    the fixed point; sequential backprop from the ODE inversion (the baseline) and from the same equilibrium
+    start (so the two gradient phases compare from one point)."""
     from deqzoo.integrations.diffusers import _mse01, sequential_ddim
     from deqzoo.tasks.ddim_digits import load_split
 
@@ -127,45 +155,62 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
         rec = sequential_ddim(chain, x_ode)
     t_ode = time.perf_counter() - t0
     ode = {"seconds": t_ode, "mse": float(_mse01(rec, target).mean())}
-    deq = pipe.invert(images01, num_inference_steps=T, steps=10_000, lr=lr, time_budget=budget)
-    # sequential backprop: Adam on x_T through the T-step chain, from the same ODE inversion start
-    param = torch.nn.Parameter(x_ode.clone())
-    opt = torch.optim.Adam([param], lr=lr)
-    pipe.unet.requires_grad_(False)
-    hist, t0 = [], time.perf_counter()
-    with torch.no_grad():
-        hist.append((t_ode, ode["mse"]))
-    while time.perf_counter() - t0 < budget:
-        out = sequential_ddim(chain, param)
-        loss = ((out - target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        hist.append((t_ode + time.perf_counter() - t0, float(_mse01(out, target).mean())))
-    pipe.unet.requires_grad_(True)
-    seq_final = min(m for _, m in hist)
+    runs = {}
+    for key, init in (("deq_ddim", "equilibrium"), ("deq_ddim_ode_start", "ode")):
+        out = pipe.invert(images01, num_inference_steps=T, steps=10_000, lr=lr, time_budget=budget, init=init)
+        runs[key] = {
+            "init": init,
+            "history": out.history,
+            "final_mse": float(out.mse.mean()),
+            "start_mse": float(out.init_mse.mean()),
+        }
+    seq = _sequential_backprop(pipe, chain, x_ode, target, budget, lr, t_ode)
+    seq_hist = [(t_ode, ode["mse"])] + seq
+    seq_final = min(m for _, m in seq_hist)
+    # the same gradient baseline from DEQ-DDIM's equilibrium start (its time included)
+    eq = pipe.invert(images01, num_inference_steps=T, steps=0, init="equilibrium")
+    t_eq, _ = eq.history[-1]
+    seq_eq = [(t_eq, float(eq.init_mse.mean()))] + _sequential_backprop(
+        pipe, chain, eq.latents, target, budget - t_eq, lr, t_eq
+    )
 
     def time_to(history, level):
         return next((t for t, m in history if m <= level), None)
 
-    deq_t = time_to(deq.history, seq_final)
-    seq_t = time_to(hist, seq_final)
+    def at(history, seconds):
+        return min((m for t, m in history if t <= seconds), default=None)
+
+    times = {k: time_to(r["history"], seq_final) for k, r in runs.items()}
+    times["sequential_backprop"] = time_to(seq_hist, seq_final)
+    times["sequential_backprop_equilibrium_start"] = time_to(seq_eq, seq_final)
+    base = times["sequential_backprop"]
     return {
         "T": T,
         "images": n,
         "budget_seconds": budget,
         "lr": lr,
         "ddim_ode_inversion": ode,
-        "deq_ddim": {
-            "history": deq.history,
-            "final_mse": float(deq.mse.mean()),
-            "init_mse": float(deq.init_mse.mean()),
+        **runs,
+        "sequential_backprop": {"history": seq_hist, "final_mse": seq_final},
+        "sequential_backprop_equilibrium_start": {
+            "history": seq_eq,
+            "final_mse": min(m for _, m in seq_eq),
         },
-        "sequential_backprop": {"history": hist, "final_mse": seq_final},
         "time_to_sequential_final_mse": {
-            "deq_ddim": deq_t,
-            "sequential_backprop": seq_t,
-            "ratio": (deq_t / seq_t) if deq_t and seq_t else None,
+            **times,
+            "ratio_deq_ddim": (times["deq_ddim"] / base) if times["deq_ddim"] and base else None,
+            "ratio_deq_ddim_ode_start": (times["deq_ddim_ode_start"] / base)
+            if times["deq_ddim_ode_start"] and base
+            else None,
+        },
+        "best_mse_at_seconds": {
+            str(s): {k: at(h, s) for k, h in (
+                ("deq_ddim", runs["deq_ddim"]["history"]),
+                ("deq_ddim_ode_start", runs["deq_ddim_ode_start"]["history"]),
+                ("sequential_backprop", seq_hist),
+                ("sequential_backprop_equilibrium_start", seq_eq),
+            )}
+            for s in (budget / 10, budget / 4, budget / 2, budget)
         },
     }
 
@@ -198,8 +243,10 @@ def _plot(result: dict, path: Path) -> None:
     ax[0].legend(fontsize=7)
     inv = result["inversion"]
     for key, label in (
-        ("deq_ddim", "DEQ-DDIM (Anderson + phantom)"),
-        ("sequential_backprop", "sequential backprop"),
+        ("deq_ddim", "DEQ-DDIM (equilibrium start + phantom)"),
+        ("deq_ddim_ode_start", "DEQ-DDIM (ODE start + phantom, the paper)"),
+        ("sequential_backprop", "sequential backprop (ODE start)"),
+        ("sequential_backprop_equilibrium_start", "sequential backprop (equilibrium start)"),
     ):
         h = inv[key]["history"]
         ax[1].plot([t for t, _ in h], [m for _, m in h], label=label)

@@ -194,6 +194,28 @@ class DDIMChain:
 
         return f
 
+    def inverse_map(self, x0: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """g(Y) over the unknown states Y (B, T, C, H, W) = X_0..X_{T-1} (X_0 = x_T) given the image
+        x0 = X_T: the chain telescoped from its end,
+
+            g(Y)_i = c_i (x0 / c_T - sum_{j >= i} (S_j(Y_j) / c_{j+1} - Y_j / c_j)),
+
+        whose fixed points are exactly the chains that end at x0 (Y_{i+1} = S_i(Y_i), by induction from the
+        end). Each evaluation hands x0 to every state, as the forward map hands x_T (the ODE inversion is one
+        sequential sweep of the same equations with eps taken at the next state instead)."""
+        T = self.T
+        c = self.scale.to(x0.device, x0.dtype).view(1, T + 1, *([1] * (x0.ndim - 1)))
+        idx = torch.arange(T).repeat(x0.shape[0])
+        end = x0.unsqueeze(1) / c[:, -1:]
+
+        def g(Y: torch.Tensor) -> torch.Tensor:
+            S = self.step(Y.flatten(0, 1), idx).view_as(Y)  # S_i(X_i), i = 0..T-1
+            D = S / c[:, 1:] - Y / c[:, :-1]
+            tail = torch.flip(torch.cumsum(torch.flip(D, [1]), dim=1), [1])  # sum over j >= i
+            return c[:, :-1] * (end - tail)
+
+        return g
+
     def sequential(self, x_T: torch.Tensor) -> torch.Tensor:
         """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls)."""
         states, x = [], x_T
@@ -448,6 +470,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
         steps: int = 100,
         lr: float = 0.01,
         time_budget: float | None = None,
+        init: str = "equilibrium",
+        init_iter: int = 20,
         solver: str = "anderson",
         f_max_iter: int = 8,
         f_tol: float = 1e-3,
@@ -460,12 +484,18 @@ class DEQDDIMPipeline(DiffusionPipeline):
         r"""Find x_T whose DEQ-DDIM sample reproduces `images` (PIL list, (N, H, W, C) array or (N, C, H, W)
         tensor, in [0, 1]).
 
-        Starts at the DDIM ODE inversion, then `steps` Adam steps (lr) on x_T, each solving the chain with
-        `solver` warm-started at the previous trajectory (at most `f_max_iter` evaluations, tolerance `f_tol`)
-        and differentiating through the fixed point with the engine's phantom gradient (`k` damped steps,
-        `tau`), as in the paper. `time_budget` (seconds) stops early; `callback(step, seconds, mse)` is
-        called after each step. The returned latents are the best seen (lowest mean MSE of the warm-started
-        solve at that x_T); their reconstruction and MSE come from a tight final solve.
+        `init="equilibrium"` (default) starts from the inverse chain solved as one fixed point over all T
+        states (`DDIMChain.inverse_map`, `solver` for `init_iter` evaluations from the DDIM ODE inversion's
+        trajectory); `init="ode"` starts at the DDIM ODE inversion, as the paper. With clipping the inverse
+        system is ill-posed where pred_x0 is clipped (the step ignores those pixels), so its residual stalls
+        and a fixed, small budget is used rather than a tolerance. Then `steps` Adam steps (lr) on x_T, each
+        solving the chain with `solver` warm-started at the previous trajectory (at most `f_max_iter`
+        evaluations, tolerance `f_tol`) and differentiating through the fixed point with the engine's phantom
+        gradient (`k` damped steps, `tau`), as in the paper. `time_budget` (seconds) stops early;
+        `callback(step, seconds, mse)` is called after each step. The returned latents are the best seen
+        (lowest mean MSE of the warm-started solve at that x_T); their reconstruction and MSE come from a
+        tight final solve. `init_mse` is the error at the start of the Adam steps; `history` starts with the
+        ODE inversion's error.
 
         Example:
             >>> out = pipe.invert(images, num_inference_steps=25, steps=50)  # doctest: +SKIP
@@ -473,14 +503,27 @@ class DEQDDIMPipeline(DiffusionPipeline):
             True
         """
         check_components(self.unet, self.scheduler)
+        if init not in ("equilibrium", "ode"):
+            raise ValueError(f"init must be 'equilibrium' or 'ode', got {init!r}")
+        if not isinstance(init_iter, int) or init_iter < 1:
+            raise ValueError(f"init_iter must be a positive int, got {init_iter!r}")
         target = _to_model_space(images, self._image_shape(1)[1:]).to(self._execution_device, self.unet.dtype)
         chain = self.chain(num_inference_steps, max_unet_batch=max_unet_batch)
         t0 = time.perf_counter()
         with torch.no_grad():
+            # start trajectories come from the sequential chain: exact, and T images cost less than a solve
             x_T = chain.invert_ode(target)
-            Z, _ = self.solve_chain(chain, x_T, solver=solver, tol=1e-5)
+            Z = chain.sequential(x_T)
+            history = [(time.perf_counter() - t0, float(_mse01(Z[:, -1], target).mean()))]
+            if init == "equilibrium":
+                # from the ODE trajectory X_0..X_{T-1}, a fixed budget (the system is ill-posed where clipping
+                # is active, see above); the solver returns its best iterate by residual
+                Y0 = torch.cat([x_T.unsqueeze(1), Z[:, :-1]], dim=1)
+                Y, _ = solve(chain.inverse_map(target), Y0, solver=solver, max_iter=init_iter, tol=1e-12)
+                x_T = Y[:, 0].contiguous()
+                Z = chain.sequential(x_T)
+                history.append((time.perf_counter() - t0, float(_mse01(Z[:, -1], target).mean())))
         init_mse = _mse01(Z[:, -1], target)
-        history = [(time.perf_counter() - t0, float(init_mse.mean()))]
         deq = DEQ(
             DEQConfig(
                 f_solver=solver,
