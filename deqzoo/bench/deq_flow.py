@@ -18,7 +18,8 @@ supervised state and with 3 fixed-point-correction states; RAFT backpropagates t
 sequence loss). Time is the median of 3 steps.
 
 Reuse: a trained DEQ-Flow estimates the flow along `synthetic_video` (held-out photo, camera pan and a moving
-face) pair by pair, starting each solve from zero or from the previous pair's fixed point; NFE per pair, EPE
+face) pair by pair, starting each solve from zero or from the previous pair's fixed point (each of
+`estimate_sequence`'s reuse modes: as is, flow forward-interpolated, RAFT's warm start); NFE per pair, EPE
 against the exact flow.
 
     deqzoo bench deq-flow                      # -> bench_output/deq_flow/deq_flow_bench.json (+ PNG)
@@ -257,29 +258,37 @@ def _subprocess(
 
 
 def reuse_along_video(model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0) -> dict:
-    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and warm (previous fixed point)."""
+    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and with each reuse mode of
+    `estimate_sequence` (`REUSE_MODES`: the previous fixed point as is, with its flow forward-interpolated,
+    or RAFT's warm start); ``reuse`` is the default mode (``estimate_sequence(reuse=True)``)."""
     import torch
 
+    from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, REUSE_MODES
     from deqzoo.tasks.flow import epe, synthetic_video
 
     video, flows, valid = synthetic_video(frames, size, seed)
-    result = {}
-    for reuse in (False, True):
+    result: dict = {"modes": {}}
+    for mode in (False, *REUSE_MODES):
         with torch.no_grad():
-            preds, stats = model.estimate_sequence(video, reuse=reuse)
-        result["reuse" if reuse else "cold"] = {
+            preds, stats = model.estimate_sequence(video, reuse=mode)
+        r = {
             "nfe": [int(s.nfe) for s in stats],
             "epe": [epe(p, f, v) for p, f, v in zip(preds, flows, valid)],
             "converged": [bool(s.converged.all()) for s in stats],
         }
-    for key in ("cold", "reuse"):
-        r = result[key]
         r["mean_nfe"], r["mean_epe"] = statistics.mean(r["nfe"]), statistics.mean(r["epe"])
-    cold, warm = result["cold"], result["reuse"]
-    # the first pair has nothing to reuse: ratios over the pairs that do
-    result["nfe_ratio"] = statistics.mean(warm["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
-    result["nfe_ratio_all_pairs"] = warm["mean_nfe"] / cold["mean_nfe"]
-    result["epe_change"] = warm["mean_epe"] / cold["mean_epe"] - 1
+        if mode is False:
+            result["cold"] = cold = r
+            continue
+        # the first pair has nothing to reuse: ratios over the pairs that do
+        r["nfe_ratio"] = statistics.mean(r["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
+        r["nfe_ratio_all_pairs"] = r["mean_nfe"] / cold["mean_nfe"]
+        r["epe_change"] = r["mean_epe"] / cold["mean_epe"] - 1
+        r["description"] = REUSE_MODES[mode]
+        result["modes"][mode] = r
+    warm = result["reuse"] = dict(result["modes"][DEFAULT_REUSE], mode=DEFAULT_REUSE)
+    result["nfe_ratio"], result["nfe_ratio_all_pairs"] = warm["nfe_ratio"], warm["nfe_ratio_all_pairs"]
+    result["epe_change"] = warm["epe_change"]
     result["frames"], result["size"] = frames, list(size)
     return result
 
@@ -349,16 +358,17 @@ def _plot(report: dict, path: Path) -> None:
     axes[0].set_ylabel("training-step tensor peak (MiB)")
     video = report.get("reuse")
     if video:
-        for key, style in (("cold", "o-"), ("reuse", "s-")):
+        runs = {"cold": video["cold"], **video.get("modes", {"reuse": video["reuse"]})}
+        for (key, run), style in zip(runs.items(), ("o-", "s-", "^-", "v-", "d-")):
             axes[1].plot(
-                range(1, len(video[key]["nfe"]) + 1),
-                video[key]["nfe"],
+                range(1, len(run["nfe"]) + 1),
+                run["nfe"],
                 style,
-                label=f"{key}: mean NFE {video[key]['mean_nfe']:.1f}, EPE {video[key]['mean_epe']:.3f}",
+                label=f"{key}: mean NFE {run['mean_nfe']:.1f}, EPE {run['mean_epe']:.3f}",
             )
         axes[1].set_xlabel("frame pair")
         axes[1].set_ylabel("forward NFE")
-        axes[1].legend()
+        axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -443,12 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: {v:.3f}")
     if "reuse" in report:
         r = report["reuse"]
-        print(
-            f"reuse: mean NFE {r['cold']['mean_nfe']:.1f} -> {r['reuse']['mean_nfe']:.1f} "
-            f"(ratio {r['nfe_ratio']:.3f} "
-            f"over pairs 2..), mean EPE {r['cold']['mean_epe']:.4f} -> {r['reuse']['mean_epe']:.4f} "
-            f"({100 * r['epe_change']:+.2f}%)"
-        )
+        for mode, w in r["modes"].items():
+            print(
+                f"reuse {mode}{' (default)' if mode == r['reuse']['mode'] else ''}: mean NFE "
+                f"{r['cold']['mean_nfe']:.2f} -> {w['mean_nfe']:.2f} "
+                f"(ratio {w['nfe_ratio']:.3f} over pairs 2..), "
+                f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} ({100 * w['epe_change']:+.2f}%)"
+            )
     print(f"wrote {path}")
     return 0
 

@@ -34,11 +34,71 @@ __all__ = [
     "GMAUpdateBlock",
     "GlobalAggregate",
     "GlobalAttention",
+    "REUSE_MODES",
+    "forward_interpolate",
     "prepare_images",
     "sequence_loss",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
+
+# how `estimate_sequence` starts each solve from the previous pair's fixed point (hidden h, 1/8 flow):
+REUSE_MODES = {
+    # the previous fixed point as it is
+    "fixed_point": "previous (h, flow) as is",
+    # the original DEQ-Flow's `fixed_point_reuse` (evaluate.py): h as is, flow forward-interpolated
+    "forward_interpolate": "previous h, previous flow forward-interpolated",
+    # RAFT's `warm_start` (and DEQ-Flow's): h from zero, flow forward-interpolated
+    "warm_start": "h = 0, previous flow forward-interpolated",
+}
+DEFAULT_REUSE = "forward_interpolate"
+
+
+def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """Splat a (B, 2, H, W) or (2, H, W) flow forward along itself, RAFT's warm start for the next pair.
+
+    Each pixel x moves to x + flow(x); the points landing strictly inside the frame carry their flow, and
+    every pixel takes the flow of the nearest landed point (nearest-neighbour scattered interpolation, as
+    RAFT's ``forward_interpolate`` does with scipy's griddata). If nothing lands inside, the result is 0.
+
+    Example:
+        >>> import torch
+        >>> flow = torch.zeros(2, 4, 6); flow[0] = 1.5       # everything moves 1.5 px right
+        >>> bool((forward_interpolate(flow) == flow).all())   # a constant flow stays the same constant
+        True
+    """
+    single = flow.dim() == 3
+    batch = flow[None] if single else flow
+    if batch.dim() != 4 or batch.shape[1] != 2:
+        raise ValueError(
+            f"forward_interpolate expects a (B, 2, H, W) or (2, H, W) flow, got {tuple(flow.shape)}"
+        )
+    _, _, h, w = batch.shape
+    data = batch.detach().double()
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=torch.float64, device=flow.device),
+        torch.arange(w, dtype=torch.float64, device=flow.device),
+        indexing="ij",
+    )
+    grid = torch.stack([xs, ys], dim=-1).reshape(-1, 2)
+    out = torch.zeros_like(data)
+    for b, f in enumerate(data):
+        values = f.reshape(2, -1).T  # (H*W, 2)
+        land = grid + values
+        inside = (land[:, 0] > 0) & (land[:, 0] < w) & (land[:, 1] > 0) & (land[:, 1] < h)
+        if not bool(inside.any()):
+            continue
+        points, values = land[inside], values[inside]
+        rows = max(1, chunk // len(points))  # bound the (rows, points) distance block
+        nearest = torch.cat(
+            [
+                torch.cdist(grid[i : i + rows], points, compute_mode="donot_use_mm_for_euclid_dist").argmin(1)
+                for i in range(0, len(grid), rows)
+            ]
+        )
+        out[b] = values[nearest].T.reshape(2, h, w)
+    out = out.to(flow.dtype)
+    return out[0] if single else out
 
 
 def _norm_layer(kind: str):
@@ -474,16 +534,36 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
 
     @torch.no_grad()
     def estimate_sequence(
-        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool = True
+        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool | str = True
     ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
-        """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats; with
-        `reuse`, each solve starts from the previous pair's fixed point (DEQ-Flow's frame-to-frame reuse)."""
+        """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats.
+
+        `reuse` (frame-to-frame reuse; each pair after the first starts its solve from the previous pair's
+        fixed point, see `REUSE_MODES`): False = every solve from zero; "fixed_point" = the previous (h, flow)
+        as is; "forward_interpolate" = the previous h and the previous flow splatted forward along itself
+        (`forward_interpolate`: the original DEQ-Flow's fixed-point reuse, so that a moving pattern's flow
+        starts where the pattern now is); "warm_start" = h from zero and the forward-interpolated flow
+        (RAFT's warm start); True = "forward_interpolate".
+        """
         if len(frames) < 2:
             raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
+        mode = DEFAULT_REUSE if reuse is True else reuse
+        if mode is not False and mode not in REUSE_MODES:
+            raise ValueError(f"reuse must be True, False or one of {sorted(REUSE_MODES)}, got {reuse!r}")
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):
-            out = self(frames[t], frames[t + 1], initial_state=state if reuse else None, return_dict=True)
+            out = self(frames[t], frames[t + 1], initial_state=state, return_dict=True)
             flows.append(out.flow[0])
             stats.append(out.deq_stats)
-            state = out.fixed_point
+            state = None if mode is False else _next_start(out.fixed_point, mode)
         return flows, stats
+
+
+def _next_start(
+    fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, flow_low = fixed_point
+    if mode == "fixed_point":
+        return hidden, flow_low
+    flow_low = forward_interpolate(flow_low)
+    return (torch.zeros_like(hidden) if mode == "warm_start" else hidden), flow_low

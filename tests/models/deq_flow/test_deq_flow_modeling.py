@@ -14,7 +14,14 @@ from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
 from deqzoo.bench.deq_flow import enable_checkpointing
-from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow, prepare_images
+from deqzoo.models.deq_flow import (
+    ARCHITECTURES,
+    REUSE_MODES,
+    DEQFlowConfig,
+    DEQFlowForOpticalFlow,
+    forward_interpolate,
+    prepare_images,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTS = json.loads(
@@ -201,8 +208,64 @@ def test_reuse_starts_from_the_previous_fixed_point():
     with pytest.raises(ValueError, match="initial_state hidden_state must have shape"):
         model(a, b, initial_state=(torch.zeros(1, 3, 6, 8), torch.zeros(1, 2, 6, 8)))
     frames = torch.rand(4, 3, 48, 64)
-    flows, stats = model.estimate_sequence(frames, reuse=True)
-    assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
+    cold = model.estimate_sequence(frames, reuse=False)
+    for mode in (True, *REUSE_MODES):
+        flows, stats = model.estimate_sequence(frames, reuse=mode)
+        assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
+        assert stats[0].nfe == cold[1][0].nfe  # the first pair has nothing to reuse
+    with pytest.raises(ValueError, match="reuse must be True, False or one of"):
+        model.estimate_sequence(frames, reuse="previous")
+
+
+def _griddata_forward_interpolate(flow: torch.Tensor) -> torch.Tensor:
+    """RAFT's forward_interpolate (utils.py of princeton-vl/RAFT and locuslab/deq-flow), written again on
+    scipy's griddata as the independent reference."""
+    interpolate = pytest.importorskip("scipy.interpolate")
+    import numpy as np
+
+    dx, dy = flow.double().numpy()
+    h, w = dx.shape
+    x0, y0 = np.meshgrid(np.arange(w), np.arange(h))
+    x1, y1 = (x0 + dx).ravel(), (y0 + dy).ravel()
+    keep = (x1 > 0) & (x1 < w) & (y1 > 0) & (y1 < h)
+    out = [
+        interpolate.griddata((x1[keep], y1[keep]), d.ravel()[keep], (x0, y0), method="nearest", fill_value=0)
+        for d in (dx, dy)
+    ]
+    return torch.from_numpy(np.stack(out)).to(flow.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_forward_interpolate_matches_rafts_griddata(dtype):
+    gen = torch.Generator().manual_seed(3)
+    flow = (torch.rand(2, 2, 9, 13, generator=gen, dtype=torch.float64) - 0.5) * 8  # fractional, some leave
+    flow[1, :, 3:6, 4:9] += torch.tensor([2.7, -1.3], dtype=torch.float64)[:, None, None]  # a moving block
+    flow = flow.to(dtype)
+    got = forward_interpolate(flow)
+    assert got.dtype == dtype and got.shape == flow.shape
+    for b in range(2):
+        torch.testing.assert_close(got[b], _griddata_forward_interpolate(flow[b]), rtol=0, atol=0)
+    torch.testing.assert_close(forward_interpolate(flow[0]), got[0], rtol=0, atol=0)  # (2, H, W) too
+
+
+def test_forward_interpolate_constant_flow_and_edges():
+    constant = torch.zeros(1, 2, 6, 10)
+    constant[:, 0], constant[:, 1] = 2.0, -1.0
+    # every pixel moves by (2, -1): the landed points carry the constant, so the splat is the same constant
+    assert torch.equal(forward_interpolate(constant), constant)
+    # a pattern moving right: its flow is found where it lands (columns 2-5 land on 4.25-7.25), not where it
+    # started; the background left of it stays, the background right of it moves on by 2.5 px
+    block = torch.zeros(1, 2, 8, 16)
+    block[:, 0, :, 2:6] = 2.25
+    block[:, 0, :, 6:] = 2.5
+    moved = forward_interpolate(block)[0, 0]
+    assert torch.equal(moved[:, 3:8], torch.full((8, 5), 2.25))
+    assert torch.equal(moved[:, :3], torch.zeros(8, 3))  # uncovered: the nearest landed point is background
+    assert torch.equal(moved[:, 8:], torch.full((8, 8), 2.5))
+    # everything leaves the frame: no point lands inside, the start is zero (RAFT's fill value)
+    assert torch.equal(forward_interpolate(torch.full((1, 2, 4, 4), 9.0)), torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"\(B, 2, H, W\) or \(2, H, W\) flow, got \(1, 3, 4, 4\)"):
+        forward_interpolate(torch.zeros(1, 3, 4, 4))
 
 
 def test_weight_norm_save_load_round_trip(tmp_path):
