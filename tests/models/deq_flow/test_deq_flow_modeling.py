@@ -366,3 +366,71 @@ def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
     )
     with torch.no_grad():
         assert model(a, b).residual_loss is None  # inference: no extra f call
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # the checkpoint's recipe: 3 correction states, weight norm (shared by every term), the drift term
+        dict(deq={"n_states": 3}, flow_residual_weight=2.0, residual_loss_weight=0.5, ckpt=False),
+        # encoder checkpointing; a solve that stops early (its later states start from its output); GMA's
+        # shared attention; the Jacobian regularizer (built in the solve)
+        dict(deq={"n_states": 3, "f_tol": 0.3, "jac_reg_samples": 1}, jac_loss_weight=0.1, gma=True,
+             ckpt=True),
+        # IFT backward at the output, explicit state indices, damped correction steps
+        dict(deq={"n_states": 0, "state_indices": [2, 5, 9], "b_mode": "ift", "b_max_iter": 20,
+                  "correction_k": 2, "correction_tau": 0.6}, ckpt=False),
+    ],
+)
+def test_two_stage_backward_gradients_equal_the_one_shot_backward(case):
+    """deqzoo.tasks.flow.two_stage_backward (encoders once, one supervised state's graph at a time, then the
+    encoders' backward with the collected leaf gradients) gives the gradients of model(...).loss.backward()
+    to 1e-6 in float64, on every parameter, and the same loss."""
+    from deqzoo.tasks.flow import two_stage_backward
+
+    case = dict(case)
+    ckpt, deq = case.pop("ckpt"), case.pop("deq")
+    base = {"f_solver": "fixed_point", "f_max_iter": 9, "f_tol": 1e-12, "b_mode": "phantom",
+            "b_mode_kwargs": {"k": 1, "tau": 1.0}} if deq.get("b_mode") != "ift" else {
+            "f_solver": "anderson", "f_max_iter": 9, "f_tol": 1e-12, "b_mode_kwargs": {}}
+    model = _model(weight_norm=True, deq={**base, **deq}, **case).double().train()
+    if ckpt:
+        enable_checkpointing(model)
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.rand(2, 3, 40, 56, generator=gen, dtype=torch.float64) for _ in range(2))
+    gt = torch.randn(2, 2, 40, 56, generator=gen, dtype=torch.float64) * 2
+    valid = (torch.rand(2, 40, 56, generator=gen) > 0.2).double()
+
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    one = model(a, b, flow_gt=gt, valid=valid)
+    one.loss.backward()
+    ref = _grads(model)
+
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    two = two_stage_backward(model, a, b, gt, valid)
+    got = _grads(model)
+    n_terms = len(model.config.deq_config.state_steps(9)) + bool(case.get("flow_residual_weight")) + bool(
+        case.get("jac_loss_weight"))
+    assert len(two.loss_terms) == n_terms
+    if deq.get("f_tol", 0) > 0.1:  # the solve stopped early: its later states start from its output
+        assert two.deq_stats.nfe < 3
+    assert two.flow_predictions is None and not two.flow.requires_grad
+    torch.testing.assert_close(two.flow, one.flow.detach(), rtol=0, atol=1e-12)  # same output values
+    torch.testing.assert_close(two.loss, one.loss.detach(), rtol=1e-10, atol=1e-12)
+    assert ref.keys() == got.keys() and len(ref) > 20
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-9, msg=name)
+    assert float(ref["feature_encoder.convnormrelu.0.weight"].abs().max()) > 0  # through the encoders too
+
+
+def test_defer_loss_refuses_the_explicit_twin():
+    raft = _model(implicit=False, num_flow_updates=2).train()
+    a = torch.rand(1, 3, 32, 32)
+    with pytest.raises(ValueError, match="defer_loss needs the DEQ"):
+        raft(a, a, flow_gt=torch.zeros(1, 2, 32, 32), defer_loss=True)
