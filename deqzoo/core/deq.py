@@ -25,6 +25,17 @@ class DeferredState:
     ``state()`` builds a fresh graph each call (the same computation the eager forward does: the backward
     mode at the fixed point for the output, ``correction_k`` phantom steps from the kept iterate for an
     earlier state); ``state.start`` is the detached state it starts from (the solver's z* or kept iterate).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import DEQ, DEQConfig
+        >>> lin = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
+        >>> deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=30, n_states=2))
+        >>> z, stats = deq(lambda z: torch.tanh(0.3 * lin(z) + x), torch.zeros(2, 4), defer_graphs=True)
+        >>> for state in stats.states:          # one graph at a time
+        ...     state().pow(2).sum().backward()
+        >>> z.start.requires_grad, lin.weight.grad is not None
+        (False, True)
     """
 
     def __init__(self, build, start: State):

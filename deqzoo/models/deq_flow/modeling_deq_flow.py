@@ -221,8 +221,8 @@ def sequence_loss(
     Example:
         >>> import torch
         >>> gt = torch.zeros(1, 2, 4, 4)
-        >>> round(float(sequence_loss([gt + 1, gt], gt)), 6)
-        1.6
+        >>> round(float(sequence_loss([gt + 1, gt], gt)), 6)  # 0.8 · 1 (first state) + 1 · 0 (last)
+        0.8
     """
     if valid is None:
         valid = torch.ones_like(flow_gt[:, 0])
