@@ -14,11 +14,15 @@ checkpointing of the encoders (``--checkpointing off on``; per residual block, t
   just after a warm-up step on a 4x smaller batch (or the smallest image size), so the interpreter, torch,
   weights and thread pools are not counted.
 DEQ-Flow runs its training recipe (forward solve without a graph, one-step phantom gradient) with one
-supervised state and with 3 fixed-point-correction states; RAFT backpropagates through every update (RAFT's
-sequence loss). Time is the median of 3 steps.
+supervised state and with 3 fixed-point-correction states, the latter also with the two-stage backward
+(``two_stage``: `deqzoo.tasks.flow.two_stage_backward`, encoders once, one state's graph at a time; the
+graphs are built inside the backward, so ``graph_mb`` does not apply and only the step peak and RSS
+measure it); RAFT backpropagates through every update (RAFT's sequence loss). Time is the median of 3
+steps.
 
 Reuse: a trained DEQ-Flow estimates the flow along `synthetic_video` (held-out photo, camera pan and a moving
-face) pair by pair, starting each solve from zero or from the previous pair's fixed point; NFE per pair, EPE
+face) pair by pair, starting each solve from zero or from the previous pair's fixed point (each of
+`estimate_sequence`'s reuse modes: as is, flow forward-interpolated, RAFT's warm start); NFE per pair, EPE
 against the exact flow.
 
     deqzoo bench deq-flow                      # -> bench_output/deq_flow/deq_flow_bench.json (+ PNG)
@@ -167,11 +171,18 @@ def measure_training(
     seed: int = 0,
     repeats: int = 3,
     checkpointing: bool = False,
+    two_stage: bool = False,
 ) -> dict:
     """One configuration in this process: saved-graph bytes (by part), parameter bytes, the step's tensor
     peak, peak RSS growth, step time. `checkpointing`: the encoders' activation checkpointing (transformers'
-    ``gradient_checkpointing_enable``), on for both models alike."""
+    ``gradient_checkpointing_enable``), on for both models alike. `two_stage`: DEQ-Flow's backward by
+    `deqzoo.tasks.flow.two_stage_backward` (saved-graph bytes are then None)."""
     import torch
+
+    from deqzoo.tasks.flow import two_stage_backward
+
+    if two_stage and kind != "deq-flow":
+        raise ValueError("two_stage applies to deq-flow only (RAFT's updates chain)")
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -193,6 +204,9 @@ def measure_training(
 
     def step(a, b, gt):
         model.zero_grad(set_to_none=False)
+        if two_stage:
+            two_stage_backward(model, a, b, gt)
+            return
         out = model(a, b, flow_gt=gt)
         out.loss.backward()
 
@@ -202,13 +216,17 @@ def measure_training(
     data = batch_of(batch, size)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with saved_by_part(model, params) as saved:
-        model.zero_grad(set_to_none=False)
-        out = model(*data[:2], flow_gt=data[2])
-    graph_bytes = sum(n for n, _ in saved.values())
-    by_part = {part: sum(n for n, p in saved.values() if p == part) / 2**20 for part in PARTS}
-    out.loss.backward()
-    del out
+    graph_bytes = by_part = None
+    if two_stage:
+        step(*data)
+    else:
+        with saved_by_part(model, params) as saved:
+            model.zero_grad(set_to_none=False)
+            out = model(*data[:2], flow_gt=data[2])
+        graph_bytes = sum(n for n, _ in saved.values())
+        by_part = {part: sum(n for n, p in saved.values() if p == part) / 2**20 for part in PARTS}
+        out.loss.backward()
+        del out
     rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # KiB -> MiB (Linux)
     step_peak = step_peak_bytes(lambda: step(*data))
     times = []
@@ -223,12 +241,13 @@ def measure_training(
         "iterations": iters,
         "n_states": n_states if kind == "deq-flow" else iters,
         "checkpointing": checkpointing,
+        "two_stage": two_stage,
         "batch": batch,
         "size": size,
-        "graph_mb": graph_bytes / 2**20,
+        "graph_mb": None if two_stage else graph_bytes / 2**20,
         "graph_by_part_mb": by_part,
         "param_mb": param_bytes / 2**20,
-        "peak_mb": (graph_bytes + param_bytes) / 2**20,
+        "peak_mb": None if two_stage else (graph_bytes + param_bytes) / 2**20,
         "step_peak_mb": step_peak / 2**20,
         "rss_growth_mb": rss_growth,
         "step_seconds": statistics.median(times),
@@ -244,11 +263,13 @@ def _subprocess(
     n_states: int,
     repeats: int,
     checkpointing: bool,
+    two_stage: bool = False,
 ) -> dict:
     code = (
         "import json, sys; from deqzoo.bench.deq_flow import measure_training; "
         f"print(json.dumps(measure_training({kind!r}, {iters}, preset={preset!r}, batch={batch}, "
-        f"size={size}, n_states={n_states}, repeats={repeats}, checkpointing={checkpointing})))"
+        f"size={size}, n_states={n_states}, repeats={repeats}, checkpointing={checkpointing}, "
+        f"two_stage={two_stage})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -257,29 +278,37 @@ def _subprocess(
 
 
 def reuse_along_video(model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0) -> dict:
-    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and warm (previous fixed point)."""
+    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and with each reuse mode of
+    `estimate_sequence` (`REUSE_MODES`: the previous fixed point as is, with its flow forward-interpolated,
+    or RAFT's warm start); ``reuse`` is the default mode (``estimate_sequence(reuse=True)``)."""
     import torch
 
+    from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, REUSE_MODES
     from deqzoo.tasks.flow import epe, synthetic_video
 
     video, flows, valid = synthetic_video(frames, size, seed)
-    result = {}
-    for reuse in (False, True):
+    result: dict = {"modes": {}}
+    for mode in (False, *REUSE_MODES):
         with torch.no_grad():
-            preds, stats = model.estimate_sequence(video, reuse=reuse)
-        result["reuse" if reuse else "cold"] = {
+            preds, stats = model.estimate_sequence(video, reuse=mode)
+        r = {
             "nfe": [int(s.nfe) for s in stats],
             "epe": [epe(p, f, v) for p, f, v in zip(preds, flows, valid)],
             "converged": [bool(s.converged.all()) for s in stats],
         }
-    for key in ("cold", "reuse"):
-        r = result[key]
         r["mean_nfe"], r["mean_epe"] = statistics.mean(r["nfe"]), statistics.mean(r["epe"])
-    cold, warm = result["cold"], result["reuse"]
-    # the first pair has nothing to reuse: ratios over the pairs that do
-    result["nfe_ratio"] = statistics.mean(warm["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
-    result["nfe_ratio_all_pairs"] = warm["mean_nfe"] / cold["mean_nfe"]
-    result["epe_change"] = warm["mean_epe"] / cold["mean_epe"] - 1
+        if mode is False:
+            result["cold"] = cold = r
+            continue
+        # the first pair has nothing to reuse: ratios over the pairs that do
+        r["nfe_ratio"] = statistics.mean(r["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
+        r["nfe_ratio_all_pairs"] = r["mean_nfe"] / cold["mean_nfe"]
+        r["epe_change"] = r["mean_epe"] / cold["mean_epe"] - 1
+        r["description"] = REUSE_MODES[mode]
+        result["modes"][mode] = r
+    warm = result["reuse"] = dict(result["modes"][DEFAULT_REUSE], mode=DEFAULT_REUSE)
+    result["nfe_ratio"], result["nfe_ratio_all_pairs"] = warm["nfe_ratio"], warm["nfe_ratio_all_pairs"]
+    result["epe_change"] = warm["epe_change"]
     result["frames"], result["size"] = frames, list(size)
     return result
 
@@ -293,7 +322,7 @@ def summarize(rows: list[dict], iterations: list[int]) -> dict[str, float]:
     for preset in dict.fromkeys(r["preset"] for r in rows):
         for ckpt in dict.fromkeys(r["checkpointing"] for r in rows if r["preset"] == preset):
 
-            def peak(kind, iters, states=None, key="step_peak_mb", preset=preset, ckpt=ckpt):
+            def peak(kind, iters, states=None, key="step_peak_mb", two=False, preset=preset, ckpt=ckpt):
                 return next(
                     r[key]
                     for r in rows
@@ -302,6 +331,7 @@ def summarize(rows: list[dict], iterations: list[int]) -> dict[str, float]:
                     and r["model"] == kind
                     and r["iterations"] == iters
                     and (states is None or r["n_states"] == states)
+                    and r.get("two_stage", False) == two
                 )
 
             tag = f"{preset}, encoder checkpointing {'on' if ckpt else 'off'}"
@@ -315,6 +345,12 @@ def summarize(rows: list[dict], iterations: list[int]) -> dict[str, float]:
                     )
                     deq_lo = peak("deq-flow", lo, states, key)
                     out[f"{tag}: {name} deq_over_raft_at_{lo}_{s}"] = deq_lo / raft_lo
+            two_rows = [r for r in rows if r.get("two_stage") and r["preset"] == preset]
+            if two_rows and any(r["checkpointing"] == ckpt for r in two_rows):
+                two_lo, two_hi = (peak("deq-flow", i, 3, two=True) for i in (lo, hi))
+                out[f"{tag}: step_peak deq_growth_{lo}_to_{hi}_3_states_two_stage"] = two_hi / two_lo - 1
+                raft_lo = peak("raft", lo)
+                out[f"{tag}: step_peak deq_over_raft_at_{lo}_3_states_two_stage"] = two_lo / raft_lo
     return out
 
 
@@ -328,7 +364,12 @@ def _plot(report: dict, path: Path) -> None:
     rows = report["training"]
     settings = sorted({(r["preset"], r["checkpointing"]) for r in rows})
     for preset, ckpt in settings:
-        for kind, states, marker in (("deq-flow", 1, "o"), ("deq-flow", 3, "s"), ("raft", None, "^")):
+        for kind, states, two, marker in (
+            ("deq-flow", 1, False, "o"),
+            ("deq-flow", 3, False, "s"),
+            ("deq-flow", 3, True, "D"),
+            ("raft", None, False, "^"),
+        ):
             sel = [
                 r
                 for r in rows
@@ -336,9 +377,14 @@ def _plot(report: dict, path: Path) -> None:
                 and r["checkpointing"] == ckpt
                 and r["model"] == kind
                 and (states is None or r["n_states"] == states)
+                and r.get("two_stage", False) == two
             ]
+            if not sel:
+                continue
             label = f"{preset}{', enc. ckpt' if ckpt else ''}: " + (
-                kind if states is None else f"{kind} ({states} state{'s' if states > 1 else ''})"
+                kind
+                if states is None
+                else f"{kind} ({states} state{'s' if states > 1 else ''}{', two-stage' if two else ''})"
             )
             style = marker + ("--" if ckpt else "-")
             axes[0].plot([r["iterations"] for r in sel], [r["step_peak_mb"] for r in sel], style, label=label)
@@ -349,16 +395,17 @@ def _plot(report: dict, path: Path) -> None:
     axes[0].set_ylabel("training-step tensor peak (MiB)")
     video = report.get("reuse")
     if video:
-        for key, style in (("cold", "o-"), ("reuse", "s-")):
+        runs = {"cold": video["cold"], **video.get("modes", {"reuse": video["reuse"]})}
+        for (key, run), style in zip(runs.items(), ("o-", "s-", "^-", "v-", "d-")):
             axes[1].plot(
-                range(1, len(video[key]["nfe"]) + 1),
-                video[key]["nfe"],
+                range(1, len(run["nfe"]) + 1),
+                run["nfe"],
                 style,
-                label=f"{key}: mean NFE {video[key]['mean_nfe']:.1f}, EPE {video[key]['mean_epe']:.3f}",
+                label=f"{key}: mean NFE {run['mean_nfe']:.1f}, EPE {run['mean_epe']:.3f}",
             )
         axes[1].set_xlabel("frame pair")
         axes[1].set_ylabel("forward NFE")
-        axes[1].legend()
+        axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -407,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(
                         _subprocess("deq-flow", iters, preset, batch, size, states, args.repeats, ckpt)
                     )
+                rows.append(
+                    _subprocess("deq-flow", iters, preset, batch, size, 3, args.repeats, ckpt, two_stage=True)
+                )
     report: dict = {"training": rows, "method": __doc__.split("\n\n")[1]}
     report["summary"] = summarize(rows, args.iterations)
     if not args.no_reuse:
@@ -432,23 +482,24 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=1))
     _plot(report, args.out / "deq_flow_bench.png")
     for r in rows:
+        graph = "two-stage" if r.get("two_stage") else f"weights+graph {r['peak_mb']:7.1f}"
         print(
             f"{r['preset']:12s} {r['model']:9s} ckpt={'on ' if r['checkpointing'] else 'off'} "
             f"iters={r['iterations']:3d} states={r['n_states']:3d}  step peak {r['step_peak_mb']:7.1f} MiB "
-            f"(weights+graph {r['peak_mb']:7.1f}, graph {r['graph_mb']:7.1f}, "
-            f"rss growth {r['rss_growth_mb']:7.1f})  "
+            f"({graph}, rss growth {r['rss_growth_mb']:7.1f})  "
             f"step {r['step_seconds']:.2f}s"
         )
     for k, v in report["summary"].items():
         print(f"{k}: {v:.3f}")
     if "reuse" in report:
         r = report["reuse"]
-        print(
-            f"reuse: mean NFE {r['cold']['mean_nfe']:.1f} -> {r['reuse']['mean_nfe']:.1f} "
-            f"(ratio {r['nfe_ratio']:.3f} "
-            f"over pairs 2..), mean EPE {r['cold']['mean_epe']:.4f} -> {r['reuse']['mean_epe']:.4f} "
-            f"({100 * r['epe_change']:+.2f}%)"
-        )
+        for mode, w in r["modes"].items():
+            print(
+                f"reuse {mode}{' (default)' if mode == r['reuse']['mode'] else ''}: mean NFE "
+                f"{r['cold']['mean_nfe']:.2f} -> {w['mean_nfe']:.2f} "
+                f"(ratio {w['nfe_ratio']:.3f} over pairs 2..), "
+                f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} ({100 * w['epe_change']:+.2f}%)"
+            )
     print(f"wrote {path}")
     return 0
 

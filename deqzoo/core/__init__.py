@@ -2,7 +2,7 @@
 
 from .backward import BACKWARD_MODES, neumann_backward, register_backward
 from .config import DEQConfig
-from .deq import DEQ, DEQConvergenceError
+from .deq import DEQ, DeferredState, DEQConvergenceError
 from .norm import NORMS, apply_norm, register_norm, remove_norm, reset_norm
 from .projection import SpectralProjector, spectral_norm_estimate
 from .regularize import (
@@ -23,6 +23,7 @@ __all__ = [
     "DEQ",
     "DEQConfig",
     "DEQConvergenceError",
+    "DeferredState",
     "FixedPointCache",
     "NORMS",
     "SOLVERS",

@@ -16,6 +16,42 @@ from .state import State, StatePacker
 from .stats import SolverStats
 
 
+class DeferredState:
+    """A state whose gradient graph is built only when called: ``deq(f, z0, defer_graphs=True)`` returns the
+    output and the fixed-point correction states as these, so that a training step can build, backpropagate
+    and free one state's graph at a time (memory constant in the number of supervised states) instead of
+    keeping every graph of the forward until the backward.
+
+    ``state()`` builds a fresh graph each call (the same computation the eager forward does: the backward
+    mode at the fixed point for the output, ``correction_k`` phantom steps from the kept iterate for an
+    earlier state); ``state.start`` is the detached state it starts from (the solver's z* or kept iterate).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import DEQ, DEQConfig
+        >>> lin = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
+        >>> deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=30, n_states=2))
+        >>> z, stats = deq(lambda z: torch.tanh(0.3 * lin(z) + x), torch.zeros(2, 4), defer_graphs=True)
+        >>> for state in stats.states:          # one graph at a time
+        ...     state().pow(2).sum().backward()
+        >>> z.start.requires_grad, lin.weight.grad is not None
+        (False, True)
+    """
+
+    def __init__(self, build, start: State):
+        self._build, self.start = build, start
+
+    def __call__(self) -> State:
+        return self._build()
+
+    def value(self) -> State:
+        """The state's value without a graph (what the eager forward returns): built with autograd on, as
+        hook-based backward modes need, and detached at once, so its graph is freed here."""
+        with torch.enable_grad():
+            z = self()
+        return z.detach() if isinstance(z, torch.Tensor) else type(z)(t.detach() for t in z)
+
+
 class DEQConvergenceError(RuntimeError):
     """The forward solve did not reach its tolerance (raised when on_nonconvergence="raise")."""
 
@@ -32,6 +68,10 @@ class DEQ(nn.Module):
     solver's z*; with autograd the backward mode attaches the gradient (see deqzoo.core.backward).
     ``stats`` is a `SolverStats`; in training it may also carry ``jac_loss`` (DEQConfig.jac_reg_samples) and
     ``states`` (fixed-point correction, DEQConfig.n_states / state_indices).
+
+    ``deq(f, z0, defer_graphs=True)`` with autograd on builds no gradient graph in the forward: z and every
+    entry of ``stats.states`` are `DeferredState` objects (``z.start`` is z*, ``z()`` builds the backward
+    mode's graph), for a training step that backpropagates one supervised state at a time.
 
     Example:
         >>> import torch
@@ -76,10 +116,12 @@ class DEQ(nn.Module):
             return int(torch.randint(cfg.f_max_iter_min, cfg.f_max_iter + 1, ()).item())
         return cfg.f_max_iter
 
-    def forward(self, f, z0: State) -> tuple[State, SolverStats]:
-        return self.solve_with(self.config, f, z0)
+    def forward(self, f, z0: State, *, defer_graphs: bool = False) -> tuple[State, SolverStats]:
+        return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs)
 
-    def solve_with(self, cfg: DEQConfig, f, z0: State) -> tuple[State, SolverStats]:
+    def solve_with(
+        self, cfg: DEQConfig, f, z0: State, *, defer_graphs: bool = False
+    ) -> tuple[State, SolverStats]:
         """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
         that solves with per-call settings, e.g. a hypersolver, is safe across threads)."""
         if torch.jit.is_tracing() or torch.compiler.is_exporting():
@@ -99,6 +141,11 @@ class DEQ(nn.Module):
         keep = cfg.state_steps(max_iter) if grad else []
         mode = BACKWARD_MODES[cfg.b_mode]
         ctx = BackwardContext(config=cfg, stats=None, x0=x0, max_iter=max_iter, keep_steps=keep)
+        if grad and defer_graphs and not getattr(mode, "needs_solve", True):
+            raise ValueError(
+                f"defer_graphs=True needs a forward solve to defer from; b_mode={cfg.b_mode!r} builds its "
+                "graph while solving"
+            )
         if grad and not getattr(mode, "needs_solve", True):
             x = mode(g, None, ctx)
             x_star = x
@@ -119,12 +166,37 @@ class DEQ(nn.Module):
             if not grad:
                 return packer.unflatten(x_star), stats
             ctx.stats = stats
+            if defer_graphs:
+                return self._deferred(g, x_star, ctx, keep, cfg, packer)
             x = mode(g, x_star, ctx)
         if cfg.jac_reg_samples > 0:
             stats.jac_loss = self._jac_loss(g, x_star if ctx.kept is None else x, ctx)
         if keep:
             stats.states = [packer.unflatten(s) for s in self._states(g, x, ctx, keep, cfg)]
         return packer.unflatten(x), stats
+
+    def _deferred(self, g, x_star: torch.Tensor, ctx: BackwardContext, keep: list[int], cfg: DEQConfig,
+                  packer: StatePacker) -> tuple[DeferredState, SolverStats]:
+        """The output and the correction states as `DeferredState`s: each call builds exactly the graph the
+        eager path builds for it (`_states`' choice of start per iteration), from a fresh detached start."""
+        mode, stats = BACKWARD_MODES[cfg.b_mode], ctx.stats
+        output = DeferredState(lambda: packer.unflatten(mode(g, x_star, ctx)), packer.unflatten(x_star))
+        if cfg.jac_reg_samples > 0:  # its graph is built here, at z* (one differentiable f call at a leaf)
+            stats.jac_loss = self._jac_loss(g, x_star, ctx)
+        kept_plain = stats.extra.get("kept", {})
+        states = []
+        for k in keep:
+            if k < ctx.max_iter and k in kept_plain:
+                start = kept_plain[k]
+                states.append(DeferredState(
+                    lambda start=start: packer.unflatten(
+                        phantom_steps(g, start, cfg.correction_k, cfg.correction_tau)),
+                    packer.unflatten(start)))
+            else:  # the output itself (an iteration at or past the cap, or a solve that ended earlier)
+                states.append(output)
+        if keep:
+            stats.states = states
+        return output, stats
 
     def _jac_loss(self, g, x_star: torch.Tensor, ctx: BackwardContext) -> torch.Tensor:
         if ctx.fx_pair is not None:

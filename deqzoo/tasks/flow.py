@@ -51,6 +51,7 @@ __all__ = [
     "synthetic_batch",
     "synthetic_pair",
     "synthetic_video",
+    "two_stage_backward",
     "warp",
 ]
 
@@ -434,6 +435,51 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     if valid is None:
         return float(err.mean())
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
+
+
+def two_stage_backward(model, image1: torch.Tensor, image2: torch.Tensor, flow_gt: torch.Tensor,
+                       valid: torch.Tensor | None = None):
+    """One DEQ-Flow training step's backward with memory constant in the number of supervised states.
+
+    Given the detached iterate it starts from, each fixed-point-correction state's graph (its phantom steps,
+    the upsampler and its loss) is independent of the others; only the encoders and the correlation pyramid
+    are shared. So: (1) the encoders run once with their graph and their outputs are detached into leaves;
+    (2) the solve runs without a graph and each loss term (`DEQFlowOutput.loss_terms`: one per supervised
+    state, plus the drift term) is built, backpropagated and freed one at a time, the leaves collecting
+    their gradients; (3) those gradients go back through the encoders once. The gradients equal those of
+    ``model(...).loss.backward()`` (to rounding); the peak holds the encoders' graph and one state's graph
+    instead of every state's. RAFT cannot do this: its updates chain, each iterate feeding the next.
+
+    Accumulates into the parameters' .grad like ``loss.backward()``; returns the model output with ``loss``
+    set to the total (detached).
+
+    Example:
+        >>> import torch, deqzoo
+        >>> model = deqzoo.create_model("deq-flow-cpu").train()
+        >>> _ = model.set_deq(on_nonconvergence="ignore")
+        >>> a, b, gt = torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), torch.zeros(1, 2, 64, 64)
+        >>> out = two_stage_backward(model, a, b, gt)
+        >>> len(out.loss_terms), model.update_block.flow_head.conv2.bias.grad is not None
+        (3, True)
+    """
+    features = model.features(image1, image2)
+    leaves = features.detached()
+    out = model(
+        image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True, return_dict=True
+    )
+    total = None
+    for term in out.loss_terms:
+        loss = term()
+        # retain_graph: parts built once per forward and shared by every term (the weight-normalised weights,
+        # GMA's attention) stay for the next term; this term's own graph is freed with `loss` below
+        loss.backward(retain_graph=True)
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    pairs = [(t, leaf.grad) for t, leaf in zip(features.tensors(), leaves.tensors()) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    out.loss = total
+    return out
 
 
 #

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import deqzoo
-from deqzoo.tasks.flow import epe, synthetic_batch
+from deqzoo.tasks.flow import epe, synthetic_batch, two_stage_backward
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flow-residual-weight", type=float, default=0.0, help="flow drift weight (px)")
     p.add_argument("--init", type=Path, help="start from this model folder's weights (fine-tuning)")
     p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
+    p.add_argument(
+        "--two-stage",
+        action="store_true",
+        help="DEQ-Flow: two-stage backward (deqzoo.tasks.flow.two_stage_backward; same gradients, one "
+        "supervised state's graph at a time)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -150,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
             model.config.residual_loss_weight = args.residual_loss_weight * ramp
         image1, image2, flow, valid = synthetic_batch(range(step * bs, (step + 1) * bs), size, "train")
         t0 = time.time()
-        out = model(image1, image2, flow_gt=flow, valid=valid.float())
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        if args.two_stage:  # same gradients as below, one supervised state's graph alive at a time
+            out = two_stage_backward(model, image1, image2, flow, valid.float())
+        else:
+            out = model(image1, image2, flow_gt=flow, valid=valid.float())
+            out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         nfe = out.deq_stats.nfe if out.deq_stats is not None else model.config.num_flow_updates

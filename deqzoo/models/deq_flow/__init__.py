@@ -2,10 +2,12 @@
 
 from .configuration_deq_flow import ARCHITECTURES, DEQFlowConfig
 from .modeling_deq_flow import (
+    REUSE_MODES,
     DEQFlowForOpticalFlow,
     DEQFlowModel,
     DEQFlowOutput,
     DEQFlowPreTrainedModel,
+    forward_interpolate,
     prepare_images,
     sequence_loss,
     unpad,
@@ -18,6 +20,8 @@ __all__ = [
     "DEQFlowModel",
     "DEQFlowOutput",
     "DEQFlowPreTrainedModel",
+    "REUSE_MODES",
+    "forward_interpolate",
     "prepare_images",
     "sequence_loss",
     "unpad",

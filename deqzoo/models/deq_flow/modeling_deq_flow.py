@@ -13,7 +13,8 @@ replication and the flow is cropped back, as RAFT's InputPadder does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
 from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
 
-from ...core import DEQ, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
+from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
+from ...core.regularize import FP_WEIGHTS
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_deq_flow import DEQFlowConfig
 
@@ -31,14 +33,75 @@ __all__ = [
     "DEQFlowModel",
     "DEQFlowOutput",
     "DEQFlowPreTrainedModel",
+    "FlowFeatures",
     "GMAUpdateBlock",
     "GlobalAggregate",
     "GlobalAttention",
+    "REUSE_MODES",
+    "forward_interpolate",
     "prepare_images",
     "sequence_loss",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
+
+# how `estimate_sequence` starts each solve from the previous pair's fixed point (hidden h, 1/8 flow):
+REUSE_MODES = {
+    # the previous fixed point as it is
+    "fixed_point": "previous (h, flow) as is",
+    # the original DEQ-Flow's `fixed_point_reuse` (evaluate.py): h as is, flow forward-interpolated
+    "forward_interpolate": "previous h, previous flow forward-interpolated",
+    # RAFT's `warm_start` (and DEQ-Flow's): h from zero, flow forward-interpolated
+    "warm_start": "h = 0, previous flow forward-interpolated",
+}
+DEFAULT_REUSE = "forward_interpolate"
+
+
+def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """Splat a (B, 2, H, W) or (2, H, W) flow forward along itself, RAFT's warm start for the next pair.
+
+    Each pixel x moves to x + flow(x); the points landing strictly inside the frame carry their flow, and
+    every pixel takes the flow of the nearest landed point (nearest-neighbour scattered interpolation, as
+    RAFT's ``forward_interpolate`` does with scipy's griddata). If nothing lands inside, the result is 0.
+
+    Example:
+        >>> import torch
+        >>> flow = torch.zeros(2, 4, 6); flow[0] = 1.5       # everything moves 1.5 px right
+        >>> bool((forward_interpolate(flow) == flow).all())   # a constant flow stays the same constant
+        True
+    """
+    single = flow.dim() == 3
+    batch = flow[None] if single else flow
+    if batch.dim() != 4 or batch.shape[1] != 2:
+        raise ValueError(
+            f"forward_interpolate expects a (B, 2, H, W) or (2, H, W) flow, got {tuple(flow.shape)}"
+        )
+    _, _, h, w = batch.shape
+    data = batch.detach().double()
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=torch.float64, device=flow.device),
+        torch.arange(w, dtype=torch.float64, device=flow.device),
+        indexing="ij",
+    )
+    grid = torch.stack([xs, ys], dim=-1).reshape(-1, 2)
+    out = torch.zeros_like(data)
+    for b, f in enumerate(data):
+        values = f.reshape(2, -1).T  # (H*W, 2)
+        land = grid + values
+        inside = (land[:, 0] > 0) & (land[:, 0] < w) & (land[:, 1] > 0) & (land[:, 1] < h)
+        if not bool(inside.any()):
+            continue
+        points, values = land[inside], values[inside]
+        rows = max(1, chunk // len(points))  # bound the (rows, points) distance block
+        nearest = torch.cat(
+            [
+                torch.cdist(grid[i : i + rows], points, compute_mode="donot_use_mm_for_euclid_dist").argmin(1)
+                for i in range(0, len(grid), rows)
+            ]
+        )
+        out[b] = values[nearest].T.reshape(2, h, w)
+    out = out.to(flow.dtype)
+    return out[0] if single else out
 
 
 def _norm_layer(kind: str):
@@ -158,8 +221,8 @@ def sequence_loss(
     Example:
         >>> import torch
         >>> gt = torch.zeros(1, 2, 4, 4)
-        >>> round(float(sequence_loss([gt + 1, gt], gt)), 6)
-        1.6
+        >>> round(float(sequence_loss([gt + 1, gt], gt)), 6)  # 0.8 · 1 (first state) + 1 · 0 (last)
+        0.8
     """
     if valid is None:
         valid = torch.ones_like(flow_gt[:, 0])
@@ -235,7 +298,9 @@ class DEQFlowOutput(DEQModelOutput):
     flow_low), to pass as the next pair's ``initial_state``; flow_predictions: the supervised full-
     resolution flows in training (correction states or unrolled iterates, first to last); hidden_states:
     (context features, final hidden state) with ``output_hidden_states=True``; deq_stats: solver statistics
-    (None when explicit)."""
+    (None when explicit); loss_terms: with ``defer_loss=True`` in training, the loss as independent weighted
+    terms (one per supervised state, plus the drift term), zero-argument callables that each build and
+    return their own graph (`loss` is then None)."""
 
     loss: torch.Tensor | None = None
     flow: torch.Tensor | None = None
@@ -246,6 +311,26 @@ class DEQFlowOutput(DEQModelOutput):
     hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
     residual_loss: torch.Tensor | None = None
+    loss_terms: list[Callable[[], torch.Tensor]] | None = None
+
+
+@dataclass
+class FlowFeatures:
+    """What the encoders compute once per pair, the part of the training graph every supervised state shares:
+    the context features (ReLU) of frame 1 and the correlation pyramid (level 0 first). From
+    `DEQFlowModel.features`; passed back as ``forward(..., features=)`` (e.g. detached into leaves by a
+    two-stage training step, `deqzoo.tasks.flow.two_stage_backward`)."""
+
+    context: torch.Tensor
+    pyramid: list[torch.Tensor]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.context, *self.pyramid]
+
+    def detached(self) -> FlowFeatures:
+        """The same values as leaves that require grad (their .grad collects what the states send back)."""
+        leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+        return FlowFeatures(leaf(self.context), [leaf(t) for t in self.pyramid])
 
 
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
@@ -366,6 +451,33 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         self.corr_block.build_pyramid(fmap1, fmap2)
         return F.relu(self._encoder(self.context_encoder, 2 * image1 - 1))
 
+    def features(self, image1: torch.Tensor, image2: torch.Tensor) -> FlowFeatures:
+        """The encoders' outputs for a pair of image batches (validated and padded as in `forward`).
+
+        Example:
+            >>> import torch
+            >>> import deqzoo
+            >>> model = deqzoo.create_model("deq-flow-cpu")
+            >>> feats = model.features(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64))
+            >>> tuple(feats.context.shape), len(feats.pyramid)
+            ((1, 48, 8, 8), 3)
+        """
+        a, b, _ = prepare_images(image1, image2, self.config.min_image_size)
+        context = self.encode(a, b)
+        return FlowFeatures(context, list(self.corr_block.corr_pyramid))
+
+    def _use_features(self, features: FlowFeatures, a: torch.Tensor) -> torch.Tensor:
+        want = (a.shape[0], self.config.context_dim, a.shape[-2] // 8, a.shape[-1] // 8)
+        if not isinstance(features, FlowFeatures) or tuple(features.context.shape) != want:
+            got = tuple(features.context.shape) if isinstance(features, FlowFeatures) else type(features)
+            raise ValueError(f"features must be FlowFeatures of these images (context {want}), got {got}")
+        if len(features.pyramid) != self.config.corr_levels:
+            raise ValueError(
+                f"features.pyramid has {len(features.pyramid)} levels, the model {self.config.corr_levels}"
+            )
+        self.corr_block.corr_pyramid = list(features.pyramid)
+        return features.context
+
     def forward(
         self,
         image1: torch.Tensor,
@@ -375,45 +487,75 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        features: FlowFeatures | None = None,
+        defer_loss: bool = False,
     ) -> DEQFlowOutput | tuple:
+        """`features`: the encoders' outputs for these images (`features()`), used instead of running the
+        encoders. `defer_loss` (DEQ-Flow in training, with `flow_gt`): no gradient graph is built here; the
+        loss comes back as ``loss_terms`` (see `DEQFlowOutput`) for a training step that backpropagates one
+        supervised state at a time (`deqzoo.tasks.flow.two_stage_backward`); the outputs' values are those
+        of the eager forward, without graphs."""
         c = self.config
         a, b, pad = prepare_images(image1, image2, c.min_image_size)
         if flow_gt is not None and flow_gt.shape != (a.shape[0], 2, *_unpadded(a, pad)):
             raise ValueError(
                 f"flow_gt must have shape {(a.shape[0], 2, *_unpadded(a, pad))}, got {tuple(flow_gt.shape)}"
             )
+        train = torch.is_grad_enabled()
+        defer = defer_loss and train and flow_gt is not None
+        if defer and not c.implicit:
+            raise ValueError(
+                "defer_loss needs the DEQ (implicit=True): RAFT's unrolled updates form one chain"
+            )
         if c.weight_norm:
             reset_norm(self.update_block)
-        context = self.encode(a, b)
+        context = self.encode(a, b) if features is None else self._use_features(features, a)
         bsz, _, h8, w8 = context.shape
         coords0 = make_coords_grid(bsz, h8, w8).to(context)
         z0 = self._initial(initial_state, (bsz, c.hidden_dim, h8, w8), context)
         f = self.update_fn(context, coords0)
-        train = torch.is_grad_enabled()
-        stats, supervised = None, []
-        if c.implicit:
-            (hidden, flow_low), stats = self.deq(f, z0)
-            if train and getattr(stats, "states", None):
-                supervised = [self.upsample(hs, fs) for hs, fs in stats.states]
-        else:  # explicit RAFT: the update block applied num_flow_updates times, every iterate supervised
-            z = z0
-            for _ in range(c.num_flow_updates):
-                z = f(z)
-                if train:
-                    supervised.append(self.upsample(*z))
-            hidden, flow_low = z
-        flow = supervised[-1] if supervised else self.upsample(hidden, flow_low)
-        flow = unpad(flow, pad)
-        supervised = [unpad(p, pad) for p in supervised] or [flow]
-        loss = sequence_loss(supervised, flow_gt, valid) if flow_gt is not None else None
-        jac = getattr(stats, "jac_loss", None)
-        if loss is not None and jac is not None and c.jac_loss_weight:
-            loss = loss + c.jac_loss_weight * jac
-        residual = None
-        if loss is not None and c.implicit and train and (c.residual_loss_weight or c.flow_residual_weight):
-            fz, residual = residual_penalty(f, (hidden, flow_low))
-            drift = 8 * (fz[1] - flow_low.detach()).abs().mean()  # 1/8-resolution flow -> full-resolution px
-            loss = loss + c.residual_loss_weight * residual + c.flow_residual_weight * drift
+        stats, supervised, terms = None, [], None
+        if defer:
+            output, stats = self.deq(f, z0, defer_graphs=True)
+            states = stats.states or [output]
+            hidden, flow_low = output.value()  # the output's values, as the eager forward returns them
+            with torch.no_grad():
+                flow = unpad(self.upsample(hidden, flow_low), pad)
+            weights = [FP_WEIGHTS["exp"](len(states), k, gamma=_SEQUENCE_GAMMA) for k in range(len(states))]
+            terms = [
+                functools.partial(self._state_loss, state, w, flow_gt, valid, pad)
+                for state, w in zip(states, weights)
+            ]
+            jac = getattr(stats, "jac_loss", None)
+            if jac is not None and c.jac_loss_weight:  # built in the solve, at z*
+                terms.append(lambda: c.jac_loss_weight * jac)
+            if c.residual_loss_weight or c.flow_residual_weight:
+                terms.append(functools.partial(self._drift_loss, f, hidden, flow_low))
+            loss = residual = None
+        else:
+            if c.implicit:
+                (hidden, flow_low), stats = self.deq(f, z0)
+                if train and getattr(stats, "states", None):
+                    supervised = [self.upsample(hs, fs) for hs, fs in stats.states]
+            else:  # explicit RAFT: the update block applied num_flow_updates times, every iterate supervised
+                z = z0
+                for _ in range(c.num_flow_updates):
+                    z = f(z)
+                    if train:
+                        supervised.append(self.upsample(*z))
+                hidden, flow_low = z
+            flow = supervised[-1] if supervised else self.upsample(hidden, flow_low)
+            flow = unpad(flow, pad)
+            supervised = [unpad(p, pad) for p in supervised] or [flow]
+            loss = sequence_loss(supervised, flow_gt, valid) if flow_gt is not None else None
+            jac = getattr(stats, "jac_loss", None)
+            if loss is not None and jac is not None and c.jac_loss_weight:
+                loss = loss + c.jac_loss_weight * jac
+            residual = None
+            equilibrium = c.residual_loss_weight or c.flow_residual_weight
+            if loss is not None and c.implicit and train and equilibrium:
+                drift, residual = self._drift_loss(f, hidden, flow_low, with_residual=True)
+                loss = loss + drift
         return self._output(
             DEQFlowOutput(
                 loss=loss,
@@ -421,15 +563,31 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
                 flow_low=flow_low,
                 hidden_state=hidden,
                 fixed_point=(hidden.detach(), flow_low.detach()),
-                flow_predictions=supervised if train else None,
+                flow_predictions=supervised if train and not defer else None,
                 hidden_states=(context, hidden)
                 if self._flag(output_hidden_states, "output_hidden_states")
                 else None,
                 deq_stats=stats,
                 residual_loss=residual,
+                loss_terms=terms,
             ),
             return_dict,
         )
+
+    def _state_loss(
+        self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
+    ) -> torch.Tensor:
+        """One supervised state's weighted sequence-loss term, its graph built now."""
+        return weight * sequence_loss([unpad(self.upsample(*state()), pad)], flow_gt, valid)
+
+    def _drift_loss(self, f, hidden: torch.Tensor, flow_low: torch.Tensor, with_residual: bool = False):
+        """The equilibrium terms at the solve's output (held fixed): the relative residual and the flow's
+        drift, mean |Δflow| that one more f would add, in full-resolution pixels (1/8 resolution x 8)."""
+        c = self.config
+        fz, residual = residual_penalty(f, (hidden, flow_low))
+        drift = 8 * (fz[1] - flow_low.detach()).abs().mean()
+        loss = c.residual_loss_weight * residual + c.flow_residual_weight * drift
+        return (loss, residual) if with_residual else loss
 
     def get_input_embeddings(self) -> nn.Module:
         """The feature encoder's stem (the first map from pixels into features)."""
@@ -474,16 +632,36 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
 
     @torch.no_grad()
     def estimate_sequence(
-        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool = True
+        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool | str = True
     ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
-        """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats; with
-        `reuse`, each solve starts from the previous pair's fixed point (DEQ-Flow's frame-to-frame reuse)."""
+        """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats.
+
+        `reuse` (frame-to-frame reuse; each pair after the first starts its solve from the previous pair's
+        fixed point, see `REUSE_MODES`): False = every solve from zero; "fixed_point" = the previous (h, flow)
+        as is; "forward_interpolate" = the previous h and the previous flow splatted forward along itself
+        (`forward_interpolate`: the original DEQ-Flow's fixed-point reuse, so that a moving pattern's flow
+        starts where the pattern now is); "warm_start" = h from zero and the forward-interpolated flow
+        (RAFT's warm start); True = "forward_interpolate".
+        """
         if len(frames) < 2:
             raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
+        mode = DEFAULT_REUSE if reuse is True else reuse
+        if mode is not False and mode not in REUSE_MODES:
+            raise ValueError(f"reuse must be True, False or one of {sorted(REUSE_MODES)}, got {reuse!r}")
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):
-            out = self(frames[t], frames[t + 1], initial_state=state if reuse else None, return_dict=True)
+            out = self(frames[t], frames[t + 1], initial_state=state, return_dict=True)
             flows.append(out.flow[0])
             stats.append(out.deq_stats)
-            state = out.fixed_point
+            state = None if mode is False else _next_start(out.fixed_point, mode)
         return flows, stats
+
+
+def _next_start(
+    fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, flow_low = fixed_point
+    if mode == "fixed_point":
+        return hidden, flow_low
+    flow_low = forward_interpolate(flow_low)
+    return (torch.zeros_like(hidden) if mode == "warm_start" else hidden), flow_low

@@ -43,23 +43,43 @@ def test_saved_graph_by_part_and_encoder_checkpointing():
 
 
 def test_main_writes_the_report(tmp_path, monkeypatch):
-    def in_process(kind, iters, preset, batch, size, n_states, repeats, checkpointing):
+    def in_process(kind, iters, preset, batch, size, n_states, repeats, checkpointing, two_stage=False):
         return bench.measure_training(kind, iters, preset=preset, batch=batch, size=size, n_states=n_states,
-                                      repeats=1, checkpointing=checkpointing)
+                                      repeats=1, checkpointing=checkpointing, two_stage=two_stage)
 
     monkeypatch.setattr(bench, "_subprocess", in_process)
-    assert bench.main(["--quick", "--iterations", "2", "4", "--frames", "3", "--out", str(tmp_path)]) == 0
+    # encoder checkpointing on only (the setting of the acceptance ratios; on vs off is tested above)
+    argv = ["--quick", "--iterations", "2", "4", "--frames", "3", "--checkpointing", "on"]
+    argv += ["--out", str(tmp_path)]
+    assert bench.main(argv) == 0
     report = json.loads((tmp_path / "deq_flow_bench.json").read_text())
     assert (tmp_path / "deq_flow_bench.png").is_file()
-    assert len(report["training"]) == 12  # 2 checkpointing settings x 2 iteration counts x 3 rows
-    assert {r["checkpointing"] for r in report["training"]} == {False, True}
+    assert len(report["training"]) == 8  # 2 iteration counts x 4 rows (RAFT, DEQ 1 / 3 / 3 two-stage states)
+    assert {r["checkpointing"] for r in report["training"]} == {True}
     summary = report["summary"]
-    for ckpt in ("off", "on"):
+    for ckpt in ("on",):
         tag = f"deq-flow-cpu, encoder checkpointing {ckpt}"
         assert summary[f"{tag}: saved deq_growth_2_to_4_1_state"] == 0.0
         assert abs(summary[f"{tag}: step_peak deq_growth_2_to_4_1_state"]) < 0.05
         assert summary[f"{tag}: saved raft_growth_2_to_4"] > 0.05
         assert summary[f"{tag}: step_peak raft_growth_2_to_4"] > 0.05
+        assert abs(summary[f"{tag}: step_peak deq_growth_2_to_4_3_states_two_stage"]) < 0.05
     video = report["reuse"]
     assert len(video["cold"]["nfe"]) == len(video["reuse"]["nfe"]) == 2
     assert video["cold"]["nfe"][0] == video["reuse"]["nfe"][0]  # the first pair has nothing to reuse
+    assert set(video["modes"]) == {"fixed_point", "forward_interpolate", "warm_start"}
+    assert video["reuse"]["mode"] == "forward_interpolate"  # estimate_sequence(reuse=True)
+    for run in video["modes"].values():
+        assert run["nfe"][0] == video["cold"]["nfe"][0] and run["nfe_ratio"] > 0
+
+
+def test_two_stage_backward_lowers_the_step_peak_with_three_states():
+    """With 3 supervised states, the two-stage backward keeps one state's graph at a time: its training-step
+    tensor peak is below the one-shot backward's and close to the single-state step's."""
+    rows = {
+        name: bench.measure_training("deq-flow", 3, batch=1, repeats=1, n_states=n, two_stage=two)
+        for name, n, two in (("one", 1, False), ("three", 3, False), ("three_two_stage", 3, True))
+    }
+    assert rows["three_two_stage"]["graph_mb"] is None and rows["three"]["graph_mb"] > rows["one"]["graph_mb"]
+    assert rows["three_two_stage"]["step_peak_mb"] < rows["three"]["step_peak_mb"]
+    assert rows["three_two_stage"]["step_peak_mb"] < 1.05 * rows["one"]["step_peak_mb"]

@@ -14,7 +14,14 @@ from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
 from deqzoo.bench.deq_flow import enable_checkpointing
-from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow, prepare_images
+from deqzoo.models.deq_flow import (
+    ARCHITECTURES,
+    REUSE_MODES,
+    DEQFlowConfig,
+    DEQFlowForOpticalFlow,
+    forward_interpolate,
+    prepare_images,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTS = json.loads(
@@ -201,8 +208,64 @@ def test_reuse_starts_from_the_previous_fixed_point():
     with pytest.raises(ValueError, match="initial_state hidden_state must have shape"):
         model(a, b, initial_state=(torch.zeros(1, 3, 6, 8), torch.zeros(1, 2, 6, 8)))
     frames = torch.rand(4, 3, 48, 64)
-    flows, stats = model.estimate_sequence(frames, reuse=True)
-    assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
+    cold = model.estimate_sequence(frames, reuse=False)
+    for mode in (True, *REUSE_MODES):
+        flows, stats = model.estimate_sequence(frames, reuse=mode)
+        assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
+        assert stats[0].nfe == cold[1][0].nfe  # the first pair has nothing to reuse
+    with pytest.raises(ValueError, match="reuse must be True, False or one of"):
+        model.estimate_sequence(frames, reuse="previous")
+
+
+def _griddata_forward_interpolate(flow: torch.Tensor) -> torch.Tensor:
+    """RAFT's forward_interpolate (utils.py of princeton-vl/RAFT and locuslab/deq-flow), written again on
+    scipy's griddata as the independent reference."""
+    interpolate = pytest.importorskip("scipy.interpolate")
+    import numpy as np
+
+    dx, dy = flow.double().numpy()
+    h, w = dx.shape
+    x0, y0 = np.meshgrid(np.arange(w), np.arange(h))
+    x1, y1 = (x0 + dx).ravel(), (y0 + dy).ravel()
+    keep = (x1 > 0) & (x1 < w) & (y1 > 0) & (y1 < h)
+    out = [
+        interpolate.griddata((x1[keep], y1[keep]), d.ravel()[keep], (x0, y0), method="nearest", fill_value=0)
+        for d in (dx, dy)
+    ]
+    return torch.from_numpy(np.stack(out)).to(flow.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_forward_interpolate_matches_rafts_griddata(dtype):
+    gen = torch.Generator().manual_seed(3)
+    flow = (torch.rand(2, 2, 9, 13, generator=gen, dtype=torch.float64) - 0.5) * 8  # fractional, some leave
+    flow[1, :, 3:6, 4:9] += torch.tensor([2.7, -1.3], dtype=torch.float64)[:, None, None]  # a moving block
+    flow = flow.to(dtype)
+    got = forward_interpolate(flow)
+    assert got.dtype == dtype and got.shape == flow.shape
+    for b in range(2):
+        torch.testing.assert_close(got[b], _griddata_forward_interpolate(flow[b]), rtol=0, atol=0)
+    torch.testing.assert_close(forward_interpolate(flow[0]), got[0], rtol=0, atol=0)  # (2, H, W) too
+
+
+def test_forward_interpolate_constant_flow_and_edges():
+    constant = torch.zeros(1, 2, 6, 10)
+    constant[:, 0], constant[:, 1] = 2.0, -1.0
+    # every pixel moves by (2, -1): the landed points carry the constant, so the splat is the same constant
+    assert torch.equal(forward_interpolate(constant), constant)
+    # a pattern moving right: its flow is found where it lands (columns 2-5 land on 4.25-7.25), not where it
+    # started; the background left of it stays, the background right of it moves on by 2.5 px
+    block = torch.zeros(1, 2, 8, 16)
+    block[:, 0, :, 2:6] = 2.25
+    block[:, 0, :, 6:] = 2.5
+    moved = forward_interpolate(block)[0, 0]
+    assert torch.equal(moved[:, 3:8], torch.full((8, 5), 2.25))
+    assert torch.equal(moved[:, :3], torch.zeros(8, 3))  # uncovered: the nearest landed point is background
+    assert torch.equal(moved[:, 8:], torch.full((8, 8), 2.5))
+    # everything leaves the frame: no point lands inside, the start is zero (RAFT's fill value)
+    assert torch.equal(forward_interpolate(torch.full((1, 2, 4, 4), 9.0)), torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"\(B, 2, H, W\) or \(2, H, W\) flow, got \(1, 3, 4, 4\)"):
+        forward_interpolate(torch.zeros(1, 3, 4, 4))
 
 
 def test_weight_norm_save_load_round_trip(tmp_path):
@@ -303,3 +366,71 @@ def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
     )
     with torch.no_grad():
         assert model(a, b).residual_loss is None  # inference: no extra f call
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # the checkpoint's recipe: 3 correction states, weight norm (shared by every term), the drift term
+        dict(deq={"n_states": 3}, flow_residual_weight=2.0, residual_loss_weight=0.5, ckpt=False),
+        # encoder checkpointing; a solve that stops early (its later states start from its output); GMA's
+        # shared attention; the Jacobian regularizer (built in the solve)
+        dict(deq={"n_states": 3, "f_tol": 0.3, "jac_reg_samples": 1}, jac_loss_weight=0.1, gma=True,
+             ckpt=True),
+        # IFT backward at the output, explicit state indices, damped correction steps
+        dict(deq={"n_states": 0, "state_indices": [2, 5, 9], "b_mode": "ift", "b_max_iter": 20,
+                  "correction_k": 2, "correction_tau": 0.6}, ckpt=False),
+    ],
+)
+def test_two_stage_backward_gradients_equal_the_one_shot_backward(case):
+    """deqzoo.tasks.flow.two_stage_backward (encoders once, one supervised state's graph at a time, then the
+    encoders' backward with the collected leaf gradients) gives the gradients of model(...).loss.backward()
+    to 1e-6 in float64, on every parameter, and the same loss."""
+    from deqzoo.tasks.flow import two_stage_backward
+
+    case = dict(case)
+    ckpt, deq = case.pop("ckpt"), case.pop("deq")
+    base = {"f_solver": "fixed_point", "f_max_iter": 9, "f_tol": 1e-12, "b_mode": "phantom",
+            "b_mode_kwargs": {"k": 1, "tau": 1.0}} if deq.get("b_mode") != "ift" else {
+            "f_solver": "anderson", "f_max_iter": 9, "f_tol": 1e-12, "b_mode_kwargs": {}}
+    model = _model(weight_norm=True, deq={**base, **deq}, **case).double().train()
+    if ckpt:
+        enable_checkpointing(model)
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.rand(2, 3, 40, 56, generator=gen, dtype=torch.float64) for _ in range(2))
+    gt = torch.randn(2, 2, 40, 56, generator=gen, dtype=torch.float64) * 2
+    valid = (torch.rand(2, 40, 56, generator=gen) > 0.2).double()
+
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    one = model(a, b, flow_gt=gt, valid=valid)
+    one.loss.backward()
+    ref = _grads(model)
+
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    two = two_stage_backward(model, a, b, gt, valid)
+    got = _grads(model)
+    n_terms = len(model.config.deq_config.state_steps(9)) + bool(case.get("flow_residual_weight")) + bool(
+        case.get("jac_loss_weight"))
+    assert len(two.loss_terms) == n_terms
+    if deq.get("f_tol", 0) > 0.1:  # the solve stopped early: its later states start from its output
+        assert two.deq_stats.nfe < 3
+    assert two.flow_predictions is None and not two.flow.requires_grad
+    torch.testing.assert_close(two.flow, one.flow.detach(), rtol=0, atol=1e-12)  # same output values
+    torch.testing.assert_close(two.loss, one.loss.detach(), rtol=1e-10, atol=1e-12)
+    assert ref.keys() == got.keys() and len(ref) > 20
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-9, msg=name)
+    assert float(ref["feature_encoder.convnormrelu.0.weight"].abs().max()) > 0  # through the encoders too
+
+
+def test_defer_loss_refuses_the_explicit_twin():
+    raft = _model(implicit=False, num_flow_updates=2).train()
+    a = torch.rand(1, 3, 32, 32)
+    with pytest.raises(ValueError, match="defer_loss needs the DEQ"):
+        raft(a, a, flow_gt=torch.zeros(1, 2, 32, 32), defer_loss=True)
