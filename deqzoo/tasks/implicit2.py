@@ -189,17 +189,34 @@ class Fitter:
         *,
         lr: float = 1e-3,
         reuse: bool = True,
+        reuse_max_iter: int | None = None,
         project: bool = True,
     ):
         self.model, self.coords, self.values = model, coords, values
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
-        self.cache = FixedPointCache() if reuse else None
+        # reuse_max_iter=0 is the original's training forward: no solve once a fixed point is cached
+        self.cache = FixedPointCache(hit_max_iter=reuse_max_iter) if reuse else None
         max_norm = model.config.spectral_max_norm
         self.projector = (
             SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
         )
         n_params = sum(p.numel() * p.element_size() for p in model.parameters())
         self.state_bytes = 4 * n_params  # weights, gradients, two Adam moments
+
+    @torch.no_grad()
+    def cold_nfe(self, tols: tuple[float, ...]) -> dict[str, int | None]:
+        """f-evaluations a solve from zeros (no reuse) needs, on the current weights, to reach each relative
+        tolerance in `tols` (None: not within f_max_iter): one solve to the tightest, read off its
+        per-step residual trace (a fixed-point iteration stopped at tolerance t would stop there). Neither
+        the cache nor the weights change."""
+        model = self.model
+        old_tol = model.config.deq_config.f_tol
+        model.set_deq(f_tol=min(tols))
+        try:
+            trace = model(self.coords).deq_stats.trace.tolist()
+        finally:
+            model.set_deq(f_tol=old_tol)
+        return {f"{t:g}": next((k + 1 for k, r in enumerate(trace) if r < t), None) for t in tols}
 
     def step(self, measure_memory: bool = False) -> dict[str, Any]:
         model = self.model
@@ -234,7 +251,10 @@ def fit(
     *,
     lr: float = 1e-3,
     reuse: bool = True,
+    reuse_max_iter: int | None = None,
     project: bool = True,
+    cold_tols: tuple[float, ...] = (),
+    cold_at: tuple[int, ...] = (),
     eval_every: int = 25,
     eval_at: tuple[int, ...] = (),
     eval_fn=None,
@@ -248,14 +268,20 @@ def fit(
     solve's relative residual at its returned iterate) and ``step_time`` (seconds); every `eval_every`
     steps, at the steps in `eval_at` and at the end, ``eval`` = (step, eval_fn(model)) when eval_fn is given;
     ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
-    gradients and Adam moments.
+    gradients and Adam moments. `reuse_max_iter` is the solver budget on a reuse hit (0: the original's
+    training forward, no solve; see `deqzoo.core.FixedPointCache`). Before each step in `cold_at`,
+    ``cold_nfe`` gets (step, `Fitter.cold_nfe(cold_tols)`): the f-evaluations a solve from zeros would need
+    at that step's weights (the without-reuse count, measured on the same weights).
     """
     from tqdm.auto import tqdm
 
-    fitter = Fitter(model, coords, values, lr=lr, reuse=reuse, project=project)
+    fitter = Fitter(model, coords, values, lr=lr, reuse=reuse, reuse_max_iter=reuse_max_iter,
+                    project=project)
     hist: dict[str, Any] = {"loss": [], "nfe": [], "residual": [], "step_time": [], "eval": [],
-                            "saved_bytes": 0, "state_bytes": fitter.state_bytes}
+                            "cold_nfe": [], "saved_bytes": 0, "state_bytes": fitter.state_bytes}
     for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, mininterval=5):
+        if cold_tols and step in cold_at:
+            hist["cold_nfe"].append((step, fitter.cold_nfe(cold_tols)))
         record = fitter.step(measure_memory=step == memory_step)
         if step == memory_step:
             hist["saved_bytes"] = record["saved_bytes"]
