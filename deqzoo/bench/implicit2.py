@@ -198,7 +198,7 @@ def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[
     """Time per training step of implicit 1L-256D (tolerance-checked reuse, and the original's no-solve
     reuse) and explicit 4L-256D under the same machine load: their steps alternate in one process (order
     rotated every round) after `warmup` steps each. One phase per entry of `time_after`: the
-    tolerance-checked implicit network is first trained to that many steps (its step time depends on how
+    tolerance-checked implicit network is first trained to at least that many steps (its step time depends on how
     many solver steps the reuse solve still needs; the others' work per step does not change)."""
     from ..tasks.implicit2 import Fitter
 
