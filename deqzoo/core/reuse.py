@@ -126,6 +126,22 @@ class FixedPointCache:
         self.store(key, z, key_input=key_input)
         return z, stats
 
+    def fork(self, hit_max_iter: int | None = None) -> FixedPointCache:
+        """A new cache holding this one's entries (e.g. a probe solve from the stored states that must
+        not change what the next training step starts from).
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import FixedPointCache
+            >>> cache = FixedPointCache(); cache.store("k", torch.ones(2))
+            >>> probe = cache.fork(hit_max_iter=0); probe.store("k", torch.zeros(2))
+            >>> cache.initial("k", torch.zeros(2)).tolist(), probe.hit_max_iter
+            ([1.0, 1.0], 0)
+        """
+        other = FixedPointCache(hit_max_iter=hit_max_iter)
+        other._entries = dict(self._entries)  # entries are never changed in place: sharing them is safe
+        return other
+
     def store(self, key: str, state: torch.Tensor, *, key_input: torch.Tensor | None = None) -> None:
         """Keep a detached copy of `state` (e.g. this step's z*) for the next `initial(key, ...)`."""
         if not isinstance(state, torch.Tensor):

@@ -218,7 +218,16 @@ class Fitter:
             model.set_deq(f_tol=old_tol)
         return {f"{t:g}": next((k + 1 for k, r in enumerate(trace) if r < t), None) for t in tols}
 
-    def step(self, measure_memory: bool = False) -> dict[str, Any]:
+    @torch.no_grad()
+    def returned_residual(self) -> float:
+        """Relative residual ||f(z) - z|| / ||f(z)|| of the state the last step returned (the cached one),
+        under the current weights: one f step from it in a forked cache, the training cache untouched."""
+        if self.cache is None or not len(self.cache):
+            raise RuntimeError("Fitter.returned_residual needs reuse (a cache) and one step taken")
+        out = self.model(self.coords, fixed_point_cache=self.cache.fork(hit_max_iter=0))
+        return float(out.deq_stats.rel_residual.max())
+
+    def step(self, measure_memory: bool = False, measure_returned: bool = False) -> dict[str, Any]:
         model = self.model
         model.train()
         t0 = time.perf_counter()
@@ -235,10 +244,14 @@ class Fitter:
             "residual": float(stats.rel_residual.max()) if stats is not None else 0.0,
             "saved_bytes": meter.total if meter else 0,
         }
+        del out  # this step's graph goes now
+        if measure_returned:  # before the optimizer step: the weights this step's output was computed with
+            t_probe = time.perf_counter()
+            record["returned_residual"] = self.returned_residual()
+            t0 += time.perf_counter() - t_probe  # not part of the step's time
         self.opt.step()
         if self.projector is not None:
             self.projector.step()
-        del out  # this step's graph goes now
         record["step_time"] = time.perf_counter() - t0
         return record
 
@@ -255,6 +268,7 @@ def fit(
     project: bool = True,
     cold_tols: tuple[float, ...] = (),
     cold_at: tuple[int, ...] = (),
+    measure_returned: bool = False,
     eval_every: int = 25,
     eval_at: tuple[int, ...] = (),
     eval_fn=None,
@@ -271,7 +285,9 @@ def fit(
     gradients and Adam moments. `reuse_max_iter` is the solver budget on a reuse hit (0: the original's
     training forward, no solve; see `deqzoo.core.FixedPointCache`). Before each step in `cold_at`,
     ``cold_nfe`` gets (step, `Fitter.cold_nfe(cold_tols)`): the f-evaluations a solve from zeros would need
-    at that step's weights (the without-reuse count, measured on the same weights).
+    at that step's weights (the without-reuse count, measured on the same weights). `measure_returned`
+    adds ``returned_residual`` per step: the residual of the state each step returned, under that step's
+    weights (`Fitter.returned_residual`; needs reuse).
     """
     from tqdm.auto import tqdm
 
@@ -282,9 +298,11 @@ def fit(
     for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, mininterval=5):
         if cold_tols and step in cold_at:
             hist["cold_nfe"].append((step, fitter.cold_nfe(cold_tols)))
-        record = fitter.step(measure_memory=step == memory_step)
+        record = fitter.step(measure_memory=step == memory_step, measure_returned=measure_returned)
         if step == memory_step:
             hist["saved_bytes"] = record["saved_bytes"]
+        if measure_returned:
+            hist.setdefault("returned_residual", []).append(record["returned_residual"])
         for key in ("loss", "nfe", "residual", "step_time"):
             hist[key].append(record[key])
         if eval_fn is not None and (step % eval_every == 0 or step == steps or step in eval_at):

@@ -150,7 +150,8 @@ across steps (`deqzoo.core.FixedPointCache`), NPG with T = 1 (b_mode phantom/npg
 kept <= 0.97 after every optimizer step (`deqzoo.core.SpectralProjector`); forward: fixed-point iteration to a
 relative residual of {rec.get("f_tol", 1e-3):g} (<= 100 steps; the original's tolerance) from the previous
 fixed point (the original's own training forward takes no solver step at all after step 0, one f step from
-the cached state: `FixedPointCache(hit_max_iter=0)`, compared in examples/implicit2/README.md). The original's initialisation (W ~ U(±1/sqrt(D)), Gabor γ ~ Gamma(1.5, 1), μ ~ U(-1, 1)) and
+the cached state: `FixedPointCache(hit_max_iter=0)`, compared in examples/implicit2/README.md).
+The original's initialisation (W ~ U(±1/sqrt(D)), Gabor γ ~ Gamma(1.5, 1), μ ~ U(-1, 1)) and
 its frequencies per pixel: input scale {rec["input_scale"]:g} / sqrt(2) at {rec["size"]} px (the original:
 {"128" if filt == "siren" else "256"} at 512 px).
 Training time: {minutes:.1f} min on one thread of a shared CPU. PSNR from a zero initial state during

@@ -104,6 +104,23 @@ def test_cold_probe_counts_what_a_solve_from_zeros_takes_and_no_solve_reuse():
     assert all(0 < r < 1 for r in hist["residual"][1:])  # the cached state's residual, reported
     assert [st for st, _ in hist["cold_nfe"]] == [1, 12] and hist["cold_nfe"][0][1]["0.01"] == hist["nfe"][0]
 
+    # the returned state's residual: ||f(z) - z|| / ||f(z)|| with f written out from the model's pieces
+    rec = fitter.step(measure_returned=True)
+    assert 0 < rec["returned_residual"] < 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inner = model.implicit2
+    with torch.no_grad():
+        x = inner.check_coordinates(data.train_coords)
+        default = torch.zeros(1, x.shape[1], model.config.hidden_size)
+        z = fitter.cache.initial("default", default, key_input=x)
+        assert z is not default  # the state the last step returned
+        u0, responses = inner.injection(x)
+        fz = inner.layer_stack(z, inner.first_offset(u0, responses), responses)
+        ref = float((fz - z).norm() / fz.norm())
+    assert fitter.returned_residual() == pytest.approx(ref, rel=1e-4)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the probe trains nothing
+    assert torch.equal(fitter.cache.initial("default", default, key_input=x), z)  # nor moves the cache
+
 
 def test_predict_writes_a_png_at_2x_and_never_overwrites(tmp_path):
     from PIL import Image
