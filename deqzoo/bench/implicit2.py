@@ -5,10 +5,15 @@ Groups (``--groups``, default all):
   4L-256D per filter (``--filters``): PSNR (from a zero initial state) against step, step time, peak training
   memory (tensors saved for backward + weights, gradients, Adam moments; and the process's peak RSS growth),
   parameters.
-- ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3).
+- ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3):
+  a run without reuse at the original's tolerance 1e-2, tolerance-checked reuse at 1e-3 and 1e-4 (1e-2 is the
+  representation run), and the original's training forward (no solve on a cache hit); each reuse run probes
+  the without-reuse count on its own weights (a solve from zeros, every 10th step and every step after 100)
+  and records the residual of the state each step returned.
 - ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4), all at ``--t-steps``.
-- ``time``: implicit 1L-256D and explicit 4L-256D training steps alternated in one process (the time ratio
-  under the same machine load).
+- ``time``: implicit 1L-256D (tolerance-checked reuse, and the original's no-solve reuse) and explicit
+  4L-256D training steps rotated in one process (time ratios under the same machine load), one phase per
+  ``--time-after`` entry (e.g. ``2,104``: early, and late where the reuse solve has settled).
 - ``gen``: generalization (train on 25% of the pixels, PSNR on a disjoint 25%) over every bundled image,
   implicit vs explicit at equal width.
 
