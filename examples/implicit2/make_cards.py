@@ -182,7 +182,7 @@ converged.
             ],
             tags=["implicit2", "implicit-neural-representation", filt],
             train_command=TRAIN.format(setting=setting)
-            + f"\npython examples/implicit2/make_cards.py {bench}",
+            + "\npython examples/implicit2/make_cards.py outputs/i2bench256",
             eval_command=f"deqzoo eval deqzoo/{name}",
             body_markdown=body,
             license="mit",
