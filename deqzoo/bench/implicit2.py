@@ -438,6 +438,9 @@ def _summarize_reuse(records: dict[str, dict[str, Any]], summary: dict[str, Any]
         line = axes[0].plot(np.arange(1, len(r["nfe"]) + 1), r["nfe"], label=label, lw=1)[0]
         axes[1].plot(np.arange(1, len(r["residual"]) + 1), r["residual"], label=label, lw=1,
                      color=line.get_color())
+        if r.get("returned_residual"):
+            axes[1].plot(np.arange(1, len(r["returned_residual"]) + 1), r["returned_residual"], ":",
+                         color=line.get_color(), lw=1.2, label=f"{label}: returned state")
         tol = "0.01" if r.get("reuse_max_iter") == 0 else f"{r['f_tol']:g}"
         probes = [(st, c[tol]) for st, c in r.get("cold_nfe", []) if c.get(tol) is not None]
         if probes:
@@ -448,9 +451,9 @@ def _summarize_reuse(records: dict[str, dict[str, Any]], summary: dict[str, Any]
     axes[0].axvline(100, color="gray", lw=0.6, ls="--")
     axes[0].set(xlabel="training step", ylabel="forward-solve f-evaluations",
                 title=f"fixed-point reuse ({f} 1L-256D, camera {next(iter(runs.values()))['size']}px)")
-    axes[1].set(xlabel="training step", ylabel="relative residual of the solve's z*", yscale="log",
-                title="residual reached (dashed: tolerances 1e-2, 1e-3, 1e-4)")
-    axes[0].legend(fontsize=7)
+    axes[1].set(xlabel="training step", ylabel="relative residual (solid: z*, dotted: returned state)",
+                yscale="log", title="residual reached (gray: tolerances 1e-2, 1e-3, 1e-4)")
+    axes[0].legend(fontsize=7, loc="center right")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "reuse_nfe.png", dpi=110)
