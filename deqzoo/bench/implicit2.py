@@ -5,10 +5,15 @@ Groups (``--groups``, default all):
   4L-256D per filter (``--filters``): PSNR (from a zero initial state) against step, step time, peak training
   memory (tensors saved for backward + weights, gradients, Adam moments; and the process's peak RSS growth),
   parameters.
-- ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3).
+- ``reuse``: forward-solve f-evaluations per training step with and without fixed-point reuse (Fig. 8.3):
+  a run without reuse at the original's tolerance 1e-2, tolerance-checked reuse at 1e-3 and 1e-4 (1e-2 is the
+  representation run), and the original's training forward (no solve on a cache hit); each reuse run probes
+  the without-reuse count on its own weights (a solve from zeros, every 10th step and every step after 100)
+  and records the residual of the state each step returned.
 - ``T``: NPG with T = 0 (Jacobian-free), 1 and ∞ (IFT) on `camera` (Fig. 8.4), all at ``--t-steps``.
-- ``time``: implicit 1L-256D and explicit 4L-256D training steps alternated in one process (the time ratio
-  under the same machine load).
+- ``time``: implicit 1L-256D (tolerance-checked reuse, and the original's no-solve reuse) and explicit
+  4L-256D training steps rotated in one process (time ratios under the same machine load), one phase per
+  ``--time-after`` entry (e.g. ``2,104``: early, and late where the reuse solve has settled).
 - ``gen``: generalization (train on 25% of the pixels, PSNR on a disjoint 25%) over every bundled image,
   implicit vs explicit at equal width.
 
@@ -43,6 +48,26 @@ def paper_input_scale(filter_type: str, size: int) -> float:
     """The original's frequency scale per pixel: camera at 512² uses 256 for Fourier/Gabor MFNs and 128 for
     SIREN (its `siren_like` filters get input_scale / 2); a size² grid gets the same frequencies per pixel."""
     return (128.0 if filter_type == "siren" else 256.0) * size / 512
+
+
+REUSE_TOLS = (1e-2, 1e-3, 1e-4)  # relative tolerances of the reuse comparison (1e-2: the original's)
+
+
+def _cold_at(steps: int) -> list[int]:
+    """Steps probed for the without-reuse count: every 10th, and every step after the 100th (the bar's
+    window)."""
+    return sorted({s for s in range(10, steps + 1, 10)} | set(range(101, steps + 1)) | {1})
+
+
+def _time_after(text: str) -> list[int]:
+    """--time-after "2,104" -> [2, 104] (one timing phase per entry)."""
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--time-after: comma-separated integers, got {text!r}") from None
+    if not out or any(x < 0 for x in out) or out != sorted(out):
+        raise SystemExit(f"--time-after: increasing integers >= 0, got {text!r}")
+    return out
 
 
 def _t_steps(args) -> int:
@@ -88,9 +113,14 @@ def _settings(args) -> list[dict[str, Any]]:
         **rep,
     }
     if "reuse" in groups:
+        # every reuse run probes, before the steps in cold_at, how many f-evaluations a solve from zeros
+        # needs on the same weights at each tolerance of REUSE_TOLS (the without-reuse count)
+        probe = {"cold_tols": list(REUSE_TOLS), "cold_at": _cold_at(args.steps), "measure_returned": True}
         out.append({**base, "name": f"reuse-{first}-noreuse", "group": "reuse", "reuse": False})
-        # the original's training forward: no solve, one f step from the previous fixed point
-        out.append({**base, "name": f"reuse-{first}-onestep", "group": "reuse", "max_iter": 1})
+        # the original's training forward: no solve on a cache hit, one f step from the cached state
+        out.append({**base, **probe, "name": f"reuse-{first}-onestep", "group": "reuse", "reuse_max_iter": 0})
+        for tol in REUSE_TOLS[1:]:  # tolerance-checked reuse at tighter tolerances (1e-2: the rep run)
+            out.append({**base, **probe, "name": f"reuse-{first}-tol{tol:g}", "group": "reuse", "tol": tol})
     if "T" in groups:
         for t in ("0", "inf"):
             steps = _t_steps(args)
@@ -99,7 +129,7 @@ def _settings(args) -> list[dict[str, Any]]:
         for f in filters:
             out.append({**rep, "name": f"time-{f}", "group": "time", "filter": f, "T": 1, "reuse": True,
                         "input_scale": paper_input_scale(f, args.size), "warmup": 2,
-                        "warmup_implicit": max(2, args.time_after), "rounds": args.time_rounds})
+                        "time_after": _time_after(args.time_after), "rounds": args.time_rounds})
     if "gen" in groups:
         from ..tasks.implicit2 import IMAGES
 
@@ -152,7 +182,7 @@ def _build(setting: dict[str, Any], data, seed: int):
         hidden_size=setting["width"],
         input_scale=float(setting.get("input_scale", 256.0)),
         out_features=data.train_values.shape[-1],
-        deq={**neumann_backward(T)},
+        deq={**neumann_backward(T), **({"f_tol": float(setting["tol"])} if "tol" in setting else {})},
         task_specific_params={
             "implicit2": {"image": setting["image"], "size": int(setting["size"]), "split": setting["split"]}
         },
@@ -162,39 +192,59 @@ def _build(setting: dict[str, Any], data, seed: int):
     return model
 
 
+TIME_KINDS = (  # name, implicit, layers, reuse budget on a hit (None: tolerance-checked; 0: no solve)
+    ("imp-1l256d", True, 1, None),
+    ("imp0-1l256d", True, 1, 0),
+    ("exp-4l256d", False, 4, None),
+)
+
+
 def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[str, Any]:
-    """Time per training step of implicit 1L-256D and explicit 4L-256D under the same machine load: their
-    steps alternate (ABBA order per pair of rounds) in one process after `warmup` steps each."""
+    """Time per training step of implicit 1L-256D (tolerance-checked reuse, and the original's no-solve
+    reuse) and explicit 4L-256D under the same machine load: their steps alternate in one process (order
+    rotated every round) after `warmup` steps each. One phase per entry of `time_after`: the
+    tolerance-checked implicit network is first trained to at least that many steps (its step time depends
+    on how many solver steps the reuse solve still needs; the others' work per step does not change)."""
     from ..tasks.implicit2 import Fitter
 
     fitters = {}
-    for kind, implicit, layers in (("imp-1l256d", True, 1), ("exp-4l256d", False, 4)):
+    for kind, implicit, layers, budget in TIME_KINDS:
         model = _build({**setting, "implicit": implicit, "layers": layers, "width": 256}, data, seed)
-        fitters[kind] = Fitter(model, data.train_coords, data.train_values)
-    times: dict[str, list[float]] = {k: [] for k in fitters}
-    nfe: list[int] = []
-    # the implicit network trains `warmup_implicit` steps first (its step time depends on how many solver
-    # steps the reuse solve still needs; the explicit network's does not)
-    for kind, f in fitters.items():
-        for _ in range(int(setting.get("warmup_implicit", setting["warmup"]) if kind.startswith("imp")
-                           else setting["warmup"])):  # fmt: skip
-            f.step()
-    for r in range(int(setting["rounds"])):
-        for kind in list(fitters)[:: 1 if r % 2 == 0 else -1]:
-            rec = fitters[kind].step()
-            times[kind].append(rec["step_time"])
-            if kind.startswith("imp"):
-                nfe.append(rec["nfe"])
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    record = {
-        **setting,
-        "seed": seed,
-        "step_times": times,
-        "median_step_time": med,
-        "imp_nfe": nfe,
-        "time_ratio": med["imp-1l256d"] / med["exp-4l256d"],
-        "round_ratios": [a / b for a, b in zip(times["imp-1l256d"], times["exp-4l256d"])],
-    }
+        fitters[kind] = Fitter(model, data.train_coords, data.train_values, reuse_max_iter=budget)
+    done = {k: 0 for k in fitters}
+    phases = []
+    for after in setting["time_after"]:
+        for kind, f in fitters.items():
+            target = max(after, setting["warmup"]) if kind == "imp-1l256d" else setting["warmup"]
+            while done[kind] < target:
+                f.step()
+                done[kind] += 1
+        times: dict[str, list[float]] = {k: [] for k in fitters}
+        nfe: dict[str, list[int]] = {k: [] for k in fitters if k.startswith("imp")}
+        start = dict(done)
+        order = list(fitters)
+        for r in range(int(setting["rounds"])):
+            shift = r % len(order)
+            for kind in order[shift:] + order[:shift]:
+                rec = fitters[kind].step()
+                done[kind] += 1
+                times[kind].append(rec["step_time"])
+                if kind in nfe:
+                    nfe[kind].append(rec["nfe"])
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        phases.append({
+            "after": after,
+            "steps_before": start,
+            "step_times": times,
+            "median_step_time": med,
+            "solver_nfe": nfe,
+            "time_ratio": med["imp-1l256d"] / med["exp-4l256d"],
+            "time_ratio_nosolve": med["imp0-1l256d"] / med["exp-4l256d"],
+            "round_ratios": [a / b for a, b in zip(times["imp-1l256d"], times["exp-4l256d"])],
+            "round_ratios_nosolve": [a / b for a, b in zip(times["imp0-1l256d"], times["exp-4l256d"])],
+            "load_avg": os.getloadavg(),
+        })
+    record = {**setting, "seed": seed, "phases": phases}
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     (out_dir / "runs" / f"{setting['name']}.json").write_text(json.dumps(record))
     return record
@@ -214,17 +264,9 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     cfg = model.config
     rss0 = _rss_kib("VmRSS")
 
-    eval_iter = cfg.deq_config.f_max_iter
-    train_iter = int(setting.get("max_iter", eval_iter))
-    model.set_deq(f_max_iter=train_iter)
-
     @torch.no_grad()
     def eval_fn(m):  # always from zeros, with the full evaluation budget
-        m.set_deq(f_max_iter=eval_iter)
-        try:
-            return psnr(m(data.test_coords).values, data.test_values)
-        finally:
-            m.set_deq(f_max_iter=train_iter)
+        return psnr(m(data.test_coords).values, data.test_values)
 
     hist = fit(
         model,
@@ -232,12 +274,15 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         data.train_values,
         int(setting["steps"]),
         reuse=setting["reuse"],
+        reuse_max_iter=setting.get("reuse_max_iter"),
+        cold_tols=tuple(setting.get("cold_tols", ())),
+        cold_at=tuple(setting.get("cold_at", ())),
+        measure_returned=bool(setting.get("measure_returned")),
         eval_every=int(setting.get("eval_every", 10)),
         eval_at=(int(setting.get("t_steps", 0)),),  # the T comparison's step count
         eval_fn=eval_fn,
         desc=setting["name"],
     )
-    model.set_deq(f_max_iter=eval_iter)
     record = {
         **setting,
         "seed": seed,
@@ -248,6 +293,8 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
         "nfe": hist["nfe"],
         "residual": hist["residual"],
         "f_tol": cfg.deq_config.f_tol,
+        "cold_nfe": hist["cold_nfe"],
+        "returned_residual": hist.get("returned_residual"),
         "step_time": hist["step_time"],
         "eval": hist["eval"],
         "final_psnr": hist["eval"][-1][1],
@@ -303,6 +350,117 @@ def _mean_after(xs: list[float], start: int) -> float:
     return float(np.mean(tail)) if tail else float("nan")
 
 
+def _reuse_row(r: dict[str, Any], mode: str) -> dict[str, Any]:
+    """Solver steps and residuals after step 100 of one reuse run, and its without-reuse probes."""
+    nfe, res = r["nfe"], r["residual"]
+    row: dict[str, Any] = {
+        "mode": mode,
+        "tol": r.get("f_tol", 1e-2),
+        "mean_solver_nfe_after_100": round(_mean_after(nfe, 100), 2),
+        "solver_nfe_after_100": nfe[100:],
+        "mean_rel_residual_after_100": float(_mean_after(res, 100)),
+        "max_rel_residual_after_100": float(max(res[100:] or res)),
+        "final_psnr": round(r["final_psnr"], 2),
+    }
+    ret = r.get("returned_residual")
+    if ret:  # the residual of what each step returned (one f step past z*), under that step's weights
+        row["mean_returned_residual_after_100"] = float(_mean_after(ret, 100))
+        row["max_returned_residual_after_100"] = float(max(ret[100:] or ret))
+    probes = [(st, c) for st, c in r.get("cold_nfe", []) if st > 100] or r.get("cold_nfe", [])
+    if probes:
+        row["cold_mean_nfe_after_100"] = {
+            t: round(float(np.mean([c[t] for _, c in probes if c[t] is not None])), 2) for t in probes[0][1]
+        }
+        row["cold_probe_steps"] = [st for st, _ in probes]
+    return row
+
+
+def _summarize_reuse(records: dict[str, dict[str, Any]], summary: dict[str, Any], out: Path, plt) -> None:
+    """Fig. 8.3 analogue: solver f-evaluations per training step with and without reuse, per tolerance and
+    mode, the residual each run's states reached, and the bar (<= 2 with reuse, >= 5x that without)."""
+    runs = {r["name"]: r for r in records.values() if r["group"] == "reuse"}
+    no = next((r for r in runs.values() if not r["reuse"]), None)
+    if no is None and not runs:
+        return
+    f = next(iter(runs.values()))["filter"]
+    rows: dict[str, dict[str, Any]] = {}
+    if no is not None:
+        rows["no reuse, tol 0.01"] = _reuse_row(no, "no reuse (solve from zeros every step)")
+    with_ = records.get(f"rep-{f}-imp-1l256d")
+    if with_ is not None:
+        rows["reuse, tol 0.01"] = _reuse_row(with_, "reuse, tolerance-checked solve")
+    for _name, r in sorted(runs.items()):
+        if r["reuse"] and r.get("reuse_max_iter") == 0:
+            rows["reuse, no solve on hits"] = _reuse_row(r, "reuse, no solve on a hit (the original's)")
+        elif r["reuse"]:
+            rows[f"reuse, tol {r['f_tol']:g}"] = _reuse_row(r, "reuse, tolerance-checked solve")
+    bar = []
+    for label, row in rows.items():
+        cold = row.get("cold_mean_nfe_after_100", {})
+        warm = row["mean_solver_nfe_after_100"]
+        if "no solve" in label:
+            # no tolerance is asked: compare at each tolerance every returned state after step 100 met
+            reached = row.get("max_returned_residual_after_100", row["max_rel_residual_after_100"])
+            for t, c in cold.items():
+                if reached < float(t):
+                    bar.append({"run": label, "tol": float(t), "with": warm, "without": c,
+                                "ratio_solver_steps": None if warm == 0 else round(c / warm, 2),
+                                "ratio_forward_f_evals": round((c + 1) / (warm + 1), 2),
+                                "without_from": "cold probe, same weights", "met": warm <= 2 and
+                                (warm == 0 or c / warm >= 5)})
+        elif label.startswith("reuse"):
+            t = f"{row['tol']:g}"
+            c = cold.get(t)
+            src = "cold probe, same weights"
+            if c is None and no is not None and float(t) == float(no.get("f_tol", 1e-2)):
+                c, src = rows["no reuse, tol 0.01"]["mean_solver_nfe_after_100"], "separate run without reuse"
+            if c is not None:
+                bar.append({"run": label, "tol": float(t), "with": warm, "without": c,
+                            "ratio_solver_steps": round(c / max(warm, 1e-9), 2),
+                            "ratio_forward_f_evals": round((c + 1) / (warm + 1), 2),
+                            "without_from": src, "met": warm <= 2 and c / max(warm, 1e-9) >= 5})
+    summary["reuse"] = {"runs": rows, "bar": bar}
+    if no is not None and with_ is not None:  # the headline pair at the original's tolerance
+        w = rows["reuse, tol 0.01"]["mean_solver_nfe_after_100"]
+        n = rows["no reuse, tol 0.01"]["mean_solver_nfe_after_100"]
+        summary["reuse"].update({"with": w, "without": n, "ratio": round(n / max(w, 1e-9), 2)})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for label, name in (("no reuse, tol 0.01", no and no["name"]),
+                        ("reuse, tol 0.01", with_ and with_["name"])):
+        if name:
+            r = records[name]
+            axes[0].plot(np.arange(1, len(r["nfe"]) + 1), r["nfe"], label=label, lw=1)
+            axes[1].plot(np.arange(1, len(r["residual"]) + 1), r["residual"], label=label, lw=1)
+    for _name, r in sorted(runs.items()):
+        if not r["reuse"]:
+            continue
+        label = "reuse, no solve on hits" if r.get("reuse_max_iter") == 0 else f"reuse, tol {r['f_tol']:g}"
+        line = axes[0].plot(np.arange(1, len(r["nfe"]) + 1), r["nfe"], label=label, lw=1)[0]
+        axes[1].plot(np.arange(1, len(r["residual"]) + 1), r["residual"], label=label, lw=1,
+                     color=line.get_color())
+        if r.get("returned_residual"):
+            axes[1].plot(np.arange(1, len(r["returned_residual"]) + 1), r["returned_residual"], ":",
+                         color=line.get_color(), lw=1.2, label=f"{label}: returned state")
+        tol = "0.01" if r.get("reuse_max_iter") == 0 else f"{r['f_tol']:g}"
+        probes = [(st, c[tol]) for st, c in r.get("cold_nfe", []) if c.get(tol) is not None]
+        if probes:
+            axes[0].plot(*zip(*probes), "x:", color=line.get_color(), ms=4,
+                         label=f"from zeros on the same weights, tol {tol}")
+    for t in REUSE_TOLS:
+        axes[1].axhline(t, color="gray", lw=0.6, ls="--")
+    axes[0].axvline(100, color="gray", lw=0.6, ls="--")
+    axes[0].set(xlabel="training step", ylabel="forward-solve f-evaluations",
+                title=f"fixed-point reuse ({f} 1L-256D, camera {next(iter(runs.values()))['size']}px)")
+    axes[1].set(xlabel="training step", ylabel="relative residual (solid: z*, dotted: returned state)",
+                yscale="log", title="residual reached (gray: tolerances 1e-2, 1e-3, 1e-4)")
+    axes[0].legend(fontsize=7, loc="center right")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "reuse_nfe.png", dpi=110)
+    plt.close(fig)
+    summary["pngs"]["reuse"] = str(out / "reuse_nfe.png")
+
+
 def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     """Tables, ratios and PNGs from the finished runs."""
     import matplotlib
@@ -313,13 +471,20 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {"rep": [], "reuse": {}, "T": {}, "gen": [], "time": {}, "pngs": {}}
     for r in records.values():
         if r["group"] == "time":
-            summary["time"][r["filter"]] = {
-                "median_step_time_s": {k: round(v, 3) for k, v in r["median_step_time"].items()},
-                "time_ratio_imp1l_vs_exp4l": round(r["time_ratio"], 3),
-                "round_ratios": [round(x, 3) for x in r["round_ratios"]],
-                "imp_nfe": r["imp_nfe"],
-                "rounds": r["rounds"],
-            }
+            summary["time"][r["filter"]] = [
+                {
+                    "after_steps": ph["after"],
+                    "median_step_time_s": {k: round(v, 3) for k, v in ph["median_step_time"].items()},
+                    "time_ratio_imp1l_vs_exp4l": round(ph["time_ratio"], 3),
+                    "time_ratio_imp1l_nosolve_vs_exp4l": round(ph["time_ratio_nosolve"], 3),
+                    "round_ratios": [round(x, 3) for x in ph["round_ratios"]],
+                    "round_ratios_nosolve": [round(x, 3) for x in ph["round_ratios_nosolve"]],
+                    "solver_nfe": ph["solver_nfe"],
+                    "rounds": r["rounds"],
+                    "load_avg": [round(x, 2) for x in ph["load_avg"]],
+                }
+                for ph in r["phases"]
+            ]
     rep = [r for r in records.values() if r["group"] == "rep"]
     for r in rep:
         summary["rep"].append(
@@ -361,41 +526,7 @@ def summarize(records: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         fig.savefig(out / "rep_psnr.png", dpi=110)
         plt.close(fig)
         summary["pngs"]["rep"] = str(out / "rep_psnr.png")
-    no = [r for r in records.values() if r["group"] == "reuse" and not r.get("max_iter")]
-    one = [r for r in records.values() if r["group"] == "reuse" and r.get("max_iter")]
-    if one:
-        summary["reuse"]["onestep"] = {
-            "mean_nfe_after_100": round(_mean_after(one[0]["nfe"], 100), 2),
-            "mean_rel_residual_after_100": float(_mean_after(one[0]["residual"], 100)),
-            "final_psnr": round(one[0]["final_psnr"], 2),
-        }
-    if no:
-        r0 = no[0]
-        with_ = records.get(f"rep-{r0['filter']}-imp-1l256d")
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(r0["nfe"], label="without reuse (zeros)")
-        summary["reuse"]["without"] = round(_mean_after(r0["nfe"], 100), 2)
-        if with_:
-            ax.plot(with_["nfe"], label="with reuse (previous z*)")
-            summary["reuse"]["with"] = round(_mean_after(with_["nfe"], 100), 2)
-            summary["reuse"]["ratio"] = round(
-                summary["reuse"]["without"] / max(summary["reuse"]["with"], 1e-9), 2
-            )
-            summary["reuse"]["psnr_with"] = round(with_["final_psnr"], 2)
-            summary["reuse"]["mean_rel_residual_with_after_100"] = float(_mean_after(with_["residual"], 100))
-        summary["reuse"]["psnr_without"] = round(r0["final_psnr"], 2)
-        summary["reuse"]["tol"] = f"rel {r0.get('f_tol', 1e-3):g} (fixed_point, max 100)"
-        ax.set(
-            xlabel="training step",
-            ylabel="forward f-evaluations",
-            yscale="log",
-            title=f"fixed-point reuse ({r0['filter']} 1L-256D, camera {r0['size']}px)",
-        )
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "reuse_nfe.png", dpi=110)
-        plt.close(fig)
-        summary["pngs"]["reuse"] = str(out / "reuse_nfe.png")
+    _summarize_reuse(records, summary, out, plt)
     ts = {str(r["T"]): r for r in records.values() if r["group"] == "T"}
     if ts:
         f = next(iter(ts.values()))["filter"]
@@ -466,9 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                    "every T is compared at this step count (the T=1 run's evaluation at that step)")
     p.add_argument("--time-rounds", type=int, default=6,
                    help="timed steps per network, alternating (time group)")
-    p.add_argument("--time-after", type=int, default=2,
-                   help="training steps of the implicit network before the time group's timed steps "
-                        "(e.g. 100: timed where reuse has settled)")
+    p.add_argument("--time-after", default="2",
+                   help="training steps of the implicit network before the time group's timed steps; a "
+                        "comma list times one phase per entry (e.g. 2,104: early, and where reuse settled)")
     p.add_argument("--gen-size", type=int, default=128, help="image resolution of the generalization grid")
     p.add_argument("--gen-steps", type=int, default=150)
     p.add_argument("--filters", default="gabor,siren")

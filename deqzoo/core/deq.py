@@ -120,10 +120,27 @@ class DEQ(nn.Module):
         return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs)
 
     def solve_with(
-        self, cfg: DEQConfig, f, z0: State, *, defer_graphs: bool = False
+        self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None, defer_graphs: bool = False
     ) -> tuple[State, SolverStats]:
         """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
-        that solves with per-call settings, e.g. a hypersolver, is safe across threads)."""
+        that solves with per-call settings, e.g. a hypersolver, is safe across threads).
+
+        `max_iter` overrides the forward budget for this call (no f_max_iter_min randomization); the solve
+        still stops at cfg.f_tol. ``max_iter=0`` runs no solve: z0 is taken as z* (Implicit²'s training
+        forward from a reused fixed point, `FixedPointCache(hit_max_iter=0)`); with autograd the backward
+        mode's differentiable step f(z0) is the output (modes "ift", "jacobian_free", phantom "npg"),
+        without it f(z0) is (stats.nfe = 1). No tolerance is checked then: the statistics report the
+        residual of z0, ||f(z0) - z0|| (/ ||f(z0)||), measured from that one f call.
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import DEQ, DEQConfig
+            >>> deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=50, f_tol=1e-6))
+            >>> f = lambda z: 0.5 * z + 1  # z* = 2
+            >>> z, stats = deq.solve_with(deq.config, f, torch.full((1, 2), 1.0), max_iter=0)
+            >>> z.tolist(), stats.nfe, round(float(stats.rel_residual[0]), 4)  # the mode's step: nfe 0
+            ([[1.5, 1.5]], 0, 0.3333)
+        """
         if torch.jit.is_tracing() or torch.compiler.is_exporting():
             raise RuntimeError(
                 f"DEQ: the {cfg.f_solver!r} forward solve cannot be traced or exported: its stopping test "
@@ -137,7 +154,14 @@ class DEQ(nn.Module):
         packer.check_finite(x0)
         g = packer.wrap(f)
         grad = torch.is_grad_enabled()
-        max_iter = self._max_iter(grad)
+        if max_iter is None:
+            max_iter = self._max_iter(grad)
+        elif isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"DEQ.solve_with: max_iter must be an integer >= 0 or None, got {max_iter!r}")
+        if max_iter == 0:
+            if defer_graphs and grad:
+                raise ValueError("DEQ: defer_graphs=True needs a forward solve to defer from (max_iter=0)")
+            return self._without_solve(cfg, g, x0, packer, grad)
         keep = cfg.state_steps(max_iter) if grad else []
         mode = BACKWARD_MODES[cfg.b_mode]
         ctx = BackwardContext(config=cfg, stats=None, x0=x0, max_iter=max_iter, keep_steps=keep)
@@ -197,6 +221,38 @@ class DEQ(nn.Module):
         if keep:
             stats.states = states
         return output, stats
+
+    def _without_solve(self, cfg: DEQConfig, g, x0: torch.Tensor, packer: StatePacker,
+                       grad: bool) -> tuple[State, SolverStats]:
+        """max_iter = 0: no forward solve, z0 taken as z*, one f step from it (see `solve_with`)."""
+        variant = cfg.b_mode_kwargs.get("variant", "upg")
+        if cfg.b_mode not in ("ift", "jacobian_free") and not (cfg.b_mode == "phantom" and variant == "npg"):
+            raise ValueError(
+                f"DEQ: max_iter=0 (no forward solve) needs a backward mode whose output is one "
+                f"differentiable step f(z0): 'ift', 'jacobian_free' or 'phantom' with variant 'npg'; got "
+                f"b_mode={cfg.b_mode!r}" + (f" (variant {variant!r})" if cfg.b_mode == "phantom" else ""))
+        if cfg.state_steps(1):
+            raise ValueError("DEQ: max_iter=0 (no forward solve) has no solver states for fixed-point "
+                             f"correction (n_states={cfg.n_states}, state_indices={cfg.state_indices})")
+        if grad:
+            ctx = BackwardContext(config=cfg, stats=None, x0=x0, max_iter=0)
+            x = BACKWARD_MODES[cfg.b_mode](g, x0.detach(), ctx)
+            fx, nfe = ctx.fx_pair[1], 0  # the mode's own f(z0), counted as its refinement step
+        else:
+            x = fx = g(x0)
+            nfe = 1
+        with torch.no_grad():
+            abs_r = torch.linalg.vector_norm((fx - x0).detach().double(), dim=1)
+            rel_r = abs_r / (torch.linalg.vector_norm(fx.detach().double(), dim=1) + 1e-12)
+        res = rel_r if cfg.f_stop_mode == "rel" else abs_r
+        stats = SolverStats(nfe=nfe, abs_residual=abs_r.to(x0.dtype), rel_residual=rel_r.to(x0.dtype),
+                            trace=torch.zeros(0, dtype=torch.float64), converged=(res < cfg.f_tol).cpu(),
+                            solver="no_solve", stop_mode=cfg.f_stop_mode, tol=cfg.f_tol)
+        if grad:
+            ctx.stats = stats
+            if cfg.jac_reg_samples > 0:
+                stats.jac_loss = self._jac_loss(g, x0, ctx)
+        return packer.unflatten(x), stats
 
     def _jac_loss(self, g, x_star: torch.Tensor, ctx: BackwardContext) -> torch.Tensor:
         if ctx.fx_pair is not None:

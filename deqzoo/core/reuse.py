@@ -20,11 +20,20 @@ Example:
     >>> z, again = deq(f, cache.initial("batch", torch.zeros(3, 4), key_input=x))
     >>> first.nfe > again.nfe == 1
     True
+
+Two ways to use a hit (``FixedPointCache(hit_max_iter=...)``, applied by `FixedPointCache.solve`):
+- ``None`` (default): a normal tolerance-checked solve started from the cached state (the solve stops at
+  f_tol; the count of f-evaluations is what reuse saves).
+- ``0``: the original Implicit² training forward (locuslab/ImpSq, ``skip_solver`` after step 0): no solve,
+  the cached state is taken as z* and the backward mode's one differentiable f step starts from it; no
+  tolerance is checked (stats report the cached state's residual). ``k >= 1``: at most k solver steps.
+A miss (the first step, other inputs) always solves with the DEQ's own budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +66,14 @@ class FixedPointCache:
     ``hits`` and ``misses`` count what `initial` returned.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hit_max_iter: int | None = None) -> None:
+        if hit_max_iter is not None and (
+            isinstance(hit_max_iter, bool) or not isinstance(hit_max_iter, int) or hit_max_iter < 0
+        ):
+            raise ValueError(
+                f"FixedPointCache: hit_max_iter must be None or an integer >= 0, got {hit_max_iter!r}"
+            )
+        self.hit_max_iter = hit_max_iter
         self._entries: dict[str, _Entry] = {}
         self.hits = 0
         self.misses = 0
@@ -84,6 +100,47 @@ class FixedPointCache:
             return entry.state.clone()  # a solver may update its initial state in place
         self.misses += 1
         return default
+
+    def solve(
+        self, deq, key: str, f, default: torch.Tensor, *, key_input: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """``deq(f, z0)`` started from `initial(key, default, key_input=...)`, the result stored under `key`.
+
+        On a hit with ``hit_max_iter`` set, the solve runs with that budget (``deq.solve_with(deq.config,
+        f, z0, max_iter=hit_max_iter)``; 0 = no solve, see the module docstring); otherwise ``deq(f, z0)``.
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import DEQ, DEQConfig, FixedPointCache, neumann_backward
+            >>> deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=50, f_tol=1e-4, **neumann_backward(1)))
+            >>> w = torch.nn.Parameter(torch.tensor(0.5)); f = lambda z: w * z + 1
+            >>> cache = FixedPointCache(hit_max_iter=0)
+            >>> [cache.solve(deq, "k", f, torch.zeros(1, 3))[1].nfe for _ in range(3)]
+            [14, 0, 0]
+        """
+        z0 = self.initial(key, default, key_input=key_input)
+        if z0 is not default and self.hit_max_iter is not None:
+            z, stats = deq.solve_with(deq.config, f, z0, max_iter=self.hit_max_iter)
+        else:
+            z, stats = deq(f, z0)
+        self.store(key, z, key_input=key_input)
+        return z, stats
+
+    def fork(self, hit_max_iter: int | None = None) -> FixedPointCache:
+        """A new cache holding this one's entries (e.g. a probe solve from the stored states that must
+        not change what the next training step starts from).
+
+        Example:
+            >>> import torch
+            >>> from deqzoo.core import FixedPointCache
+            >>> cache = FixedPointCache(); cache.store("k", torch.ones(2))
+            >>> probe = cache.fork(hit_max_iter=0); probe.store("k", torch.zeros(2))
+            >>> cache.initial("k", torch.zeros(2)).tolist(), probe.hit_max_iter
+            ([1.0, 1.0], 0)
+        """
+        other = FixedPointCache(hit_max_iter=hit_max_iter)
+        other._entries = dict(self._entries)  # entries are never changed in place: sharing them is safe
+        return other
 
     def store(self, key: str, state: torch.Tensor, *, key_input: torch.Tensor | None = None) -> None:
         """Keep a detached copy of `state` (e.g. this step's z*) for the next `initial(key, ...)`."""

@@ -189,11 +189,13 @@ class Fitter:
         *,
         lr: float = 1e-3,
         reuse: bool = True,
+        reuse_max_iter: int | None = None,
         project: bool = True,
     ):
         self.model, self.coords, self.values = model, coords, values
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
-        self.cache = FixedPointCache() if reuse else None
+        # reuse_max_iter=0 is the original's training forward: no solve once a fixed point is cached
+        self.cache = FixedPointCache(hit_max_iter=reuse_max_iter) if reuse else None
         max_norm = model.config.spectral_max_norm
         self.projector = (
             SpectralProjector(model.spectral_weights(), max_norm) if project and max_norm else None
@@ -201,7 +203,31 @@ class Fitter:
         n_params = sum(p.numel() * p.element_size() for p in model.parameters())
         self.state_bytes = 4 * n_params  # weights, gradients, two Adam moments
 
-    def step(self, measure_memory: bool = False) -> dict[str, Any]:
+    @torch.no_grad()
+    def cold_nfe(self, tols: tuple[float, ...]) -> dict[str, int | None]:
+        """f-evaluations a solve from zeros (no reuse) needs, on the current weights, to reach each relative
+        tolerance in `tols` (None: not within f_max_iter): one solve to the tightest, read off its
+        per-step residual trace (a fixed-point iteration stopped at tolerance t would stop there). Neither
+        the cache nor the weights change."""
+        model = self.model
+        old_tol = model.config.deq_config.f_tol
+        model.set_deq(f_tol=min(tols))
+        try:
+            trace = model(self.coords).deq_stats.trace.tolist()
+        finally:
+            model.set_deq(f_tol=old_tol)
+        return {f"{t:g}": next((k + 1 for k, r in enumerate(trace) if r < t), None) for t in tols}
+
+    @torch.no_grad()
+    def returned_residual(self) -> float:
+        """Relative residual ||f(z) - z|| / ||f(z)|| of the state the last step returned (the cached one),
+        under the current weights: one f step from it in a forked cache, the training cache untouched."""
+        if self.cache is None or not len(self.cache):
+            raise RuntimeError("Fitter.returned_residual needs reuse (a cache) and one step taken")
+        out = self.model(self.coords, fixed_point_cache=self.cache.fork(hit_max_iter=0))
+        return float(out.deq_stats.rel_residual.max())
+
+    def step(self, measure_memory: bool = False, measure_returned: bool = False) -> dict[str, Any]:
         model = self.model
         model.train()
         t0 = time.perf_counter()
@@ -218,10 +244,14 @@ class Fitter:
             "residual": float(stats.rel_residual.max()) if stats is not None else 0.0,
             "saved_bytes": meter.total if meter else 0,
         }
+        del out  # this step's graph goes now
+        if measure_returned:  # before the optimizer step: the weights this step's output was computed with
+            t_probe = time.perf_counter()
+            record["returned_residual"] = self.returned_residual()
+            t0 += time.perf_counter() - t_probe  # not part of the step's time
         self.opt.step()
         if self.projector is not None:
             self.projector.step()
-        del out  # this step's graph goes now
         record["step_time"] = time.perf_counter() - t0
         return record
 
@@ -234,7 +264,11 @@ def fit(
     *,
     lr: float = 1e-3,
     reuse: bool = True,
+    reuse_max_iter: int | None = None,
     project: bool = True,
+    cold_tols: tuple[float, ...] = (),
+    cold_at: tuple[int, ...] = (),
+    measure_returned: bool = False,
     eval_every: int = 25,
     eval_at: tuple[int, ...] = (),
     eval_fn=None,
@@ -248,17 +282,27 @@ def fit(
     solve's relative residual at its returned iterate) and ``step_time`` (seconds); every `eval_every`
     steps, at the steps in `eval_at` and at the end, ``eval`` = (step, eval_fn(model)) when eval_fn is given;
     ``saved_bytes`` = tensors saved for backward at step `memory_step`; ``state_bytes`` = parameters,
-    gradients and Adam moments.
+    gradients and Adam moments. `reuse_max_iter` is the solver budget on a reuse hit (0: the original's
+    training forward, no solve; see `deqzoo.core.FixedPointCache`). Before each step in `cold_at`,
+    ``cold_nfe`` gets (step, `Fitter.cold_nfe(cold_tols)`): the f-evaluations a solve from zeros would need
+    at that step's weights (the without-reuse count, measured on the same weights). `measure_returned`
+    adds ``returned_residual`` per step: the residual of the state each step returned, under that step's
+    weights (`Fitter.returned_residual`; needs reuse).
     """
     from tqdm.auto import tqdm
 
-    fitter = Fitter(model, coords, values, lr=lr, reuse=reuse, project=project)
+    fitter = Fitter(model, coords, values, lr=lr, reuse=reuse, reuse_max_iter=reuse_max_iter,
+                    project=project)
     hist: dict[str, Any] = {"loss": [], "nfe": [], "residual": [], "step_time": [], "eval": [],
-                            "saved_bytes": 0, "state_bytes": fitter.state_bytes}
+                            "cold_nfe": [], "saved_bytes": 0, "state_bytes": fitter.state_bytes}
     for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, mininterval=5):
-        record = fitter.step(measure_memory=step == memory_step)
+        if cold_tols and step in cold_at:
+            hist["cold_nfe"].append((step, fitter.cold_nfe(cold_tols)))
+        record = fitter.step(measure_memory=step == memory_step, measure_returned=measure_returned)
         if step == memory_step:
             hist["saved_bytes"] = record["saved_bytes"]
+        if measure_returned:
+            hist.setdefault("returned_residual", []).append(record["returned_residual"])
         for key in ("loss", "nfe", "residual", "step_time"):
             hist[key].append(record[key])
         if eval_fn is not None and (step % eval_every == 0 or step == steps or step in eval_at):

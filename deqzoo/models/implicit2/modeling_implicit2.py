@@ -301,11 +301,10 @@ class Implicit2Model(Implicit2PreTrainedModel):
         def f(z: torch.Tensor) -> torch.Tensor:
             return self.layer_stack(z, offset, responses)
 
-        if fixed_point_cache is not None:
-            z0 = fixed_point_cache.initial(cache_key, z0, key_input=x)
-        z, stats = self.deq(f, z0)
-        if fixed_point_cache is not None:
-            fixed_point_cache.store(cache_key, z, key_input=x)
+        if fixed_point_cache is not None:  # starts from (and keeps) the fixed point of the last call
+            z, stats = fixed_point_cache.solve(self.deq, cache_key, f, z0, key_input=x)
+        else:
+            z, stats = self.deq(f, z0)
         return self._output(Implicit2ModelOutput(
             last_hidden_state=z, hidden_states=(u0, z) if hidden else None, deq_stats=stats), return_dict)
 

@@ -8,9 +8,11 @@ import pytest
 from deqzoo.bench.implicit2 import main
 
 
+@pytest.mark.slow
 def test_bench_writes_json_and_pngs(tmp_path):
-    only = "rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,T-gabor-T0,T-gabor-Tinf,time-gabor"
-    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "2", "--time-after", "4",
+    only = ("rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,reuse-gabor-onestep,T-gabor-T0,"
+            "T-gabor-Tinf,time-gabor")
+    args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "3", "--time-after", "2,4",
             "--filters", "gabor", "--groups", "rep,reuse,T,time", "--only", only, "--out", str(tmp_path)]
     assert main([*args, "--jobs", "2"]) == 0
     s = json.loads((tmp_path / "implicit2.json").read_text())
@@ -20,6 +22,13 @@ def test_bench_writes_json_and_pngs(tmp_path):
     assert imp["params"] < rows["rep-gabor-exp-4l256d"]["params"]
     assert imp["memory_ratio_vs_exp4l"] < 1  # one layer's activations instead of four
     assert s["reuse"]["without"] >= s["reuse"]["with"]
+    # the original's no-solve reuse: solver steps only at step 1, its states' residuals reported, and the
+    # without-reuse count probed on its own weights (steps 1 and every 10th / after 100: step 1 here)
+    one = s["reuse"]["runs"]["reuse, no solve on hits"]
+    orec = json.loads((tmp_path / "runs" / "reuse-gabor-onestep.json").read_text())
+    assert orec["nfe"][1:] == [0] * 4 and one["mean_solver_nfe_after_100"] == round(orec["nfe"][0] / 5, 2)
+    assert one["cold_mean_nfe_after_100"]["0.01"] == orec["nfe"][0]  # step 1: both solve from zeros
+    assert one["max_rel_residual_after_100"] == max(orec["residual"])
     # T = 0 / inf run --t-steps steps; the T = 1 row is the representation run's evaluation at that step
     assert set(s["T"]) == {"0", "1", "inf"}
     assert {row["steps"] for row in s["T"].values()} == {3}
@@ -28,13 +37,20 @@ def test_bench_writes_json_and_pngs(tmp_path):
     assert s["T"]["1"]["final_psnr"] == round(rec["eval"][0][1], 2)
     # the paper's per-pixel frequencies: 256 (MFN) and 128 (SIREN) at 512², scaled with the grid
     assert rec["input_scale"] == 256.0 * 8 / 512
-    # interleaved timing: both networks stepped alternately, the ratio is of their medians
+    # interleaved timing: the three networks stepped in rotation, ratios of their medians, one phase per
+    # --time-after entry (the tolerance-checked implicit net trained to at least 2, then 4 steps first)
     t = s["time"]["gabor"]
-    assert len(t["round_ratios"]) == 2 and len(t["imp_nfe"]) == 2
+    assert [ph["after_steps"] for ph in t] == [2, 4]
     trec = json.loads((tmp_path / "runs" / "time-gabor.json").read_text())
-    assert trec["warmup_implicit"] == 4 and trec["warmup"] == 2  # --time-after: the implicit net trains first
-    med = {k: sorted(v)[0] / 2 + sorted(v)[1] / 2 for k, v in trec["step_times"].items()}  # median of 2
-    assert t["time_ratio_imp1l_vs_exp4l"] == pytest.approx(med["imp-1l256d"] / med["exp-4l256d"], abs=1e-3)
+    assert [ph["steps_before"]["imp-1l256d"] for ph in trec["phases"]] == [2, 2 + 3]  # already past 4
+    assert [ph["steps_before"]["exp-4l256d"] for ph in trec["phases"]] == [2, 2 + 3]
+    for ph, row in zip(trec["phases"], t):
+        med = {k: sorted(v)[1] for k, v in ph["step_times"].items()}  # median of 3
+        assert row["time_ratio_imp1l_vs_exp4l"] == pytest.approx(
+            med["imp-1l256d"] / med["exp-4l256d"], abs=1e-3)
+        assert row["time_ratio_imp1l_nosolve_vs_exp4l"] == pytest.approx(
+            med["imp0-1l256d"] / med["exp-4l256d"], abs=1e-3)
+        assert len(row["round_ratios"]) == 3 and row["solver_nfe"]["imp0-1l256d"] == [0, 0, 0]
     for png in ("rep_psnr.png", "reuse_nfe.png", "npg_T.png"):
         assert (tmp_path / png).exists()
     # a rerun resumes: nothing left to train

@@ -191,3 +191,72 @@ def test_training_steps_do_not_keep_old_graphs_alive(terms):
         del z, stats, fx
         gc.collect()
         assert pair_ref() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_step_reuse_is_the_original_one_step_forward_with_its_gradient(dtype):
+    """FixedPointCache(hit_max_iter=0): on a hit no solve runs; the output is f(z_cached) and the gradient
+    is the original's OnestepBackward, (∂f/∂θ)ᵀ (I + Jᵀ) g at z_cached (written out by hand here)."""
+    w, u, x = _problem(dtype=dtype)
+    f = _f(w, u, x)
+    deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=500, f_tol=1e-3, **neumann_backward(1)))
+    cache = FixedPointCache(hit_max_iter=0)
+    z_miss, s_miss = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x)
+    assert s_miss.nfe > 1 and cache.misses == 1  # the first step solves to the tolerance
+    with torch.no_grad():
+        w.mul_(0.97)  # an optimizer step moved the weights: the cached state is no longer the fixed point
+    zc = cache.initial("k", torch.zeros_like(x), key_input=x).detach()
+    gout = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+
+    z_hit, s_hit = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x)
+    (z_hit * gout).sum().backward()
+    got = (w.grad.clone(), u.grad.clone())
+
+    zl = zc.clone().requires_grad_()
+    fz = f(zl)
+    v = gout + torch.autograd.grad(fz, zl, gout, retain_graph=True)[0]  # (I + Jᵀ) g
+    ref = torch.autograd.grad(fz, (w, u), v)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(z_hit.detach(), fz.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    assert s_hit.nfe == 0 and s_hit.solver == "no_solve"
+    # the reported residual is the cached state's, from the same f call, not enforced against f_tol
+    res = (fz - zc).norm(dim=1) / fz.norm(dim=1)
+    torch.testing.assert_close(s_hit.rel_residual, res.detach().to(dtype), rtol=tol, atol=tol)
+    # the cache now holds f(z_cached): repeated hits iterate f, so with fixed weights they reach z*
+    assert torch.allclose(cache.initial("k", x, key_input=x), fz.detach())
+    residuals = []
+    for _ in range(40):
+        with torch.no_grad():
+            _, s = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x)
+        residuals.append(float(s.rel_residual.max()))
+        assert s.nfe == 1  # without autograd the one f step is the call's own evaluation
+    assert residuals[-1] < 1e-3 * residuals[0] and residuals[-1] < (1e-5 if dtype == torch.float32 else 1e-9)
+
+
+def test_reuse_budget_on_hits_and_bad_settings():
+    w, u, x = _problem()
+    f = _f(w, u, x)
+    deq = DEQ(DEQConfig(f_solver="fixed_point", f_max_iter=500, f_tol=1e-12, **neumann_backward(1)))
+    cache = FixedPointCache(hit_max_iter=2)
+    _, first = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x)
+    with torch.no_grad():
+        w.mul_(0.9)
+    _, hit = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x)
+    _, miss = cache.solve(deq, "k", f, torch.zeros_like(x), key_input=x + 1)  # other inputs: full budget
+    assert first.nfe > 2 and hit.nfe == 2 and miss.nfe > 2
+    assert float(hit.rel_residual.max()) > 1e-12  # the budget, not the tolerance, ended the hit's solve
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="hit_max_iter"):
+            FixedPointCache(hit_max_iter=bad)
+        with pytest.raises(ValueError, match="max_iter"):
+            deq.solve_with(deq.config, f, torch.zeros_like(x), max_iter=bad)
+    z0 = torch.zeros_like(x)
+    for mode in ({"b_mode": "unrolled"}, {"b_mode": "phantom", "b_mode_kwargs": {"variant": "upg"}},
+                 {"b_mode": "shine"}):
+        other = DEQ(DEQConfig(f_solver="broyden", f_max_iter=50, **mode))
+        with pytest.raises(ValueError, match=f"b_mode='{mode['b_mode']}'"):
+            other.solve_with(other.config, f, z0, max_iter=0)
+    correction = DEQ(DEQConfig(f_max_iter=50, n_states=2))
+    with pytest.raises(ValueError, match="n_states=2"):
+        correction.solve_with(correction.config, f, z0, max_iter=0)
