@@ -2,8 +2,8 @@
 Picard sampler (DDIMParallelScheduler, the StableDiffusionParadigmsPipeline loop on a UNet2DModel) and
 sequential-backprop inversion, side by side in one run; writes JSON and a PNG.
 
-    deqzoo bench deq-ddim --out bench_output/deq_ddim.json  # T in 10 25 50 100, 16 inversions at T=25
-    deqzoo bench deq-ddim --quick --out bench_output/deq_ddim.json    # T in 10 25, 4 inversions at T=10
+    deqzoo bench deq-ddim --out bench_output/deq_ddim.json  # T in 10 25 50 100, 16 inversions at T=25, 150 s
+    deqzoo bench deq-ddim --quick --out bench_output/deq_ddim.json    # T in 10 25, 4 inversions at T=10, 60 s
 
 Sampling, per T: wall time, UNet image evaluations, sequential depth (batched chain evaluations) and the max
 abs error of the final image against DDIMPipeline's, per iteration for the two parallel methods ("equal
@@ -136,12 +136,21 @@ def _sequential_backprop(pipe, chain, x_start, target, budget: float, lr: float,
     return hist
 
 
-def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
-    """Inversion of n held-out digits at T steps, each method for `budget` wall seconds, one after another:
-    DDIM ODE inversion; DEQ-DDIM from the equilibrium start (the inverse chain solved as one fixed point,
-    the default) and from the ODE inversion (the paper's start), both then Adam with phantom gradients through
-    the fixed point; sequential backprop from the ODE inversion (the baseline) and from the same equilibrium
-    start (so the two gradient phases compare from one point)."""
+INVERSION_METHODS = {
+    "deq_ddim": "DEQ-DDIM (equilibrium start + phantom)",
+    "deq_ddim_ode_start": "DEQ-DDIM (ODE start + phantom, the paper)",
+    "sequential_backprop": "sequential backprop (ODE start)",
+    "sequential_backprop_equilibrium_start": "sequential backprop (equilibrium start)",
+}
+
+
+def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> dict:
+    """Inversion of n held-out digits at T steps, each method and Adam learning rate for `budget` wall
+    seconds, one after another: DDIM ODE inversion; DEQ-DDIM from the equilibrium start (the inverse chain
+    solved as one fixed point, the default) and from the ODE inversion (the paper's start), both then Adam
+    with phantom gradients through the fixed point; sequential backprop from the ODE inversion (the baseline)
+    and from the same equilibrium start (so the two gradient phases compare from one point). Each method is
+    reported at its best learning rate (lowest final MSE); every run is kept."""
     from deqzoo.integrations.diffusers import _mse01, sequential_ddim
     from deqzoo.tasks.ddim_digits import load_split
 
@@ -155,24 +164,34 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
         rec = sequential_ddim(chain, x_ode)
     t_ode = time.perf_counter() - t0
     ode = {"seconds": t_ode, "mse": float(_mse01(rec, target).mean())}
-    runs = {}
-    for key, init in (("deq_ddim", "equilibrium"), ("deq_ddim_ode_start", "ode")):
-        out = pipe.invert(images01, num_inference_steps=T, steps=10_000, lr=lr, time_budget=budget, init=init)
-        runs[key] = {
-            "init": init,
-            "history": out.history,
-            "final_mse": float(out.mse.mean()),
-            "start_mse": float(out.init_mse.mean()),
+    runs: dict[str, dict[str, dict]] = {key: {} for key in INVERSION_METHODS}
+    for lr in lrs:
+        for key, init in (("deq_ddim", "equilibrium"), ("deq_ddim_ode_start", "ode")):
+            out = pipe.invert(
+                images01, num_inference_steps=T, steps=10_000, lr=lr, time_budget=budget, init=init
+            )
+            runs[key][str(lr)] = {"history": out.history, "final_mse": float(out.mse.mean())}
+        seq = [(t_ode, ode["mse"])] + _sequential_backprop(pipe, chain, x_ode, target, budget, lr, t_ode)
+        runs["sequential_backprop"][str(lr)] = {"history": seq, "final_mse": min(m for _, m in seq)}
+        # the same gradient baseline from DEQ-DDIM's equilibrium start (the start's time included)
+        eq = pipe.invert(images01, num_inference_steps=T, steps=0, init="equilibrium")
+        t_eq = eq.history[-1][0]
+        seq = [(t_eq, float(eq.init_mse.mean()))] + _sequential_backprop(
+            pipe, chain, eq.latents, target, budget - t_eq, lr, t_eq
+        )
+        runs["sequential_backprop_equilibrium_start"][str(lr)] = {
+            "history": seq,
+            "final_mse": min(m for _, m in seq),
         }
-    seq = _sequential_backprop(pipe, chain, x_ode, target, budget, lr, t_ode)
-    seq_hist = [(t_ode, ode["mse"])] + seq
-    seq_final = min(m for _, m in seq_hist)
-    # the same gradient baseline from DEQ-DDIM's equilibrium start (its time included)
-    eq = pipe.invert(images01, num_inference_steps=T, steps=0, init="equilibrium")
-    t_eq, _ = eq.history[-1]
-    seq_eq = [(t_eq, float(eq.init_mse.mean()))] + _sequential_backprop(
-        pipe, chain, eq.latents, target, budget - t_eq, lr, t_eq
-    )
+    best = {key: min(by_lr.items(), key=lambda kv: kv[1]["final_mse"]) for key, by_lr in runs.items()}
+    result = {
+        "T": T,
+        "images": n,
+        "budget_seconds": budget,
+        "lrs": lrs,
+        "ddim_ode_inversion": ode,
+        **{key: {"lr": float(lr), **run, "runs": runs[key]} for key, (lr, run) in best.items()},
+    }
 
     def time_to(history, level):
         return next((t for t, m in history if m <= level), None)
@@ -180,39 +199,18 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lr: float) -> dict:
     def at(history, seconds):
         return min((m for t, m in history if t <= seconds), default=None)
 
-    times = {k: time_to(r["history"], seq_final) for k, r in runs.items()}
-    times["sequential_backprop"] = time_to(seq_hist, seq_final)
-    times["sequential_backprop_equilibrium_start"] = time_to(seq_eq, seq_final)
+    seq_final = result["sequential_backprop"]["final_mse"]
+    times = {key: time_to(result[key]["history"], seq_final) for key in INVERSION_METHODS}
     base = times["sequential_backprop"]
-    return {
-        "T": T,
-        "images": n,
-        "budget_seconds": budget,
-        "lr": lr,
-        "ddim_ode_inversion": ode,
-        **runs,
-        "sequential_backprop": {"history": seq_hist, "final_mse": seq_final},
-        "sequential_backprop_equilibrium_start": {
-            "history": seq_eq,
-            "final_mse": min(m for _, m in seq_eq),
-        },
-        "time_to_sequential_final_mse": {
-            **times,
-            "ratio_deq_ddim": (times["deq_ddim"] / base) if times["deq_ddim"] and base else None,
-            "ratio_deq_ddim_ode_start": (times["deq_ddim_ode_start"] / base)
-            if times["deq_ddim_ode_start"] and base
-            else None,
-        },
-        "best_mse_at_seconds": {
-            str(s): {k: at(h, s) for k, h in (
-                ("deq_ddim", runs["deq_ddim"]["history"]),
-                ("deq_ddim_ode_start", runs["deq_ddim_ode_start"]["history"]),
-                ("sequential_backprop", seq_hist),
-                ("sequential_backprop_equilibrium_start", seq_eq),
-            )}
-            for s in (budget / 10, budget / 4, budget / 2, budget)
-        },
+    result["time_to_sequential_final_mse"] = {
+        **times,
+        **{f"ratio_{key}": (times[key] / base) if times[key] and base else None for key in INVERSION_METHODS},
     }
+    result["best_mse_at_seconds"] = {
+        str(s): {key: at(result[key]["history"], s) for key in INVERSION_METHODS}
+        for s in (budget / 10, budget / 4, budget / 2, budget)
+    }
+    return result
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -242,14 +240,11 @@ def _plot(result: dict, path: Path) -> None:
     )
     ax[0].legend(fontsize=7)
     inv = result["inversion"]
-    for key, label in (
-        ("deq_ddim", "DEQ-DDIM (equilibrium start + phantom)"),
-        ("deq_ddim_ode_start", "DEQ-DDIM (ODE start + phantom, the paper)"),
-        ("sequential_backprop", "sequential backprop (ODE start)"),
-        ("sequential_backprop_equilibrium_start", "sequential backprop (equilibrium start)"),
-    ):
+    for key, label in INVERSION_METHODS.items():
         h = inv[key]["history"]
-        ax[1].plot([t for t, _ in h], [m for _, m in h], label=label)
+        # steps: an MSE is known only once its step (or the equilibrium start) has finished
+        ax[1].plot([t for t, _ in h], [m for _, m in h], drawstyle="steps-post",
+                   label=f"{label}, lr {inv[key]['lr']:g}")
     ode = inv["ddim_ode_inversion"]
     ax[1].scatter([ode["seconds"]], [ode["mse"]], color="k", label="DDIM ODE inversion")
     ax[1].set(
@@ -269,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=CHECKPOINT)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--budget", type=float, default=None, help="seconds per inversion method")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--budget", type=float, default=None, help="seconds per inversion run")
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.05], help="Adam learning rates")
+    p.add_argument("--sampling-from", type=Path, default=None,
+                   help="take the sampling rows from this earlier JSON (inversion only)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from deqzoo.integrations.diffusers import DEQDDIMPipeline
@@ -280,15 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     Ts = [10, 25] if args.quick else [10, 25, 50, 100]
     batch = args.batch or (2 if args.quick else 4)
     result = {"checkpoint": args.checkpoint, "threads": 1, "sampling": []}
-    for T in Ts:
+    if args.sampling_from is not None:
+        result["sampling"] = json.loads(args.sampling_from.read_text())["sampling"]
+        result["sampling_from"] = str(args.sampling_from)
+    for T in Ts if args.sampling_from is None else []:
         result["sampling"].append(bench_sampling(pipe, T, batch))
         print(json.dumps({k: v for k, v in result["sampling"][-1].items()}, default=str)[:600], flush=True)
     result["inversion"] = bench_inversion(
         pipe,
         10 if args.quick else 25,
         4 if args.quick else 16,
-        args.budget or (60.0 if args.quick else 300.0),
-        args.lr,
+        args.budget or (60.0 if args.quick else 150.0),
+        args.lrs,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

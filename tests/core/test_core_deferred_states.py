@@ -66,3 +66,5 @@ def test_defer_graphs_refuses_the_unrolled_mode_and_is_inert_without_autograd():
     with torch.no_grad():  # inference: nothing to defer, the plain fixed point
         z, _ = DEQ(DEQConfig(f_max_iter=5))(f, z0, defer_graphs=True)
     assert isinstance(z, tuple) and not z[0].requires_grad
+    with pytest.raises(ValueError, match="defer_graphs=True needs a forward solve"):  # max_iter=0: no solve
+        DEQ(DEQConfig(f_max_iter=5)).solve_with(DEQConfig(f_max_iter=5), f, z0, max_iter=0, defer_graphs=True)
