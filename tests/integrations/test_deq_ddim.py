@@ -93,15 +93,21 @@ def test_matches_ddim_pipeline_raw_random_unet_float64(T):
     assert (out.images - ref).abs().max().item() <= 1e-6
 
 
+def _float64_chain(clip: bool, out_scale: float, size: int):
+    """A float64 random-UNet pipeline, its 8-step chain, x_T (2 images) and the sequential states X_1..X_8."""
+    unet = _random_unet(seed=2, out_scale=out_scale, size=size).double()
+    pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler(clip_sample=clip))
+    x = torch.randn(2, 3, size, size, generator=torch.manual_seed(0), dtype=torch.float64)
+    chain = pipe.chain(8)
+    with torch.no_grad():
+        return pipe, chain, x, chain.sequential(x)
+
+
 def test_telescoped_map_fixed_point_is_the_chain_float64():
     """The paper's telescoped map (with clipping) has the sequential chain as its fixed point; Anderson and
     plain iteration both find it (float64, tiny UNet, clipping active)."""
-    unet = _random_unet(seed=2, out_scale=0.1).double()
-    pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler(clip_sample=True))
-    x = torch.randn(2, 3, 32, 32, generator=torch.manual_seed(0), dtype=torch.float64)
-    chain = pipe.chain(8)
+    pipe, chain, x, seq = _float64_chain(clip=True, out_scale=0.1, size=32)
     with torch.no_grad():
-        seq = chain.sequential(x)
         for solver in ("fixed_point", "anderson"):
             Z, stats = pipe.solve_chain(chain, x, solver=solver, tol=1e-12, max_iter=40, safeguard=False)
             assert (Z - seq).abs().max().item() < 1e-8, solver
@@ -115,12 +121,8 @@ def test_inverse_map_fixed_point_is_the_chain_float64(clip):
     clipping the step forgets clipped pixels, so only the fixed-point property is asserted."""
     from deqzoo.core import solve
 
-    unet = _random_unet(seed=2, size=16).double()
-    pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler(clip_sample=clip))
-    x = torch.randn(2, 3, 16, 16, generator=torch.manual_seed(0), dtype=torch.float64)
-    chain = pipe.chain(8)
+    _, chain, x, seq = _float64_chain(clip=clip, out_scale=1.0, size=16)
     with torch.no_grad():
-        seq = chain.sequential(x)
         g = chain.inverse_map(seq[:, -1])
         truth = torch.cat([x.unsqueeze(1), seq[:, :-1]], dim=1)
         assert (g(truth) - truth).abs().max().item() < 1e-12
