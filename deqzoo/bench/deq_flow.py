@@ -21,9 +21,9 @@ measure it); RAFT backpropagates through every update (RAFT's sequence loss). Ti
 steps.
 
 Reuse: a trained DEQ-Flow estimates the flow along `synthetic_video` (held-out photo, camera pan and a moving
-face) pair by pair, starting each solve from zero or from the previous pair's fixed point (each of
-`estimate_sequence`'s reuse modes: as is, flow forward-interpolated, RAFT's warm start); NFE per pair, EPE
-against the exact flow.
+face; 4 videos, seeds 0-3) pair by pair, starting each solve from zero or from the previous pair's fixed point
+(each of `estimate_sequence`'s reuse modes: as is, flow forward-interpolated, RAFT's warm start, the whole
+state warped with the content); NFE per pair, EPE against the exact flow.
 
     deqzoo bench deq-flow                      # -> bench_output/deq_flow/deq_flow_bench.json (+ PNG)
     deqzoo bench deq-flow --quick              # cpu scale, batch 2, at most 8 frames
@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["enable_checkpointing", "main", "measure_training", "reuse_along_video", "step_peak_bytes"]
@@ -277,40 +278,70 @@ def _subprocess(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def reuse_along_video(model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0) -> dict:
-    """NFE and EPE per pair along `synthetic_video`, cold (zero start) and with each reuse mode of
-    `estimate_sequence` (`REUSE_MODES`: the previous fixed point as is, with its flow forward-interpolated,
-    or RAFT's warm start); ``reuse`` is the default mode (``estimate_sequence(reuse=True)``)."""
+def reuse_along_video(
+    model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seeds: Sequence[int] = (0,)
+) -> dict:
+    """NFE and EPE per pair along `synthetic_video` (one video per seed), cold (zero start) and with each
+    reuse mode of `estimate_sequence` (`REUSE_MODES`); ``reuse`` is the default mode (``reuse=True``).
+
+    Each run's ``nfe``/``epe`` are per pair, averaged over the videos; ``nfe_ratio`` is the mean NFE with
+    reuse over the pairs that have a previous one (all videos pooled) / the same without; ``per_video``
+    holds each video's own ratio and EPE change."""
     import torch
 
     from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, REUSE_MODES
     from deqzoo.tasks.flow import epe, synthetic_video
 
-    video, flows, valid = synthetic_video(frames, size, seed)
-    result: dict = {"modes": {}}
-    for mode in (False, *REUSE_MODES):
-        with torch.no_grad():
-            preds, stats = model.estimate_sequence(video, reuse=mode)
-        r = {
-            "nfe": [int(s.nfe) for s in stats],
-            "epe": [epe(p, f, v) for p, f, v in zip(preds, flows, valid)],
-            "converged": [bool(s.converged.all()) for s in stats],
-        }
-        r["mean_nfe"], r["mean_epe"] = statistics.mean(r["nfe"]), statistics.mean(r["epe"])
-        if mode is False:
-            result["cold"] = cold = r
-            continue
+    runs: dict = {mode: [] for mode in (False, *REUSE_MODES)}
+    for seed in seeds:
+        video, flows, valid = synthetic_video(frames, size, seed)
+        for mode in runs:
+            with torch.no_grad():
+                preds, stats = model.estimate_sequence(video, reuse=mode)
+            runs[mode].append(
+                {
+                    "nfe": [int(s.nfe) for s in stats],
+                    "epe": [epe(p, f, v) for p, f, v in zip(preds, flows, valid)],
+                    "converged": [bool(s.converged.all()) for s in stats],
+                }
+            )
+
+    def pooled(key: str, videos: list[dict], first: int = 0) -> float:
+        return statistics.mean(x for v in videos for x in v[key][first:])
+
+    cold_runs = runs.pop(False)
+    result: dict = {"modes": {}, "cold": _per_pair(cold_runs)}
+    for mode, videos in runs.items():
+        r = _per_pair(videos)
         # the first pair has nothing to reuse: ratios over the pairs that do
-        r["nfe_ratio"] = statistics.mean(r["nfe"][1:]) / statistics.mean(cold["nfe"][1:])
-        r["nfe_ratio_all_pairs"] = r["mean_nfe"] / cold["mean_nfe"]
-        r["epe_change"] = r["mean_epe"] / cold["mean_epe"] - 1
+        r["nfe_ratio"] = pooled("nfe", videos, 1) / pooled("nfe", cold_runs, 1)
+        r["nfe_ratio_all_pairs"] = r["mean_nfe"] / result["cold"]["mean_nfe"]
+        r["epe_change"] = r["mean_epe"] / result["cold"]["mean_epe"] - 1
+        r["per_video"] = [
+            {
+                "seed": seed,
+                "nfe_ratio": pooled("nfe", [v], 1) / pooled("nfe", [c], 1),
+                "epe_change": pooled("epe", [v]) / pooled("epe", [c]) - 1,
+            }
+            for seed, v, c in zip(seeds, videos, cold_runs)
+        ]
         r["description"] = REUSE_MODES[mode]
         result["modes"][mode] = r
     warm = result["reuse"] = dict(result["modes"][DEFAULT_REUSE], mode=DEFAULT_REUSE)
     result["nfe_ratio"], result["nfe_ratio_all_pairs"] = warm["nfe_ratio"], warm["nfe_ratio_all_pairs"]
     result["epe_change"] = warm["epe_change"]
-    result["frames"], result["size"] = frames, list(size)
+    result["frames"], result["size"], result["seeds"] = frames, list(size), list(seeds)
     return result
+
+
+def _per_pair(videos: list[dict]) -> dict:
+    """Per-pair means over the videos (NFE, EPE), all-pairs means and every solve's convergence."""
+    r = {key: [statistics.mean(pair) for pair in zip(*(v[key] for v in videos))] for key in ("nfe", "epe")}
+    r["mean_nfe"], r["mean_epe"] = statistics.mean(r["nfe"]), statistics.mean(r["epe"])
+    r["converged"] = [all(pair) for pair in zip(*(v["converged"] for v in videos))]
+    r["solves_converged"] = sum(c for v in videos for c in v["converged"])
+    r["solves"] = sum(len(v["converged"]) for v in videos)
+    return r
 
 
 def summarize(rows: list[dict], iterations: list[int]) -> dict[str, float]:
@@ -360,8 +391,10 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    rows = report["training"]
+    rows, video = report["training"], report.get("reuse")
+    panels = [part for part, present in (("memory", rows), ("reuse", video)) if present] or ["memory"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    ax = dict(zip(panels, axes[0]))
     settings = sorted({(r["preset"], r["checkpointing"]) for r in rows})
     for preset, ckpt in settings:
         for kind, states, two, marker in (
@@ -387,25 +420,27 @@ def _plot(report: dict, path: Path) -> None:
                 else f"{kind} ({states} state{'s' if states > 1 else ''}{', two-stage' if two else ''})"
             )
             style = marker + ("--" if ckpt else "-")
-            axes[0].plot([r["iterations"] for r in sel], [r["step_peak_mb"] for r in sel], style, label=label)
+            ax["memory"].plot(
+                [r["iterations"] for r in sel], [r["step_peak_mb"] for r in sel], style, label=label
+            )
     if rows:
-        axes[0].set_yscale("log")
-        axes[0].legend(fontsize=6)
-    axes[0].set_xlabel("update iterations")
-    axes[0].set_ylabel("training-step tensor peak (MiB)")
-    video = report.get("reuse")
+        ax["memory"].set_yscale("log")
+        ax["memory"].legend(fontsize=6)
+        ax["memory"].set_xlabel("update iterations")
+        ax["memory"].set_ylabel("training-step tensor peak (MiB)")
     if video:
         runs = {"cold": video["cold"], **video.get("modes", {"reuse": video["reuse"]})}
         for (key, run), style in zip(runs.items(), ("o-", "s-", "^-", "v-", "d-")):
-            axes[1].plot(
+            ax["reuse"].plot(
                 range(1, len(run["nfe"]) + 1),
                 run["nfe"],
                 style,
                 label=f"{key}: mean NFE {run['mean_nfe']:.1f}, EPE {run['mean_epe']:.3f}",
             )
-        axes[1].set_xlabel("frame pair")
-        axes[1].set_ylabel("forward NFE")
-        axes[1].legend(fontsize=7)
+        ax["reuse"].set_xlabel("frame pair")
+        videos = len(video.get("seeds", [0]))
+        ax["reuse"].set_ylabel("forward NFE" + (f" (mean of {videos} videos)" if videos > 1 else ""))
+        ax["reuse"].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -433,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="trained DEQ-Flow for the reuse part")
     p.add_argument("--frames", type=int, default=12)
+    p.add_argument("--videos", type=int, default=4, help="synthetic videos (seeds 0..N-1) for the reuse part")
     p.add_argument("--solver", default="fixed_point", help="forward solver for the reuse part")
     p.add_argument("--max-iter", type=int, default=24, help="f_max_iter for the reuse part")
     p.add_argument("--tol", type=float, default=5e-3, help="f_tol (relative) for the reuse part (the card's)")
@@ -443,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
     if args.quick:
         scales = {"cpu": ("deq-flow-cpu", 2, 64)}
-        args.frames, args.repeats = min(args.frames, 8), 1
+        args.frames, args.repeats, args.videos = min(args.frames, 8), 1, 1
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for preset, batch, size in [] if args.no_training else scales.values():
@@ -474,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 "on_nonconvergence": "ignore",
             },
         ).eval()
-        report["reuse"] = reuse_along_video(model, frames=args.frames)
+        report["reuse"] = reuse_along_video(model, frames=args.frames, seeds=range(args.videos))
         report["reuse"].update(
             checkpoint=args.checkpoint, solver=args.solver, max_iter=args.max_iter, tol=args.tol
         )
@@ -498,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"reuse {mode}{' (default)' if mode == r['reuse']['mode'] else ''}: mean NFE "
                 f"{r['cold']['mean_nfe']:.2f} -> {w['mean_nfe']:.2f} "
                 f"(ratio {w['nfe_ratio']:.3f} over pairs 2..), "
-                f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} ({100 * w['epe_change']:+.2f}%)"
+                f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} "
+                f"({100 * w['epe_change']:+.2f}%); "
+                "per video " + ", ".join(f"{v['nfe_ratio']:.3f}" for v in w["per_video"])
             )
     print(f"wrote {path}")
     return 0

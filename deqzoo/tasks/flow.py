@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
 from ._files import free_path
 
 __all__ = [
@@ -418,17 +419,6 @@ def motorcycle_pair(scale: float = 0.25) -> FlowPair:
     return FlowPair(resize(left), resize(right), flow, ok)
 
 
-def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
-    """Backward warp out(x) = image(x + flow(x)), bilinear, border-clamped; (B, C, H, W), (B, 2, H, W)."""
-    b, _, h, w = image.shape
-    ys, xs = torch.meshgrid(
-        torch.arange(h, dtype=flow.dtype), torch.arange(w, dtype=flow.dtype), indexing="ij"
-    )
-    x, y = xs + flow[:, 0], ys + flow[:, 1]
-    norm = torch.stack([2 * x / max(w - 1, 1) - 1, 2 * y / max(h - 1, 1) - 1], dim=-1)
-    return F.grid_sample(image, norm, mode="bilinear", padding_mode="border", align_corners=True)
-
-
 def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None) -> float:
     """Mean end-point error over valid pixels (all pixels when `valid` is None)."""
     err = torch.linalg.vector_norm(flow - gt, dim=-3)
@@ -437,8 +427,13 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
 
 
-def two_stage_backward(model, image1: torch.Tensor, image2: torch.Tensor, flow_gt: torch.Tensor,
-                       valid: torch.Tensor | None = None):
+def two_stage_backward(
+    model,
+    image1: torch.Tensor,
+    image2: torch.Tensor,
+    flow_gt: torch.Tensor,
+    valid: torch.Tensor | None = None,
+):
     """One DEQ-Flow training step's backward with memory constant in the number of supervised states.
 
     Given the detached iterate it starts from, each fixed-point-correction state's graph (its phantom steps,
@@ -594,7 +589,6 @@ def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
     path = Path(path)
     Image.fromarray(rgb.permute(1, 2, 0).numpy()).save(path)
     return path
-
 
 
 def demo(model, output_dir: str | Path = "demo_output"):

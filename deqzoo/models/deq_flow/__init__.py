@@ -11,6 +11,7 @@ from .modeling_deq_flow import (
     prepare_images,
     sequence_loss,
     unpad,
+    warp,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "prepare_images",
     "sequence_loss",
     "unpad",
+    "warp",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "forward_interpolate",
     "prepare_images",
     "sequence_loss",
+    "warp",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
@@ -53,8 +54,12 @@ REUSE_MODES = {
     "forward_interpolate": "previous h, previous flow forward-interpolated",
     # RAFT's `warm_start` (and DEQ-Flow's): h from zero, flow forward-interpolated
     "warm_start": "h = 0, previous flow forward-interpolated",
+    # motion-compensated: the whole state moves with the content it describes. Typical motions are below
+    # one cell of the 1/8-resolution state, where nearest-neighbour splatting moves nothing; bilinear
+    # backward warping moves the state by the fraction of a cell the content moved
+    "warp": "previous (h, flow) warped bilinearly along the forward-interpolated flow",
 }
-DEFAULT_REUSE = "forward_interpolate"
+DEFAULT_REUSE = "warp"
 
 
 def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
@@ -102,6 +107,31 @@ def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tenso
         out[b] = values[nearest].T.reshape(2, h, w)
     out = out.to(flow.dtype)
     return out[0] if single else out
+
+
+def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
+    """Backward warp out(x) = image(x + flow(x)), bilinear, border-clamped; (B, C, H, W), (B, 2, H, W).
+
+    Example:
+        >>> import torch
+        >>> image = torch.arange(12.0).reshape(1, 1, 3, 4)
+        >>> flow = torch.zeros(1, 2, 3, 4); flow[:, 0] = 1.0        # sample one pixel to the right
+        >>> warp(image, flow)[0, 0, 0].tolist()                      # the last column clamps at the border
+        [1.0, 2.0, 3.0, 3.0]
+    """
+    b, _, h, w = image.shape
+    if flow.shape != (b, 2, h, w):
+        raise ValueError(
+            f"warp expects a flow of shape {(b, 2, h, w)} for this image, got {tuple(flow.shape)}"
+        )
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=flow.dtype, device=flow.device),
+        torch.arange(w, dtype=flow.dtype, device=flow.device),
+        indexing="ij",
+    )
+    x, y = xs + flow[:, 0], ys + flow[:, 1]
+    norm = torch.stack([2 * x / max(w - 1, 1) - 1, 2 * y / max(h - 1, 1) - 1], dim=-1)
+    return F.grid_sample(image, norm, mode="bilinear", padding_mode="border", align_corners=True)
 
 
 def _norm_layer(kind: str):
@@ -641,7 +671,8 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         as is; "forward_interpolate" = the previous h and the previous flow splatted forward along itself
         (`forward_interpolate`: the original DEQ-Flow's fixed-point reuse, so that a moving pattern's flow
         starts where the pattern now is); "warm_start" = h from zero and the forward-interpolated flow
-        (RAFT's warm start); True = "forward_interpolate".
+        (RAFT's warm start); "warp" = the previous h and flow both moved with the content, bilinearly, along
+        the forward-interpolated flow (sub-cell motions at 1/8 resolution move the state too); True = "warp".
         """
         if len(frames) < 2:
             raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
@@ -663,5 +694,7 @@ def _next_start(
     hidden, flow_low = fixed_point
     if mode == "fixed_point":
         return hidden, flow_low
-    flow_low = forward_interpolate(flow_low)
-    return (torch.zeros_like(hidden) if mode == "warm_start" else hidden), flow_low
+    moved = forward_interpolate(flow_low)  # the motion at the next pair's cells (constant velocity)
+    if mode == "warp":  # each cell takes the state from where its content was: x - motion(x)
+        return warp(hidden, -moved), warp(flow_low, -moved)
+    return (torch.zeros_like(hidden) if mode == "warm_start" else hidden), moved

@@ -67,8 +67,8 @@ def test_main_writes_the_report(tmp_path, monkeypatch):
     video = report["reuse"]
     assert len(video["cold"]["nfe"]) == len(video["reuse"]["nfe"]) == 2
     assert video["cold"]["nfe"][0] == video["reuse"]["nfe"][0]  # the first pair has nothing to reuse
-    assert set(video["modes"]) == {"fixed_point", "forward_interpolate", "warm_start"}
-    assert video["reuse"]["mode"] == "forward_interpolate"  # estimate_sequence(reuse=True)
+    assert set(video["modes"]) == {"fixed_point", "forward_interpolate", "warm_start", "warp"}
+    assert video["reuse"]["mode"] == "warp"  # estimate_sequence(reuse=True)
     for run in video["modes"].values():
         assert run["nfe"][0] == video["cold"]["nfe"][0] and run["nfe_ratio"] > 0
 

@@ -21,7 +21,9 @@ from deqzoo.models.deq_flow import (
     DEQFlowForOpticalFlow,
     forward_interpolate,
     prepare_images,
+    warp,
 )
+from deqzoo.models.deq_flow.modeling_deq_flow import _next_start
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTS = json.loads(
@@ -266,6 +268,42 @@ def test_forward_interpolate_constant_flow_and_edges():
     assert torch.equal(forward_interpolate(torch.full((1, 2, 4, 4), 9.0)), torch.zeros(1, 2, 4, 4))
     with pytest.raises(ValueError, match=r"\(B, 2, H, W\) or \(2, H, W\) flow, got \(1, 3, 4, 4\)"):
         forward_interpolate(torch.zeros(1, 3, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_warp_against_closed_forms(dtype):
+    """Backward warp out(x) = image(x + flow(x)): integer flows index the image (border-clamped), and a
+    sub-pixel flow reproduces an affine image exactly (bilinear interpolation is exact on affine maps)."""
+    torch.manual_seed(0)
+    image = torch.randn(2, 3, 7, 9, dtype=dtype)
+    flow = torch.randint(-3, 4, (2, 2, 7, 9)).to(dtype)
+    ys, xs = torch.meshgrid(torch.arange(7), torch.arange(9), indexing="ij")
+    src_x = (xs + flow[:, 0].long()).clamp(0, 8)
+    src_y = (ys + flow[:, 1].long()).clamp(0, 6)
+    expected = torch.stack([image[b][:, src_y[b], src_x[b]] for b in range(2)])
+    atol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(warp(image, flow), expected, rtol=0, atol=atol)
+    affine = (0.7 * xs - 1.3 * ys + 2.0).to(dtype)[None, None]
+    sub = torch.empty(1, 2, 7, 9, dtype=dtype).uniform_(-0.9, 0.9)  # stays inside from the interior
+    inner = (slice(1, -1), slice(1, -1))
+    want = 0.7 * (xs + sub[0, 0]) - 1.3 * (ys + sub[0, 1]) + 2.0
+    torch.testing.assert_close(warp(affine, sub)[0, 0][inner], want[inner], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"flow of shape \(2, 2, 7, 9\) for this image, got \(2, 2, 7, 8\)"):
+        warp(image, flow[..., :8])
+
+
+def test_warp_reuse_moves_the_state_by_a_fraction_of_a_cell():
+    """A pattern moving 0.4 cells per frame at 1/8 resolution: nearest-neighbour splatting (the original's
+    forward_interpolate) leaves the hidden state where it was, the "warp" start moves it with the content
+    (h(x - 0.4) of an affine h, exactly, away from the border), and a constant flow stays constant."""
+    hidden = (0.5 * torch.arange(10.0)).expand(1, 4, 6, 10).clone() + torch.arange(4.0)[None, :, None, None]
+    flow = torch.zeros(1, 2, 6, 10)
+    flow[:, 0] = 0.4
+    h_fi, f_fi = _next_start((hidden, flow), "forward_interpolate")
+    assert torch.equal(h_fi, hidden) and torch.equal(f_fi, flow)
+    h_w, f_w = _next_start((hidden, flow), "warp")
+    torch.testing.assert_close(h_w[..., 1:], hidden[..., 1:] - 0.5 * 0.4, rtol=0, atol=1e-5)
+    torch.testing.assert_close(f_w, flow, rtol=0, atol=1e-6)
 
 
 def test_weight_norm_save_load_round_trip(tmp_path):
