@@ -1,6 +1,6 @@
 """`import deqzoo` and `deqzoo --help` import only what they need, and deqzoo still registers with
 transformers and timm whenever (and in whatever order) the user's code imports them. Each case runs in a
-fresh interpreter: import state is what is under test (the slow ones two at a time, see `stock_runs`)."""
+fresh interpreter: import state is what is under test."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "timm", "numba", "diffusers", "safetensors", "numpy")
 
 
-def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
-
-
 def _python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = _run(code, timeout)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -51,57 +46,36 @@ def test_cli_help_imports_no_heavy_library_and_is_fast():
     assert time.perf_counter() - start < 10
 
 
-ORDERS = {"deqzoo": "import deqzoo\nimport transformers\n",
-          "transformers": "import transformers\nfrom transformers import AutoConfig\nimport deqzoo\n",
-          "timm": "import deqzoo\nimport timm\nimport transformers\n",
-          # modeling_utils imports the Auto modules midway: registration must wait for it to complete
-          "PreTrainedModel": "import deqzoo\nfrom transformers import PreTrainedModel\nimport transformers\n",
-          "pipeline": "import deqzoo\nfrom transformers import pipeline\nimport transformers\n"}
-AUTO_CLASSES = (
-    "from deqzoo.hub import resolve\n"
-    "mnist, lm_dir = resolve('deqzoo/mdeq-tiny-mnist'), resolve('deqzoo/deq-transformer-tiny-pydoc')\n"
-    "model = transformers.AutoModelForImageClassification.from_pretrained(mnist)\n"
-    "lm = transformers.AutoModelForCausalLM.from_pretrained(lm_dir)\n"
-    "tok = transformers.AutoTokenizer.from_pretrained(lm_dir)\n"
-    "print(type(model).__name__, type(lm).__name__, type(tok).__name__)\n")
-PIPELINE_AND_TIMM = (
-    "import deqzoo\nfrom transformers import pipeline\nimport timm, torch\n"
-    "from deqzoo.hub import resolve\n"
-    "clf = pipeline('image-classification', model=str(resolve('deqzoo/mdeq-tiny-mnist')))\n"
-    "net = timm.create_model('mdeq_tiny_mnist', pretrained=True)\n"
-    "print(type(clf).__name__, type(net).__name__, tuple(net(torch.zeros(1, 1, 28, 28)).shape))\n")
-
-
-@pytest.fixture(scope="module")
-def stock_runs():
-    """The fresh interpreters of the tests below, started together two at a time (pytest itself uses one
-    core; each is a separate `python -c`, so import state is still per case): {case: Future}."""
-    codes = {first: "import warnings\nwarnings.simplefilter('error', UserWarning)\n" + ORDERS[first]
-             + AUTO_CLASSES for first in ORDERS}
-    codes["pipeline+timm"] = PIPELINE_AND_TIMM
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield {case: pool.submit(_run, code) for case, code in codes.items()}
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _result(stock_runs, case: str) -> subprocess.CompletedProcess:
-    proc = stock_runs[case].result()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-@pytest.mark.parametrize("first", list(ORDERS))
-def test_stock_transformers_auto_classes_find_the_families(first, stock_runs):
+@pytest.mark.parametrize("first", ["deqzoo", "transformers", "timm", "PreTrainedModel", "pipeline"])
+def test_stock_transformers_auto_classes_find_the_families(first):
     """Registration happens when transformers' Auto machinery is imported after deqzoo, at once when it was
     imported before, and (timm first) when deqzoo's own modules are half-imported at that moment: no family
     may fail to register (warnings are errors here)."""
-    out = _result(stock_runs, first).stdout.split()
+    imports = {"deqzoo": "import deqzoo\nimport transformers\n",
+               "transformers": "import transformers\nfrom transformers import AutoConfig\nimport deqzoo\n",
+               "timm": "import deqzoo\nimport timm\nimport transformers\n",
+               # modeling_utils imports the Auto modules midway: registration must wait for it to complete
+               "PreTrainedModel": ("import deqzoo\nfrom transformers import PreTrainedModel\n"
+                                   "import transformers\n"),
+               "pipeline": "import deqzoo\nfrom transformers import pipeline\nimport transformers\n"}[first]
+    code = "import warnings\nwarnings.simplefilter('error', UserWarning)\n" + imports + (
+        "from deqzoo.hub import resolve\n"
+        "mnist, lm_dir = resolve('deqzoo/mdeq-tiny-mnist'), resolve('deqzoo/deq-transformer-tiny-pydoc')\n"
+        "model = transformers.AutoModelForImageClassification.from_pretrained(mnist)\n"
+        "lm = transformers.AutoModelForCausalLM.from_pretrained(lm_dir)\n"
+        "tok = transformers.AutoTokenizer.from_pretrained(lm_dir)\n"
+        "print(type(model).__name__, type(lm).__name__, type(tok).__name__)\n")
+    out = _python(code).stdout.split()
     assert out[:2] == ["MDEQForImageClassification", "DEQTransformerForCausalLM"]
 
 
-def test_stock_pipeline_and_timm_after_import_deqzoo(stock_runs):
-    out = _result(stock_runs, "pipeline+timm").stdout.split()
-    assert out[:2] == ["ImageClassificationPipeline", "MDEQTimm"]
+def test_stock_pipeline_and_timm_after_import_deqzoo():
+    code = ("import deqzoo\nfrom transformers import pipeline\nimport timm, torch\n"
+            "from deqzoo.hub import resolve\n"
+            "clf = pipeline('image-classification', model=str(resolve('deqzoo/mdeq-tiny-mnist')))\n"
+            "net = timm.create_model('mdeq_tiny_mnist', pretrained=True)\n"
+            "print(type(clf).__name__, type(net).__name__, tuple(net(torch.zeros(1, 1, 28, 28)).shape))\n")
+    assert _python(code).stdout.split()[:2] == ["ImageClassificationPipeline", "MDEQTimm"]
 
 
 def test_when_imported_runs_after_the_module_completes(tmp_path, monkeypatch):
