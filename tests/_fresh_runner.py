@@ -36,8 +36,9 @@ import traceback
 # diffusers or anything importing them): preloading them changes no import order a test is about.
 PRELOAD = (
     "numpy", "torch", "torch._dynamo", "torch.distributed.tensor", "torch.fx.experimental.symbolic_shapes",
-    "torch.nn.functional", "torchvision", "scipy", "scipy.sparse", "scipy.linalg", "numba", "llvmlite",
-    "safetensors.torch", "huggingface_hub", "tqdm", "tqdm.auto", "PIL.Image", "sympy",
+    "torch.nn.functional", "torchvision", "scipy", "scipy.sparse", "scipy.linalg", "scipy.optimize",
+    "scipy.special", "numba", "llvmlite", "safetensors.torch", "huggingface_hub", "accelerate", "jinja2",
+    "tqdm", "tqdm.auto", "PIL.Image", "sympy",
 )
 
 
