@@ -7,7 +7,8 @@ child therefore starts as a fresh interpreter would after ``import torch``: no d
 diffusers module is loaded (deqzoo registers with transformers and timm through import hooks, so their
 import order stays exactly the user's), its own ``sys.modules``/``sys.path``/``sys.argv``/working directory,
 its stdout and stderr (file descriptors 1 and 2, so C-level output and grandchildren are captured too) in
-files, and nothing it does can leak into the next job. Jobs (JSON list), each a dict with:
+files, its own atexit handlers run at its end (not the parent's), and nothing it does can leak into the
+next job. Jobs (JSON list), each a dict with:
 
 * ``name``: reported back as the key of its result;
 * ``timeout`` (optional, seconds): the child is killed by SIGALRM past it (returncode -14);
@@ -22,10 +23,12 @@ process would have had: 0, the ``sys.exit`` code, or 1 on an uncaught exception;
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -73,6 +76,7 @@ def _run_job(job: dict) -> int:
 def _child(job: dict, out_path: str, err_path: str) -> None:
     """In the forked child: redirect fds 1/2, run the job, leave with its exit status (never returns)."""
     code = 1
+    atexit._clear()  # the parent's handlers are not this process's (one would delete the parent's files)
     try:
         for fd, path in ((1, out_path), (2, err_path)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -92,6 +96,7 @@ def _child(job: dict, out_path: str, err_path: str) -> None:
             code = 1
     finally:
         try:
+            atexit._run_exitfuncs()  # the job's own handlers, as at an interpreter's exit
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -108,7 +113,9 @@ def main(jobs_path: str, results_path: str) -> None:
     print(f"preloaded in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     jobs = json.load(open(jobs_path, encoding="utf-8"))
     results = {}
-    with tempfile.TemporaryDirectory(prefix="deqzoo-fresh-") as tmp:
+    # a plain folder, removed below: a TemporaryDirectory's finalizer would be inherited by every child
+    tmp = tempfile.mkdtemp(prefix="deqzoo-fresh-")
+    try:
         for i, job in enumerate(jobs):
             out_path, err_path = os.path.join(tmp, f"{i}.out"), os.path.join(tmp, f"{i}.err")
             sys.stdout.flush()
@@ -123,6 +130,8 @@ def main(jobs_path: str, results_path: str) -> None:
                     open(err_path, encoding="utf-8", errors="replace") as err:
                 results[job["name"]] = {"returncode": code, "stdout": out.read(), "stderr": err.read(),
                                         "seconds": round(time.perf_counter() - start, 3)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     with open(results_path, "w", encoding="utf-8") as f:
         json.dump(results, f)
 

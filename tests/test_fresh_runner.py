@@ -23,7 +23,8 @@ def test_jobs_are_isolated_and_report_like_python(run_fresh, tmp_path):
                     "import os\nopen('made.txt', 'w').write(os.getcwd())\n"]},
         {"name": "fresh", "cwd": str(tmp_path / "b"), "blocks": [MODULES, "x = 1\n", "print(x)\n"]},
         {"name": "script", "cwd": str(tmp_path / "c"), "script": str(script), "argv": ["--flag", "v"]},
-        {"name": "exit3", "cwd": str(tmp_path / "d"), "blocks": ["import sys\nsys.exit(3)\n"]},
+        {"name": "exit3", "cwd": str(tmp_path / "d"),
+         "blocks": ["import atexit, sys\natexit.register(print, 'at exit')\nsys.exit(3)\n"]},
         {"name": "raises", "cwd": str(tmp_path / "e"), "blocks": ["print('before')\n", "1 / 0\n"]},
         {"name": "hangs", "cwd": str(tmp_path / "f"), "blocks": ["import time\ntime.sleep(60)\n"],
          "timeout": 1},
@@ -38,7 +39,7 @@ def test_jobs_are_isolated_and_report_like_python(run_fresh, tmp_path):
     assert r["fresh"]["returncode"] == 1 and r["fresh"]["stdout"] == "[]\n", r["fresh"]
     assert "BLOCK 3 FAILED" in r["fresh"]["stderr"] and "NameError: name 'x'" in r["fresh"]["stderr"]
     assert r["script"] == {**r["script"], "returncode": 0, "stdout": "['--flag', 'v'] 7 True\n"}, r["script"]
-    assert r["exit3"]["returncode"] == 3
+    assert r["exit3"]["returncode"] == 3 and r["exit3"]["stdout"] == "at exit\n", r["exit3"]
     assert r["raises"]["returncode"] == 1 and r["raises"]["stdout"] == "before\n"
     assert "ZeroDivisionError" in r["raises"]["stderr"] and "BLOCK 2 FAILED" in r["raises"]["stderr"]
     assert r["hangs"]["returncode"] == -14 and r["hangs"]["seconds"] < 30  # SIGALRM
