@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,32 @@ def test_examples_found():
     assert len(EXAMPLES) >= 9
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=[str(p.relative_to(ROOT / "examples")) for p in EXAMPLES])
-def test_help(script, tmp_path):
+def _name(script: Path) -> str:
+    return str(script.relative_to(ROOT / "examples"))
+
+
+@pytest.fixture(scope="module")
+def help_runs(run_fresh, tmp_path_factory):
+    """Every example's `python SCRIPT --help`, each in a fresh interpreter (a forked child of one that has
+    imported torch: tests/_fresh_runner.py) and its own empty working directory."""
+    base = tmp_path_factory.mktemp("examples-help")
+    cwds = {_name(p): base / f"cwd{i}" for i, p in enumerate(EXAMPLES)}
+    for cwd in cwds.values():
+        cwd.mkdir()
+    jobs = [{"name": _name(p), "script": str(p), "argv": ["--help"], "cwd": str(cwds[_name(p)]),
+             "timeout": 240} for p in EXAMPLES]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("usage: " + script.name), proc.stdout[:500]
-    assert not list(tmp_path.iterdir()), "--help must not write files"
+    return cwds, run_fresh(jobs, env, base / "runner", timeout=240 * len(jobs))
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[_name(p) for p in EXAMPLES])
+def test_help(script, help_runs):
+    cwds, results = help_runs
+    proc, cwd = results[_name(script)], cwds[_name(script)]
+    assert proc["returncode"] == 0, proc["stderr"][-3000:]
+    assert proc["stdout"].startswith("usage: " + script.name), proc["stdout"][:500]
+    assert not list(cwd.iterdir()), "--help must not write files"
 
 
 def test_train_mnist_state_round_trip(tmp_path):

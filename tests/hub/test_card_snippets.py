@@ -1,16 +1,14 @@
 """Every fenced python block of every model card runs offline, as a new user would paste it.
 
 Each card's blocks run in one fresh interpreter (network off: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE), each
-block in its own namespace, from a scratch working directory.
+block in its own namespace, from a scratch working directory. The interpreters are forked children of one
+that imported torch first (tests/_fresh_runner.py): one start-up for all cards instead of one per card.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,19 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CARDS = sorted((ROOT / "model_cards").glob("*/README.md"))
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
-
-RUNNER = r"""
-import json, sys, traceback
-blocks = json.load(open(sys.argv[1]))
-for i, code in enumerate(blocks):
-    try:
-        exec(compile(code, f"<{sys.argv[2]} python block {i + 1}>", "exec"), {"__name__": "__main__"})
-    except BaseException:
-        print(f"BLOCK {i + 1} FAILED:\n{code}", file=sys.stderr)
-        traceback.print_exc()
-        sys.exit(1)
-print(f"ran {len(blocks)} blocks")
-"""
 
 
 def python_blocks(card: Path) -> list[str]:
@@ -44,18 +29,25 @@ def test_extractor_finds_blocks():
     assert len(CARDS) >= 4, "model cards not found"
 
 
-@pytest.mark.parametrize("card", CARDS, ids=[c.parent.name for c in CARDS])
-def test_card_python_blocks_run_offline(card, tmp_path):
-    blocks = python_blocks(card)
-    assert blocks, f"{card} has no python usage snippet"
-    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    (tmp_path / "run.py").write_text(RUNNER)
+@pytest.fixture(scope="module")
+def card_runs(run_fresh, tmp_path_factory):
+    """Every card's blocks, each card in a fresh interpreter (a forked child of one that has imported torch
+    and no deqzoo/transformers/timm/diffusers module: tests/_fresh_runner.py) and its own scratch folder."""
+    base = tmp_path_factory.mktemp("card-snippets")
+    jobs = [{"name": card.parent.name, "blocks": python_blocks(card), "cwd": str(base / card.parent.name),
+             "timeout": 600} for card in CARDS]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "run.py", "blocks.json", card.parent.name], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"ran {len(blocks)} blocks" in proc.stdout
+    return run_fresh(jobs, env, base / "runner", timeout=600 * len(jobs))
+
+
+@pytest.mark.parametrize("card", CARDS, ids=[c.parent.name for c in CARDS])
+def test_card_python_blocks_run_offline(card, card_runs):
+    blocks = python_blocks(card)
+    assert blocks, f"{card} has no python usage snippet"
+    proc = card_runs[card.parent.name]
+    assert proc["returncode"] == 0, proc["stderr"][-4000:]
+    assert f"ran {len(blocks)} blocks" in proc["stdout"]
 
 
 def test_readme_quickstart_runs_and_warns_once(tmp_path, monkeypatch):

@@ -40,9 +40,16 @@ def no_network(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module")
+def architectures():
+    """`deqzoo.list_models("architecture")` by name, listed once (it counts every preset's parameters, ~1 s;
+    the ModelInfo rows are only read)."""
+    return {m.name: m for m in deqzoo.list_models("architecture")}
+
+
 @pytest.mark.parametrize("model_type,preset", _presets())
-def test_preset_roundtrip_through_auto_classes(model_type, preset, tmp_path):
-    info = {m.name: m for m in deqzoo.list_models("architecture")}[preset]
+def test_preset_roundtrip_through_auto_classes(model_type, preset, tmp_path, architectures):
+    info = architectures[preset]
     if info.parameters is None or info.parameters > 2_000_000:
         pytest.skip(f"{preset}: {info.parameters} parameters, too large for the suite")
     torch.manual_seed(0)

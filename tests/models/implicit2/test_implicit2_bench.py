@@ -1,5 +1,10 @@
 """`deqzoo bench implicit2` end to end on a tiny grid: JSON with ratios vs explicit 4L, reuse NFE, every T
-at the same step count, PNGs (one bench call: each setting is its own process)."""
+at the same step count, PNGs (one bench call: each setting is its own process).
+
+At this size a setting trains in well under a second and its process start-up (torch, transformers) costs
+~6 s, so the test runs five settings through the very entry point each process runs (`--run-one NAME`)
+in-process first, and the bench call launches the other two as two processes at once (`--jobs 2`) and
+resumes over the five: the launcher, the parallel processes and the resume are all still exercised."""
 
 import json
 
@@ -9,12 +14,19 @@ from deqzoo.bench.implicit2 import main
 
 
 @pytest.mark.slow
-def test_bench_writes_json_and_pngs(tmp_path):
+def test_bench_writes_json_and_pngs(tmp_path, capsys):
     only = ("rep-gabor-imp-1l256d,rep-gabor-exp-4l256d,reuse-gabor-noreuse,reuse-gabor-onestep,T-gabor-T0,"
             "T-gabor-Tinf,time-gabor")
     args = ["--size", "8", "--steps", "5", "--t-steps", "3", "--time-rounds", "3", "--time-after", "2,4",
             "--filters", "gabor", "--groups", "rep,reuse,T,time", "--only", only, "--out", str(tmp_path)]
+    launched = ("rep-gabor-imp-1l256d", "time-gabor")
+    for name in only.split(","):
+        if name not in launched:
+            assert main([*args, "--run-one", name]) == 0
+    capsys.readouterr()
     assert main([*args, "--jobs", "2"]) == 0
+    assert "7 settings, 2 to run, 2 at a time" in capsys.readouterr().out
+    assert sorted(p.stem for p in (tmp_path / "runs").glob("*.log")) == sorted(launched)  # their processes
     s = json.loads((tmp_path / "implicit2.json").read_text())
     rows = {r["name"]: r for r in s["rep"]}
     assert rows["rep-gabor-exp-4l256d"]["time_ratio_vs_exp4l"] == 1.0
