@@ -1,6 +1,6 @@
 """deqzoo's engine: solvers, backward modes, norms, regularizers, statistics. Knows nothing about models."""
 
-from .backward import BACKWARD_MODES, neumann_backward, register_backward
+from .backward import BACKWARD_MODES, backward_in_stages, neumann_backward, register_backward
 from .config import DEQConfig
 from .deq import DEQ, DeferredState, DEQConvergenceError
 from .norm import NORMS, apply_norm, register_norm, remove_norm, reset_norm
@@ -32,6 +32,7 @@ __all__ = [
     "StatePacker",
     "VariationalDropout",
     "apply_norm",
+    "backward_in_stages",
     "fp_correction",
     "get_solver",
     "jacobian_reg",

@@ -17,7 +17,7 @@ Options come from ``DEQConfig.b_mode_kwargs``:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,3 +257,42 @@ def neumann_backward(terms: float) -> dict[str, Any]:
     if terms == 0:
         return {"b_mode": "jacobian_free", "b_mode_kwargs": {}}
     return {"b_mode": "phantom", "b_mode_kwargs": {"k": int(terms) + 1, "tau": 1.0, "variant": "npg"}}
+
+
+def backward_in_stages(
+    shared: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    terms: Iterable[Callable[[], torch.Tensor]],
+) -> torch.Tensor | None:
+    """Backpropagate a sum of loss terms sharing an expensive prefix, one term's graph alive at a time.
+
+    `shared` are the prefix's outputs (with their graph), `leaves` the same values detached into leaves that
+    require grad, and each term builds its loss from the leaves when called (e.g. `DeferredState` losses).
+    Each term is built, backpropagated and freed in turn while the leaves collect its gradient; then the
+    collected gradients go back through the prefix once. Gradients equal ``sum(terms).backward()`` to
+    rounding; the peak holds the prefix's graph and one term's graph instead of every term's. Returns the
+    total loss (detached), or None without terms.
+
+    Example:
+        >>> import torch
+        >>> w = torch.tensor(2.0, requires_grad=True)
+        >>> h = w * 3                              # the shared prefix
+        >>> leaf = h.detach().requires_grad_()
+        >>> backward_in_stages([h], [leaf], [lambda: leaf ** 2, lambda: 5 * leaf])
+        tensor(66.)
+        >>> w.grad                                 # d/dw ((3w)^2 + 15w) = 18w + 15
+        tensor(51.)
+    """
+    total = None
+    for term in terms:
+        loss = term()
+        # retain_graph: parts built once and shared by every term (not under the leaves, e.g.
+        # weight-normalised weights) stay for the next term; this term's own graph is freed with `loss`
+        loss.backward(retain_graph=True)
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    pairs = [(t, leaf.grad) for t, leaf in zip(shared, leaves) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    return total
+

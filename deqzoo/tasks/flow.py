@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..core import backward_in_stages
 from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
 from ._files import free_path
 
@@ -438,10 +439,10 @@ def two_stage_backward(
 
     Given the detached iterate it starts from, each fixed-point-correction state's graph (its phantom steps,
     the upsampler and its loss) is independent of the others; only the encoders and the correlation pyramid
-    are shared. So: (1) the encoders run once with their graph and their outputs are detached into leaves;
-    (2) the solve runs without a graph and each loss term (`DEQFlowOutput.loss_terms`: one per supervised
-    state, plus the drift term) is built, backpropagated and freed one at a time, the leaves collecting
-    their gradients; (3) those gradients go back through the encoders once. The gradients equal those of
+    are shared. So the encoders run once with their graph and their outputs are detached into leaves, the
+    solve runs without a graph, and the engine's `backward_in_stages` builds, backpropagates and frees each
+    loss term (`DEQFlowOutput.loss_terms`: one per supervised state, plus the drift term) in turn, then
+    sends the leaves' gradients back through the encoders once. The gradients equal those of
     ``model(...).loss.backward()`` (to rounding); the peak holds the encoders' graph and one state's graph
     instead of every state's. RAFT cannot do this: its updates chain, each iterate feeding the next.
 
@@ -462,18 +463,7 @@ def two_stage_backward(
     out = model(
         image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True, return_dict=True
     )
-    total = None
-    for term in out.loss_terms:
-        loss = term()
-        # retain_graph: parts built once per forward and shared by every term (the weight-normalised weights,
-        # GMA's attention) stay for the next term; this term's own graph is freed with `loss` below
-        loss.backward(retain_graph=True)
-        total = loss.detach() if total is None else total + loss.detach()
-        del loss
-    pairs = [(t, leaf.grad) for t, leaf in zip(features.tensors(), leaves.tensors()) if leaf.grad is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-    out.loss = total
+    out.loss = backward_in_stages(features.tensors(), leaves.tensors(), out.loss_terms)
     return out
 
 

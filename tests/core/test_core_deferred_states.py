@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deqzoo.core import DEQ, DeferredState, DEQConfig
+from deqzoo.core import DEQ, DeferredState, DEQConfig, backward_in_stages
 
 
 def _problem():
@@ -68,3 +68,39 @@ def test_defer_graphs_refuses_the_unrolled_mode_and_is_inert_without_autograd():
     assert isinstance(z, tuple) and not z[0].requires_grad
     with pytest.raises(ValueError, match="defer_graphs=True needs a forward solve"):  # max_iter=0: no solve
         DEQ(DEQConfig(f_max_iter=5)).solve_with(DEQConfig(f_max_iter=5), f, z0, max_iter=0, defer_graphs=True)
+
+
+def test_backward_in_stages_equals_the_one_shot_backward_float64():
+    """A shared encoder, two correction states (phantom steps from kept iterates of an ill-conditioned,
+    non-normal map) and a term that reuses a weight transform built once outside the leaves (the
+    retain_graph path): staged gradients equal those of the summed loss's backward."""
+    torch.manual_seed(3)
+    enc = torch.nn.Linear(5, 6).double()
+    q, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))
+    shear = torch.eye(6, dtype=torch.float64) + 4 * torch.triu(torch.randn(6, 6, dtype=torch.float64), 1)
+    a = torch.nn.Parameter(0.9 * q @ torch.diag(torch.logspace(0, -3, 6, dtype=torch.float64)) @ shear / 5)
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def losses(u):
+        w = a * 1.0  # built once per call, shared by every term
+        f = lambda z: torch.tanh(z @ w.T + u)  # noqa: E731
+        with torch.no_grad():
+            z = torch.zeros_like(u)
+            kept = []
+            for _ in range(8):
+                z = f(z)
+                kept.append(z)
+        return [lambda s=s, k=k: (k + 1) * f(f(kept[s])).pow(2).mean() for k, s in enumerate((3, 7))]
+
+    h = enc(x)
+    sum(term() for term in losses(h)).backward()
+    want = [p.grad.clone() for p in (a, *enc.parameters())]
+    for p in (a, *enc.parameters()):
+        p.grad = None
+    h = enc(x)
+    leaf = h.detach().requires_grad_()
+    total = backward_in_stages([h], [leaf], losses(leaf))
+    for got, ref in zip((a.grad, *(p.grad for p in enc.parameters())), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+    assert total is not None and not total.requires_grad
+    assert backward_in_stages([h], [leaf.detach().requires_grad_()], []) is None

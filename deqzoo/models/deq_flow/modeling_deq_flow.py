@@ -124,12 +124,7 @@ def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"warp expects a flow of shape {(b, 2, h, w)} for this image, got {tuple(flow.shape)}"
         )
-    ys, xs = torch.meshgrid(
-        torch.arange(h, dtype=flow.dtype, device=flow.device),
-        torch.arange(w, dtype=flow.dtype, device=flow.device),
-        indexing="ij",
-    )
-    x, y = xs + flow[:, 0], ys + flow[:, 1]
+    x, y = (make_coords_grid(b, h, w, device=flow.device).to(flow.dtype) + flow).unbind(1)
     norm = torch.stack([2 * x / max(w - 1, 1) - 1, 2 * y / max(h - 1, 1) - 1], dim=-1)
     return F.grid_sample(image, norm, mode="bilinear", padding_mode="border", align_corners=True)
 
