@@ -44,7 +44,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["enable_checkpointing", "main", "measure_training", "reuse_along_video", "step_peak_bytes"]
+__all__ = [
+    "enable_checkpointing",
+    "first_within",
+    "main",
+    "measure_training",
+    "reuse_along_video",
+    "reuse_at_equal_accuracy",
+    "reuse_start_residual",
+    "step_peak_bytes",
+]
 
 DEFAULT_CHECKPOINT = "deqzoo/deq-flow-cpu-synth"
 
@@ -334,6 +343,158 @@ def reuse_along_video(
     return result
 
 
+EQUAL_ACCURACY_BUDGETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24)
+
+
+def first_within(
+    curve: Sequence[dict], target: float, video_targets: Sequence[float] | None = None
+) -> dict | None:
+    """The cheapest point of an accuracy-vs-cost curve (dicts with ``mean_nfe`` and ``mean_epe``, any order)
+    whose EPE is at most `target` and, with `video_targets`, whose every video (``per_video[i]["epe"]``) is
+    at most its own target; None if no point reaches them.
+
+    Example:
+        >>> curve = [{"mean_nfe": n, "mean_epe": e} for n, e in ((8, 1.0), (2, 3.0), (4, 1.5))]
+        >>> first_within(curve, 1.6)["mean_nfe"], first_within(curve, 0.5)
+        (4, None)
+    """
+
+    def reaches(p: dict) -> bool:
+        if p["mean_epe"] > target:
+            return False
+        return video_targets is None or all(
+            v["epe"] <= t for v, t in zip(p["per_video"], video_targets, strict=True)
+        )
+
+    reached = [p for p in curve if reaches(p)]
+    return min(reached, key=lambda p: p["mean_nfe"]) if reached else None
+
+
+def reuse_at_equal_accuracy(
+    model,
+    *,
+    frames: int = 12,
+    size: tuple[int, int] = (96, 128),
+    seeds: Sequence[int] = (0,),
+    modes: Sequence[str | bool] = (False, "warp", "forward_interpolate"),
+    budgets: Sequence[int] = EQUAL_ACCURACY_BUDGETS,
+    slack: float = 0.02,
+) -> dict:
+    """Mean NFE at equal accuracy along `synthetic_video`: each mode streams every video with a per-pair
+    budget (``estimate_sequence(num_flow_updates=k)``: the first pair gets the full budget, every later
+    pair at most k solver steps, still stopping at the tolerance), for each k in `budgets`. NFE and EPE are
+    means over the pairs after the first (all videos pooled). The reference is the solve without reuse at
+    the model's own settings (its f_max_iter and tolerance, no per-pair cap); the target EPE is
+    (1 + slack) x the reference's, pooled and for every video against its own reference. For each mode,
+    ``at_target`` is the cheapest budget whose EPE reaches the target (pooled and in every video), with
+    ``nfe_ratio`` = its NFE / the reference's and ``nfe_ratio_vs_cold_at_target`` = its NFE / that of the
+    cheapest budget at which the solve without reuse itself reaches the target."""
+    import torch
+
+    from deqzoo.tasks.flow import epe, synthetic_video
+
+    videos = [synthetic_video(frames, size, seed) for seed in seeds]
+
+    def run(mode, budget) -> dict:
+        per_video = []
+        for video, flows, valid in videos:
+            with torch.no_grad():
+                preds, stats = model.estimate_sequence(video, reuse=mode, num_flow_updates=budget)
+            per_video.append(
+                {
+                    "nfe": [int(s.nfe) for s in stats[1:]],
+                    "epe": [epe(p, f, v) for p, f, v in zip(preds[1:], flows[1:], valid[1:])],
+                }
+            )
+        point = {
+            key: statistics.mean(x for v in per_video for x in v[key]) for key in ("nfe", "epe")
+        }
+        return {
+            "budget": budget,
+            "mean_nfe": point["nfe"],
+            "mean_epe": point["epe"],
+            "per_video": [
+                {"nfe": statistics.mean(v["nfe"]), "epe": statistics.mean(v["epe"])} for v in per_video
+            ],
+        }
+
+    reference = run(False, None)
+    target = (1 + slack) * reference["mean_epe"]
+    video_targets = [(1 + slack) * v["epe"] for v in reference["per_video"]]
+    result: dict = {"reference": reference, "target_epe": target, "slack": slack, "modes": {}}
+    for mode in modes:
+        curve = [run(mode, k) for k in budgets]
+        hit = first_within(curve, target, video_targets)
+        result["modes"]["none" if mode is False else mode] = {"curve": curve, "at_target": hit}
+    cold_hit = result["modes"].get("none", {}).get("at_target")
+    for r in result["modes"].values():
+        hit = r["at_target"]
+        r["nfe_ratio"] = None if hit is None else hit["mean_nfe"] / reference["mean_nfe"]
+        r["epe_change"] = None if hit is None else hit["mean_epe"] / reference["mean_epe"] - 1
+        r["nfe_ratio_vs_cold_at_target"] = (
+            None if hit is None or cold_hit is None else hit["mean_nfe"] / cold_hit["mean_nfe"]
+        )
+        if hit is not None:  # each video at the pooled operating point, against its own reference
+            r["per_video"] = [
+                {"seed": seed, "nfe_ratio": v["nfe"] / ref["nfe"], "epe_change": v["epe"] / ref["epe"] - 1}
+                for seed, v, ref in zip(seeds, hit["per_video"], reference["per_video"])
+            ]
+    result.update(frames=frames, size=list(size), seeds=list(seeds), budgets=list(budgets))
+    return result
+
+
+def reuse_start_residual(
+    model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seeds: Sequence[int] = (0,)
+) -> dict:
+    """Where the reused start's residual comes from: along `synthetic_video` (pairs after the first), the
+    relative residual ||f(z0) - z0|| / ||f(z0)|| of the `"warp"` start, split into its hidden-state and
+    flow parts (each part's norm over the whole ||f(z0)||), and the same with oracle starts: the previous
+    fixed point warped along the true motion, and that hidden state with the true flow of this pair."""
+    import torch
+    import torch.nn.functional as F
+    from torchvision.models.optical_flow._utils import make_coords_grid
+
+    from deqzoo.models.deq_flow.modeling_deq_flow import (
+        _next_start,
+        forward_interpolate,
+        prepare_images,
+        warp,
+    )
+    from deqzoo.tasks.flow import synthetic_video
+
+    def residual(f, state) -> list[float]:
+        fz = f(state)
+        den = sum(a.pow(2).sum() for a in fz)
+        parts = [(a - b).pow(2).sum() for a, b in zip(fz, state)]
+        return [float((sum(parts) / den).sqrt()), *(float((p / den).sqrt()) for p in parts)]
+
+    rows: dict[str, list[list[float]]] = {"warp": [], "true_motion": [], "true_motion_and_flow": []}
+    with torch.no_grad():
+        for seed in seeds:
+            video, flows, _ = synthetic_video(frames, size, seed)
+            previous = None
+            for t in range(len(video) - 1):
+                start = None if previous is None else _next_start(previous, "warp")
+                out = model(video[t][None], video[t + 1][None], initial_state=start, return_dict=True)
+                if previous is not None:
+                    a, b, _ = prepare_images(video[t][None], video[t + 1][None], model.config.min_image_size)
+                    context = model.encode(a, b)
+                    bsz, _, h8, w8 = context.shape
+                    f = model.update_fn(context, make_coords_grid(bsz, h8, w8).to(context))
+                    moved = forward_interpolate(F.avg_pool2d(flows[t - 1][None], 8) / 8)  # true motion
+                    hidden = warp(previous[0], -moved)
+                    rows["warp"].append(residual(f, start))
+                    rows["true_motion"].append(residual(f, (hidden, warp(previous[1], -moved))))
+                    rows["true_motion_and_flow"].append(
+                        residual(f, (hidden, F.avg_pool2d(flows[t][None], 8) / 8))
+                    )
+                previous = out.fixed_point
+    return {
+        name: dict(zip(("rel_residual", "hidden_part", "flow_part"), map(statistics.mean, zip(*r))))
+        for name, r in rows.items()
+    }
+
+
 def _per_pair(videos: list[dict]) -> dict:
     """Per-pair means over the videos (NFE, EPE), all-pairs means and every solve's convergence."""
     r = {key: [statistics.mean(pair) for pair in zip(*(v[key] for v in videos))] for key in ("nfe", "epe")}
@@ -392,7 +553,10 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows, video = report["training"], report.get("reuse")
-    panels = [part for part, present in (("memory", rows), ("reuse", video)) if present] or ["memory"]
+    equal = (video or {}).get("equal_accuracy")
+    panels = [
+        part for part, present in (("memory", rows), ("reuse", video), ("equal", equal)) if present
+    ] or ["memory"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     ax = dict(zip(panels, axes[0]))
     settings = sorted({(r["preset"], r["checkpointing"]) for r in rows})
@@ -441,6 +605,22 @@ def _plot(report: dict, path: Path) -> None:
         videos = len(video.get("seeds", [0]))
         ax["reuse"].set_ylabel("forward NFE" + (f" (mean of {videos} videos)" if videos > 1 else ""))
         ax["reuse"].legend(fontsize=7)
+    if equal:
+        for (mode, run), style in zip(equal["modes"].items(), ("o-", "D-", "s-", "^-")):
+            curve = sorted(run["curve"], key=lambda p: p["mean_nfe"])
+            ax["equal"].plot(
+                [p["mean_nfe"] for p in curve],
+                [p["mean_epe"] for p in curve],
+                style,
+                label=f"reuse={mode}" if mode != "none" else "no reuse",
+            )
+        ref = equal["reference"]
+        ax["equal"].axhline(equal["target_epe"], color="grey", ls=":", lw=1, label="no reuse's EPE + 2%")
+        ax["equal"].plot([ref["mean_nfe"]], [ref["mean_epe"]], "k*", ms=10, label="no reuse, own settings")
+        ax["equal"].set_yscale("log")
+        ax["equal"].set_xlabel("mean NFE per pair (per-pair budget k)")
+        ax["equal"].set_ylabel("mean EPE (pairs after the first)")
+        ax["equal"].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -514,6 +694,16 @@ def main(argv: list[str] | None = None) -> int:
         report["reuse"].update(
             checkpoint=args.checkpoint, solver=args.solver, max_iter=args.max_iter, tol=args.tol
         )
+        budgets = [k for k in EQUAL_ACCURACY_BUDGETS if k <= args.max_iter]
+        report["reuse"]["equal_accuracy"] = reuse_at_equal_accuracy(
+            model,
+            frames=args.frames,
+            seeds=range(args.videos),
+            budgets=budgets[::3] + budgets[-1:] if args.quick else budgets,
+        )
+        report["reuse"]["start_residual"] = reuse_start_residual(
+            model, frames=args.frames, seeds=range(args.videos)
+        )
     path = args.out / "deq_flow_bench.json"
     path.write_text(json.dumps(report, indent=1))
     _plot(report, args.out / "deq_flow_bench.png")
@@ -537,6 +727,33 @@ def main(argv: list[str] | None = None) -> int:
                 f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} "
                 f"({100 * w['epe_change']:+.2f}%); "
                 "per video " + ", ".join(f"{v['nfe_ratio']:.3f}" for v in w["per_video"])
+            )
+        eq = r["equal_accuracy"]
+        print(
+            f"equal accuracy (EPE <= {eq['target_epe']:.4f}, {100 * eq['slack']:.0f}% above the solve "
+            f"without reuse at its own settings: NFE {eq['reference']['mean_nfe']:.2f}, EPE "
+            f"{eq['reference']['mean_epe']:.4f}; pooled and in every video):"
+        )
+        for mode, m in eq["modes"].items():
+            hit = m["at_target"]
+            print(
+                f"  {mode}: "
+                + (
+                    "never reaches it"
+                    if hit is None
+                    else f"budget {hit['budget']}, mean NFE {hit['mean_nfe']:.2f} (ratio {m['nfe_ratio']:.3f}"
+                    + (
+                        ""
+                        if m["nfe_ratio_vs_cold_at_target"] is None
+                        else f", {m['nfe_ratio_vs_cold_at_target']:.3f} of the cheapest no-reuse budget"
+                    )
+                    + f"), EPE {hit['mean_epe']:.4f} ({100 * m['epe_change']:+.2f}%)"
+                )
+            )
+        for start, v in r["start_residual"].items():
+            print(
+                f"start residual ({start}): {v['rel_residual']:.3f} (hidden {v['hidden_part']:.3f}, "
+                f"flow {v['flow_part']:.4f})"
             )
     print(f"wrote {path}")
     return 0

@@ -377,9 +377,11 @@ class DEQFlowPreTrainedModel(DEQPreTrainedModel):
 class DEQFlowModel(DEQFlowPreTrainedModel):
     """Encoders, correlation, update block and upsampler of DEQ-Flow (or of its explicit RAFT twin).
 
-    ``forward(image1, image2, flow_gt=None, valid=None, initial_state=None)``: `initial_state` is a previous
-    pair's ``fixed_point`` (hidden state, 1/8-resolution flow) from which the solve starts (frame-to-frame
-    reuse); without it the solve starts at h = 0, flow = 0.
+    ``forward(image1, image2, flow_gt=None, valid=None, initial_state=None, num_flow_updates=None)``:
+    `initial_state` is a previous pair's ``fixed_point`` (hidden state, 1/8-resolution flow) from which the
+    solve starts (frame-to-frame reuse); without it the solve starts at h = 0, flow = 0. `num_flow_updates`
+    (torchvision RAFT's argument) is this call's budget: DEQ-Flow's solve runs at most that many steps (still
+    stopping at the tolerance; None: the config's f_max_iter), the explicit twin unrolls that many updates.
 
     Example:
         >>> import torch
@@ -514,6 +516,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         return_dict: bool | None = None,
         features: FlowFeatures | None = None,
         defer_loss: bool = False,
+        num_flow_updates: int | None = None,
     ) -> DEQFlowOutput | tuple:
         """`features`: the encoders' outputs for these images (`features()`), used instead of running the
         encoders. `defer_loss` (DEQ-Flow in training, with `flow_gt`): no gradient graph is built here; the
@@ -521,6 +524,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         supervised state at a time (`deqzoo.tasks.flow.two_stage_backward`); the outputs' values are those
         of the eager forward, without graphs."""
         c = self.config
+        budget = _check_updates(num_flow_updates)
         a, b, pad = prepare_images(image1, image2, c.min_image_size)
         if flow_gt is not None and flow_gt.shape != (a.shape[0], 2, *_unpadded(a, pad)):
             raise ValueError(
@@ -541,7 +545,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         f = self.update_fn(context, coords0)
         stats, supervised, terms = None, [], None
         if defer:
-            output, stats = self.deq(f, z0, defer_graphs=True)
+            output, stats = self._solve(f, z0, budget, defer_graphs=True)
             states = stats.states or [output]
             hidden, flow_low = output.value()  # the output's values, as the eager forward returns them
             with torch.no_grad():
@@ -559,12 +563,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             loss = residual = None
         else:
             if c.implicit:
-                (hidden, flow_low), stats = self.deq(f, z0)
+                (hidden, flow_low), stats = self._solve(f, z0, budget)
                 if train and getattr(stats, "states", None):
                     supervised = [self.upsample(hs, fs) for hs, fs in stats.states]
             else:  # explicit RAFT: the update block applied num_flow_updates times, every iterate supervised
                 z = z0
-                for _ in range(c.num_flow_updates):
+                for _ in range(c.num_flow_updates if budget is None else budget):
                     z = f(z)
                     if train:
                         supervised.append(self.upsample(*z))
@@ -598,6 +602,11 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             ),
             return_dict,
         )
+
+    def _solve(self, f, z0, budget: int | None, defer_graphs: bool = False):
+        if budget is None:
+            return self.deq(f, z0, defer_graphs=defer_graphs)
+        return self.deq.solve_with(self.deq.config, f, z0, max_iter=budget, defer_graphs=defer_graphs)
 
     def _state_loss(
         self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
@@ -637,6 +646,14 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         return state[0].detach().to(like), state[1].detach().to(like)
 
 
+def _check_updates(num_flow_updates: int | None) -> int | None:
+    if num_flow_updates is None:
+        return None
+    if isinstance(num_flow_updates, bool) or not isinstance(num_flow_updates, int) or num_flow_updates < 1:
+        raise ValueError(f"num_flow_updates must be an integer >= 1 or None, got {num_flow_updates!r}")
+    return num_flow_updates
+
+
 def _unpadded(a: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[int, int]:
     return a.shape[-2] - pad[2] - pad[3], a.shape[-1] - pad[0] - pad[1]
 
@@ -657,7 +674,10 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
 
     @torch.no_grad()
     def estimate_sequence(
-        self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool | str = True
+        self,
+        frames: torch.Tensor | Sequence[torch.Tensor],
+        reuse: bool | str = True,
+        num_flow_updates: int | None = None,
     ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
         """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats.
 
@@ -668,15 +688,23 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         starts where the pattern now is); "warm_start" = h from zero and the forward-interpolated flow
         (RAFT's warm start); "warp" = the previous h and flow both moved with the content, bilinearly, along
         the forward-interpolated flow (sub-cell motions at 1/8 resolution move the state too); True = "warp".
+
+        `num_flow_updates`: the solver budget of every pair after the first (streaming at a fixed cost per
+        frame: with reuse, each pair continues the previous pair's solve); the first pair, which has nothing
+        to start from, gets the model's full budget. None: the full budget for every pair.
         """
         if len(frames) < 2:
             raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
         mode = DEFAULT_REUSE if reuse is True else reuse
         if mode is not False and mode not in REUSE_MODES:
             raise ValueError(f"reuse must be True, False or one of {sorted(REUSE_MODES)}, got {reuse!r}")
+        _check_updates(num_flow_updates)
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):
-            out = self(frames[t], frames[t + 1], initial_state=state, return_dict=True)
+            budget = num_flow_updates if t else None
+            out = self(
+                frames[t], frames[t + 1], initial_state=state, return_dict=True, num_flow_updates=budget
+            )
             flows.append(out.flow[0])
             stats.append(out.deq_stats)
             state = None if mode is False else _next_start(out.fixed_point, mode)

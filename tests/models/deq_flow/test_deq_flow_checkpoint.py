@@ -96,3 +96,21 @@ def test_reuse_along_a_video_saves_solver_steps_at_the_same_accuracy():
     assert result[False][2]
     assert result["warp"][0] <= result["forward_interpolate"][0]
     assert result["warp"][1] < result["forward_interpolate"][1]
+
+
+def test_reuse_reaches_the_accuracy_without_reuse_at_a_fraction_of_the_steps():
+    """Equal accuracy (the card's bench: 4 videos of 12 frames, every pair after the first at most k solver
+    steps): streaming with the warped reuse at a budget of 4 steps per pair is within 2% of the EPE of the
+    solve without reuse at the model's own settings, at <= 0.7x its mean NFE, while without reuse the same
+    budget is far from it. Reference: the solve without reuse (tolerance 5e-3, up to 24 steps)."""
+    from deqzoo.bench.deq_flow import reuse_at_equal_accuracy
+
+    model = deqzoo.from_pretrained(NAMES[0])
+    result = reuse_at_equal_accuracy(
+        model, frames=10, size=(64, 96), seeds=(1,), modes=(False, "warp"), budgets=(4,)
+    )
+    ref, warp, cold = result["reference"], *(result["modes"][m]["curve"][0] for m in ("warp", "none"))
+    assert warp["mean_nfe"] <= 0.7 * ref["mean_nfe"]
+    assert warp["mean_epe"] <= 1.02 * ref["mean_epe"]
+    assert result["modes"]["warp"]["at_target"] == warp and result["modes"]["none"]["at_target"] is None
+    assert cold["mean_epe"] > 1.1 * ref["mean_epe"]

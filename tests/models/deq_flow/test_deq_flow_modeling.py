@@ -4,6 +4,7 @@ pairs), the explicit twin against torchvision's own RAFT loop, the equilibrium, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,47 @@ def test_reuse_starts_from_the_previous_fixed_point():
         assert stats[0].nfe == cold[1][0].nfe  # the first pair has nothing to reuse
     with pytest.raises(ValueError, match="reuse must be True, False or one of"):
         model.estimate_sequence(frames, reuse="previous")
+
+
+@pytest.mark.parametrize("implicit", [True, False])
+def test_num_flow_updates_is_this_calls_budget(implicit):
+    """Independent reference: the same model with the budget set in its config (f_max_iter for the DEQ, whose
+    tolerance 1e-30 never stops it early; num_flow_updates for the explicit twin)."""
+    deq = {"f_solver": "fixed_point", "f_max_iter": 9, "f_tol": 1e-30}
+    model = _contractive(_model(implicit=implicit, num_flow_updates=9, deq=deq))
+    torch.manual_seed(8)
+    a, b = torch.rand(2, 3, 48, 64), torch.rand(2, 3, 48, 64)
+    with torch.no_grad():
+        ours = model(a, b, num_flow_updates=3)
+        full = model(a, b)
+        reference = _contractive(_model(implicit=implicit, num_flow_updates=3, deq={**deq, "f_max_iter": 3}))
+        ref = reference(a, b)
+    torch.testing.assert_close(ours.flow, ref.flow, rtol=0, atol=0)
+    torch.testing.assert_close(ours.hidden_state, ref.hidden_state, rtol=0, atol=0)
+    assert float((ours.hidden_state - full.hidden_state).abs().max()) > 1e-4  # 3 steps are not 9
+    if implicit:
+        assert ours.deq_stats.nfe == 3 and full.deq_stats.nfe == 9
+    for bad in (0, -2, True, 2.5, "3"):
+        with pytest.raises(ValueError, match=re.escape(f"an integer >= 1 or None, got {bad!r}")):
+            model(a, b, num_flow_updates=bad)
+
+
+def test_estimate_sequence_budget_applies_after_the_first_pair():
+    """Reference: the pairs run one by one, each started from `_next_start` of the previous fixed point."""
+    model = _contractive(_model(deq={"f_solver": "fixed_point", "f_max_iter": 7, "f_tol": 1e-30}))
+    torch.manual_seed(9)
+    frames = torch.rand(4, 3, 48, 64)
+    with torch.no_grad():
+        for reuse in (False, "warp"):
+            flows, stats = model.estimate_sequence(frames, reuse=reuse, num_flow_updates=2)
+            assert [s.nfe for s in stats] == [7, 2, 2]
+            state = None
+            for t in range(3):
+                out = model(frames[t], frames[t + 1], initial_state=state, num_flow_updates=2 if t else None)
+                torch.testing.assert_close(flows[t], out.flow[0], rtol=0, atol=0)
+                state = None if reuse is False else _next_start(out.fixed_point, "warp")
+        with pytest.raises(ValueError, match="num_flow_updates must be an integer >= 1 or None, got 0"):
+            model.estimate_sequence(frames, num_flow_updates=0)
 
 
 def _griddata_forward_interpolate(flow: torch.Tensor) -> torch.Tensor:
