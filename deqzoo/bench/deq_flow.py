@@ -406,9 +406,7 @@ def reuse_at_equal_accuracy(
                     "epe": [epe(p, f, v) for p, f, v in zip(preds[1:], flows[1:], valid[1:])],
                 }
             )
-        point = {
-            key: statistics.mean(x for v in per_video for x in v[key]) for key in ("nfe", "epe")
-        }
+        point = {key: statistics.mean(x for v in per_video for x in v[key]) for key in ("nfe", "epe")}
         return {
             "budget": budget,
             "mean_nfe": point["nfe"],
@@ -551,6 +549,7 @@ def _plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     rows, video = report["training"], report.get("reuse")
     equal = (video or {}).get("equal_accuracy")
@@ -618,6 +617,13 @@ def _plot(report: dict, path: Path) -> None:
         ax["equal"].axhline(equal["target_epe"], color="grey", ls=":", lw=1, label="no reuse's EPE + 2%")
         ax["equal"].plot([ref["mean_nfe"]], [ref["mean_epe"]], "k*", ms=10, label="no reuse, own settings")
         ax["equal"].set_yscale("log")
+        lo = min(p["mean_epe"] for run in equal["modes"].values() for p in run["curve"])
+        hi = max(p["mean_epe"] for run in equal["modes"].values() for p in run["curve"])
+        ax["equal"].set_yticks(
+            [t for t in (1, 1.2, 1.5, 2, 3, 4, 6, 8) if lo * 0.9 <= t <= hi * 1.1] or [lo, hi]
+        )
+        ax["equal"].yaxis.set_major_formatter(ScalarFormatter())
+        ax["equal"].yaxis.set_minor_formatter(NullFormatter())
         ax["equal"].set_xlabel("mean NFE per pair (per-pair budget k)")
         ax["equal"].set_ylabel("mean EPE (pairs after the first)")
         ax["equal"].legend(fontsize=7)
