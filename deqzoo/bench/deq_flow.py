@@ -51,6 +51,7 @@ __all__ = [
     "measure_training",
     "reuse_along_video",
     "reuse_at_equal_accuracy",
+    "reuse_budget_held_out",
     "reuse_start_residual",
     "step_peak_bytes",
 ]
@@ -389,32 +390,12 @@ def reuse_at_equal_accuracy(
     ``at_target`` is the cheapest budget whose EPE reaches the target (pooled and in every video), with
     ``nfe_ratio`` = its NFE / the reference's and ``nfe_ratio_vs_cold_at_target`` = its NFE / that of the
     cheapest budget at which the solve without reuse itself reaches the target."""
-    import torch
-
-    from deqzoo.tasks.flow import epe, synthetic_video
+    from deqzoo.tasks.flow import synthetic_video
 
     videos = [synthetic_video(frames, size, seed) for seed in seeds]
 
     def run(mode, budget) -> dict:
-        per_video = []
-        for video, flows, valid in videos:
-            with torch.no_grad():
-                preds, stats = model.estimate_sequence(video, reuse=mode, num_flow_updates=budget)
-            per_video.append(
-                {
-                    "nfe": [int(s.nfe) for s in stats[1:]],
-                    "epe": [epe(p, f, v) for p, f, v in zip(preds[1:], flows[1:], valid[1:])],
-                }
-            )
-        point = {key: statistics.mean(x for v in per_video for x in v[key]) for key in ("nfe", "epe")}
-        return {
-            "budget": budget,
-            "mean_nfe": point["nfe"],
-            "mean_epe": point["epe"],
-            "per_video": [
-                {"nfe": statistics.mean(v["nfe"]), "epe": statistics.mean(v["epe"])} for v in per_video
-            ],
-        }
+        return _stream_point(model, videos, mode, budget)
 
     reference = run(False, None)
     target = (1 + slack) * reference["mean_epe"]
@@ -438,6 +419,64 @@ def reuse_at_equal_accuracy(
                 for seed, v, ref in zip(seeds, hit["per_video"], reference["per_video"])
             ]
     result.update(frames=frames, size=list(size), seeds=list(seeds), budgets=list(budgets))
+    return result
+
+
+def _stream_point(model, videos: list, mode: str | bool, budget: int | None) -> dict:
+    """One point of the accuracy-vs-cost curve: every video streamed by ``estimate_sequence(reuse=mode,
+    num_flow_updates=budget)``; mean NFE and EPE over the pairs after the first, pooled and per video."""
+    import torch
+
+    from deqzoo.tasks.flow import epe
+
+    per_video = []
+    for video, flows, valid in videos:
+        with torch.no_grad():
+            preds, stats = model.estimate_sequence(video, reuse=mode, num_flow_updates=budget)
+        per_video.append(
+            {
+                "nfe": [int(s.nfe) for s in stats[1:]],
+                "epe": [epe(p, f, v) for p, f, v in zip(preds[1:], flows[1:], valid[1:])],
+            }
+        )
+    point = {key: statistics.mean(x for v in per_video for x in v[key]) for key in ("nfe", "epe")}
+    return {
+        "budget": budget,
+        "mean_nfe": point["nfe"],
+        "mean_epe": point["epe"],
+        "per_video": [
+            {"nfe": statistics.mean(v["nfe"]), "epe": statistics.mean(v["epe"])} for v in per_video
+        ],
+    }
+
+
+def reuse_budget_held_out(
+    model,
+    budgets: dict[str, int],
+    *,
+    frames: int = 12,
+    size: tuple[int, int] = (96, 128),
+    seeds: Sequence[int] = (4, 5, 6, 7),
+) -> dict:
+    """The equal-accuracy budgets, chosen on some videos (`reuse_at_equal_accuracy`), checked on videos that
+    did not choose them: for each mode its budget's mean NFE and EPE against no reuse at the model's own
+    settings on the same fresh videos (``nfe_ratio``, ``epe_change``, pooled and per video)."""
+    from deqzoo.tasks.flow import synthetic_video
+
+    videos = [synthetic_video(frames, size, seed) for seed in seeds]
+    reference = _stream_point(model, videos, False, None)
+    result: dict = {"reference": reference, "seeds": list(seeds), "modes": {}}
+    for mode, budget in budgets.items():
+        point = _stream_point(model, videos, mode, budget)
+        result["modes"][mode] = {
+            "point": point,
+            "nfe_ratio": point["mean_nfe"] / reference["mean_nfe"],
+            "epe_change": point["mean_epe"] / reference["mean_epe"] - 1,
+            "per_video": [
+                {"seed": seed, "nfe_ratio": v["nfe"] / r["nfe"], "epe_change": v["epe"] / r["epe"] - 1}
+                for seed, v, r in zip(seeds, point["per_video"], reference["per_video"])
+            ],
+        }
     return result
 
 
@@ -707,6 +746,15 @@ def main(argv: list[str] | None = None) -> int:
             seeds=range(args.videos),
             budgets=budgets[::3] + budgets[-1:] if args.quick else budgets,
         )
+        chosen = {
+            mode: r["at_target"]["budget"]
+            for mode, r in report["reuse"]["equal_accuracy"]["modes"].items()
+            if mode != "none" and r["at_target"] is not None
+        }
+        held_out = range(args.videos, 2 * args.videos)
+        report["reuse"]["equal_accuracy"]["held_out"] = reuse_budget_held_out(
+            model, chosen, frames=args.frames, seeds=held_out
+        )
         report["reuse"]["start_residual"] = reuse_start_residual(
             model, frames=args.frames, seeds=range(args.videos)
         )
@@ -756,6 +804,20 @@ def main(argv: list[str] | None = None) -> int:
                     + f"), EPE {hit['mean_epe']:.4f} ({100 * m['epe_change']:+.2f}%)"
                 )
             )
+        held = eq.get("held_out")
+        if held:
+            ref = held["reference"]
+            print(
+                f"held-out videos (seeds {', '.join(map(str, held['seeds']))}), the budgets above against "
+                f"no reuse at its own settings (NFE {ref['mean_nfe']:.2f}, EPE {ref['mean_epe']:.4f}):"
+            )
+            for mode, m in held["modes"].items():
+                print(
+                    f"  {mode}: budget {m['point']['budget']}, mean NFE {m['point']['mean_nfe']:.2f} "
+                    f"(ratio {m['nfe_ratio']:.3f}), EPE {m['point']['mean_epe']:.4f} "
+                    f"({100 * m['epe_change']:+.2f}%); "
+                    "per video " + ", ".join(f"{100 * v['epe_change']:+.1f}%" for v in m["per_video"])
+                )
         for start, v in r["start_residual"].items():
             print(
                 f"start residual ({start}): {v['rel_residual']:.3f} (hidden {v['hidden_part']:.3f}, "

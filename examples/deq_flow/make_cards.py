@@ -214,6 +214,26 @@ def _equal_accuracy_rows(eq: dict, modes: dict) -> list[str]:
             f"{'-' if cold is None else f'{cold:.3f}'} | {hit['mean_epe']:.4f} | "
             f"{100 * r['epe_change']:+.1f}% | {per} | {curve} |"
         )
+    held = eq.get("held_out")
+    if held:
+        ref = held["reference"]
+        lines += [
+            "",
+            f"The same budgets on {len(held['seeds'])} videos that did not choose them (seeds "
+            f"{', '.join(map(str, held['seeds']))}), against no reuse at the settings above on those videos "
+            f"(mean NFE {ref['mean_nfe']:.2f}, mean EPE {ref['mean_epe']:.4f}):",
+            "",
+            "| start of each solve | budget | mean NFE | NFE ratio | mean EPE | EPE change | "
+            "EPE change per video |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for mode, m in held["modes"].items():
+            what = modes.get(mode, {}).get("description", mode)
+            per = " / ".join(f"{100 * v['epe_change']:+.1f}%" for v in m["per_video"])
+            lines.append(
+                f"| {what} | {m['point']['budget']} | {m['point']['mean_nfe']:.2f} | {m['nfe_ratio']:.3f} | "
+                f"{m['point']['mean_epe']:.4f} | {100 * m['epe_change']:+.1f}% | {per} |"
+            )
     return lines
 
 
