@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from deqzoo.bench import deq_flow as bench
 
 
@@ -71,6 +73,22 @@ def test_main_writes_the_report(tmp_path, monkeypatch):
     assert video["reuse"]["mode"] == "warp"  # estimate_sequence(reuse=True)
     for run in video["modes"].values():
         assert run["nfe"][0] == video["cold"]["nfe"][0] and run["nfe_ratio"] > 0
+    eq = video["equal_accuracy"]
+    assert eq["budgets"][-1] == video["max_iter"]
+    assert set(eq["modes"]) == {"none", "warp", "forward_interpolate"}
+    # a per-pair budget equal to f_max_iter is no cap: the cold curve's last point is the reference itself
+    uncapped = eq["modes"]["none"]["curve"][-1]
+    assert uncapped["mean_nfe"] == eq["reference"]["mean_nfe"]
+    assert uncapped["mean_epe"] == pytest.approx(eq["reference"]["mean_epe"], rel=1e-6)
+    for run in eq["modes"].values():
+        assert [p["budget"] for p in run["curve"]] == eq["budgets"]
+        assert all(p["mean_nfe"] <= p["budget"] for p in run["curve"])  # pairs after the first obey k
+    held = eq["held_out"]
+    chosen = {m: r["at_target"]["budget"] for m, r in eq["modes"].items() if m != "none" and r["at_target"]}
+    assert held["seeds"] == [1] and {m: r["point"]["budget"] for m, r in held["modes"].items()} == chosen
+    for start in video["start_residual"].values():  # each part is a share of the whole residual
+        assert 0 < start["flow_part"] <= start["rel_residual"]
+        assert 0 < start["hidden_part"] <= start["rel_residual"]
 
 
 def test_two_stage_backward_lowers_the_step_peak_with_three_states():
