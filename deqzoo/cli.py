@@ -308,8 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="details of an architecture or checkpoint")
     p.add_argument("name")
     p = sub.add_parser("predict", help="run a checkpoint on an input (path or text)")
-    p.add_argument("name")
-    p.add_argument("input")
+    p.add_argument("name", help="checkpoint id (deqzoo list) or folder")
+    p.add_argument("input", help="by the checkpoint's task: an image path (classification); a text or text "
+                   "file (language); a chain length or JSON graph (graphs); FIRST,SECOND[,OUT.png] images or "
+                   "a FOLDER[,OUTDIR] of video frames (optical flow); HxW[:OUT.png] (implicit "
+                   "representations); OUT.png (diffusion). Details: the task module's predict() docstring")
     p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task module")
     p.add_argument("name")
     p.add_argument("--limit", type=int, default=None, help="evaluate on the first N examples")

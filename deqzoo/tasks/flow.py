@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -625,10 +626,20 @@ def _read_image(path: str) -> torch.Tensor:
 
 
 def predict(model, input: str) -> str:
-    """Flow between two images as a colour PNG. INPUT is ``FIRST,SECOND`` image paths, optionally
-    ``,OUT.png``; without OUT the file is ``flow_<first>_<second>.png`` in the current directory (a numbered
-    name if that exists: an existing file is never overwritten)."""
+    """Flow between two images, or along a video, as colour PNGs.
+
+    INPUT ``FIRST,SECOND`` (image paths), optionally ``,OUT.png``: one flow; without OUT the file is
+    ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists: an existing file
+    is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2 before frame10, are
+    the frames of a video),
+    optionally ``,OUTDIR``: the flow of every consecutive pair with frame-to-frame reuse
+    (``model.estimate_sequence(frames, reuse=True)``), one PNG per pair in OUTDIR (a new or empty folder;
+    default ``flow_<folder>`` in the current directory, a numbered name if that exists)."""
     parts = [p.strip() for p in str(input).split(",")]
+    if parts and parts[0] and Path(parts[0]).is_dir():
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"predict input {input!r}: expected 'FOLDER' of frames, optionally ',OUTDIR'")
+        return _predict_video(model, Path(parts[0]), Path(parts[1]) if len(parts) == 2 else None)
     if len(parts) not in (2, 3) or not all(parts):
         raise ValueError(
             f"predict input {input!r}: expected 'FIRST,SECOND' image paths, optionally ',OUT.png'"
@@ -656,3 +667,76 @@ def predict(model, input: str) -> str:
         f"mean |flow| {float(mag.mean()):.2f} px, "
         f"max {float(mag.max()):.2f} px{nfe}; written to {path}"
     )
+
+
+_FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+# The flows of a whole video are held until they are written: at most this many pixels over all frames
+# (256 MiB of float32 flow).
+_MAX_VIDEO_PIXELS = 32 * 1024 * 1024
+
+
+def _video_frames(folder: Path) -> list[Path]:
+    """The frames of a video folder in name order, checked (count, sizes) before any is decoded."""
+    from PIL import Image
+
+    frames = sorted(
+        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FRAME_SUFFIXES),
+        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],  # 2 before 10
+    )
+    if len(frames) < 2:
+        raise ValueError(
+            f"predict: {folder} holds {len(frames)} image(s) ({', '.join(_FRAME_SUFFIXES)}); a video needs "
+            "at least 2 frames"
+        )
+    sizes = []
+    for path in frames:
+        with Image.open(path) as img:  # reads the header only
+            sizes.append(img.size)
+            if img.size != sizes[0]:
+                raise ValueError(
+                    f"predict: {path} is {img.size[1]}x{img.size[0]} (H x W) but {frames[0]} is "
+                    f"{sizes[0][1]}x{sizes[0][0]}; every frame of a video must have the same size"
+                )
+    w, h = sizes[0]
+    if len(frames) * w * h > _MAX_VIDEO_PIXELS:
+        raise ValueError(
+            f"predict: {folder} holds {len(frames)} frames of {h}x{w}, {len(frames) * w * h:,} pixels in "
+            f"all; at most {_MAX_VIDEO_PIXELS:,} (the flows are held until written): split the video"
+        )
+    return frames
+
+
+class _LazyFrames:
+    """A video's frames, decoded when the solve asks for them (not all held at once)."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return _read_image(str(self.paths[i]))
+
+
+def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
+    frames = _video_frames(folder)
+    if out_dir is None:
+        out_dir = free_path(Path(f"flow_{folder.resolve().name}"))
+    elif out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"predict: output folder {out_dir} exists and is not empty; choose a new one")
+    with torch.no_grad():
+        flows, stats = model.eval().estimate_sequence(_LazyFrames(frames), reuse=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for a, b, f in zip(frames, frames[1:], flows):
+        flow_png(f, out_dir / f"flow_{a.stem}_{b.stem}.png")
+    h, w = flows[0].shape[-2:]
+    nfe = ""
+    if stats[0] is not None:
+        later = [int(s.nfe) for s in stats[1:]]
+        nfe = f"; {int(stats[0].nfe)} f-evaluations for the first pair" + (
+            f", {sum(later) / len(later):.1f} per pair after it (each starts from the previous fixed point)"
+            if later
+            else ""
+        )
+    return f"{len(frames)} frames of {h}x{w} in {folder}: {len(flows)} flows{nfe}; written to {out_dir}"

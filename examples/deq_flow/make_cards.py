@@ -563,19 +563,20 @@ numbers; the memory and reuse measurements of this implementation are in the DEQ
 {convergence}
 
 **Use.** `deqzoo predict deqzoo/{name} first.png,second.png` writes the flow as a colour PNG
-(`torchvision.utils.flow_to_image`); `model(image1, image2)` takes (B, C, H, W) float in [0, 1] or uint8,
-grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back); `initial_state=` a previous
-`out.fixed_point` starts the solve there, `model.estimate_sequence(frames, reuse=True)` runs a video
-(`reuse="warp"`, the default: the previous hidden state and flow both moved with the content, warped
-bilinearly along the forward-interpolated flow; `"forward_interpolate"`: the original DEQ-Flow's
-fixed-point reuse, the previous hidden state as is and the previous flow splatted forward along itself;
-`"fixed_point"`: the previous fixed point as is; `"warm_start"`: RAFT's warm start, hidden state from zero);
-`num_flow_updates=k` (torchvision RAFT's argument) caps this call's updates at k, and in
-`estimate_sequence` every pair's after the first (on video, DEQ-Flow from the warped start reaches with
-k = 4 the EPE of solving every pair from zero to the tolerance, with about a quarter of the steps: the
-equal-accuracy table of `deqzoo/deq-flow-cpu-synth`'s card);
-`model.gradient_checkpointing_enable()` (`activation_checkpointing_enable()` in transformers 5.x) recomputes
-the encoders block by block in the backward (less training memory, same gradients)."""
+(`torchvision.utils.flow_to_image`), `deqzoo predict deqzoo/{name} FOLDER` one per consecutive pair of the
+video frames in FOLDER (with reuse, below); `model(image1, image2)` takes (B, C, H, W) float in [0, 1] or
+uint8, grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back); `initial_state=` a
+previous `out.fixed_point` starts the solve there, `model.estimate_sequence(frames, reuse=True)` runs a
+video (`reuse="warp"`, the default: the previous hidden state and flow both moved with the content, warped
+bilinearly along the forward-interpolated flow; `"forward_interpolate"`: the original DEQ-Flow's fixed-point
+reuse, the previous hidden state as is and the previous flow splatted forward along itself; `"fixed_point"`:
+the previous fixed point as is; `"warm_start"`: RAFT's warm start, hidden state from zero);
+`num_flow_updates=k` (torchvision RAFT's argument) caps this call's updates at k, and in `estimate_sequence`
+every pair's after the first (on video, DEQ-Flow from the warped start reaches with k = 4 the EPE of solving
+every pair from zero to the tolerance, with about a quarter of the steps: the equal-accuracy table of
+`deqzoo/deq-flow-cpu-synth`'s card); `model.gradient_checkpointing_enable()`
+(`activation_checkpointing_enable()` in transformers 5.x) recomputes the encoders block by block in the
+backward (less training memory, same gradients)."""
 
 
 if __name__ == "__main__":

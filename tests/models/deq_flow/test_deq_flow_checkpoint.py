@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,54 @@ def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch)
     Image.fromarray((torch.rand(40, 40, 3).numpy() * 255).astype("uint8")).save(tmp_path / "small.png")
     with pytest.raises(ValueError, match=r"\(48, 61\).*\(40, 40\)"):
         flow.predict(model, f"{paths[0]},{tmp_path / 'small.png'}")
+
+
+def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monkeypatch):
+    """`deqzoo predict MODEL FOLDER`: one PNG per consecutive pair, equal to `estimate_sequence(reuse=True)`
+    on the same frames (the PNG round trip of the frames is exact: uint8 in, uint8 out); bad folders are
+    refused before any frame is decoded, and nothing of the user's is overwritten."""
+    from PIL import Image
+    from torchvision.utils import flow_to_image
+
+    model = deqzoo.from_pretrained(NAMES[0])
+    video, _, _ = flow.synthetic_video(4, (48, 64), 2)
+    frames = (video * 255).round().to(torch.uint8)
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for t, frame in enumerate(frames):
+        Image.fromarray(frame.permute(1, 2, 0).numpy()).save(folder / f"frame{t:02d}.png")
+    (folder / "notes.txt").write_text("not a frame")
+    monkeypatch.chdir(tmp_path)
+    line = flow.predict(model, str(folder))
+    out = tmp_path / "flow_clip"
+    written = sorted(out.iterdir())
+    assert [p.name for p in written] == [f"flow_frame{t:02d}_frame{t + 1:02d}.png" for t in range(3)]
+    with torch.no_grad():
+        flows, stats = model.estimate_sequence(frames, reuse=True)
+    for path, f in zip(written, flows):
+        with Image.open(path) as im:
+            assert torch.equal(torch.from_numpy(np.asarray(im)).permute(2, 0, 1), flow_to_image(f))
+    later = sum(int(s.nfe) for s in stats[1:]) / 2
+    assert f"{int(stats[0].nfe)} f-evaluations for the first pair, {later:.1f} per pair after it" in line
+    assert later < stats[0].nfe  # the reused solves are cheaper than the first one
+    again = flow.predict(model, str(folder))
+    assert again.endswith("written to flow_clip-1") and len(list(out.iterdir())) == 3  # the first is kept
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.png").write_bytes(b"user's")
+    with pytest.raises(ValueError, match="mine exists and is not empty"):
+        flow.predict(model, f"{folder},{tmp_path / 'mine'}")
+    assert (tmp_path / "mine" / "keep.png").read_bytes() == b"user's"
+    Image.fromarray(frames[0, :, :40].permute(1, 2, 0).numpy()).save(folder / "frame99.png")
+    with pytest.raises(ValueError, match=r"frame99.png is 40x64 .*frame00.png is 48x64"):
+        flow.predict(model, str(folder))
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    Image.fromarray(frames[0].permute(1, 2, 0).numpy()).save(lone / "a.png")
+    with pytest.raises(ValueError, match="holds 1 image"):
+        flow.predict(model, str(lone))
+    for name in ("f10.png", "f2.png", "f1.png"):  # unpadded frame numbers: natural order, not string order
+        Image.fromarray(frames[0].permute(1, 2, 0).numpy()).save(lone / name)
+    assert [p.name for p in flow._video_frames(lone)] == ["a.png", "f1.png", "f2.png", "f10.png"]
 
 
 def test_demo_writes_pngs(tmp_path):
