@@ -393,31 +393,24 @@ def reuse_at_equal_accuracy(
     from deqzoo.tasks.flow import synthetic_video
 
     videos = [synthetic_video(frames, size, seed) for seed in seeds]
-
-    def run(mode, budget) -> dict:
-        return _stream_point(model, videos, mode, budget)
-
-    reference = run(False, None)
+    reference = _stream_point(model, videos, False, None)
     target = (1 + slack) * reference["mean_epe"]
     video_targets = [(1 + slack) * v["epe"] for v in reference["per_video"]]
     result: dict = {"reference": reference, "target_epe": target, "slack": slack, "modes": {}}
     for mode in modes:
-        curve = [run(mode, k) for k in budgets]
+        curve = [_stream_point(model, videos, mode, k) for k in budgets]
         hit = first_within(curve, target, video_targets)
         result["modes"]["none" if mode is False else mode] = {"curve": curve, "at_target": hit}
     cold_hit = result["modes"].get("none", {}).get("at_target")
     for r in result["modes"].values():
         hit = r["at_target"]
-        r["nfe_ratio"] = None if hit is None else hit["mean_nfe"] / reference["mean_nfe"]
-        r["epe_change"] = None if hit is None else hit["mean_epe"] / reference["mean_epe"] - 1
         r["nfe_ratio_vs_cold_at_target"] = (
             None if hit is None or cold_hit is None else hit["mean_nfe"] / cold_hit["mean_nfe"]
         )
-        if hit is not None:  # each video at the pooled operating point, against its own reference
-            r["per_video"] = [
-                {"seed": seed, "nfe_ratio": v["nfe"] / ref["nfe"], "epe_change": v["epe"] / ref["epe"] - 1}
-                for seed, v, ref in zip(seeds, hit["per_video"], reference["per_video"])
-            ]
+        if hit is None:
+            r["nfe_ratio"] = r["epe_change"] = None
+        else:  # pooled, and each video at the pooled operating point against its own reference
+            r.update(_against(hit, reference, seeds))
     result.update(frames=frames, size=list(size), seeds=list(seeds), budgets=list(budgets))
     return result
 
@@ -468,16 +461,20 @@ def reuse_budget_held_out(
     result: dict = {"reference": reference, "seeds": list(seeds), "modes": {}}
     for mode, budget in budgets.items():
         point = _stream_point(model, videos, mode, budget)
-        result["modes"][mode] = {
-            "point": point,
-            "nfe_ratio": point["mean_nfe"] / reference["mean_nfe"],
-            "epe_change": point["mean_epe"] / reference["mean_epe"] - 1,
-            "per_video": [
-                {"seed": seed, "nfe_ratio": v["nfe"] / r["nfe"], "epe_change": v["epe"] / r["epe"] - 1}
-                for seed, v, r in zip(seeds, point["per_video"], reference["per_video"])
-            ],
-        }
+        result["modes"][mode] = {"point": point, **_against(point, reference, seeds)}
     return result
+
+
+def _against(point: dict, reference: dict, seeds: Sequence[int]) -> dict:
+    """NFE ratio and EPE change of a curve point against the reference, pooled and per video."""
+    return {
+        "nfe_ratio": point["mean_nfe"] / reference["mean_nfe"],
+        "epe_change": point["mean_epe"] / reference["mean_epe"] - 1,
+        "per_video": [
+            {"seed": seed, "nfe_ratio": v["nfe"] / r["nfe"], "epe_change": v["epe"] / r["epe"] - 1}
+            for seed, v, r in zip(seeds, point["per_video"], reference["per_video"])
+        ],
+    }
 
 
 def reuse_start_residual(

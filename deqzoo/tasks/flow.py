@@ -631,10 +631,9 @@ def predict(model, input: str) -> str:
     INPUT ``FIRST,SECOND`` (image paths), optionally ``,OUT.png``: one flow; without OUT the file is
     ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists: an existing file
     is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2 before frame10, are
-    the frames of a video),
-    optionally ``,OUTDIR``: the flow of every consecutive pair with frame-to-frame reuse
-    (``model.estimate_sequence(frames, reuse=True)``), one PNG per pair in OUTDIR (a new or empty folder;
-    default ``flow_<folder>`` in the current directory, a numbered name if that exists)."""
+    the frames of a video), optionally ``,OUTDIR``: the flow of every consecutive pair with frame-to-frame
+    reuse (``model.estimate_sequence(frames, reuse=True)``), one PNG per pair in OUTDIR (a new or empty
+    folder; default ``flow_<folder>`` in the current directory, a numbered name if that exists)."""
     parts = [p.strip() for p in str(input).split(",")]
     if parts and parts[0] and Path(parts[0]).is_dir():
         if len(parts) > 2 or not all(parts):
@@ -723,13 +722,15 @@ def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
     frames = _video_frames(folder)
     if out_dir is None:
         out_dir = free_path(Path(f"flow_{folder.resolve().name}"))
-    elif out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    elif out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"predict: output folder {out_dir} is a file; choose a new folder")
+    elif out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"predict: output folder {out_dir} exists and is not empty; choose a new one")
     with torch.no_grad():
         flows, stats = model.eval().estimate_sequence(_LazyFrames(frames), reuse=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     for a, b, f in zip(frames, frames[1:], flows):
-        flow_png(f, out_dir / f"flow_{a.stem}_{b.stem}.png")
+        flow_png(f, free_path(out_dir / f"flow_{a.stem}_{b.stem}.png"))  # a.png and a.jpg: both kept
     h, w = flows[0].shape[-2:]
     nfe = ""
     if stats[0] is not None:

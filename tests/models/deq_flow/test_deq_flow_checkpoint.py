@@ -102,6 +102,9 @@ def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monke
     with pytest.raises(ValueError, match="mine exists and is not empty"):
         flow.predict(model, f"{folder},{tmp_path / 'mine'}")
     assert (tmp_path / "mine" / "keep.png").read_bytes() == b"user's"
+    with pytest.raises(ValueError, match="keep.png is a file"):
+        flow.predict(model, f"{folder},{tmp_path / 'mine' / 'keep.png'}")
+    assert (tmp_path / "mine" / "keep.png").read_bytes() == b"user's"
     Image.fromarray(frames[0, :, :40].permute(1, 2, 0).numpy()).save(folder / "frame99.png")
     with pytest.raises(ValueError, match=r"frame99.png is 40x64 .*frame00.png is 48x64"):
         flow.predict(model, str(folder))
