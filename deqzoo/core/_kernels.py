@@ -19,8 +19,13 @@ dimension and layout when it unboxes it. The iterate f is called on (``x``) is n
 writes the next one into (``xn``); the solver recycles an iterate's array only once nothing but the solver
 holds it, so f may keep its inputs.
 
-Norms and dot products accumulate in the state's dtype over many vector lanes (float32: ~1e-7 relative, as a
-BLAS dot), in float64 when that overflows; the small systems are solved in float64.
+Anderson's norms and Gram rows accumulate in the state's dtype over many vector lanes (float32: ~1e-7
+relative, as a BLAS dot), in float64 when that overflows; its small systems are solved in float64. Broyden
+forms and sums every product that decides its step in float64 (its stored steps stay in the state's dtype):
+its float32 chain of dot products otherwise rounds differently with the CPU's vector width, and on
+ill-conditioned systems that decided between converging and stalling (issue 36). Either way the results do
+not depend on numba's target CPU beyond float64 rounding (tests/core/test_core_hard_systems.py reruns with
+``NUMBA_CPU_NAME=generic``).
 
 The solvers use these kernels for CPU float32/float64 states when numba imports, ``DEQZOO_KERNELS`` is not
 ``0`` and the kernels are compiled (`ready`; on first use they compile in the background, see
@@ -303,49 +308,52 @@ def _sweep(Sb, cb, L, v, d):
     """v <- P_{L-1} ... P_1 v with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² for one sample (L >= 1), where row
     Sb[j] is s_j, cb[j] = 1 / |s_{j-1}|² and d = Sb[0]·v on entry. Returns Sb[L-1]·v (the step's
     denominator needs it). A chain: each coefficient needs the previous update, so the pass that adds row j
-    to v also takes row j's dot product with the updated v."""
-    T = v.dtype.type
-    e = T(d)
+    to v also takes row j's dot product with the updated v.
+
+    Mixed precision: the stored steps are in the state's dtype, while v (float64 scratch), the coefficients
+    and the dot products are float64. In float32 the chain's products otherwise carry ~1e-7 relative errors
+    that depend on how the reduction is split over vector lanes (so on the CPU's vector width), and on
+    ill-conditioned systems float32 Broyden then sits on the edge of stalling (issue 36)."""
+    e = d
     for j in range(1, L):
-        c = e * T(cb[j])
+        c = e * cb[j]
         row = Sb[j]
-        s = T(0.0)
+        s = 0.0
         for i in range(v.shape[0]):
-            r = row[i]
+            r = np.float64(row[i])
             t = v[i] + c * r
             v[i] = t
             s += r * t
         e = s
-    return np.float64(e)
+    return e
 
 
 @_jit
 def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
     """`_sweep` for two samples at once: each chain waits on its own dot product at every row; side by side,
     one chain's arithmetic fills the other's wait. Returns (da, db) as `_sweep` does."""
-    T = va.dtype.type
-    ea = T(da)
-    eb = T(db)
+    ea = da
+    eb = db
     for j in range(1, min(La, Lb)):
-        xa = ea * T(ca[j])
-        xb = eb * T(cb[j])
+        xa = ea * ca[j]
+        xb = eb * cb[j]
         ra = Sa[j]
         rb = Sb[j]
-        sa = T(0.0)
-        sb = T(0.0)
+        sa = 0.0
+        sb = 0.0
         for i in range(va.shape[0]):
-            r = ra[i]
+            r = np.float64(ra[i])
             t = va[i] + xa * r
             va[i] = t
             sa += r * t
-            q = rb[i]
+            q = np.float64(rb[i])
             u = vb[i] + xb * q
             vb[i] = u
             sb += q * u
         ea = sa
         eb = sb
-    da = np.float64(ea)
-    db = np.float64(eb)
+    da = ea
+    db = eb
     n = max(min(La, Lb), 1)
     if La > n:
         da = _sweep(Sa[n - 1 :], ca[n - 1 :], La - n + 1, va, da)
@@ -380,12 +388,12 @@ def _broyden_store(b, v, dL, x, fx, xn, S, Q, count, m):
     if np.isnan(factor):
         factor = -1.0
         for i in range(d):
-            v[i] = xb[i] - fb[i]
-    f = fx.dtype.type(factor)
+            v[i] = np.float64(xb[i] - fb[i])  # -g, as the first pass wrote it
+    T = fx.dtype.type
     sl = S[b, slot]
     q_sq = 0.0
-    for i in range(d):  # the step, the next iterate and the stored step in one pass
-        si = f * v[i]
+    for i in range(d):  # the step (rounded once to the state's dtype), the next iterate, the stored step
+        si = T(factor * v[i])
         ob[i] = xb[i] + si
         sl[i] = si
         q_sq += np.float64(si) * np.float64(si)
@@ -406,7 +414,12 @@ def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode
     s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²) (`broyden_update`, which also says when to restart).
     S[b, :count[b]] holds the steps in the state's dtype (the caller grows S's capacity with the steps
     taken, up to the memory m); Q = (sn, coef): their squared norms and the sweep's factors
-    coef[b, j] = 1 / sn[b, j-1]; V (B, D) is scratch for w. Returns `track`'s (flags, trace entry, n_go).
+    coef[b, j] = 1 / sn[b, j-1]; V (B, D) is float64 scratch for w. Returns `track`'s (flags, trace entry,
+    n_go).
+
+    Mixed precision (issue 36): the stored steps and iterates are in the state's dtype; every product that
+    decides the update (the norms, w, the sweep's dot products and coefficients) is formed and summed in
+    float64, so float32 Broyden does not depend on the CPU's vector width and matches the torch path.
     """
     B, d = fx.shape
     if k == 0:  # a solve starts with no stored step
@@ -414,23 +427,23 @@ def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode
     g2 = np.empty(B)
     f2 = np.empty(B)
     d0 = np.zeros(B)
-    T = fx.dtype.type
     for b in range(B):  # one pass: w = -g, its dot with the first stored step (the sweep's start), norms
         if not active[b]:
             continue
         xb, fb, vb, row0 = x[b], fx[b], V[b], S[b, 0]
-        g_sq = T(0.0)
-        fx_sq = T(0.0)
-        dd = T(0.0)
+        g_sq = 0.0
+        fx_sq = 0.0
+        dd = 0.0
         for i in range(d):
-            gi = fb[i] - xb[i]
+            gi = np.float64(fb[i] - xb[i])  # the residual in the state's dtype, as the torch path forms it
+            fi = np.float64(fb[i])
             vb[i] = -gi
             g_sq += gi * gi
-            fx_sq += fb[i] * fb[i]
-            dd -= row0[i] * gi  # row 0 may be unwritten with no stored step: dd is then not used
-        g2[b], f2[b] = _sq_norms(g_sq, fx_sq, fb, xb)
+            fx_sq += fi * fi
+            dd -= np.float64(row0[i]) * gi  # row 0 may be unwritten with no stored step: dd is then not used
+        g2[b], f2[b] = g_sq, fx_sq  # float64 sums of float32 or float64 squares: finite for a finite state
         if count[b] > 0:
-            d0[b] = np.float64(dd)
+            d0[b] = dd
     improved = np.empty(B, np.bool_)
     go = np.empty(B, np.int64)
     flags, trace, n_go = track(g2, f2, best, active, improved, go, rel_mode, tol, div_factor)
@@ -475,7 +488,7 @@ def _signatures():
         )  # fmt: skip
         yield broyden_step, (
             0, fx, fx.copy(), fx.copy(), fx.copy(), np.zeros((2, 2, 3), dt), np.zeros((2, 2, 2)),
-            np.zeros(2, np.int64), fx.copy(), best.copy(), act.copy(), 2, True, 1e-5, 1e6,
+            np.zeros(2, np.int64), np.zeros((2, 3)), best.copy(), act.copy(), 2, True, 1e-5, 1e6,
         )  # fmt: skip
     g = np.ones(2)
     yield track, (g, g, np.full((2, 2), np.inf), np.ones(2, np.int64), np.zeros(2, np.bool_),

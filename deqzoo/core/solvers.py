@@ -551,16 +551,18 @@ class LowRankInverse(InverseJacobian):
     def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
             return -y
-        U, V = self.W[:, 0::2], self.W[:, 1::2]
-        c = torch.bmm(y.unsqueeze(1).to(U.dtype), U.transpose(1, 2))  # (B, 1, n): y · u_j
-        return -y + torch.bmm(c, V)[:, 0].to(y.dtype)
+        U, V = self.W[:, 0::2].double(), self.W[:, 1::2].double()  # products in float64, as the solver's
+        y64 = y.double()
+        c = torch.bmm(y64.unsqueeze(1), U.transpose(1, 2))  # (B, 1, n): y · u_j
+        return (-y64 + torch.bmm(c, V)[:, 0]).to(y.dtype)
 
     def matvec(self, y: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
             return -y
-        U, V = self.W[:, 0::2], self.W[:, 1::2]
-        c = torch.bmm(y.unsqueeze(1).to(U.dtype), V.transpose(1, 2))
-        return -y + torch.bmm(c, U)[:, 0].to(y.dtype)
+        U, V = self.W[:, 0::2].double(), self.W[:, 1::2].double()
+        y64 = y.double()
+        c = torch.bmm(y64.unsqueeze(1), V.transpose(1, 2))
+        return (-y64 + torch.bmm(c, U)[:, 0]).to(y.dtype)
 
 
 def _step_product_inverse(S: np.ndarray, Q: np.ndarray, count: np.ndarray) -> StepProductInverse:
@@ -656,7 +658,7 @@ def broyden(
                 np.empty((b, cap, d), dt),
                 np.empty((2, b, cap)),
                 np.empty(b, np.int64),
-                np.empty((b, d), dt),
+                np.empty((b, d)),  # w, float64 scratch (mixed precision, `_kernels._sweep`)
             )
 
         def grow(arrays, cap):  # the steps, their norms and factors, the counts (V is scratch)
@@ -702,27 +704,30 @@ def broyden(
         L = count
         last = (L - 1).clamp_min(0)
         p_last, sn_last = U[rows, last], sn[rows, last]
+        # mixed precision, as the fused kernel (`_kernels.broyden_step`): the stored u_j, v_j stay in the
+        # state's dtype, every product that decides the step is formed and summed in float64 (issue 36)
+        g64, p64 = gx.double(), p_last.double()
         if n > 1:
-            live = ((torch.arange(n, device=dev) < L[:, None]) & (torch.arange(n, device=dev) >= 1)).to(
-                x.dtype
-            )
-            c = torch.bmm(gx.unsqueeze(1), V[:, :n].transpose(1, 2)) * live[:, None]  # v_j · g
-            w = torch.baddbmm(gx.unsqueeze(1), c, U[:, :n], beta=-1.0).view(b, d)  # B g = -g + Σ u_j c_j
-            e = torch.bmm(p_last.unsqueeze(1), U[:, :n].transpose(1, 2)) * live[:, None]  # u_j · s_last
-            bt = torch.baddbmm(p_last.unsqueeze(1), e, V[:, :n], beta=-1.0).view(b, d)  # Bᵀ s_last
+            live = ((torch.arange(n, device=dev) < L[:, None]) & (torch.arange(n, device=dev) >= 1)).double()
+            U64, V64 = U[:, :n].double(), V[:, :n].double()
+            c = torch.bmm(g64.unsqueeze(1), V64.transpose(1, 2)) * live[:, None]  # v_j · g
+            w = torch.baddbmm(g64.unsqueeze(1), c, U64, beta=-1.0).view(b, d)  # B g = -g + Σ u_j c_j
+            e = torch.bmm(p64.unsqueeze(1), U64.transpose(1, 2)) * live[:, None]  # u_j · s_last
+            bt = torch.baddbmm(p64.unsqueeze(1), e, V64, beta=-1.0).view(b, d)  # Bᵀ s_last
         else:
-            w, bt = -gx, -p_last
+            w, bt = -g64, -p64
         # `_kernels.broyden_update`, vectorised: restart with no step or a degenerate denominator
-        den = torch.linalg.vecdot(p_last, w).double() + sn_last
+        den = torch.linalg.vecdot(p64, w) + sn_last
         restart = (L == 0) | ~(torch.isfinite(den) & (den.abs() > 1e-12 * sn_last))
-        factor = torch.where(restart, -1.0, -sn_last / den).to(x.dtype)[:, None]
-        w = torch.where(restart[:, None], -gx, w)
+        factor = torch.where(restart, -1.0, -sn_last / den)[:, None]
+        w = torch.where(restart[:, None], -g64, w)
         slot = torch.where(restart | (L == m), 0, L)
-        s = factor * w
+        s = (factor * w).to(x.dtype)  # rounded once to the state's dtype, as the kernel's step
+        bt = (bt / sn_last[:, None]).to(x.dtype)
         stepping = tracker.stepping(dev)
         keep_old = ~stepping[:, None]
         U[rows, slot] = torch.where(keep_old, U[rows, slot], s)
-        V[rows, slot] = torch.where(keep_old, V[rows, slot], bt / sn_last.to(x.dtype)[:, None])
+        V[rows, slot] = torch.where(keep_old, V[rows, slot], bt)
         sn[rows, slot] = torch.where(stepping, torch.linalg.vector_norm(s, dim=1, dtype=torch.float64) ** 2,
                                      sn[rows, slot])  # fmt: skip
         count = torch.where(stepping, slot + 1, count)
