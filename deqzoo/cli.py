@@ -170,22 +170,39 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _benchmarks_folder() -> Path | None:
+    """The `benchmarks/` folder of the clone the command runs in (the current directory or one above it).
+
+    Benchmarks are scripts of the repository, not part of the installed package."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "benchmarks" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
+            return folder / "benchmarks"
+    return None
+
+
 def benchmark_names() -> list[str]:
-    """The benchmarks `deqzoo bench NAME` runs: the modules of deqzoo.bench (found without importing them)."""
-    import pkgutil
-
-    import deqzoo.bench as bench
-
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+    """The benchmarks `deqzoo bench NAME` runs: the modules of the clone's `benchmarks/` (not imported)."""
+    folder = _benchmarks_folder()
+    if folder is None:
+        return []
+    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs deqzoo/bench/deq_ddim.py
+    args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs benchmarks/deq_ddim.py
     known = benchmark_names()
-    # deqzoo.bench's own modules (or one trusted code already imported): the argument never names other code
-    if args.name not in known and f"deqzoo.bench.{args.name}" not in sys.modules:
+    # the clone's own benchmark modules (or one trusted code already imported): the argument never names
+    # other code
+    if args.name not in known and f"benchmarks.{args.name}" not in sys.modules:
+        if _benchmarks_folder() is None:
+            raise CLIError(f"unknown benchmark {args.name!r}: the benchmarks are scripts of the repository "
+                           "(benchmarks/), not part of the installed package; run `deqzoo bench` from the root "
+                           "of a clone (git clone ... && pip install -e \".[bench]\")")
         raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
-    module = importlib.import_module(f"deqzoo.bench.{args.name}")
+    folder = _benchmarks_folder()
+    if folder is not None and str(folder.parent) not in sys.path:
+        sys.path.insert(0, str(folder.parent))
+    module = importlib.import_module(f"benchmarks.{args.name}")
     return int(module.main(rest) or 0)
 
 
@@ -335,10 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--token", default=None, help="default: $HF_TOKEN or the stored login")
     p.add_argument("--endpoint", default=None, help="defaults to $HF_ENDPOINT or huggingface.co")
-    p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)",
-                       epilog="available benchmarks: " + ", ".join(benchmark_names())
+    p = sub.add_parser("bench", help="run a clone's benchmarks/NAME.py (remaining arguments go to it)",
+                       epilog="available benchmarks: " + (", ".join(benchmark_names()) or "none here (run "
+                                                          "from the root of a clone)")
                        + ". `deqzoo bench NAME --help` shows a benchmark's own options.")
-    p.add_argument("name", help="one of: " + ", ".join(benchmark_names()))
+    p.add_argument("name", help="one of: " + (", ".join(benchmark_names()) or "(none here)"))
     p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver")
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")

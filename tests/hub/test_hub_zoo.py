@@ -212,9 +212,9 @@ def test_cli_bench_dispatches_with_remaining_args(monkeypatch, capsys):
     import types
 
     seen = {}
-    module = types.ModuleType("deqzoo.bench.hubtoy")
+    module = types.ModuleType("benchmarks.hubtoy")
     module.main = lambda argv=None: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(__import__("sys").modules, "deqzoo.bench.hubtoy", module)
+    monkeypatch.setitem(__import__("sys").modules, "benchmarks.hubtoy", module)
     assert cli_main(["bench", "hubtoy", "--quick", "--n", "3"]) == 0
     assert seen["argv"] == ["--quick", "--n", "3"]
     assert cli_main(["bench", "definitely-not-a-bench"]) == 2

@@ -52,7 +52,7 @@ def test_cli_trains_saves_and_loads(tmp_path):
 
 
 def test_bench_writes_json_and_png(tmp_path):
-    from deqzoo.bench import hypersolver as bench
+    from benchmarks import hypersolver as bench
 
     out = tmp_path / "h.json"
     assert bench.main(["--models", "mdeq", "--limit", "100", "--budgets", "1", "2", "4", "8", "12",

@@ -44,6 +44,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import child_env
+
 __all__ = [
     "enable_checkpointing",
     "first_within",
@@ -277,12 +279,13 @@ def _subprocess(
     two_stage: bool = False,
 ) -> dict:
     code = (
-        "import json, sys; from deqzoo.bench.deq_flow import measure_training; "
+        "import json, sys; from benchmarks.deq_flow import measure_training; "
         f"print(json.dumps(measure_training({kind!r}, {iters}, preset={preset!r}, batch={batch}, "
         f"size={size}, n_states={n_states}, repeats={repeats}, checkpointing={checkpointing}, "
         f"two_stage={two_stage})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"deq-flow bench subprocess ({kind}, {iters}) failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,9 +37,9 @@ _FIXTURE = Path("conversion") / "fixtures" / "mdeq" / "torchdeq_mdeq_tiny.pth.ta
 
 
 def _repo_root() -> Path:
-    from deqzoo.hub.catalog import REPO_ROOT
+    from benchmarks import REPO_ROOT
 
-    return Path(REPO_ROOT)
+    return REPO_ROOT
 
 
 def find_zoo(path: str | Path | None) -> tuple[Path | None, str]:
