@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # benchmarks are repository tooling: they may know the clone
+# benchmarks are repository tooling: they may know the clone
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def child_env() -> dict[str, str]:

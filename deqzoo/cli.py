@@ -196,8 +196,8 @@ def cmd_bench(args, rest: list[str]) -> int:
     if args.name not in known and f"benchmarks.{args.name}" not in sys.modules:
         if _benchmarks_folder() is None:
             raise CLIError(f"unknown benchmark {args.name!r}: the benchmarks are scripts of the repository "
-                           "(benchmarks/), not part of the installed package; run `deqzoo bench` from the root "
-                           "of a clone (git clone ... && pip install -e \".[bench]\")")
+                           "(benchmarks/), not part of the installed package; run `deqzoo bench` from the "
+                           "root of a clone (git clone ... && pip install -e \".[bench]\")")
         raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
     folder = _benchmarks_folder()
     if folder is not None and str(folder.parent) not in sys.path:

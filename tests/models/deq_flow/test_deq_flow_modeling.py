@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from deqzoo.bench.deq_flow import enable_checkpointing
 from torch import nn
 from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
-from deqzoo.bench.deq_flow import enable_checkpointing
 from deqzoo.models.deq_flow import (
     ARCHITECTURES,
     REUSE_MODES,
