@@ -15,7 +15,7 @@ checkpointing of the encoders (``--checkpointing off on``; per residual block, t
   weights and thread pools are not counted.
 DEQ-Flow runs its training recipe (forward solve without a graph, one-step phantom gradient) with one
 supervised state and with 3 fixed-point-correction states, the latter also with the two-stage backward
-(``two_stage``: `deqzoo.tasks.flow.two_stage_backward`, encoders once, one state's graph at a time; the
+(``two_stage``: `deqzoo.models.deq_flow.two_stage_backward`, encoders once, one state's graph at a time; the
 graphs are built inside the backward, so ``graph_mb`` does not apply and only the step peak and RSS
 measure it); RAFT backpropagates through every update (RAFT's sequence loss). Time is the median of 3
 steps.
@@ -189,10 +189,10 @@ def measure_training(
     """One configuration in this process: saved-graph bytes (by part), parameter bytes, the step's tensor
     peak, peak RSS growth, step time. `checkpointing`: the encoders' activation checkpointing (transformers'
     ``gradient_checkpointing_enable``), on for both models alike. `two_stage`: DEQ-Flow's backward by
-    `deqzoo.tasks.flow.two_stage_backward` (saved-graph bytes are then None)."""
+    `deqzoo.models.deq_flow.two_stage_backward` (saved-graph bytes are then None)."""
     import torch
 
-    from deqzoo.tasks.flow import two_stage_backward
+    from deqzoo.models.deq_flow import two_stage_backward
 
     if two_stage and kind != "deq-flow":
         raise ValueError("two_stage applies to deq-flow only (RAFT's updates chain)")

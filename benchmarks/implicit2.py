@@ -207,7 +207,7 @@ def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[
     rotated every round) after `warmup` steps each. One phase per entry of `time_after`: the
     tolerance-checked implicit network is first trained to at least that many steps (its step time depends
     on how many solver steps the reuse solve still needs; the others' work per step does not change)."""
-    from deqzoo.tasks.implicit2 import Fitter
+    from examples.implicit2.fitting import Fitter
 
     fitters = {}
     for kind, implicit, layers, budget in TIME_KINDS:
@@ -257,7 +257,8 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     import torch
 
     torch.set_num_threads(1)
-    from deqzoo.tasks.implicit2 import fit, image_data, psnr
+    from deqzoo.tasks.implicit2 import image_data, psnr
+    from examples.implicit2.fitting import fit
 
     data = image_data(setting["image"], int(setting["size"]), setting["split"])
     if setting["group"] == "time":
