@@ -136,7 +136,7 @@ def measure(zoo: Path | None, *, solver: str = "anderson", f_max_iter: int = 30,
 
     from deqzoo.hub.converters import converter_module
 
-    conv = converter_module("mdeq_torchdeq", _repo_root())
+    conv = converter_module("mdeq_torchdeq")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(batch_size, 3, 32, 32, generator=gen) for _ in range(batches)]

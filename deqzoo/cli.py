@@ -121,13 +121,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from deqzoo.hub.catalog import REPO_ROOT
     from deqzoo.hub.converters import conversion_formats
 
-    root = Path(args.root) if args.root else REPO_ROOT
-    formats = conversion_formats(root)
+    formats = conversion_formats()
     if args.format is None or args.format == "list":
-        print("\n".join(sorted(formats)) or f"no converters found under {root / 'conversion'}")
+        print("\n".join(sorted(formats)) or "no converters in this install")
         return 0
     if args.format not in formats:
         raise CLIError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
@@ -299,7 +297,7 @@ def cmd_demo(args) -> int:
     if not names:
         print("deqzoo demo: no embedded checkpoints in the catalog (deqzoo/hub/catalog.json) yet; "
               "nothing to run. "
-              "Add a folder under model_cards/ and run `python -m deqzoo.hub.catalog`.")
+              "Add a folder under model_cards/ and run `python -m utils.catalog`.")
         return 0
     rows, failures = run_demo(names, Path(args.output_dir), progress=not args.no_progress)
     header = ["model", "prediction", "NFE", "final residual", "time", "plot"]
@@ -339,7 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="?")
     p.add_argument("out", nargs="?")
     p.add_argument("--option", action="append", metavar="KEY=VALUE")
-    p.add_argument("--root", help=argparse.SUPPRESS)
     p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
     p.add_argument("directory")
     p.add_argument("--repo-id", required=True)

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .catalog import NAMESPACE, REPO_ROOT, embedded_folder, load_catalog, sha256_file
+from .catalog import NAMESPACE, PACKAGED_CARDS_DIR, embedded_folder, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
 from .validation import check_budget, confined, is_network_error, read_json
@@ -54,7 +54,7 @@ def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
             raise CheckpointError(
                 f"{path}: sha256 {actual} does not match the catalog ({expected}) for {entry['id']}; "
                 "the embedded checkpoint was modified or corrupted "
-                "(regenerate with `python -m deqzoo.hub.catalog` if intended)")
+                "(regenerate with `python -m utils.catalog` if intended)")
         _VERIFIED[key] = actual
 
 
@@ -90,7 +90,7 @@ def resolve(
             verify_embedded(entry, folder)
             return folder
         name = entry["id"]  # folder not shipped with this install: fall through to cache / Hub
-        missing_embedded = REPO_ROOT / entry["location"]
+        missing_embedded = PACKAGED_CARDS_DIR / Path(entry["location"]).name
     else:
         missing_embedded = None
     if path.exists():

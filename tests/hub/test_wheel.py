@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from deqzoo.hub.catalog import REPO_ROOT, load_catalog, load_hypersolver_catalog
+from deqzoo.hub.catalog import load_catalog, load_hypersolver_catalog
+from utils.catalog import REPO_ROOT
 
 pytestmark = pytest.mark.wheel
 
