@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deqzoo.errors import DeqzooError
+
 DEMO_SOLVERS = ("fixed_point", "anderson", "broyden")
 
 
-class CLIError(Exception):
+class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
@@ -66,7 +68,7 @@ def _load(name: str, deq: dict[str, Any] | None = None):
 
 def cmd_list(args) -> int:
     import deqzoo
-    from deqzoo.integrations.transformers import unavailable_families
+    from deqzoo.models.registry import unavailable_families
 
     rows = [[m.name, m.kind, m.model_type or "?", m.task or "?", _fmt_params(m.parameters),
              _fmt_metrics(m.metrics) if m.kind == "checkpoint" else m.description]

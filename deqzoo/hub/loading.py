@@ -215,9 +215,8 @@ def load_pretrained(
     directory = resolve(name_or_path, **hub)
     if config is None:
         config = load_config(model_cls.config_class, directory)
-    from ..modeling_utils import check_config_overrides
-
-    check_config_overrides(config, kwargs)
+    if hasattr(config, "check_overrides"):  # a deqzoo config checks overrides like its __init__ does
+        config.check_overrides(kwargs)
     for key, value in kwargs.items():  # transformers convention: extra kwargs override config attributes
         if not hasattr(config, key):
             raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
