@@ -31,8 +31,8 @@ class _FixedUNet(torch.nn.Module):
 @pytest.mark.parametrize("use_clipped", [False, True])
 def test_batched_step_equals_ddim_scheduler_step(dtype, prediction_type, clip, use_clipped):
     scheduler = DDIMScheduler(prediction_type=prediction_type, clip_sample=clip == "clip",
-                              clip_sample_range=0.8, thresholding=clip == "threshold", dynamic_thresholding_ratio=0.9,
-                              sample_max_value=1.2)
+                              clip_sample_range=0.8, thresholding=clip == "threshold",
+                              dynamic_thresholding_ratio=0.9, sample_max_value=1.2)
     T = 12
     chain = DDIMChain(_FixedUNet(), scheduler, T, use_clipped_model_output=use_clipped)
     g = torch.Generator().manual_seed(0)
