@@ -170,14 +170,18 @@ def cmd_push(args) -> int:
     return 0
 
 
-def _benchmarks_folder() -> Path | None:
-    """The `benchmarks/` folder of the clone the command runs in (the current directory or one above it).
-
-    Benchmarks are scripts of the repository, not part of the installed package."""
+def _clone_root() -> Path | None:
+    """The deqzoo clone the command runs in (the current directory or one above it): benchmarks and training
+    programs are scripts of the repository, not part of the installed package."""
     for folder in (Path.cwd(), *Path.cwd().parents):
         if (folder / "benchmarks" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
-            return folder / "benchmarks"
+            return folder
     return None
+
+
+def _benchmarks_folder() -> Path | None:
+    root = _clone_root()
+    return None if root is None else root / "benchmarks"
 
 
 def benchmark_names() -> list[str]:
@@ -206,10 +210,16 @@ def cmd_bench(args, rest: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
-def cmd_train_hypersolver(args) -> int:
-    from deqzoo.hypersolver.training import run_cli
-
-    return run_cli(args)
+def cmd_train_hypersolver(rest: list[str]) -> int:
+    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
+    code, not part of the installed package)."""
+    root = _clone_root()
+    if root is None or not (root / "examples" / "hypersolver" / "train.py").is_file():
+        raise CLIError("train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it from "
+                       "the root of a clone (git clone ... && pip install -e .)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return int(importlib.import_module("examples.hypersolver.train").main(rest) or 0)
 
 
 def _solver_names() -> list[str]:
@@ -360,28 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint")
-    p.add_argument("model", help="checkpoint id or directory (e.g. deqzoo/mdeq-tiny-mnist)")
-    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long")
-    p.add_argument("--unroll", type=int, default=6, help="K, the unrolled HyperAnderson steps")
-    p.add_argument("--memory", type=int, default=5, help="m (the window holds m + 1 iterates)")
-    p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
-    p.add_argument(
-        "--alpha-base",
-        choices=["none", "anderson"],
-        default="none",
-        help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights",
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
-    p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
-    p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")
-    p.add_argument("--gt-tol", type=float, default=1e-5, help="ground truth: relative tolerance")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint (from "
+                   "a clone: examples/hypersolver/train.py; `train-hypersolver --help` lists its options)",
+                   add_help=False)
     return parser
 
 
@@ -417,18 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DEQZOO_DEBUG", "").strip() not in ("", "0")
     while argv[:1] == ["--debug"]:
         argv, debug = argv[1:], True
-    if argv[:1] != ["bench"] and "--debug" in argv:  # after `bench NAME` every argument is the benchmark's
+    # `bench NAME` and `train-hypersolver` pass every later argument on
+    if argv[:1] not in (["bench"], ["train-hypersolver"]) and "--debug" in argv:
         argv, debug = [a for a in argv if a != "--debug"], True
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
         args, rest = parser.parse_known_args(argv[:2])
         command, handler = "bench", (lambda a: cmd_bench(a, argv[2:]))
+    elif argv[:1] == ["train-hypersolver"]:  # every argument is the training program's
+        args, command, handler = None, "train-hypersolver", (lambda a: cmd_train_hypersolver(argv[1:]))
     else:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo,
-                    "train-hypersolver": cmd_train_hypersolver}
+                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
         handler = handlers[command]
     if command == "demo":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network

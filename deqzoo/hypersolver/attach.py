@@ -19,10 +19,12 @@ from torch import nn
 
 from ..core import DEQ
 from ..core.state import StatePacker
+from .configuration import HyperSolverConfig
 from .modeling import HyperSolver
 
 __all__ = [
     "HyperDEQ",
+    "default_config",
     "deq_layers",
     "family_of",
     "record_problems",
@@ -55,6 +57,35 @@ def deq_layers(model: nn.Module) -> list[tuple[nn.Module, str, DEQ]]:
             if isinstance(child, DEQ):
                 found.append((owner, name, child))
     return found
+
+
+def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverConfig:
+    """A hypersolver config sized for `model` (state kind, channels, injection width from its config)."""
+    from .io import model_fingerprint
+
+    kind, _ = family_of(model)
+    cfg = model.config
+    if kind == "multires":
+        base = dict(
+            state_kind=kind,
+            state_channels=list(cfg.branch_channels),
+            injection_channels=int(cfg.branch_channels[0]),
+            pool=1,
+            mix_hidden=8,
+        )
+    elif kind == "sequence":
+        base = dict(
+            state_kind=kind,
+            state_channels=[int(cfg.d_model)],
+            injection_channels=3 * int(cfg.n_head) * int(cfg.d_head),
+            init_hidden=6,
+            mix_hidden=8,
+        )
+    else:
+        raise ValueError(f"no default hypersolver for model type {getattr(cfg, 'model_type', '?')!r}")
+    base.update(model_id=model_id, model_fingerprint=model_fingerprint(model))
+    base.update(overrides)
+    return HyperSolverConfig(**base)
 
 
 class HyperDEQ(DEQ):

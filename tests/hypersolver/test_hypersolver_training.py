@@ -7,8 +7,8 @@ import torch
 import deqzoo
 from deqzoo.core.solvers import anderson
 from deqzoo.hypersolver import HyperSolver, load_hypersolver
-from deqzoo.hypersolver.attach import initial_flat
-from deqzoo.hypersolver.training import collect_problems, default_config, model_batches, train_hypersolver
+from deqzoo.hypersolver.attach import default_config, initial_flat
+from examples.hypersolver.train import collect_problems, model_batches, train_hypersolver
 
 
 def test_training_learns_on_recorded_problems():
