@@ -605,8 +605,8 @@ def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None
     """
     from pathlib import Path
 
-    from ..hub.loading import CheckpointError
-    from ..hub.validation import confined, read_json
+    from ...errors import CheckpointError
+    from ...hub.validation import confined, read_json
 
     directory = Path(directory)
     index_path = confined(directory, "model_index.json", directory)

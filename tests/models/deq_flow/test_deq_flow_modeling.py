@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deqzoo.bench.deq_flow import enable_checkpointing
+from benchmarks.deq_flow import enable_checkpointing
 from torch import nn
 from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
