@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmarks.deq_flow import enable_checkpointing
 from torch import nn
 from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
+from benchmarks.deq_flow import enable_checkpointing
 from deqzoo.models.deq_flow import (
     ARCHITECTURES,
     REUSE_MODES,
