@@ -303,7 +303,11 @@ def cmd_demo(args) -> int:
     import torch
 
     from deqzoo.hub.catalog import load_catalog
+    from deqzoo.models.registry import require
 
+    # the demo runs every task's data and plots: refuse up front, naming the extra, instead of N failures
+    require("demo", ("matplotlib", "PIL", "sklearn", "skimage", "cv2", "mlxtend", "torchvision", "diffusers"),
+            "deqzoo demo")
     torch.manual_seed(0)
     names = args.names or sorted(load_catalog())
     if not names:
@@ -385,7 +389,7 @@ def _one_line(err: BaseException) -> str:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can cause and fix (bad file, bad value, no network): one line, exit 2."""
-    errors: list[type[BaseException]] = [CLIError, ValueError, OSError, KeyError, RuntimeError,
+    errors: list[type[BaseException]] = [DeqzooError, ValueError, OSError, KeyError, RuntimeError,
                                          RecursionError, MemoryError, UnicodeError]
     try:
         from PIL import Image
@@ -435,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"deqzoo {command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as err:  # an optional dependency: name the extra that installs it
+        from deqzoo.models.registry import missing_extra_message
+
+        message = missing_extra_message(err)
+        if debug or message is None:
+            raise
+        print(f"deqzoo {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
+        return 2
     except Exception as err:
         if debug or not (isinstance(err, _expected_errors()) or _network_error(err)):
             raise

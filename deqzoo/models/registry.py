@@ -225,6 +225,23 @@ class MissingExtraError(DeqzooError, ImportError):
     """A family or command needs an optional dependency that is not installed; the message names the extra."""
 
 
+# top-level module -> the extra that installs it (for errors raised deep inside a task or command)
+EXTRA_OF_MODULE = {"torchvision": "vision", "PIL": "vision", "timm": "timm", "diffusers": "diffusion",
+                   "mlxtend": "data", "sklearn": "data", "skimage": "data", "cv2": "data",
+                   "matplotlib": "plot",
+                   "accelerate": "train", "torch_geometric": "graph", "torchdeq": "bench", "onnx": "export",
+                   "onnxruntime": "export", "onnxscript": "export"}
+
+
+def missing_extra_message(err: ModuleNotFoundError) -> str | None:
+    """'... pip install "deqzoo[<extra>]"' for a missing optional dependency, None for any other module."""
+    top = (err.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    return f"this needs {top}, which is not installed: pip install \"deqzoo[{extra}]\""
+
+
 def require(extra: str | None, modules: tuple[str, ...], what: str) -> None:
     """Raise MissingExtraError naming ``pip install "deqzoo[<extra>]"`` when one of `modules` is missing."""
     import importlib.util
