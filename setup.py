@@ -3,7 +3,8 @@
 The checkpoints live in ``model_cards/`` at the repository root (each folder a Hub repository). A regular
 (non-editable) build copies the files the catalog lists (``deqzoo/hub/catalog.json``: checkpoints and
 hypersolvers, with their sha256) into the package as ``deqzoo/_model_cards/<folder>/``, where
-:func:`deqzoo.hub.catalog.embedded_folder` finds them; an editable install reads ``model_cards/`` in place.
+:func:`deqzoo.hub.catalog.embedded_folder` finds them; in a clone ``deqzoo/_model_cards`` is a link to
+``model_cards/``, so an editable install reads them in place.
 Everything else is in pyproject.toml.
 """
 
@@ -33,7 +34,7 @@ class BuildPyWithCheckpoints(build_py):
                 src = source / rel
                 if hashlib.sha256(src.read_bytes()).hexdigest() != digest:
                     raise SystemExit(f"{src}: sha256 differs from deqzoo/hub/catalog.json; "
-                                     "run `python -m deqzoo.hub.catalog` before building")
+                                     "run `python -m utils.catalog` before building")
                 (target / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, target / rel)
 

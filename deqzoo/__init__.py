@@ -1,9 +1,10 @@
 """deqzoo: the model zoo and pretrained-model hub for deep equilibrium models.
 
 ``import deqzoo`` is cheap: it imports no torch, transformers or timm. The public functions load their modules
-on first use, and deqzoo registers its families with transformers' Auto classes (and its MDEQ entries with
-timm's registry) as soon as the user's code imports those libraries (see ``deqzoo._imports``), so stock code
-such as ``transformers.AutoModel.from_pretrained(path)`` works after ``import deqzoo``.
+on first use, and a family registers with transformers' Auto classes when deqzoo first needs it (loading one
+checkpoint imports only its family). For stock code such as ``transformers.AutoModel.from_pretrained(path)``
+or ``timm.create_model("mdeq_tiny_mnist")``, call ``deqzoo.register()`` first: it registers every family whose
+dependencies are installed (and MDEQ with timm when timm is).
 
 Example:
     >>> import deqzoo
@@ -16,17 +17,38 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _imports
+from .errors import DeqzooError
 
 __version__ = "0.1.0"
 
 _LAZY = {"ModelInfo": "factory", "create_model": "factory", "from_pretrained": "factory",
          "list_models": "factory"}
-_SUBMODULES = {"bench", "cli", "core", "export", "factory", "hub", "integrations", "modeling_utils", "models",
-               "tasks"}
+_SUBMODULES = {"cli", "core", "export", "factory", "hub", "integrations", "modeling_utils", "models",
+               "pipelines", "tasks"}
 
 if TYPE_CHECKING:  # static tools see the real names
     from .factory import ModelInfo, create_model, from_pretrained, list_models
+
+
+def register() -> list[str]:
+    """Register every available family with the transformers Auto classes, and MDEQ with timm's registry
+    when timm is installed; returns the registered model types. deqzoo's own functions do not need it.
+
+    Example:
+        >>> import deqzoo
+        >>> "mdeq" in deqzoo.register()
+        True
+    """
+    import importlib.util
+
+    from .integrations.transformers import register_all
+
+    families = register_all()
+    if importlib.util.find_spec("timm") is not None:
+        for family in families.values():
+            if family.timm_module:
+                importlib.import_module(family.timm_module)
+    return sorted(families)
 
 
 def __getattr__(name: str) -> Any:
@@ -43,6 +65,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
-_imports.install()
-
-__all__ = ["ModelInfo", "__version__", "create_model", "from_pretrained", "list_models"]
+__all__ = ["DeqzooError", "ModelInfo", "__version__", "create_model", "from_pretrained", "list_models",
+           "register"]

@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deqzoo.errors import DeqzooError
+
 DEMO_SOLVERS = ("fixed_point", "anderson", "broyden")
 
 
-class CLIError(Exception):
+class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
@@ -66,7 +68,7 @@ def _load(name: str, deq: dict[str, Any] | None = None):
 
 def cmd_list(args) -> int:
     import deqzoo
-    from deqzoo.integrations.transformers import unavailable_families
+    from deqzoo.models.registry import unavailable_families
 
     rows = [[m.name, m.kind, m.model_type or "?", m.task or "?", _fmt_params(m.parameters),
              _fmt_metrics(m.metrics) if m.kind == "checkpoint" else m.description]
@@ -121,13 +123,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from deqzoo.hub.catalog import REPO_ROOT
     from deqzoo.hub.converters import conversion_formats
 
-    root = Path(args.root) if args.root else REPO_ROOT
-    formats = conversion_formats(root)
+    formats = conversion_formats()
     if args.format is None or args.format == "list":
-        print("\n".join(sorted(formats)) or f"no converters found under {root / 'conversion'}")
+        print("\n".join(sorted(formats)) or "no converters in this install")
         return 0
     if args.format not in formats:
         raise CLIError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
@@ -170,29 +170,56 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _clone_root() -> Path | None:
+    """The deqzoo clone the command runs in (the current directory or one above it): benchmarks and training
+    programs are scripts of the repository, not part of the installed package."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "benchmarks" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
+            return folder
+    return None
+
+
+def _benchmarks_folder() -> Path | None:
+    root = _clone_root()
+    return None if root is None else root / "benchmarks"
+
+
 def benchmark_names() -> list[str]:
-    """The benchmarks `deqzoo bench NAME` runs: the modules of deqzoo.bench (found without importing them)."""
-    import pkgutil
-
-    import deqzoo.bench as bench
-
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+    """The benchmarks `deqzoo bench NAME` runs: the modules of the clone's `benchmarks/` (not imported)."""
+    folder = _benchmarks_folder()
+    if folder is None:
+        return []
+    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs deqzoo/bench/deq_ddim.py
+    args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs benchmarks/deq_ddim.py
     known = benchmark_names()
-    # deqzoo.bench's own modules (or one trusted code already imported): the argument never names other code
-    if args.name not in known and f"deqzoo.bench.{args.name}" not in sys.modules:
+    # the clone's own benchmark modules (or one trusted code already imported): the argument never names
+    # other code
+    if args.name not in known and f"benchmarks.{args.name}" not in sys.modules:
+        if _benchmarks_folder() is None:
+            raise CLIError(f"unknown benchmark {args.name!r}: the benchmarks are scripts of the repository "
+                           "(benchmarks/), not part of the installed package; run `deqzoo bench` from the "
+                           "root of a clone (git clone ... && pip install -e \".[bench]\")")
         raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
-    module = importlib.import_module(f"deqzoo.bench.{args.name}")
+    folder = _benchmarks_folder()
+    if folder is not None and str(folder.parent) not in sys.path:
+        sys.path.insert(0, str(folder.parent))
+    module = importlib.import_module(f"benchmarks.{args.name}")
     return int(module.main(rest) or 0)
 
 
-def cmd_train_hypersolver(args) -> int:
-    from deqzoo.hypersolver.training import run_cli
-
-    return run_cli(args)
+def cmd_train_hypersolver(rest: list[str]) -> int:
+    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
+    code, not part of the installed package)."""
+    root = _clone_root()
+    if root is None or not (root / "examples" / "hypersolver" / "train.py").is_file():
+        raise CLIError("train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it from "
+                       "the root of a clone (git clone ... && pip install -e .)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return int(importlib.import_module("examples.hypersolver.train").main(rest) or 0)
 
 
 def _solver_names() -> list[str]:
@@ -276,13 +303,17 @@ def cmd_demo(args) -> int:
     import torch
 
     from deqzoo.hub.catalog import load_catalog
+    from deqzoo.models.registry import require
 
+    # the demo runs every task's data and plots: refuse up front, naming the extra, instead of N failures
+    require("demo", ("matplotlib", "PIL", "sklearn", "skimage", "cv2", "mlxtend", "torchvision", "diffusers"),
+            "deqzoo demo")
     torch.manual_seed(0)
     names = args.names or sorted(load_catalog())
     if not names:
         print("deqzoo demo: no embedded checkpoints in the catalog (deqzoo/hub/catalog.json) yet; "
               "nothing to run. "
-              "Add a folder under model_cards/ and run `python -m deqzoo.hub.catalog`.")
+              "Add a folder under model_cards/ and run `python -m utils.catalog`.")
         return 0
     rows, failures = run_demo(names, Path(args.output_dir), progress=not args.no_progress)
     header = ["model", "prediction", "NFE", "final residual", "time", "plot"]
@@ -322,7 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="?")
     p.add_argument("out", nargs="?")
     p.add_argument("--option", action="append", metavar="KEY=VALUE")
-    p.add_argument("--root", help=argparse.SUPPRESS)
     p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
     p.add_argument("directory")
     p.add_argument("--repo-id", required=True)
@@ -335,36 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--token", default=None, help="default: $HF_TOKEN or the stored login")
     p.add_argument("--endpoint", default=None, help="defaults to $HF_ENDPOINT or huggingface.co")
-    p = sub.add_parser("bench", help="run deqzoo.bench.NAME (remaining arguments go to it)",
-                       epilog="available benchmarks: " + ", ".join(benchmark_names())
+    p = sub.add_parser("bench", help="run a clone's benchmarks/NAME.py (remaining arguments go to it)",
+                       epilog="available benchmarks: " + (", ".join(benchmark_names()) or "none here (run "
+                                                          "from the root of a clone)")
                        + ". `deqzoo bench NAME --help` shows a benchmark's own options.")
-    p.add_argument("name", help="one of: " + ", ".join(benchmark_names()))
+    p.add_argument("name", help="one of: " + (", ".join(benchmark_names()) or "(none here)"))
     p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver")
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint")
-    p.add_argument("model", help="checkpoint id or directory (e.g. deqzoo/mdeq-tiny-mnist)")
-    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long")
-    p.add_argument("--unroll", type=int, default=6, help="K, the unrolled HyperAnderson steps")
-    p.add_argument("--memory", type=int, default=5, help="m (the window holds m + 1 iterates)")
-    p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
-    p.add_argument(
-        "--alpha-base",
-        choices=["none", "anderson"],
-        default="none",
-        help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights",
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
-    p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
-    p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")
-    p.add_argument("--gt-tol", type=float, default=1e-5, help="ground truth: relative tolerance")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint (from "
+                   "a clone: examples/hypersolver/train.py; `train-hypersolver --help` lists its options)",
+                   add_help=False)
     return parser
 
 
@@ -377,7 +389,7 @@ def _one_line(err: BaseException) -> str:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can cause and fix (bad file, bad value, no network): one line, exit 2."""
-    errors: list[type[BaseException]] = [CLIError, ValueError, OSError, KeyError, RuntimeError,
+    errors: list[type[BaseException]] = [DeqzooError, ValueError, OSError, KeyError, RuntimeError,
                                          RecursionError, MemoryError, UnicodeError]
     try:
         from PIL import Image
@@ -400,18 +412,20 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DEQZOO_DEBUG", "").strip() not in ("", "0")
     while argv[:1] == ["--debug"]:
         argv, debug = argv[1:], True
-    if argv[:1] != ["bench"] and "--debug" in argv:  # after `bench NAME` every argument is the benchmark's
+    # `bench NAME` and `train-hypersolver` pass every later argument on
+    if argv[:1] not in (["bench"], ["train-hypersolver"]) and "--debug" in argv:
         argv, debug = [a for a in argv if a != "--debug"], True
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
         args, rest = parser.parse_known_args(argv[:2])
         command, handler = "bench", (lambda a: cmd_bench(a, argv[2:]))
+    elif argv[:1] == ["train-hypersolver"]:  # every argument is the training program's
+        args, command, handler = None, "train-hypersolver", (lambda a: cmd_train_hypersolver(argv[1:]))
     else:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo,
-                    "train-hypersolver": cmd_train_hypersolver}
+                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
         handler = handlers[command]
     if command == "demo":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
@@ -425,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"deqzoo {command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as err:  # an optional dependency: name the extra that installs it
+        from deqzoo.models.registry import missing_extra_message
+
+        message = missing_extra_message(err)
+        if debug or message is None:
+            raise
+        print(f"deqzoo {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
+        return 2
     except Exception as err:
         if debug or not (isinstance(err, _expected_errors()) or _network_error(err)):
             raise

@@ -46,12 +46,13 @@ from torch import nn
 from .core import DEQ, SolverStats, remove_norm
 from .core.backward import phantom_steps
 from .core.state import StatePacker
+from .errors import DeqzooError
 
 __all__ = ["ExportError", "FixedIterationDEQ", "export_onnx", "export_program", "exportable",
            "graph_operator", "trace"]
 
 
-class ExportError(RuntimeError):
+class ExportError(DeqzooError, RuntimeError):
     """A model (or an input) that cannot be exported; the message names the reason."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,14 @@ from .hub.cards import card_metrics, read_model_card
 from .hub.catalog import load_catalog
 from .hub.loading import CheckpointError, resolve
 from .hub.validation import check_budget, confined, read_json
-from .integrations.transformers import family_for, register_all, registered_families
+from .models.registry import (
+    PIPELINES,
+    available_families,
+    declared_families,
+    family_for,
+    model_names_table,
+    require,
+)
 
 
 @dataclass
@@ -48,21 +56,10 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
 
 
 # One name per model. A published model's canonical name is its checkpoint's short name (hub id
-# "deqzoo/<name>"); create_model, from_pretrained and timm accept it, and the older spellings below stay as
-# aliases. timm names are the canonical ones with "_" for "-" (timm names are Python identifiers).
+# "deqzoo/<name>"); create_model, from_pretrained and timm accept it, and older spellings stay as aliases.
+# timm names are the canonical ones with "_" for "-". The table is derived from the families' declarations.
 # canonical name -> (architecture preset, aliases)
-MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
-    "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
-                                  ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
-    "deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ()),
-    "ignn-chains": ("ignn-chains", ()),
-    "implicit2-isiren-camera": ("implicit2-isiren-1l256d", ()),
-    "implicit2-igabor-mfn-camera": ("implicit2-igabor-mfn-1l256d", ()),
-    "deq-flow-cpu-synth": ("deq-flow-cpu", ()),
-    "deq-flow-cpu-raft-baseline": ("raft-cpu", ()),
-    "ddim-digits-16": (None, ()),  # a diffusers repository: its UNet is built by diffusers, not from a preset
-}
+MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = model_names_table()
 
 
 def canonical_name(name: str) -> str:
@@ -77,7 +74,7 @@ def canonical_name(name: str) -> str:
     """
     short = name[len("deqzoo/"):] if name.startswith("deqzoo/") else name
     short = short.replace("_", "-")
-    for canonical, (_, aliases) in MODEL_NAMES.items():
+    for canonical, (_, aliases) in model_names_table().items():
         if short == canonical or short in aliases:
             return canonical
     return name
@@ -91,19 +88,19 @@ def model_names() -> list[dict[str, Any]]:
         >>> row["hub_id"], row["preset"], row["timm"], row["aliases"]
         ('deqzoo/mdeq-tiny-mnist', 'mdeq-mnist-tiny', 'mdeq_tiny_mnist', ['mdeq-mnist-tiny'])
     """
-    from .integrations.timm import TIMM_MODELS
-
+    timm_names = {name for family in declared_families().values() for name in family.timm}
     rows = []
-    for canonical, (preset, aliases) in MODEL_NAMES.items():
+    for canonical, (preset, aliases) in model_names_table().items():
         timm_name = canonical.replace("-", "_")
         rows.append({"name": canonical, "hub_id": f"deqzoo/{canonical}", "preset": preset,
-                     "timm": timm_name if timm_name in TIMM_MODELS else None, "aliases": list(aliases)})
+                     "timm": timm_name if timm_name in timm_names else None, "aliases": list(aliases)})
     return rows
 
 
 def _known_names() -> list[str]:
-    names = [p for f in registered_families().values() for p in _architectures(f)]
-    names += list(MODEL_NAMES) + [a for _, aliases in MODEL_NAMES.values() for a in aliases]
+    names = [p for f in available_families().values() for p in _architectures(f)]
+    table = model_names_table()
+    names += list(table) + [a for _, aliases in table.values() for a in aliases]
     names += [cid.split("/", 1)[1] for cid in load_catalog() if "/" in cid]
     return sorted(set(names))
 
@@ -123,11 +120,15 @@ def did_you_mean(name: str, candidates: list[str] | None = None) -> str:
 
 
 def _find_preset(name: str):
-    register_all()
+    """(family, preset) of a preset or model name: the family declaring the name first (only it is
+    imported), else every family's presets."""
     canonical = canonical_name(name)
-    if canonical in MODEL_NAMES:
-        name = MODEL_NAMES[canonical][0]
-    for family in registered_families().values():
+    for family in declared_families().values():
+        if canonical in family.names:
+            name = family.names[canonical][0]
+            family = family_for(family.model_type)
+            return family, _architectures(family).get(name)
+    for family in available_families().values():
         presets = _architectures(family)
         if name in presets:
             return family, presets[name]
@@ -150,12 +151,11 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
         ...
         ValueError: Unknown architecture 'mdeq-tiny-mnst'. Did you mean 'mdeq-tiny-mnist'? ...
     """
-    register_all()
     family, preset = _find_preset(name)
     if preset is None:
-        known = sorted(p for f in registered_families().values() for p in _architectures(f))
+        known = sorted(p for f in available_families().values() for p in _architectures(f))
         raise ValueError(f"Unknown architecture {name!r}.{did_you_mean(name)} Known architectures: {known}; "
-                         f"model names: {sorted(MODEL_NAMES)}")
+                         f"model names: {sorted(model_names_table())}")
     config_cls = family.load(family.config)
     kwargs = {**preset.get("config", {}), **overrides}
     if deq:
@@ -187,7 +187,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only", "force_download")
            if k in kwargs}
     name = str(name_or_path)
-    if not Path(name).exists() and canonical_name(name) in MODEL_NAMES:
+    if not Path(name).exists() and canonical_name(name) in model_names_table():
         name_or_path = f"deqzoo/{canonical_name(name)}"  # an alias or the bare name of a published model
     try:
         directory = resolve(name_or_path, **hub)
@@ -197,9 +197,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
             raise
         raise type(err)(f"{err}{hint}") from err
     if not (directory / "config.json").exists() and (directory / "model_index.json").is_file():
-        from .integrations.diffusers import load_repository  # a diffusers repository: the DEQ-DDIM pipeline
-
-        return load_repository(directory, **kwargs)
+        return _load_pipeline(directory, **kwargs)  # a diffusers repository: the DEQ-DDIM pipeline
     config_path = confined(directory, "config.json", directory)
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json")
@@ -225,6 +223,13 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     return model
 
 
+def _load_pipeline(directory: Path, **kwargs: Any):
+    pipeline = PIPELINES[0]  # the one pipeline kind deqzoo loads today (DEQ-DDIM)
+    require(pipeline.extra, pipeline.requires, f"{directory} (a {pipeline.name} diffusers repository)")
+    module, _, attr = pipeline.loader.partition(":")
+    return getattr(importlib.import_module(module), attr)(directory, **kwargs)
+
+
 def _meta_parameter_count(family, config_kwargs: dict[str, Any], auto_name: str | None = None) -> int:
     """Trainable parameters (buffers excluded) of a model built on the meta device: nothing is allocated."""
     import torch
@@ -245,7 +250,6 @@ def parameter_count(config: dict[str, Any]) -> int:
         >>> deqzoo.factory.parameter_count(cfg) > 0
         True
     """
-    register_all()
     kwargs = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     return _meta_parameter_count(family_for(config.get("model_type")), kwargs)
 
@@ -265,10 +269,9 @@ def list_models(kind: str | None = None) -> list[ModelInfo]:
         >>> all(m.kind in ("architecture", "checkpoint") for m in deqzoo.list_models())
         True
     """
-    register_all()
     rows: list[ModelInfo] = []
     if kind in (None, "architecture"):
-        for family in registered_families().values():
+        for family in available_families().values():
             for name, preset in _architectures(family).items():
                 rows.append(ModelInfo(name=name, kind="architecture", model_type=family.model_type,
                                       task=preset.get("task"), parameters=_count_parameters(family, preset),

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .core import DEQ, DEQConfig, SolverStats
+from .errors import DeqzooError
 
 # What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
 # model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError with the stats).
@@ -31,7 +32,7 @@ MAX_LIST_LENGTH = 1024  # no config list (channels per branch, cutoffs) is longe
 MAX_LABELS = 1_000_000  # transformers builds id2label eagerly: a huge num_labels would hang before any model
 
 
-class ConfigError(ValueError):
+class ConfigError(DeqzooError, ValueError):
     """A config value has the wrong type or is out of range; the message names the class and the key."""
 
 
@@ -150,6 +151,11 @@ class DEQPretrainedConfig(PretrainedConfig):
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_deqzoo_checked", False):
             cls.__init__ = _checked_init(cls, init)
+
+    def check_overrides(self, changes: dict[str, Any]) -> None:
+        """Check values about to be set on this config (``from_pretrained(..., key=value)``); the loader calls
+        it through the config, so hub.loading needs no import of this module."""
+        check_config_overrides(self, changes)
 
     def __init__(self, deq: dict[str, Any] | DEQConfig | None = None, on_nonconvergence: str | None = None,
                  **kwargs):

@@ -144,10 +144,12 @@ model = deqzoo.from_pretrained("{model_id}")   # embedded checkpoint: works offl
 model.set_deq(f_max_iter=12)                    # solver settings are a test-time knob
 ```
 
-With stock transformers after `import deqzoo` (which registers the family with the Auto classes):
+With stock transformers after `deqzoo.register()` (which registers the families with the Auto classes):
 
 ```python
 import deqzoo, transformers
+
+deqzoo.register()
 from deqzoo.hub import resolve
 
 {stock_line}

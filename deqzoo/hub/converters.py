@@ -1,72 +1,55 @@
-"""Access to the repository's `conversion/` folder: original research releases -> deqzoo checkpoints.
+"""Converters from original research releases to deqzoo checkpoints.
 
-`conversion/` ships with the source tree, not inside the installed package (converters read pickles, so they
-stay out of every import path a user's loading code takes). It is imported here as the package
-``deqzoo_conversion``, so its modules can share code through relative imports.
+They are the subpackage ``deqzoo.conversion`` (the repository's ``conversion/`` folder, installed with the
+package: a clone links it into ``deqzoo/``, a wheel carries a copy), one module per upstream format, each
+declaring a ``FORMATS`` dict; other packages add formats through the ``deqzoo.converters`` entry-point group
+(name = format, value = its convert function) or :func:`register_converter`. Converters read the originals'
+pickles (``torch.load(weights_only=True)``), so nothing on a loading path imports them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.machinery
-import importlib.util
-import sys
+import pkgutil
 from collections.abc import Callable
-from pathlib import Path
+from importlib.metadata import entry_points
 from types import ModuleType
 
-from .catalog import REPO_ROOT
+ENTRY_POINT_GROUP = "deqzoo.converters"
+_REGISTERED: dict[str, Callable] = {}
 
-PACKAGE = "deqzoo_conversion"
 
-
-def conversion_package(root: str | Path | None = None) -> ModuleType:
-    """Import `<root>/conversion` as the package ``deqzoo_conversion`` (once per process).
+def converter_module(name: str) -> ModuleType:
+    """One converter module of ``deqzoo.conversion``, e.g. ``converter_module("mdeq_locuslab")``.
 
     Example:
-        >>> from deqzoo.hub.converters import conversion_package
-        >>> conversion_package().__name__
-        'deqzoo_conversion'
+        >>> converter_module("mdeq_locuslab").__name__
+        'deqzoo.conversion.mdeq_locuslab'
     """
-    folder = (Path(root or REPO_ROOT) / "conversion").resolve()
-    name = _package_name(folder)
-    if name in sys.modules:
-        return sys.modules[name]
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no conversion/ folder here; converters ship with the source "
-                                "tree (clone the repository and install it with `pip install -e .`)")
-    init = folder / "__init__.py"
-    if init.is_file():
-        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
-    else:  # a folder of loose converter modules works too
-        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = [str(folder)]
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    if spec.loader is not None:
-        spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"deqzoo.conversion.{name}")
 
 
-def _package_name(folder: Path) -> str:
-    """The repository's own folder is ``deqzoo_conversion``; another root (``--root``) gets its own name."""
-    if folder == (REPO_ROOT / "conversion").resolve():
-        return PACKAGE
-    return f"{PACKAGE}_{hashlib.sha1(str(folder).encode()).hexdigest()[:10]}"
+def register_converter(format_name: str, convert: Callable) -> None:
+    """Add a format to `deqzoo convert` (for code that ships its own converter; entry points do it too)."""
+    if not format_name or not callable(convert):
+        raise ValueError(f"register_converter needs a format name and a callable, got {format_name!r}, "
+                         f"{convert!r}")
+    _REGISTERED[format_name] = convert
 
 
-def converter_module(name: str, root: str | Path | None = None) -> ModuleType:
-    """One converter module, e.g. ``converter_module("mdeq_locuslab")``."""
-    package = conversion_package(root)
-    return importlib.import_module(f"{package.__name__}.{name}")
-
-
-def conversion_formats(root: str | Path | None = None) -> dict[str, Callable]:
-    """Every format name a converter module declares in its `FORMATS` dict -> its convert function."""
-    package = conversion_package(root)
+def conversion_formats() -> dict[str, Callable]:
+    """Every format name -> its convert function: ``deqzoo.conversion``'s modules, then entry points, then
+    :func:`register_converter`."""
     formats: dict[str, Callable] = {}
-    for path in sorted(Path(package.__path__[0]).glob("*.py")):
-        if not path.name.startswith("_"):
-            formats.update(getattr(converter_module(path.stem, root), "FORMATS", {}))
+    try:
+        package = importlib.import_module("deqzoo.conversion")
+    except ModuleNotFoundError:  # an install without the converters
+        package = None
+    if package is not None:
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.startswith("_"):
+                formats.update(getattr(converter_module(info.name), "FORMATS", {}))
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        formats[point.name] = point.load()
+    formats.update(_REGISTERED)
     return formats

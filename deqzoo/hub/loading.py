@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .catalog import NAMESPACE, REPO_ROOT, embedded_folder, load_catalog, sha256_file
+from .catalog import NAMESPACE, PACKAGED_CARDS_DIR, embedded_folder, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
 from .validation import check_budget, confined, is_network_error, read_json
@@ -54,7 +54,7 @@ def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
             raise CheckpointError(
                 f"{path}: sha256 {actual} does not match the catalog ({expected}) for {entry['id']}; "
                 "the embedded checkpoint was modified or corrupted "
-                "(regenerate with `python -m deqzoo.hub.catalog` if intended)")
+                "(regenerate with `python -m utils.catalog` if intended)")
         _VERIFIED[key] = actual
 
 
@@ -90,7 +90,7 @@ def resolve(
             verify_embedded(entry, folder)
             return folder
         name = entry["id"]  # folder not shipped with this install: fall through to cache / Hub
-        missing_embedded = REPO_ROOT / entry["location"]
+        missing_embedded = PACKAGED_CARDS_DIR / Path(entry["location"]).name
     else:
         missing_embedded = None
     if path.exists():
@@ -215,9 +215,8 @@ def load_pretrained(
     directory = resolve(name_or_path, **hub)
     if config is None:
         config = load_config(model_cls.config_class, directory)
-    from ..modeling_utils import check_config_overrides
-
-    check_config_overrides(config, kwargs)
+    if hasattr(config, "check_overrides"):  # a deqzoo config checks overrides like its __init__ does
+        config.check_overrides(kwargs)
     for key, value in kwargs.items():  # transformers convention: extra kwargs override config attributes
         if not hasattr(config, key):
             raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "

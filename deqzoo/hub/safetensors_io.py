@@ -8,6 +8,8 @@ import os
 import struct
 from pathlib import Path
 
+from ..errors import CheckpointError  # defined with the other errors; re-exported here
+
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Files that would need unpickling to load; deqzoo refuses them outright.
@@ -15,10 +17,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unsafe, corrupt or does not match its config."""
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:

@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..errors import DeqzooError
+
 try:
     import fcntl
 except ImportError:  # Windows: threads of this process are still serialised
@@ -54,7 +56,7 @@ _THREAD_LOCKS: dict[str, threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
 
 
-class SaveInProgressError(RuntimeError):
+class SaveInProgressError(DeqzooError, RuntimeError):
     """Another save to the same path holds its lock for longer than the caller agreed to wait."""
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
 
 MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json, index files: real ones are a few KB
 MAX_YAML_BYTES = 1024 * 1024  # a model card's front matter

@@ -11,7 +11,6 @@ Example:
 """
 
 from .attach import (
-    FAMILIES,
     HyperDEQ,
     attached_hypersolver,
     record_problems,
@@ -30,7 +29,6 @@ from .io import (
 from .modeling import HyperSolver
 
 __all__ = [
-    "FAMILIES",
     "HyperDEQ",
     "HyperSolver",
     "HyperSolverConfig",

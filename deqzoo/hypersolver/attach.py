@@ -3,7 +3,8 @@ from h_φ(input injection).
 
 The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so
 every backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a
-forward hook on the family's injection module (`FAMILIES`). The hypersolver is held outside the model's module
+forward hook on the module the DEQ layer's owner names (``owner.injection_module()``); the state kind comes
+from the family's declaration (`deqzoo.models.registry`). The hypersolver is held outside the model's module
 tree, so the model's state dict, saving and parameter count do not change.
 """
 
@@ -18,11 +19,12 @@ from torch import nn
 
 from ..core import DEQ
 from ..core.state import StatePacker
+from .configuration import HyperSolverConfig
 from .modeling import HyperSolver
 
 __all__ = [
-    "FAMILIES",
     "HyperDEQ",
+    "default_config",
     "deq_layers",
     "family_of",
     "record_problems",
@@ -31,24 +33,20 @@ __all__ = [
 ]
 
 
-def _mdeq_injection(owner: nn.Module) -> nn.Module:
-    return owner.stage0 if getattr(owner, "stage0", None) is not None else owner.downsample
-
-
-def _transformer_injection(owner: nn.Module) -> nn.Module:
-    return owner.injection
-
-
-# model_type -> (state kind, the module whose output is the input injection, given the DEQ layer's owner)
-FAMILIES: dict[str, tuple[str, Callable[[nn.Module], nn.Module]]] = {
-    "mdeq": ("multires", _mdeq_injection),
-    "deq_transformer": ("sequence", _transformer_injection),
-}
-
-
 def family_of(model: nn.Module) -> tuple[str, Callable[[nn.Module], nn.Module] | None]:
+    """(state kind, owner -> injection module or None) of a model: the kind its family declares ("vector" when
+    it declares none), the injection through the owner's `injection_module()` method."""
+    from ..models.registry import declared_family
+
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return FAMILIES.get(model_type, ("vector", None))
+    family = declared_family(model_type) if isinstance(model_type, str) else None
+    kind = (family.hypersolver_state if family is not None else None) or "vector"
+    return kind, _injection_of
+
+
+def _injection_of(owner: nn.Module) -> nn.Module | None:
+    method = getattr(owner, "injection_module", None)
+    return method() if callable(method) else None
 
 
 def deq_layers(model: nn.Module) -> list[tuple[nn.Module, str, DEQ]]:
@@ -59,6 +57,35 @@ def deq_layers(model: nn.Module) -> list[tuple[nn.Module, str, DEQ]]:
             if isinstance(child, DEQ):
                 found.append((owner, name, child))
     return found
+
+
+def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverConfig:
+    """A hypersolver config sized for `model` (state kind, channels, injection width from its config)."""
+    from .io import model_fingerprint
+
+    kind, _ = family_of(model)
+    cfg = model.config
+    if kind == "multires":
+        base = dict(
+            state_kind=kind,
+            state_channels=list(cfg.branch_channels),
+            injection_channels=int(cfg.branch_channels[0]),
+            pool=1,
+            mix_hidden=8,
+        )
+    elif kind == "sequence":
+        base = dict(
+            state_kind=kind,
+            state_channels=[int(cfg.d_model)],
+            injection_channels=3 * int(cfg.n_head) * int(cfg.d_head),
+            init_hidden=6,
+            mix_hidden=8,
+        )
+    else:
+        raise ValueError(f"no default hypersolver for model type {getattr(cfg, 'model_type', '?')!r}")
+    base.update(model_id=model_id, model_fingerprint=model_fingerprint(model))
+    base.update(overrides)
+    return HyperSolverConfig(**base)
 
 
 class HyperDEQ(DEQ):
@@ -135,7 +162,7 @@ def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool =
         raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
     remove_hypersolver(model)
     for owner, name, layer in deq_layers(model):
-        inj = injection_of(owner) if injection_of is not None else None
+        inj = injection_of(owner)
         setattr(owner, name, HyperDEQ(layer.config, hypersolver, inj))
     return model
 
@@ -212,7 +239,7 @@ def record_problems(model: nn.Module, solve: Callable | None = None) -> Iterator
     _, injection_of = family_of(model)
     saved = []
     for owner, name, layer in deq_layers(model):
-        inj = injection_of(owner) if injection_of is not None else None
+        inj = injection_of(owner)
         rec = _Recorder(layer.config, sink, inj, solve)
         saved.append((owner, name, layer, rec))
         setattr(owner, name, rec)

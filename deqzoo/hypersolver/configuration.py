@@ -6,12 +6,14 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..errors import DeqzooError
+
 STATE_KINDS = ("multires", "sequence", "vector")
 MAX_CHANNELS = 65536  # no state or injection is wider; a larger value in a config.json is an error
 MAX_HIDDEN = 4096
 
 
-class HyperSolverConfigError(ValueError):
+class HyperSolverConfigError(DeqzooError, ValueError):
     """A hypersolver config value has the wrong type or is out of range (the message names the key)."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import DeqzooError
 from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .modeling import HyperSolver
@@ -34,7 +35,7 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 64 << 20
 
 
-class HyperSolverError(ValueError):
+class HyperSolverError(DeqzooError, ValueError):
     """A hypersolver cannot be loaded or does not fit the model (the message names both sides)."""
 
 

@@ -1,7 +1,8 @@
-"""timm registry entries for MDEQ: ``timm.create_model("mdeq_*")`` after ``import deqzoo``.
+"""timm registry entries for MDEQ: ``timm.create_model("mdeq_*")`` after ``deqzoo.register()`` (or importing
+this module).
 
-* Classification models return logits like any timm model (``forward_features`` / ``forward_head`` split at
-  the original head's pooling).
+* Classification models return logits like any timm model; ``forward_features`` / ``forward_head`` are the
+  model's own (split at the original head's pooling), and every call solves the DEQ once.
 * ``features_only=True`` returns one equilibrium feature map per resolution (highest first), with
   ``feature_info`` giving channels and reductions (stride of the stem times 2**i).
 * ``pretrained=True`` loads deqzoo checkpoints through :func:`deqzoo.from_pretrained` (embedded checkpoints
@@ -9,6 +10,7 @@
 
 Example:
     >>> import timm, torch, deqzoo
+    >>> _ = deqzoo.register()
     >>> net = timm.create_model("mdeq_tiny_mnist", pretrained=True, features_only=True)
     >>> [f.shape[1:] for f in net(torch.randn(1, 1, 28, 28))]  # doctest: +SKIP
     [torch.Size([16, 14, 14]), torch.Size([16, 7, 7])]
@@ -28,21 +30,22 @@ from torch import nn
 
 from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
 from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
+from ..models.registry import declared_family
 
 __all__ = ["MDEQTimm", "TIMM_MODELS", "timm_name"]
 
-# timm name -> (deqzoo preset, deqzoo checkpoint id or None)
-TIMM_MODELS: dict[str, tuple[str, str | None]] = {
-    "mdeq_cifar_tiny": ("mdeq-cifar-tiny", None),
-    "mdeq_cifar_large": ("mdeq-cifar-large", None),
-    "mdeq_imagenet_small": ("mdeq-imagenet-small", None),
-    "mdeq_imagenet_large": ("mdeq-imagenet-large", None),
-    "mdeq_imagenet_xl": ("mdeq-imagenet-xl", None),
-    "mdeq_tiny_mnist": ("mdeq-mnist-tiny", "deqzoo/mdeq-tiny-mnist"),
-    "lipschitz_mdeq_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
-    # alias (the first spelling); canonical names follow the hub id, see deqzoo.factory.MODEL_NAMES
-    "mdeq_lipschitz_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
-}
+
+def _timm_models() -> dict[str, tuple[str, str | None]]:
+    """timm name -> (deqzoo preset, deqzoo checkpoint id or None), from the MDEQ family's declaration."""
+    family = declared_family("mdeq")
+    table = {}
+    for timm_model, name in family.timm.items():
+        preset, _ = family.names.get(name, (name, ()))
+        table[timm_model] = (preset, f"deqzoo/{name}" if name in family.names else None)
+    return table
+
+
+TIMM_MODELS: dict[str, tuple[str, str | None]] = _timm_models()
 
 
 def timm_name(name: str) -> str:
@@ -138,20 +141,13 @@ class MDEQTimm(nn.Module):
         )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The head's fused map before pooling (all resolutions merged at the lowest)."""
-        m = self.model
-        states = m.mdeq(x, output_hidden_states=True).hidden_states
-        y = m.incre_modules[0](states[0])
-        for i, down in enumerate(m.downsamp_modules):
-            y = m.incre_modules[i + 1](states[i + 1]) + down(y)
-        return m.final_layer(y)
+        return self.model.forward_features(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x.flatten(2).mean(dim=2)
-        return x if pre_logits else self.model.classifier(x)
+        return self.model.forward_head(x, pre_logits=pre_logits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        return self.model.forward_head(self.model.forward_features(x))
 
     # --- timm feature API (features_only uses FeatureGetterNet -> forward_intermediates) ---
     def forward_intermediates(
@@ -166,11 +162,11 @@ class MDEQTimm(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
-        states = self.model.mdeq(x, output_hidden_states=True).hidden_states
+        states = self.model.mdeq(x, output_hidden_states=True).hidden_states  # the one solve of this call
         intermediates = [states[i] for i in take]
         if intermediates_only:
             return intermediates
-        return self.forward_features(x), intermediates
+        return self.model.fuse(states), intermediates
 
     def prune_intermediate_layers(
         self, indices: int | list[int] | None = None, prune_norm: bool = False, prune_head: bool = True

@@ -1,9 +1,12 @@
-"""Register deqzoo families with the transformers Auto classes so stock loading code works on them.
+"""Register deqzoo families with the transformers Auto classes, one family at a time, when first needed.
 
-`import deqzoo` arranges for :func:`register_all` to run when transformers' Auto machinery is first
-imported (``deqzoo._imports``); deqzoo's own loading calls it too. A family whose package is not there (yet)
-is skipped and reported by :func:`unavailable_families`; a family that is present but fails to import emits
-a warning naming the error.
+No import hook, and deqzoo's own entry points (`from_pretrained`, `create_model`, the CLI) need no
+registration: they build the class a family's declaration names, so loading one checkpoint imports only its
+family (and not transformers' Auto modules). Stock transformers code
+(``AutoModel.from_pretrained(path)``, ``pipeline(...)``) needs the families registered first:
+``deqzoo.register()`` (or :func:`register_all`) registers every family whose dependencies are installed, and
+MDEQ with timm when timm is. A family whose extra is missing is reported by :func:`unavailable_families` with
+the ``pip install "deqzoo[...]"`` that enables it.
 """
 
 from __future__ import annotations
@@ -14,18 +17,17 @@ import warnings
 
 import transformers
 
-from ..models.registry import FAMILIES, Family
+from ..models.registry import (
+    Family,
+    MissingExtraError,
+    declare_family,
+    declared_families,
+    forget_family,
+    require,
+)
 
 _REGISTERED: dict[str, Family] = {}
-_BUSY = False
 _UNAVAILABLE: dict[str, str] = {}
-
-
-def _module_missing(err: ModuleNotFoundError, family: Family) -> bool:
-    """True when the family's own package is absent (not when one of its imports is broken)."""
-    package = family.config.partition(":")[0].rpartition(".")[0]  # deqzoo.models.<family>
-    name = err.name or ""
-    return name == package or name.startswith(package + ".") or package.startswith(name + ".")
 
 
 def _backend_of(processor_cls: type) -> str:
@@ -38,21 +40,26 @@ def _backend_of(processor_cls: type) -> str:
 
 
 def register_family(family: Family) -> None:
-    """Register one family's config, model classes, image processor and tokenizer with the Auto classes.
+    """Declare (if new) and register one family's config, model classes, image processor and tokenizer with
+    the Auto classes (and its timm entries when timm is already imported).
 
     Example:
-        >>> from deqzoo.integrations.transformers import registered_families
-        >>> sorted(registered_families())  # doctest: +SKIP
-        ['deq_transformer', 'ignn', 'mdeq']
+        >>> from deqzoo.models.registry import family_for
+        >>> register_family(family_for("ignn"))
+        >>> import transformers
+        >>> transformers.AutoConfig.for_model("ignn").model_type
+        'ignn'
     """
+    if family.model_type not in declared_families() or declared_families()[family.model_type] is not family:
+        declare_family(family)
+    require(family.extra, family.requires, f"the {family.model_type} family")
     config_cls = family.load(family.config)
     if getattr(config_cls, "model_type", None) != family.model_type:
         raise ValueError(f"{config_cls.__name__}.model_type={config_cls.model_type!r} but the registry says "
                          f"{family.model_type!r}")
     transformers.AutoConfig.register(family.model_type, config_cls, exist_ok=True)
     for auto_name, path in family.models.items():
-        auto_cls = getattr(transformers, auto_name)
-        auto_cls.register(config_cls, family.load(path), exist_ok=True)
+        getattr(transformers, auto_name).register(config_cls, family.load(path), exist_ok=True)
     if family.image_processor:
         processor_cls = family.load(family.image_processor)
         transformers.AutoImageProcessor.register(
@@ -60,63 +67,42 @@ def register_family(family: Family) -> None:
     if family.tokenizer:
         transformers.AutoTokenizer.register(config_cls, tokenizer_class=family.load(family.tokenizer),
                                             exist_ok=True)
-    if family.timm_module and "timm" in sys.modules:  # else registered when timm is imported (_imports)
+    if family.timm_module and "timm" in sys.modules:  # else by deqzoo.register() or importing the adapter
         importlib.import_module(family.timm_module)
     _REGISTERED[family.model_type] = family
     _UNAVAILABLE.pop(family.model_type, None)
 
 
-def register_all() -> dict[str, Family]:
-    """Register every importable family of `deqzoo.models.registry.FAMILIES`; returns the registered."""
-    global _BUSY
-    if _BUSY:  # re-entered through an import that registration itself triggered: the outer call finishes
-        return dict(_REGISTERED)
-    _BUSY = True
+def _try_register(family: Family) -> None:
     try:
-        _register_missing()
-    finally:
-        _BUSY = False
+        register_family(family)
+    except MissingExtraError as err:
+        _UNAVAILABLE[family.model_type] = str(err)
+    except Exception as err:  # noqa: BLE001 - one broken family must not break the others
+        _UNAVAILABLE[family.model_type] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"deqzoo family {family.model_type!r} failed to register: {err}", stacklevel=3)
+
+
+def register_all() -> dict[str, Family]:
+    """Register every declared family whose dependencies are installed; returns the registered."""
+    for model_type, family in declared_families().items():
+        if model_type not in _REGISTERED:
+            _try_register(family)
     return dict(_REGISTERED)
-
-
-def _register_missing() -> None:
-    for family in FAMILIES:
-        if family.model_type in _REGISTERED:
-            continue
-        try:
-            register_family(family)
-        except ModuleNotFoundError as err:
-            _UNAVAILABLE[family.model_type] = f"not installed ({err.name})"
-            if not _module_missing(err, family):
-                warnings.warn(f"deqzoo family {family.model_type!r} failed to import: {err}", stacklevel=2)
-        except Exception as err:  # noqa: BLE001 - one broken family must not break `import deqzoo`
-            _UNAVAILABLE[family.model_type] = f"{type(err).__name__}: {err}"
-            warnings.warn(f"deqzoo family {family.model_type!r} failed to register: {err}", stacklevel=2)
 
 
 def unregister_family(model_type: str) -> None:
     """Forget a family in deqzoo's registry (transformers' Auto mappings keep it; used by tests)."""
     _REGISTERED.pop(model_type, None)
+    forget_family(model_type)
 
 
 def registered_families() -> dict[str, Family]:
-    """{model_type: family} of the registered families (registering them first if not done yet)."""
-    register_all()
-    return dict(_REGISTERED)
+    """{model_type: family} of every available family, registered with the Auto classes first."""
+    return register_all()
 
 
 def unavailable_families() -> dict[str, str]:
-    """{model_type: reason} for registry families that could not be registered."""
+    """{model_type: reason} for declared families that could not be registered (e.g. a missing extra)."""
     register_all()
     return dict(_UNAVAILABLE)
-
-
-def family_for(model_type: str) -> Family:
-    """The registered family of a model_type; the error lists the known ones."""
-    if model_type not in _REGISTERED:
-        register_all()
-    if model_type not in _REGISTERED:
-        known = sorted(_REGISTERED)
-        extra = f" (registry families not available: {_UNAVAILABLE})" if _UNAVAILABLE else ""
-        raise ValueError(f"Unknown deqzoo model_type {model_type!r}; known model types: {known}{extra}")
-    return _REGISTERED[model_type]

@@ -82,6 +82,10 @@ def load_tokenizer(model):
     if not path or not (Path(path) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
                                 "model from a checkpoint directory that contains its tokenizer")
+    from ..integrations.transformers import register_family  # AutoTokenizer may read config.json's type
+    from ..models.registry import family_for
+
+    register_family(family_for(model.config.model_type))
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import deqzoo
-from deqzoo.tasks.flow import epe, synthetic_batch, two_stage_backward
+from deqzoo.models.deq_flow import two_stage_backward
+from deqzoo.tasks.flow import epe, synthetic_batch
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--two-stage",
         action="store_true",
-        help="DEQ-Flow: two-stage backward (deqzoo.tasks.flow.two_stage_backward; same gradients, one "
+        help="DEQ-Flow: two-stage backward (deqzoo.models.deq_flow.two_stage_backward; same gradients, one "
         "supervised state's graph at a time)",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    from train import collect_problems, model_batches  # examples/hypersolver/train.py
+
     import deqzoo
     from deqzoo.core.solvers import get_solver
     from deqzoo.hypersolver import load_hypersolver
     from deqzoo.hypersolver.attach import initial_flat
-    from deqzoo.hypersolver.training import collect_problems, model_batches
 
     model_id = MODELS[args.model]
     model = deqzoo.from_pretrained(model_id).eval()

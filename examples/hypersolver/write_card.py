@@ -4,7 +4,7 @@
         --bench bench_output/hypersolver.json --png bench_output/hypersolver.png
 
 The card carries the training command, data, time and the benchmark's table and acceptance ratios exactly as
-the benchmark printed them (`deqzoo.bench.hypersolver.markdown_table`), plus the PNG (copied next to it).
+the benchmark printed them (`benchmarks.hypersolver.markdown_table`), plus the PNG (copied next to it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from deqzoo.bench.hypersolver import _acceptance, markdown_table
+from benchmarks.hypersolver import _acceptance, markdown_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,7 @@ def timed(name, fn):
     obj = fn()
     timings[name] = [type(obj).__name__, round(time.perf_counter() - start, 3)]
 import deqzoo, transformers, timm
+deqzoo.register()
 from diffusers import DiffusionPipeline
 for hub_id, how in json.loads(sys.argv[1]).items():
     if how == "image":

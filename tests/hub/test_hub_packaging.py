@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deqzoo.hub.catalog import CARDS_DIR, REPO_ROOT, build_catalog, load_catalog
+from deqzoo.hub.catalog import load_catalog
+from utils.catalog import CARDS_DIR, REPO_ROOT, build_catalog
 
 README = REPO_ROOT / "README.md"
 
@@ -52,7 +53,7 @@ def test_pyproject_declares_extras_and_entry_point():
 @pytest.mark.skipif(not CARDS_DIR.is_dir(), reason="no model_cards/ folder in this checkout")
 def test_catalog_matches_model_cards_and_sizes():
     fresh = build_catalog()["checkpoints"]
-    assert load_catalog() == fresh, "deqzoo/hub/catalog.json is stale: run `python -m deqzoo.hub.catalog`"
+    assert load_catalog() == fresh, "deqzoo/hub/catalog.json is stale: run `python -m utils.catalog`"
     total = sum(entry["size_bytes"] for entry in fresh.values())
     assert total < 50e6, f"embedded checkpoints total {total / 1e6:.1f} MB (budget 50 MB)"
     for entry in fresh.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import deqzoo
 from deqzoo.cli import main as cli_main
 from deqzoo.hub import CheckpointError, read_model_card, resolve
 from deqzoo.hub import catalog as catalog_mod
+from utils import catalog as catalog_tool
 
 toy = importlib.import_module("deqzoo_hub_toy_family")
 
@@ -24,8 +26,8 @@ toy = importlib.import_module("deqzoo_hub_toy_family")
 def embedded(toy_checkpoint, tmp_path, monkeypatch):
     """A catalog (in tmp) listing the toy checkpoint as embedded `deqzoo/toy-deq-tiny`."""
     directory, model = toy_checkpoint
-    cat = catalog_mod.build_catalog(directory.parent, root=tmp_path / "elsewhere")  # absolute locations
-    path = catalog_mod.write_catalog(cat, tmp_path / "catalog.json")
+    cat = catalog_tool.build_catalog(directory.parent, root=tmp_path / "elsewhere")  # absolute locations
+    path = catalog_tool.write_catalog(cat, tmp_path / "catalog.json")
     monkeypatch.setattr(catalog_mod, "CATALOG_PATH", path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return directory, model, cat
@@ -172,23 +174,24 @@ def test_cli_demo_without_checkpoints_exits_zero(tmp_path, monkeypatch, capsys):
     assert "no embedded checkpoints" in capsys.readouterr().out
 
 
-def test_cli_convert_discovers_formats(tmp_path, capsys):
-    (tmp_path / "conversion").mkdir()
-    (tmp_path / "conversion" / "toy_upstream.py").write_text(
-        "from pathlib import Path\n"
-        "def convert(src, out, scale=1):\n"
-        "    Path(out).mkdir(parents=True, exist_ok=True)\n"
-        "    (Path(out) / 'seen.txt').write_text(f'{src} {scale}')\n"
-        "    return Path(out)\n"
-        "FORMATS = {'toy-upstream': convert}\n")
-    assert cli_main(["convert", "--root", str(tmp_path)]) == 0
-    assert "toy-upstream" in capsys.readouterr().out
+def test_cli_convert_discovers_formats(tmp_path, capsys, monkeypatch):
+    from deqzoo.hub import converters
+
+    def convert(src, out, scale=1):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "seen.txt").write_text(f"{src} {scale}")
+        return Path(out)
+
+    monkeypatch.setattr(converters, "_REGISTERED", {})
+    converters.register_converter("toy-upstream", convert)
+    assert cli_main(["convert"]) == 0
+    listed = capsys.readouterr().out
+    assert "toy-upstream" in listed and "mdeq-locuslab" in listed  # registered and the shipped ones
     out = tmp_path / "out"
-    assert cli_main(["convert", "toy-upstream", "SRC", str(out), "--option", "scale=3", "--root",
-                     str(tmp_path)]) == 0
+    assert cli_main(["convert", "toy-upstream", "SRC", str(out), "--option", "scale=3"]) == 0
     assert (out / "seen.txt").read_text() == "SRC 3"
     capsys.readouterr()
-    assert cli_main(["convert", "nope", "a", "b", "--root", str(tmp_path)]) == 2
+    assert cli_main(["convert", "nope", "a", "b"]) == 2
     assert "toy-upstream" in capsys.readouterr().err
 
 
@@ -199,22 +202,22 @@ def test_catalog_cli_writes_and_checks(toy_checkpoint, tmp_path):
     readme = path.parent / "README.md"
     readme.write_text("# x\n<!-- catalog:start -->\nold\n<!-- catalog:end -->\ntail\n")
     args = ["--cards-dir", str(directory.parent), "--output", str(path), "--readme", str(readme)]
-    assert catalog_mod.main([*args, "--check"]) == 1  # nothing written yet
-    assert catalog_mod.main(args) == 0
-    assert catalog_mod.main([*args, "--check"]) == 0
+    assert catalog_tool.main([*args, "--check"]) == 1  # nothing written yet
+    assert catalog_tool.main(args) == 0
+    assert catalog_tool.main([*args, "--check"]) == 0
     table = readme.read_text()
     assert "| [`deqzoo/toy-deq-tiny`]" in table and "old" not in table and table.endswith("tail\n")
     (directory / "README.md").write_text((directory / "README.md").read_text() + "\nedited\n")
-    assert catalog_mod.main([*args, "--check"]) == 1
+    assert catalog_tool.main([*args, "--check"]) == 1
 
 
 def test_cli_bench_dispatches_with_remaining_args(monkeypatch, capsys):
     import types
 
     seen = {}
-    module = types.ModuleType("deqzoo.bench.hubtoy")
+    module = types.ModuleType("benchmarks.hubtoy")
     module.main = lambda argv=None: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(__import__("sys").modules, "deqzoo.bench.hubtoy", module)
+    monkeypatch.setitem(__import__("sys").modules, "benchmarks.hubtoy", module)
     assert cli_main(["bench", "hubtoy", "--quick", "--n", "3"]) == 0
     assert seen["argv"] == ["--quick", "--n", "3"]
     assert cli_main(["bench", "definitely-not-a-bench"]) == 2

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from deqzoo.cli import main as cli_main
-from deqzoo.hub.catalog import REPO_ROOT
+from utils.catalog import REPO_ROOT
 
 MNIST = "deqzoo/mdeq-tiny-mnist"
 

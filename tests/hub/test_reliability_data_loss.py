@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,27 +119,26 @@ def test_user_symlink_in_the_folder_survives_a_resave(tmp_path, toy_family):
     assert (directory / "data").is_symlink() and (directory / "data").read_text() == "outside"
 
 
-def _converter_root(tmp_path):
-    root = tmp_path / "root"
-    (root / "conversion").mkdir(parents=True)
-    (root / "conversion" / "fake.py").write_text(
-        "from pathlib import Path\n"
-        "def convert(src, out):\n"
-        "    Path(out).mkdir(parents=True, exist_ok=True)\n"
-        "    (Path(out) / 'converted.txt').write_text('ok')\n"
-        "    return Path(out)\n"
-        "FORMATS = {'fake-format': convert}\n")
-    return root
+def _fake_converter(monkeypatch):
+    from deqzoo.hub import converters
+
+    def convert(src, out):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "converted.txt").write_text("ok")
+        return Path(out)
+
+    monkeypatch.setattr(converters, "_REGISTERED", {"fake-format": convert})
 
 
 @pytest.mark.parametrize("where", ["same-folder", "parent-folder"])
-def test_convert_refuses_an_output_that_contains_its_source(tmp_path, capsys, where):
+def test_convert_refuses_an_output_that_contains_its_source(tmp_path, capsys, where, monkeypatch):
     release = tmp_path / "release"
     release.mkdir()
     src = release / "original_release.pt"
     src.write_bytes(b"original weights")
     out = release if where == "same-folder" else tmp_path
-    code = cli_main(["convert", "fake-format", str(src), str(out), "--root", str(_converter_root(tmp_path))])
+    _fake_converter(monkeypatch)
+    code = cli_main(["convert", "fake-format", str(src), str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "contains the source" in err and str(src) in err
     assert src.read_bytes() == b"original weights"
@@ -157,8 +157,8 @@ def test_real_converter_refuses_an_output_containing_its_source(tmp_path):
 
 def test_converted_checkpoint_written_next_to_source_keeps_it(tmp_path):
     """A converter's save into a sibling folder of the release keeps every file of the release folder."""
-    from deqzoo.hub.catalog import REPO_ROOT
     from deqzoo.hub.converters import converter_module
+    from utils.catalog import REPO_ROOT
 
     src_fixture = REPO_ROOT / "conversion" / "fixtures" / "ignn" / "swiftieh_node_state_dict.pt"
     release = tmp_path / "release"

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import deqzoo
 from deqzoo.hub import CheckpointError
-from deqzoo.hub.catalog import REPO_ROOT
 from deqzoo.hub.validation import read_json
 from deqzoo.modeling_utils import ConfigError
+from utils.catalog import REPO_ROOT
 
 CARDS = REPO_ROOT / "model_cards"
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from deqzoo.hub.catalog import REPO_ROOT, load_catalog, load_hypersolver_catalog
+from deqzoo.hub.catalog import load_catalog, load_hypersolver_catalog
+from utils.catalog import REPO_ROOT
 
 pytestmark = pytest.mark.wheel
 
@@ -52,25 +53,76 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wheel_env(tmp_path_factory):
+def built_wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = _source_copy(tmp / "src")
-    pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"),
-                    str(src)], check=True, capture_output=True, env=_env(), timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp / "dist"), str(src)],
+                   check=True, capture_output=True, env=_env(), timeout=600)
     (wheel,) = (tmp / "dist").glob("deqzoo-*.whl")
+    return wheel
+
+
+def _install(wheel: Path, tmp: Path, deps_dir: str):
+    """A fresh venv with the wheel installed, reaching its dependencies through a path file to `deps_dir`."""
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    (Path(purelib) / "zz_deqzoo_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, env=_env(), timeout=600)
+    (Path(purelib) / "zz_deqzoo_test_deps.pth").write_text(deps_dir + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                    "--no-index", str(wheel)], check=True, capture_output=True, env=_env(), timeout=600)
     work = tmp / "elsewhere"  # not the repository: nothing can come from model_cards/ there
     work.mkdir()
     env = _env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp / "empty-hf-home"), MPLBACKEND="Agg")
     return python, purelib, work, env, wheel
+
+
+@pytest.fixture(scope="module")
+def wheel_env(built_wheel, tmp_path_factory):
+    """The wheel with every extra's packages reachable (this environment's site-packages)."""
+    return _install(built_wheel, tmp_path_factory.mktemp("full"), sysconfig.get_paths()["purelib"])
+
+
+def _hard_dependency_dir(target: Path) -> Path:
+    """A folder of links to the distributions deqzoo's hard dependencies need (transitively, by their
+    metadata, environment markers evaluated without extras) and nothing else: a fresh install without
+    extras, made from this environment's packages (no download)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    todo = [Requirement(r).name for r in project["dependencies"]]
+    seen: set[str] = set()
+    target.mkdir()
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # a marker-gated dependency absent here (e.g. another platform's)
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        root = Path(dist.locate_file(""))
+        for entry in {Path(str(f)).parts[0] for f in dist.files or []}:
+            src = root / entry
+            if entry not in ("..", "bin") and src.exists() and not (target / entry).exists():
+                (target / entry).symlink_to(src)
+    return target
+
+
+@pytest.fixture(scope="module")
+def bare_env(built_wheel, tmp_path_factory):
+    """The wheel with only its hard dependencies reachable: what `pip install deqzoo` gives."""
+    tmp = tmp_path_factory.mktemp("bare")
+    return _install(built_wheel, tmp, str(_hard_dependency_dir(tmp / "deps")))
 
 
 def test_wheel_carries_every_embedded_checkpoint(wheel_env):
@@ -109,6 +161,44 @@ def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
         assert folder.startswith(str(Path(purelib) / "deqzoo" / "_model_cards")), (cid, folder)
         assert cls != "NoneType"
     assert out["hypersolver"].startswith(str(Path(purelib) / "deqzoo" / "_model_cards")), out["hypersolver"]
+
+
+def test_wheel_without_extras_loads_what_needs_none_and_names_the_extra_for_the_rest(bare_env):
+    """Without extras: no torchvision, timm, diffusers, matplotlib, data packages; every checkpoint whose
+    family needs no extra loads (hypersolver included), the others refuse naming the extra to install, and
+    `deqzoo demo` refuses naming the `demo` extra."""
+    python, purelib, work, env, _ = bare_env
+    code = (
+        "import importlib.util, json, deqzoo\n"
+        "from deqzoo.hub.catalog import load_catalog\n"
+        "out = {'file': deqzoo.__file__, 'absent': [m for m in ('torchvision', 'timm', 'diffusers', "
+        "'matplotlib', 'sklearn', 'cv2') if importlib.util.find_spec(m) is None], 'models': {}}\n"
+        "for cid in sorted(load_catalog()):\n"
+        "    try:\n"
+        "        out['models'][cid] = ['loaded', type(deqzoo.from_pretrained(cid)).__name__]\n"
+        "    except deqzoo.DeqzooError as err:\n"
+        "        out['models'][cid] = ['refused', f'{type(err).__name__}: {err}']\n"
+        "hyper = 'deqzoo/hyperdeq-mdeq-tiny-mnist'\n"
+        "model = deqzoo.from_pretrained('deqzoo/mdeq-tiny-mnist', hypersolver=hyper)\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([str(python), "-c", code], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(purelib), out["file"]
+    assert out["absent"] == ["torchvision", "timm", "diffusers", "matplotlib", "sklearn", "cv2"]
+    extras = {"deq_flow": "vision", "DDIMPipeline": "diffusion"}  # catalog model_type -> the extra it needs
+    for cid, (outcome, detail) in out["models"].items():
+        extra = extras.get(load_catalog()[cid]["model_type"])
+        if extra is None:
+            assert outcome == "loaded", (cid, detail)
+        else:
+            assert outcome == "refused" and f'pip install "deqzoo[{extra}]"' in detail, (cid, detail)
+    assert sum(outcome == "loaded" for outcome, _ in out["models"].values()) >= 6
+    script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
+    proc = subprocess.run([str(script), "demo", "--no-progress", "--output-dir", str(work / "demo")],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 2 and 'pip install "deqzoo[demo]"' in proc.stderr, proc.stderr[-2000:]
 
 
 def test_wheel_install_runs_the_demo_offline(wheel_env):

@@ -16,9 +16,8 @@ from deqzoo.hypersolver import (
     model_fingerprint,
     save_hypersolver,
 )
-from deqzoo.hypersolver.attach import HyperDEQ
+from deqzoo.hypersolver.attach import HyperDEQ, default_config
 from deqzoo.hypersolver.io import resolve_hypersolver
-from deqzoo.hypersolver.training import default_config
 
 MDEQ, MDEQ_HS = "deqzoo/mdeq-tiny-mnist", "deqzoo/hyperdeq-mdeq-tiny-mnist"
 LM, LM_HS = "deqzoo/deq-transformer-tiny-pydoc", "deqzoo/hyperdeq-deq-transformer-tiny-pydoc"

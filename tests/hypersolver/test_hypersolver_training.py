@@ -7,8 +7,8 @@ import torch
 import deqzoo
 from deqzoo.core.solvers import anderson
 from deqzoo.hypersolver import HyperSolver, load_hypersolver
-from deqzoo.hypersolver.attach import initial_flat
-from deqzoo.hypersolver.training import collect_problems, default_config, model_batches, train_hypersolver
+from deqzoo.hypersolver.attach import default_config, initial_flat
+from examples.hypersolver.train import collect_problems, model_batches, train_hypersolver
 
 
 def test_training_learns_on_recorded_problems():
@@ -52,7 +52,7 @@ def test_cli_trains_saves_and_loads(tmp_path):
 
 
 def test_bench_writes_json_and_png(tmp_path):
-    from deqzoo.bench import hypersolver as bench
+    from benchmarks import hypersolver as bench
 
     out = tmp_path / "h.json"
     assert bench.main(["--models", "mdeq", "--limit", "100", "--budgets", "1", "2", "4", "8", "12",

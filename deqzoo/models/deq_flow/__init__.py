@@ -13,6 +13,7 @@ from .modeling_deq_flow import (
     unpad,
     warp,
 )
+from .training import two_stage_backward
 
 __all__ = [
     "ARCHITECTURES",
@@ -25,6 +26,7 @@ __all__ = [
     "forward_interpolate",
     "prepare_images",
     "sequence_loss",
+    "two_stage_backward",
     "unpad",
     "warp",
 ]

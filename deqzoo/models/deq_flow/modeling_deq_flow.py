@@ -344,7 +344,7 @@ class FlowFeatures:
     """What the encoders compute once per pair, the part of the training graph every supervised state shares:
     the context features (ReLU) of frame 1 and the correlation pyramid (level 0 first). From
     `DEQFlowModel.features`; passed back as ``forward(..., features=)`` (e.g. detached into leaves by a
-    two-stage training step, `deqzoo.tasks.flow.two_stage_backward`)."""
+    two-stage training step, `two_stage_backward` (this package))."""
 
     context: torch.Tensor
     pyramid: list[torch.Tensor]
@@ -521,7 +521,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         """`features`: the encoders' outputs for these images (`features()`), used instead of running the
         encoders. `defer_loss` (DEQ-Flow in training, with `flow_gt`): no gradient graph is built here; the
         loss comes back as ``loss_terms`` (see `DEQFlowOutput`) for a training step that backpropagates one
-        supervised state at a time (`deqzoo.tasks.flow.two_stage_backward`); the outputs' values are those
+        supervised state at a time (`two_stage_backward` (this package)); the outputs' values are those
         of the eager forward, without graphs."""
         c = self.config
         budget = _check_updates(num_flow_updates)

@@ -438,6 +438,10 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         self.out_drop = VariationalDropout(config.dropout, shared_dims=(1,))
         self.post_init()
 
+    def injection_module(self) -> nn.Module:
+        """The module whose output is the DEQ's input injection (what a hypersolver's initializer reads)."""
+        return self.injection
+
     def get_input_embeddings(self) -> nn.Module:
         return self.word_emb.emb_layers[0]
 

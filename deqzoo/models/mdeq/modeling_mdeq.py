@@ -477,6 +477,10 @@ class MDEQModel(MDEQPreTrainedModel):
         self.deq = DEQ(config.deq_config)
         self.post_init()
 
+    def injection_module(self) -> nn.Module:
+        """The module whose output is the DEQ's input injection (what a hypersolver's initializer reads)."""
+        return self.stage0 if self.stage0 is not None else self.downsample
+
     def state_shapes(self, height: int, width: int) -> list[tuple[int, int, int]]:
         """(channels, height, width) of each resolution's state for a stem output of height x width."""
         shapes = []
@@ -581,13 +585,25 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
         self.classifier = nn.Linear(config.final_chansize, config.num_labels)
         self.post_init()
 
-    def classify(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The head alone: logits from the equilibrium states."""
+    def fuse(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The head's fused map before pooling (every resolution merged at the lowest)."""
         y = self.incre_modules[0](states[0])
         for i, down in enumerate(self.downsamp_modules):
             y = self.incre_modules[i + 1](states[i + 1]) + down(y)
-        y = self.final_layer(y)
-        return self.classifier(y.flatten(2).mean(dim=2))
+        return self.final_layer(y)
+
+    def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """timm's split: the fused map before pooling (one solve)."""
+        return self.fuse(self.mdeq(pixel_values, output_hidden_states=True, return_dict=True).hidden_states)
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """timm's split: global average pooling, then the classifier (skipped with `pre_logits`)."""
+        pooled = features.flatten(2).mean(dim=2)
+        return pooled if pre_logits else self.classifier(pooled)
+
+    def classify(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The head alone: logits from the equilibrium states."""
+        return self.forward_head(self.fuse(states))
 
     def forward(
         self,

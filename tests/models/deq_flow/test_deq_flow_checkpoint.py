@@ -155,7 +155,7 @@ def test_reuse_reaches_the_accuracy_without_reuse_at_a_fraction_of_the_steps():
     steps): streaming with the warped reuse at a budget of 4 steps per pair is within 2% of the EPE of the
     solve without reuse at the model's own settings, at <= 0.7x its mean NFE, while without reuse the same
     budget is far from it. Reference: the solve without reuse (tolerance 5e-3, up to 24 steps)."""
-    from deqzoo.bench.deq_flow import reuse_at_equal_accuracy
+    from benchmarks.deq_flow import reuse_at_equal_accuracy
 
     model = deqzoo.from_pretrained(NAMES[0])
     result = reuse_at_equal_accuracy(

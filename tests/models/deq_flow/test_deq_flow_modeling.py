@@ -14,7 +14,7 @@ from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
-from deqzoo.bench.deq_flow import enable_checkpointing
+from benchmarks.deq_flow import enable_checkpointing
 from deqzoo.models.deq_flow import (
     ARCHITECTURES,
     REUSE_MODES,
@@ -467,10 +467,10 @@ def _grads(model) -> dict[str, torch.Tensor]:
     ],
 )
 def test_two_stage_backward_gradients_equal_the_one_shot_backward(case):
-    """deqzoo.tasks.flow.two_stage_backward (encoders once, one supervised state's graph at a time, then the
-    encoders' backward with the collected leaf gradients) gives the gradients of model(...).loss.backward()
-    to 1e-6 in float64, on every parameter, and the same loss."""
-    from deqzoo.tasks.flow import two_stage_backward
+    """deqzoo.models.deq_flow.two_stage_backward (encoders once, one supervised state's graph at a time, then
+    the encoders' backward with the collected leaf gradients) gives the gradients of
+    model(...).loss.backward() to 1e-6 in float64, on every parameter, and the same loss."""
+    from deqzoo.models.deq_flow import two_stage_backward
 
     case = dict(case)
     ckpt, deq = case.pop("ckpt"), case.pop("deq")

@@ -54,3 +54,25 @@ def test_pretrained_loads_the_embedded_checkpoint_offline():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, out.hidden_states))
     new_head = timm.create_model("mdeq_tiny_mnist", pretrained=True, num_classes=3)
     assert new_head(x).shape == (2, 3)
+
+
+def test_timm_wrapper_delegates_to_the_model_and_solves_once_per_call():
+    """forward_features / forward_head are MDEQForImageClassification's own; forward, forward_features and
+    forward_intermediates (features_only) each run the DEQ solve exactly once."""
+    net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
+    model = net.model
+    solves = []
+    model.mdeq.deq.register_forward_hook(lambda *_: solves.append(1))
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        logits = net(x)
+        assert len(solves) == 1
+        torch.testing.assert_close(logits, model(x).logits)
+        solves.clear()
+        final, inter = net.forward_intermediates(x)
+        assert len(solves) == 1 and len(inter) == 2
+        torch.testing.assert_close(net.forward_head(final), logits)
+        solves.clear()
+        torch.testing.assert_close(net.forward_head(net.forward_features(x), pre_logits=True),
+                                   model.forward_head(model.forward_features(x), pre_logits=True))
+    assert len(solves) == 2

@@ -117,7 +117,7 @@ def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
 
 def _sequential_backprop(pipe, chain, x_start, target, budget: float, lr: float, t_offset: float) -> list:
     """Adam on x_T through the T-step sequential chain for `budget` seconds: [(seconds, mean mse)]."""
-    from deqzoo.integrations.diffusers import _mse01, sequential_ddim
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01, sequential_ddim
 
     param = torch.nn.Parameter(x_start.clone())
     opt = torch.optim.Adam([param], lr=lr)
@@ -151,7 +151,7 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> di
     with phantom gradients through the fixed point; sequential backprop from the ODE inversion (the baseline)
     and from the same equilibrium start (so the two gradient phases compare from one point). Each method is
     reported at its best learning rate (lowest final MSE); every run is kept."""
-    from deqzoo.integrations.diffusers import _mse01, sequential_ddim
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01, sequential_ddim
     from deqzoo.tasks.ddim_digits import load_split
 
     x, _ = load_split("inversion")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="take the sampling rows from this earlier JSON (inversion only)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from deqzoo.integrations.diffusers import DEQDDIMPipeline
+    from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
 
     pipe = DEQDDIMPipeline.from_pretrained(args.checkpoint)
     pipe.set_progress_bar_config(disable=True)

@@ -16,7 +16,7 @@ Anderson's; the task metric at equal wall time (HyperAnderson's curve interpolat
 the residual of the current iterate from K to 2K (and beyond) steps, K being the hypersolver's unroll length.
 
 Example:
-    >>> from deqzoo.bench import hypersolver  # doctest: +SKIP
+    >>> from benchmarks import hypersolver  # doctest: +SKIP
     >>> hypersolver.main(["--models", "mdeq", "--limit", "100"])  # doctest: +SKIP
 """
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from deqzoo.bench import solvers as bench
+from benchmarks import solvers as bench
 
 
 def test_bench_solvers_quick(tmp_path, capsys):

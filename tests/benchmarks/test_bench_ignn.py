@@ -1,6 +1,6 @@
 """The IGNN scaling bench at toy size (in-process; the real run is `deqzoo bench ignn`)."""
 
-from deqzoo.bench.ignn import _with_ratios, measure
+from benchmarks.ignn import _with_ratios, measure
 
 
 def test_measure_toy_graph():

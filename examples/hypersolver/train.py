@@ -8,13 +8,17 @@
    initializer alone) and L_α = Σ_k |G_k α_k| / |g_k| (Anderson's least-squares objective for the predicted
    weights; its weight decays linearly to 0 over the first half of training).
 
-Example:
-    >>> from deqzoo.hypersolver.training import train_hypersolver  # doctest: +SKIP
+Run from a clone (training is not part of the installed package)::
+
+    deqzoo train-hypersolver deqzoo/mdeq-tiny-mnist --out my-hypersolver
+    python examples/hypersolver/train.py deqzoo/mdeq-tiny-mnist --out my-hypersolver   # the same
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,12 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.hyper import unroll
-from ..core.solvers import get_solver
-from .attach import Problem, family_of, initial_flat, record_problems
-from .configuration import HyperSolverConfig
-from .io import model_fingerprint
-from .modeling import HyperSolver
+from deqzoo.core.hyper import unroll
+from deqzoo.core.solvers import get_solver
+from deqzoo.hypersolver.attach import Problem, default_config, initial_flat, record_problems
+from deqzoo.hypersolver.configuration import HyperSolverConfig
+from deqzoo.hypersolver.modeling import HyperSolver
 
 __all__ = ["TrainResult", "collect_problems", "default_config", "model_batches", "train_hypersolver"]
 
@@ -73,7 +76,7 @@ def model_batches(
     if task == "mnist":
         import numpy as np
 
-        from ..tasks import mnist
+        from deqzoo.tasks import mnist
 
         x, _ = mnist.load_split(split)
         order = np.random.default_rng(seed).permutation(len(x)) if split == "train" else np.arange(len(x))
@@ -86,7 +89,7 @@ def model_batches(
             out.append(lambda pixels=pixels: model(pixel_values=pixels))
         return out
     if task == "pydoc_lm":
-        from ..tasks import pydoc_lm
+        from deqzoo.tasks import pydoc_lm
 
         ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), split)
         seg = model.config.tgt_len
@@ -102,33 +105,6 @@ def model_batches(
 
         return [lambda i=i: run(i) for i in range(n)]
     raise ValueError(f"no hypersolver inputs for task {task!r}; known: mnist, pydoc_lm")
-
-
-def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverConfig:
-    """A hypersolver config sized for `model` (state kind, channels, injection width from its config)."""
-    kind, _ = family_of(model)
-    cfg = model.config
-    if kind == "multires":
-        base = dict(
-            state_kind=kind,
-            state_channels=list(cfg.branch_channels),
-            injection_channels=int(cfg.branch_channels[0]),
-            pool=1,
-            mix_hidden=8,
-        )
-    elif kind == "sequence":
-        base = dict(
-            state_kind=kind,
-            state_channels=[int(cfg.d_model)],
-            injection_channels=3 * int(cfg.n_head) * int(cfg.d_head),
-            init_hidden=6,
-            mix_hidden=8,
-        )
-    else:
-        raise ValueError(f"no default hypersolver for model type {getattr(cfg, 'model_type', '?')!r}")
-    base.update(model_id=model_id, model_fingerprint=model_fingerprint(model))
-    base.update(overrides)
-    return HyperSolverConfig(**base)
 
 
 @dataclass
@@ -233,13 +209,12 @@ def run_cli(args) -> int:
     """`deqzoo train-hypersolver MODEL --out DIR`: record problems on the model's training inputs (no labels),
     solve them for the ground truth, train, save; prints the summary as JSON."""
     import json
-    import sys
     from pathlib import Path
 
-    from .. import from_pretrained
-    from ..hub import resolve
-    from ..hub.cards import read_model_card
-    from .io import save_hypersolver
+    from deqzoo import from_pretrained
+    from deqzoo.hub import resolve
+    from deqzoo.hub.cards import read_model_card
+    from deqzoo.hypersolver.io import save_hypersolver
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -275,10 +250,7 @@ def run_cli(args) -> int:
     total = time.perf_counter() - t0
     hs = result.hypersolver
     hs.config.training = {
-        "command": "deqzoo train-hypersolver "
-        + " ".join(
-            sys.argv[2:] if sys.argv[1:2] == ["train-hypersolver"] else [args.model, "--out", args.out]
-        ),
+        "command": "deqzoo train-hypersolver " + " ".join(args.argv or [args.model, "--out", args.out]),
         "data": f"task {task}, split {split}: {len(problems)} problems x {bs} inputs, no labels",
         "ground_truth": f"anderson, {args.gt_iter} iterations, rel tol {args.gt_tol}",
         "ground_truth_max_rel_residual": max(float(p.stats.rel_residual.max()) for p in problems),
@@ -296,3 +268,37 @@ def run_cli(args) -> int:
     (Path(out) / "train_log.json").write_text(json.dumps(result.log) + "\n")
     print(json.dumps(hs.config.training, indent=2))
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deqzoo train-hypersolver",
+                                description="train a HyperDEQ hypersolver for a frozen checkpoint")
+    p.add_argument("model", help="checkpoint id or directory (e.g. deqzoo/mdeq-tiny-mnist)")
+    p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long")
+    p.add_argument("--unroll", type=int, default=6, help="K, the unrolled HyperAnderson steps")
+    p.add_argument("--memory", type=int, default=5, help="m (the window holds m + 1 iterates)")
+    p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
+    p.add_argument("--alpha-base", choices=["none", "anderson"], default="none",
+                   help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights")
+    p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
+    p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
+    p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")
+    p.add_argument("--gt-tol", type=float, default=1e-5, help="ground truth: relative tolerance")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return run_cli(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ near 1 mean linear growth.
 
     deqzoo bench ignn                       # 10k, 100k, 1M edges -> ignn_bench.json
     deqzoo bench ignn --quick               # 1k, 10k edges (seconds)
-    python -m deqzoo.bench.ignn --edges 10000 100000 --out bench.json
+    python -m benchmarks.ignn --edges 10000 100000 --out bench.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import child_env
 
 __all__ = ["main", "measure"]
 
@@ -75,8 +77,8 @@ def measure(
 
 
 def _child(edges: int) -> dict:
-    cmd = [sys.executable, "-m", "deqzoo.bench.ignn", "--_child", str(edges)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-m", "benchmarks.ignn", "--_child", str(edges)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
     if res.returncode != 0:
         raise RuntimeError(f"bench child for {edges} edges failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -37,9 +37,9 @@ _FIXTURE = Path("conversion") / "fixtures" / "mdeq" / "torchdeq_mdeq_tiny.pth.ta
 
 
 def _repo_root() -> Path:
-    from deqzoo.hub.catalog import REPO_ROOT
+    from benchmarks import REPO_ROOT
 
-    return Path(REPO_ROOT)
+    return REPO_ROOT
 
 
 def find_zoo(path: str | Path | None) -> tuple[Path | None, str]:
@@ -136,7 +136,7 @@ def measure(zoo: Path | None, *, solver: str = "anderson", f_max_iter: int = 30,
 
     from deqzoo.hub.converters import converter_module
 
-    conv = converter_module("mdeq_torchdeq", _repo_root())
+    conv = converter_module("mdeq_torchdeq")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(batch_size, 3, 32, 32, generator=gen) for _ in range(batches)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from deqzoo.bench import mdeq as bench
+from benchmarks import mdeq as bench
 
 
 def test_missing_torchdeq_zoo_is_reported(tmp_path, capsys):

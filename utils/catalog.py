@@ -1,56 +1,25 @@
-"""The catalog of embedded checkpoints (`deqzoo/hub/catalog.json`), generated from `model_cards/*/`.
+"""Repository tooling: (re)generate `deqzoo/hub/catalog.json` from `model_cards/*/` and the README's table.
 
-Regenerate after adding or retraining a checkpoint::
+Run after adding or retraining a checkpoint, from the repository root::
 
-    python -m deqzoo.hub.catalog
-
-Each entry: id `deqzoo/<folder>`, location (relative to the repository root), sha256 of every file, pipeline
-task, deqzoo task module, card metrics, model_type and parameter count. Loading verifies every sha256.
+    python -m utils.catalog            # write the catalog and refresh README.md's checkpoint table
+    python -m utils.catalog --check    # exit 1 if the catalog on disk is out of date
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from ..cards import CARD_NAME, card_metrics, read_model_card
-from ..safetensors_io import WEIGHTS_NAME
+from deqzoo.hub.cards import CARD_NAME, card_metrics, read_model_card
+from deqzoo.hub.catalog import CATALOG_PATH, NAMESPACE, sha256_file
+from deqzoo.hub.safetensors_io import WEIGHTS_NAME
 
-NAMESPACE = "deqzoo"
-HUB_DIR = Path(__file__).resolve().parent.parent
-PACKAGE_DIR = HUB_DIR.parent
-REPO_ROOT = PACKAGE_DIR.parent
-CATALOG_PATH = HUB_DIR / "catalog.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 CARDS_DIR = REPO_ROOT / "model_cards"
-# where a wheel carries the embedded checkpoints (setup.py copies the catalog's files there)
-PACKAGED_CARDS_DIR = PACKAGE_DIR / "_model_cards"
-
-
-def embedded_folder(entry: dict[str, Any]) -> Path | None:
-    """The folder of an embedded checkpoint: in the source tree (editable install) or inside the installed
-    package (a wheel); None when this install has neither.
-
-    Example:
-        >>> entry = load_catalog()["deqzoo/mdeq-tiny-mnist"]
-        >>> (embedded_folder(entry) / "config.json").is_file()
-        True
-    """
-    location = Path(entry["location"])
-    candidates = [location] if location.is_absolute() else [REPO_ROOT / location,
-                                                             PACKAGED_CARDS_DIR / location.name]
-    return next((c for c in candidates if c.is_dir()), None)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -109,7 +78,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def _parameter_count(config: dict[str, Any]) -> int:
-    from ...factory import parameter_count  # hub -> models through the registry, imported when needed
+    from deqzoo.factory import parameter_count
 
     return parameter_count(config)
 
@@ -164,29 +133,6 @@ def write_catalog(catalog: dict[str, Any], path: Path = CATALOG_PATH) -> Path:
     return path
 
 
-def load_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """{id: entry} of the embedded checkpoints ({} when no catalog has been generated)."""
-    path = Path(path) if path is not None else CATALOG_PATH  # module global read at call time (tests swap it)
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    return data.get("checkpoints", {})
-
-
-def load_hypersolver_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """{id: entry} of the embedded hypersolvers (`deqzoo.hypersolver`); their folders resolve through
-    `embedded_folder` like checkpoints'.
-
-    Example:
-        >>> "deqzoo/hyperdeq-mdeq-tiny-mnist" in load_hypersolver_catalog()
-        True
-    """
-    path = Path(path) if path is not None else CATALOG_PATH
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text()).get("hypersolvers", {})
-
-
 README_START, README_END = "<!-- catalog:start -->", "<!-- catalog:end -->"
 
 
@@ -215,7 +161,7 @@ def update_readme(catalog: dict[str, Any], readme: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deqzoo.hub.catalog", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.catalog", description=__doc__.splitlines()[0])
     parser.add_argument("--cards-dir", type=Path, default=CARDS_DIR)
     parser.add_argument("--output", type=Path, default=CATALOG_PATH)
     parser.add_argument("--check", action="store_true", help="exit 1 if the catalog on disk is out of date")
@@ -228,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = json.loads(args.output.read_text()) if args.output.is_file() else None
         if current != catalog:
-            print(f"{args.output} is out of date; run `python -m deqzoo.hub.catalog`")
+            print(f"{args.output} is out of date; run `python -m utils.catalog`")
             return 1
         print(f"{args.output} is up to date ({len(catalog['checkpoints'])} checkpoints)")
         return 0
@@ -241,3 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {entry['id']}: {entry['task']}, {entry['parameters']:,} parameters, "
               f"metrics {entry['metrics']}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

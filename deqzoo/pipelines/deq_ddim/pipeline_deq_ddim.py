@@ -16,7 +16,7 @@ ODE inversion.
 Example:
     >>> import torch
     >>> from diffusers import DDIMScheduler, UNet2DModel
-    >>> from deqzoo.integrations.diffusers import DEQDDIMPipeline
+    >>> from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
     >>> unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
     ...     down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
     ...                    layers_per_block=1, norm_num_groups=4)
@@ -39,7 +39,7 @@ from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNe
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..core import DEQ, DEQConfig, SolverStats, solve
+from ...core import DEQ, DEQConfig, SolverStats, solve
 
 __all__ = [
     "DDIMChain",
@@ -138,10 +138,15 @@ class DDIMChain:
             self.unet_images += len(xs)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    # Adapted from diffusers.schedulers.scheduling_ddim.DDIMScheduler.step (eta = 0): batched over images that
+    # sit at different timesteps (DDIMScheduler.step takes one timestep per call); pinned against it by
+    # tests/pipelines/test_deq_ddim_step.py for every prediction type, clipping and thresholding.
     def step(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,) (DDIMScheduler.step)."""
         model_output = self.eps(x, self.timesteps[idx])
         cfg = self.scheduler.config
+        if cfg.thresholding:  # dynamic thresholding: diffusers' own step, one call per timestep present
+            return self._scheduler_steps(model_output, x, idx)
         view = (-1,) + (1,) * (x.ndim - 1)
         a_t = self.a_t[idx].to(x.device).view(view)
         a_prev = self.a_prev[idx].to(x.device).view(view)
@@ -160,13 +165,20 @@ class DDIMChain:
             raise ValueError(
                 f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler"
             )
-        if cfg.thresholding:
-            pred_x0 = self.scheduler._threshold_sample(pred_x0)
-        elif cfg.clip_sample:
+        if cfg.clip_sample:
             pred_x0 = pred_x0.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
         if self.use_clipped:
             pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
         return a_prev ** (0.5) * pred_x0 + (1 - a_prev) ** (0.5) * pred_eps
+
+    def _scheduler_steps(self, model_output: torch.Tensor, x: torch.Tensor, idx: torch.Tensor
+                         ) -> torch.Tensor:
+        out = torch.empty_like(x)
+        for i in torch.unique(idx).tolist():
+            sel = idx == i
+            out[sel] = self.scheduler.step(model_output[sel], int(self.timesteps[i]), x[sel], eta=0.0,
+                                           use_clipped_model_output=self.use_clipped).prev_sample
+        return out
 
     def fixed_point_map(
         self,
@@ -286,7 +298,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
 
     Example:
         >>> import torch
-        >>> from deqzoo.integrations.diffusers import DEQDDIMPipeline
+        >>> from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
         >>> pipe = DEQDDIMPipeline.from_pretrained("model_cards/ddim-digits-16")  # doctest: +SKIP
         >>> out = pipe(batch_size=4, num_inference_steps=25, generator=torch.manual_seed(0))  # doctest: +SKIP
         >>> out.images[0].size, out.deq_stats.nfe  # doctest: +SKIP
@@ -593,8 +605,8 @@ def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None
     """
     from pathlib import Path
 
-    from ..hub.loading import CheckpointError
-    from ..hub.validation import confined, read_json
+    from ...errors import CheckpointError
+    from ...hub.validation import confined, read_json
 
     directory = Path(directory)
     index_path = confined(directory, "model_index.json", directory)

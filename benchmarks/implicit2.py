@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import child_env
+
 _GEN_EXPLICIT_LAYERS = 1  # explicit baseline of the generalization table: same width, one layer
 
 
@@ -131,7 +133,7 @@ def _settings(args) -> list[dict[str, Any]]:
                         "input_scale": paper_input_scale(f, args.size), "warmup": 2,
                         "time_after": _time_after(args.time_after), "rounds": args.time_rounds})
     if "gen" in groups:
-        from ..tasks.implicit2 import IMAGES
+        from deqzoo.tasks.implicit2 import IMAGES
 
         for image in IMAGES:
             for imp in (True, False):
@@ -171,8 +173,8 @@ def _build(setting: dict[str, Any], data, seed: int):
     """The setting's model (config from the setting, seeded initialisation)."""
     import torch
 
-    from ..core import neumann_backward
-    from ..models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
+    from deqzoo.core import neumann_backward
+    from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
 
     T = float("inf") if str(setting["T"]) == "inf" else int(setting["T"])
     cfg = Implicit2Config(
@@ -205,7 +207,7 @@ def run_timing(setting: dict[str, Any], data, out_dir: Path, seed: int) -> dict[
     rotated every round) after `warmup` steps each. One phase per entry of `time_after`: the
     tolerance-checked implicit network is first trained to at least that many steps (its step time depends
     on how many solver steps the reuse solve still needs; the others' work per step does not change)."""
-    from ..tasks.implicit2 import Fitter
+    from examples.implicit2.fitting import Fitter
 
     fitters = {}
     for kind, implicit, layers, budget in TIME_KINDS:
@@ -255,7 +257,8 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     import torch
 
     torch.set_num_threads(1)
-    from ..tasks.implicit2 import fit, image_data, psnr
+    from deqzoo.tasks.implicit2 import image_data, psnr
+    from examples.implicit2.fitting import fit
 
     data = image_data(setting["image"], int(setting["size"]), setting["split"])
     if setting["group"] == "time":
@@ -313,7 +316,7 @@ def _launch(setting, args) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "deqzoo.bench.implicit2",
+        "benchmarks.implicit2",
         "--run-one",
         setting["name"],
         "--out",
@@ -342,7 +345,7 @@ def _launch(setting, args) -> subprocess.Popen:
     if args.save_models:
         cmd += ["--save-models", str(args.save_models)]
     log = open(Path(args.out) / "runs" / f"{setting['name']}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
 
 
 def _mean_after(xs: list[float], start: int) -> float:

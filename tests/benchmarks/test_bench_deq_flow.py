@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deqzoo.bench import deq_flow as bench
+from benchmarks import deq_flow as bench
 
 
 def test_deq_graph_is_constant_in_iterations_and_raft_grows():

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from deqzoo.bench.implicit2 import main
+from benchmarks.implicit2 import main
 
 
 @pytest.mark.slow

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..core import _kernels
-from ..core.solvers import get_solver
-from ..core.state import StatePacker
+from deqzoo.core import _kernels
+from deqzoo.core.solvers import get_solver
+from deqzoo.core.state import StatePacker
 
 SOLVERS = ("anderson", "broyden", "fixed_point")
 TORCHDEQ_NAMES = {"anderson": "anderson", "broyden": "broyden", "fixed_point": "fixed_point_iter"}

@@ -27,7 +27,7 @@ def _copy(tmp_path: Path, index_changes: dict) -> Path:
 
 
 def test_embedded_repository_loads_as_deq_ddim_pipeline():
-    from deqzoo.integrations.diffusers import DEQDDIMPipeline
+    from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
 
     pipe = deqzoo.from_pretrained(REPO)
     assert isinstance(pipe, DEQDDIMPipeline)

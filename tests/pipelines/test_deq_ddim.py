@@ -10,7 +10,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 from diffusers import DDIMPipeline, DDIMScheduler, DDPMScheduler, UNet2DModel  # noqa: E402
 
-from deqzoo.integrations.diffusers import DEQDDIMPipeline  # noqa: E402
+from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "model_cards" / "ddim-digits-16"
 
@@ -175,7 +175,7 @@ def test_inversion_improves_on_ddim_ode_inversion():
 def test_docstring_examples():
     import doctest
 
-    import deqzoo.integrations.diffusers as integration
+    import deqzoo.pipelines.deq_ddim.pipeline_deq_ddim as integration
     import deqzoo.tasks.ddim_digits as task
 
     for module in (integration, task):

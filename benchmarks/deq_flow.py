@@ -15,7 +15,7 @@ checkpointing of the encoders (``--checkpointing off on``; per residual block, t
   weights and thread pools are not counted.
 DEQ-Flow runs its training recipe (forward solve without a graph, one-step phantom gradient) with one
 supervised state and with 3 fixed-point-correction states, the latter also with the two-stage backward
-(``two_stage``: `deqzoo.tasks.flow.two_stage_backward`, encoders once, one state's graph at a time; the
+(``two_stage``: `deqzoo.models.deq_flow.two_stage_backward`, encoders once, one state's graph at a time; the
 graphs are built inside the backward, so ``graph_mb`` does not apply and only the step peak and RSS
 measure it); RAFT backpropagates through every update (RAFT's sequence loss). Time is the median of 3
 steps.
@@ -43,6 +43,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from benchmarks import child_env
 
 __all__ = [
     "enable_checkpointing",
@@ -187,10 +189,10 @@ def measure_training(
     """One configuration in this process: saved-graph bytes (by part), parameter bytes, the step's tensor
     peak, peak RSS growth, step time. `checkpointing`: the encoders' activation checkpointing (transformers'
     ``gradient_checkpointing_enable``), on for both models alike. `two_stage`: DEQ-Flow's backward by
-    `deqzoo.tasks.flow.two_stage_backward` (saved-graph bytes are then None)."""
+    `deqzoo.models.deq_flow.two_stage_backward` (saved-graph bytes are then None)."""
     import torch
 
-    from deqzoo.tasks.flow import two_stage_backward
+    from deqzoo.models.deq_flow import two_stage_backward
 
     if two_stage and kind != "deq-flow":
         raise ValueError("two_stage applies to deq-flow only (RAFT's updates chain)")
@@ -277,12 +279,13 @@ def _subprocess(
     two_stage: bool = False,
 ) -> dict:
     code = (
-        "import json, sys; from deqzoo.bench.deq_flow import measure_training; "
+        "import json, sys; from benchmarks.deq_flow import measure_training; "
         f"print(json.dumps(measure_training({kind!r}, {iters}, preset={preset!r}, batch={batch}, "
         f"size={size}, n_states={n_states}, repeats={repeats}, checkpointing={checkpointing}, "
         f"two_stage={two_stage})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"deq-flow bench subprocess ({kind}, {iters}) failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

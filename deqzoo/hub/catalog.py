@@ -1,0 +1,67 @@
+"""The catalog of embedded checkpoints (`deqzoo/hub/catalog.json`): lookups at run time.
+
+The catalog is generated from the repository's `model_cards/*/` by repository tooling (`python -m
+utils.catalog`). Each entry: id `deqzoo/<folder>`, location, sha256 of every file, pipeline task, deqzoo task,
+card metrics, model_type and parameter count. Loading verifies every sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+NAMESPACE = "deqzoo"
+CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"
+# where the package finds the embedded checkpoints: a wheel carries the catalog's files there (setup.py); in a
+# clone it is a symbolic link to the repository's model_cards/, so an editable install reads them in place
+PACKAGED_CARDS_DIR = Path(__file__).resolve().parent.parent / "_model_cards"
+
+
+def embedded_folder(entry: dict[str, Any]) -> Path | None:
+    """The folder of an embedded checkpoint inside the package (`_model_cards/<folder>`; an absolute location,
+    as a catalog built for elsewhere records, is taken as is); None when this install does not carry it.
+
+    Example:
+        >>> entry = load_catalog()["deqzoo/mdeq-tiny-mnist"]
+        >>> (embedded_folder(entry) / "config.json").is_file()
+        True
+    """
+    location = Path(entry["location"])
+    folder = location if location.is_absolute() else PACKAGED_CARDS_DIR / location.name
+    return folder if folder.is_dir() else None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """{id: entry} of the embedded checkpoints ({} when no catalog has been generated)."""
+    path = Path(path) if path is not None else CATALOG_PATH  # module global read at call time (tests swap it)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data.get("checkpoints", {})
+
+
+def load_hypersolver_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """{id: entry} of the embedded hypersolvers (`deqzoo.hypersolver`); their folders resolve through
+    `embedded_folder` like checkpoints'.
+
+    Example:
+        >>> "deqzoo/hyperdeq-mdeq-tiny-mnist" in load_hypersolver_catalog()
+        True
+    """
+    path = Path(path) if path is not None else CATALOG_PATH
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("hypersolvers", {})
+
+
