@@ -14,7 +14,7 @@ best iterate: its history is no longer updated and its next iterate is its best 
 depend on the rest of its batch.
 
 Kernels receive numpy arrays only (never raw addresses): the solvers check f's output positively before
-they hand a view of it over (`deqzoo.core.solvers._readable`), and numba checks every array's type,
+they hand a view of it over (`deqzoo.core.solvers._contract._readable`), and numba checks every array's type,
 dimension and layout when it unboxes it. The iterate f is called on (``x``) is never the array the kernel
 writes the next one into (``xn``); the solver recycles an iterate's array only once nothing but the solver
 holds it, so f may keep its inputs.
