@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
+import weakref
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -93,7 +93,8 @@ def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
     """f's output (already checked by `_check_output`) as a numpy array the fused kernels may read.
 
     An allow-list: a plain dense CPU tensor (exactly torch.Tensor, strided layout, C-contiguous, no negative
-    or conjugate bit, not a zero tensor, a real data pointer, a storage holding every element) is read in
+    or conjugate bit, a real data pointer, a storage holding every element; `Tensor.numpy` refuses zero
+    tensors) is read in
     place; anything else (expanded, strided, negated or conjugated views, zero tensors, subclasses) is first
     copied into a fresh plain tensor by torch (`_check_output` has made sparse and mkldnn outputs dense and
     refused meta tensors)."""
@@ -106,7 +107,6 @@ def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
             and fx.is_contiguous()
             and not fx.is_neg()
             and not fx.is_conj()
-            and not fx._is_zerotensor()
             and fx.data_ptr() != 0
         ):
             storage = fx.untyped_storage()
@@ -268,11 +268,13 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
                  div_factor: float) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
     """Run a fused kernel step ``step(k, fx, x, xn, best_x, *hist(k), best, active, *consts, rel, tol,
     div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
-    solver's history arrays with room for step k. Every iterate is a new tensor; its array is recycled for a
-later iterate only when nothing but the solver holds it (`_holders`), so f may keep its input."""
+    solver's history arrays with room for step k. Every iterate is a new tensor; its buffer is recycled for a
+    later iterate only when nothing but the solver held it (`_Iterates`), so f may keep its input."""
     b = x0.shape[0]
-    x = x0.clone(memory_format=torch.contiguous_format)
-    xa = x.numpy()
+    iterates = _Iterates(tuple(x0.shape), _NUMPY_DTYPES[x0.dtype])
+    xa = iterates.take()
+    x = torch.from_numpy(xa)
+    x.copy_(x0)
     best_x = x.clone()  # the result; starts as x0
     best_np = best_x.numpy()
     best, active = np.full((2, b), np.inf), np.ones(b, np.int64)
@@ -281,16 +283,13 @@ later iterate only when nothing but the solver holds it (`_holders`), so f may k
     kept: dict[int, torch.Tensor] = {}
     trace: list[float] = []
     shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
-    x = torch.from_numpy(xa)  # iterates are tensors over arrays of ours: `_holders` counts who holds them
-    held = _holders(x)
-    spare = None  # an iterate's array that nothing outside the solver holds: the next step writes into it
     for k in range(max_iter):
         arrays = hist(k)
         fx = g(x)
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
         # Python-level operation costs several times its warm price. The common case, checked positively:
         # a plain dense CPU tensor of the state's shape and dtype, with a real data pointer and a storage
-        # holding it (Tensor.numpy refuses negated, conjugated and grad-requiring tensors by raising)
+        # holding it (Tensor.numpy refuses negated, conjugated, zero and grad-requiring tensors by raising)
         fa = None
         try:
             if (
@@ -300,7 +299,6 @@ later iterate only when nothing but the solver holds it (`_holders`), so f may k
                 and fx.is_cpu
                 and fx.layout is torch.strided
                 and fx.is_contiguous()
-                and not fx._is_zerotensor()
             ):
                 storage = fx.untyped_storage()
                 if (
@@ -312,31 +310,46 @@ later iterate only when nothing but the solver holds it (`_holders`), so f may k
             pass
         if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
             fa = _readable(_check_output(fx, x), x)
-        xna = np.empty_like(xa) if spare is None else spare
+        xna = iterates.take()  # never x's buffer: the solver holds x
         flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
         trace.append(t)
         if flags:
             break  # steps in `keep` from here on keep the final best iterate
         if keep and k + 1 in keep:
             kept[k + 1] = best_x.clone()
-        del fx, fa  # f's output may be a view of x: it must not count as a holder below
-        spare = xa if held[0] >= 0 and _holders(x) == held else None  # see `_holders`
-        x = torch.from_numpy(xna)
+        del fx, fa  # f's output may be a view of x: dropped, so that only f's own references keep x
+        x = torch.from_numpy(xna)  # the previous iterate's tensor goes now unless something else holds it
         xa = xna
     return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
                           _kept_extra(keep, kept, best_x, {}))  # fmt: skip
 
 
-def _holders(x: torch.Tensor) -> tuple[int, int, int]:
-    """Who holds iterate x: references to the Python object, to its TensorImpl (autograd's saved tensors,
-    C++ containers) and to its storage (views, ``.numpy()`` arrays). Counts equal to a fresh iterate's,
-    taken the same way, mean that nothing but the solver holds x: its array may then take a later iterate
-    without f ever seeing a buffer change under a reference it kept. An f that kept x, a view of it, or
-    saved it for backward makes x held, and the next step gets a fresh array instead."""
-    try:
-        return sys.getrefcount(x), x._use_count(), torch._C._storage_Use_Count(x.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):  # private counters gone in some torch: never recycle
-        return (-1, -1, -1)
+class _Iterates:
+    """The fused path's iterate buffers, recycled with public APIs only.
+
+    Each iterate is a fresh numpy view of one of our buffers, wrapped by ``torch.from_numpy`` (its storage
+    then holds the view). A view of the iterate, a ``.numpy()`` array of it, an autograd graph that saved it:
+    each holds the storage, so the view lives. The solver keeps only a weak reference to the view: once it
+    is dead nothing outside the solver holds that iterate, and its buffer takes a later one without f ever
+    seeing memory change under a reference it kept. An f that keeps its inputs just costs a new buffer a step.
+    """
+
+    def __init__(self, shape: tuple, dtype):
+        self.shape, self.dtype = shape, dtype
+        self.buffers: list[np.ndarray] = []
+        self.views: list[weakref.ref] = []
+
+    def take(self) -> np.ndarray:
+        for i, ref in enumerate(self.views):
+            if ref() is None:
+                view = self.buffers[i].view()
+                self.views[i] = weakref.ref(view)
+                return view
+        buf = np.empty(self.shape, self.dtype)
+        view = buf.view()
+        self.buffers.append(buf)
+        self.views.append(weakref.ref(view))
+        return view
 
 
 class _Pooled:
