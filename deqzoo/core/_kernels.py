@@ -14,7 +14,7 @@ best iterate: its history is no longer updated and its next iterate is its best 
 depend on the rest of its batch.
 
 Kernels receive numpy arrays only (never raw addresses): the solvers check f's output positively before
-they hand a view of it over (`deqzoo.core.solvers._readable`), and numba checks every array's type,
+they hand a view of it over (`deqzoo.core.solvers._contract._readable`), and numba checks every array's type,
 dimension and layout when it unboxes it. The iterate f is called on (``x``) is never the array the kernel
 writes the next one into (``xn``); the solver recycles an iterate's array only once nothing but the solver
 holds it, so f may keep its inputs.
@@ -34,9 +34,12 @@ The solvers use these kernels for CPU float32/float64 states when numba imports,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -513,7 +516,11 @@ def _compile_elsewhere() -> None:
     """Compile in a child process that writes numba's cache, then load from it here. A compiling thread
     would hold the GIL for tens of seconds and stall every torch op of the solves meanwhile (each op waits
     for the GIL when it returns); the child runs at the lowest priority, on the cores the solves leave idle.
-    If the child fails (no writable cache, for one), compile in this thread after all."""
+    If the child fails (no writable cache, for one), compile in this thread after all.
+
+    The child (`_compile_child`) compiles only under the cache folder's lock, so processes started together
+    compile once between them; while it waits for the lock it exits as soon as this process is gone, and
+    once it holds the lock it finishes the shared cache even if this process exits (the next one loads it)."""
     import subprocess
     import sys
 
@@ -525,13 +532,109 @@ def _compile_elsewhere() -> None:
         "hasattr(os, 'nice') and os.nice(19); "
         f"spec = importlib.util.spec_from_file_location({__name__!r}, {__file__!r}); "
         f"mod = importlib.util.module_from_spec(spec); sys.modules[{__name__!r}] = mod; "
-        "spec.loader.exec_module(mod); mod._compile(); sys.exit(1 if mod._error else 0)"
+        f"spec.loader.exec_module(mod); sys.exit(mod._compile_child({os.getpid()}))"
     )
     try:
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=1800)
+        run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=1800)
+        logger.info("deqzoo: kernel cache %s by a child process", run.stdout.decode().strip())
     except (OSError, subprocess.SubprocessError) as e:
         logger.info("deqzoo: compiling the kernels in a child process failed (%s); compiling here", e)
-    _compile()  # loads from the cache the child wrote (milliseconds), or compiles
+    _compile_locked()  # loads from the cache the child wrote (milliseconds), or compiles
+
+
+def _cache_dir() -> Path:
+    """The folder of numba's cache for this file: ``NUMBA_CACHE_DIR`` when set, else ``__pycache__`` beside
+    this file when writable, else the user's cache folder (numba's own order). The lock and the readiness
+    marker live there."""
+    if numba.config.CACHE_DIR:
+        return Path(numba.config.CACHE_DIR)
+    here = Path(__file__).parent / "__pycache__"
+    if os.access(here if here.exists() else here.parent, os.W_OK):
+        return here
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deqzoo"
+
+
+def _marker() -> Path:
+    """A file whose presence says this cache holds every kernel for this source, numba and target CPU (numba
+    keys its own cache on the same three)."""
+    import hashlib
+
+    import llvmlite.binding as llvm
+
+    cpu = numba.config.CPU_NAME or llvm.get_host_cpu_name()
+    features = numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    key = hashlib.sha256(
+        b"\0".join([Path(__file__).read_bytes(), numba.__version__.encode(), cpu.encode(), features.encode()])
+    ).hexdigest()[:16]
+    return _cache_dir() / f"deqzoo-kernels-{key}.ready"
+
+
+@contextlib.contextmanager
+def _cache_lock(parent: int | None = None):
+    """Hold the cache folder's lock (an advisory ``flock`` on ``deqzoo-kernels.lock``). With `parent`, wait
+    only while that process lives: yields False (lock not taken) once it is gone. Without ``fcntl`` (Windows)
+    or a writable folder, yields True without a lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks here: compile without one
+        yield True
+        return
+    try:
+        folder = _cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / "deqzoo-kernels.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield True
+        return
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if parent is not None else 0))
+                break
+            except BlockingIOError:
+                if os.getppid() != parent:  # the process that wanted the kernels is gone
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _compile_locked() -> None:
+    """`_compile` under the cache folder's lock; marks the cache ready when it succeeded."""
+    with _cache_lock():
+        _compile()
+        if _error is None:
+            _mark_ready()
+
+
+def _mark_ready() -> None:
+    try:
+        _marker().touch()
+    except OSError:  # a read-only cache: the next process checks again, no harm
+        pass
+
+
+def _compile_child(parent: int) -> int:
+    """The compile child's work (see `_compile_elsewhere`): wait for the cache lock while `parent` lives,
+    then compile unless another process finished the cache meanwhile. Exit status 0 on success, 1 if
+    compiling failed, 3 if the parent was gone before the lock came free (nothing compiled)."""
+    with _cache_lock(parent) as held:
+        if not held:
+            return 3
+        if _cache_is_warm():
+            print("loaded")
+            return 0
+        _compile()
+        if _error is not None:
+            return 1
+        _mark_ready()
+        print("compiled")
+        return 0
 
 
 def warm_up(block: bool = False) -> bool:
@@ -539,7 +642,8 @@ def warm_up(block: bool = False) -> bool:
     path, or here with ``block=True``. Returns whether they are ready. On a fresh install the compilation
     takes tens of seconds of CPU time (in a child process, see `_compile_elsewhere`); a one-line notice is
     logged once. numba caches the result next to this file (``__pycache__``), in ``NUMBA_CACHE_DIR`` when
-    set, or in the user's cache folder when the package folder is read-only.
+    set, or in the user's cache folder when the package folder is read-only; one process at a time compiles
+    into a cache folder (a lock there), the others wait and load.
 
     Example:
         >>> from deqzoo.core import _kernels
@@ -552,8 +656,10 @@ def warm_up(block: bool = False) -> bool:
     with _lock:
         if not _started:
             _started = True
-            if block or _cache_is_warm():
-                _compile()
+            if _cache_is_warm():
+                _compile()  # loads (milliseconds); needs no lock
+            elif block:
+                _compile_locked()
             else:
                 logger.warning(
                     "deqzoo: compiling the fused CPU solver kernels in the background (once per install; "
@@ -566,14 +672,12 @@ def warm_up(block: bool = False) -> bool:
 
 
 def _cache_is_warm() -> bool:
-    """Whether numba's cache holds every kernel for this machine (then loading them costs milliseconds)."""
+    """Whether a process has finished numba's cache of every kernel for this source, numba and CPU (our
+    marker, written after a successful compile: numba's own cache index is not a public API). Loading them
+    then costs milliseconds."""
     try:
-        for kernel, args in _signatures():
-            sig = tuple(numba.typeof(a) for a in args)
-            if kernel._cache.load_overload(sig, kernel.targetctx) is None:
-                return False
-        return True
-    except Exception:  # numba internals moved: assume cold, compile in the background
+        return _marker().exists()
+    except OSError:
         return False
 
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .solvers import _Tracker, get_solver
+from .solvers import get_solver
+from .solvers._contract import _Tracker
 from .stats import SolverStats
 
 BACKWARD_MODES: dict[str, Callable] = {}

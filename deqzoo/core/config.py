@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -88,8 +89,8 @@ class DEQConfig:
             )
         for name in ("f_tol", "b_tol"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"DEQConfig.{name} must be a number > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"DEQConfig.{name} must be a finite number > 0, got {value!r}")
         _check_tau("correction_tau", self.correction_tau)
         if self.state_indices is not None:
             self.state_indices = list(self.state_indices)

@@ -6,8 +6,8 @@ The engine knows nothing about the network except two calls (`HyperNet`): ``comp
 first (B, n, c) with n <= m + 1, to raw weights α̂ (B, n) and steps β (B,). Family-specific compressors and the
 trained networks live in `deqzoo.hypersolver`, so core still imports no model.
 
-One step, shared by the registered solver (no autograd, preallocated ring buffers) and by the differentiable
-unroll that trains the network (`unroll`):
+One step, shared by the registered solver (`deqzoo.core.solvers.hyperanderson`: no autograd, preallocated ring
+buffers) and by the differentiable unroll that trains the network (`unroll`):
 
 * α = α̂ + (1 - 1ᵀα̂) / n  (`normalize_alpha`: the weights sum to one, as Anderson's do);
 * ``form="anderson"``: z⁺ = Σ_i α_i (z_i + β g_i), the Anderson-consistent update: with α from Anderson's
@@ -32,13 +32,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from .solvers import _check_output, _empty_result, _sq_norms, _to_host, _Tracker, register_solver
 
 __all__ = [
     "BASES",
@@ -48,7 +46,6 @@ __all__ = [
     "MeanPoolNet",
     "UnrollStep",
     "hyper_update",
-    "hyperanderson",
     "normalize_alpha",
     "unroll",
 ]
@@ -150,84 +147,6 @@ def _weights(
     beta = beta.to(dtype)
     ok = torch.isfinite(alpha).all(1) & torch.isfinite(beta)
     return alpha, beta, ok
-
-
-@register_solver("hyperanderson")
-@torch.no_grad()
-def hyperanderson(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    net: HyperNet | None = None,
-    m: int = 5,
-    form: str = "anderson",
-    base: str = "none",
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-):
-    """HyperAnderson: Anderson's update over the last m + 1 iterates with α and β from the learned `net`.
-
-    Same contract as every built-in solver (`deqzoo.core.solvers`): per-sample best iterate, freezing of
-    converged samples, trace, divergence and non-finite stops, ``keep_steps`` (the shared `_Tracker`). History
-    buffers are preallocated once (m + 1 slots) and written in place; the network sees the compressed
-    residuals oldest first. ``stats.extra["beta"]`` is the mean β of each step (what the network chose).
-    """
-    if net is None or not callable(getattr(net, "compress", None)) or not callable(getattr(net, "mix", None)):
-        raise TypeError(
-            "solver 'hyperanderson' needs net=<a hypersolver network with compress(g) and mix(C)>"
-            f", got {type(net).__name__}; attach one with model.set_hypersolver(...)"
-        )
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        raise ValueError(f"hyperanderson memory m must be an integer >= 0, got {m!r}")
-    if form not in FORMS:
-        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
-    if base not in BASES:
-        raise ValueError(f"HyperAnderson base must be one of {BASES}, got {base!r}")
-    b, d = x0.shape
-    if b == 0:
-        return _empty_result(x0, "hyperanderson", tol, stop_mode)
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "hyperanderson", keep_steps, div_factor)
-    cap = min(m + 1, max_iter)
-    X = x0.new_empty(b, cap, d)
-    G = x0.new_empty(b, cap, d)
-    C: torch.Tensor | None = None  # (B, cap, c), allocated at the first compress (c is the network's)
-    H = torch.zeros(b, cap, cap, dtype=torch.float64, device=x0.device) if base == "anderson" else None
-    betas: list[torch.Tensor] = []
-    x, nfe = x0.clone(), 0
-    for k in range(max_iter):
-        fx = _check_output(g(x), x)
-        nfe += 1
-        slot, n = k % cap, min(k + 1, cap)
-        gx = torch.sub(fx, x, out=G[:, slot])
-        host = _to_host(_sq_norms(gx, fx))
-        if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
-            break
-        X[:, slot] = x
-        if H is not None:  # one Gram row per step, O(n·D), as Anderson
-            row = torch.bmm(gx.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n).double()
-            H[:, slot, :n] = row
-            H[:, :n, slot] = row
-        feat = net.compress(gx).to(x.device)
-        if C is None:
-            C = feat.new_empty(b, cap, feat.shape[-1])
-        C[:, slot] = feat
-        order = torch.tensor([(k - n + 1 + i) % cap for i in range(n)], device=x.device)
-        Hc = None if H is None else H[:, order][:, :, order]
-        alpha_c, beta, ok = _weights(net, C.index_select(1, order), x.dtype, Hc)
-        if not bool(ok.all()):  # fall back per sample: plain fixed-point step from the newest iterate
-            newest = torch.zeros_like(alpha_c)
-            newest[:, -1] = 1.0
-            alpha_c = torch.where(ok[:, None], alpha_c, newest)
-            beta = torch.where(ok, beta, torch.ones_like(beta))
-        alpha = torch.zeros(b, cap, dtype=x.dtype, device=x.device)
-        alpha[:, order] = alpha_c
-        betas.append(beta.mean())
-        x = tracker.next_iterate(hyper_update(X[:, :n], G[:, :n], alpha[:, :n], beta, form))
-    extra = {"beta": torch.stack(betas).double().cpu() if betas else torch.zeros(0, dtype=torch.float64)}
-    return tracker.result(), tracker.stats(nfe, **extra)
 
 
 @dataclass

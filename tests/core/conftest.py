@@ -8,19 +8,27 @@ from deqzoo.core import _kernels
 _kernels.warm_up(block=True)
 
 
+OPT_IN = {
+    "generic_cpu": "reruns the hard-system tests with the kernels compiled for a generic x86-64 "
+    "(a fresh compile, ~30 s CPU)",
+    "fresh_compile": "starts kernel-compile child processes (a fresh compile, ~30 s CPU; minutes of wall "
+    "time at the children's low priority on a busy machine)",
+}
+
+
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "generic_cpu: reruns the hard-system tests with the kernels compiled for a generic x86-64 (a fresh "
-        "compile, ~30 s CPU); skipped unless selected with `pytest -m generic_cpu`",
-    )
+    for name, what in OPT_IN.items():
+        config.addinivalue_line("markers", f"{name}: {what}; skipped unless selected with `pytest -m {name}`")
 
 
 def pytest_collection_modifyitems(config, items):
-    """`generic_cpu` tests run only when the marker expression names them (a CI step of their own)."""
-    if "generic_cpu" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="a CI step of its own: pytest -m generic_cpu tests/core")
-    for item in items:
-        if "generic_cpu" in item.keywords:
-            item.add_marker(skip)
+    """Opt-in tests run only when the marker expression names them (a CI step of their own:
+    ``pytest -m "generic_cpu or fresh_compile" tests/core``)."""
+    expr = config.getoption("markexpr") or ""
+    for name in OPT_IN:
+        if name in expr:
+            continue
+        skip = pytest.mark.skip(reason=f"a CI step of its own: pytest -m {name} tests/core")
+        for item in items:
+            if name in item.keywords:
+                item.add_marker(skip)

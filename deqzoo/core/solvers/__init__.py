@@ -1,0 +1,89 @@
+"""Fixed-point solvers for z = f(z), registered by name, one module per method (`fixed_point`, `anderson`,
+`broyden`, `gmres`, `hyperanderson`) over one shared contract (`_contract`). They work on flat (B, D) states.
+
+A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)`` where ``g`` maps
+(B, D) to (B, D) and runs without autograd. Every built-in solver keeps per-sample statistics and returns,
+per sample, the iterate with the lowest residual seen; a sample whose residual is below tol is frozen there
+(its next iterates are its best one, its history is no longer updated), so its result does not depend on the
+rest of its batch. f is called on a new tensor every step, never on a buffer the solver writes while f holds
+it, so f may keep its inputs (the fused path recycles an iterate's array only when nothing outside the solver
+holds the iterate, a view, an array or an autograd graph of it); f's output is checked (shape, dtype) on every
+call. Built-ins also accept ``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for
+fixed-point correction) and ``div_factor`` (stop when the largest absolute residual exceeds ``div_factor``
+times the largest best one: divergence). Memory grows with the work done (histories of min(m, steps taken)
+entries), never with max_iter. An empty batch (B = 0) returns an empty result without calling f.
+
+Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
+the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
+affine maps such as the adjoint system of implicit differentiation), ``hyperanderson`` (learned weights).
+
+On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel
+(`deqzoo.core._kernels`, a backend of the same method), with their histories from a per-thread pool
+(`deqzoo.core.workspace`); elsewhere, with ``DEQZOO_KERNELS=0``, or while the kernels compile on first use,
+they run their torch path. Both paths
+are one algorithm: the same per-step bookkeeping (`_kernels.track`), the same mixing system
+(`_kernels.mixing_weights`) and the same Broyden step rule and product-form estimate; the tests check that
+they agree per sample to rounding.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from ..state import State, StatePacker
+from ..stats import SolverStats
+from ._contract import SOLVERS, _check_solve_args, get_solver, register_solver, solver_kwarg_names
+from .anderson import anderson
+from .broyden import InverseJacobian, LowRankInverse, StepProductInverse, broyden
+from .fixed_point import fixed_point
+from .gmres import gmres
+from .hyperanderson import hyperanderson
+
+__all__ = [
+    "SOLVERS",
+    "InverseJacobian",
+    "LowRankInverse",
+    "StepProductInverse",
+    "anderson",
+    "broyden",
+    "fixed_point",
+    "get_solver",
+    "gmres",
+    "hyperanderson",
+    "register_solver",
+    "solve",
+    "solver_kwarg_names",
+]
+
+
+def solve(
+    f: Callable[[State], State],
+    z0: State,
+    solver: str = "anderson",
+    max_iter: int = 50,
+    tol: float = 1e-4,
+    stop_mode: str = "rel",
+    **solver_kwargs,
+) -> tuple[State, SolverStats]:
+    """Find z* = f(z*) starting at z0 (no autograd graph is built).
+
+    z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
+    structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import solve
+        >>> A = 0.5 * torch.eye(3, dtype=torch.float64); b = torch.ones(1, 3, dtype=torch.float64)
+        >>> z, stats = solve(lambda z: z @ A + b, torch.zeros(1, 3, dtype=torch.float64), tol=1e-10)
+        >>> torch.allclose(z, 2 * b), bool(stats.converged.all())
+        (True, True)
+    """
+    _check_solve_args(max_iter, tol, stop_mode)  # before anything is allocated, for user solvers too
+    packer = StatePacker(z0)
+    x0 = packer.flatten(z0)
+    packer.check_finite(x0)
+    with torch.no_grad():
+        x, stats = get_solver(solver)(
+            packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode, **solver_kwargs
+        )
+    return packer.unflatten(x), stats
