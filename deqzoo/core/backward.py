@@ -13,6 +13,8 @@ Options come from ``DEQConfig.b_mode_kwargs``:
   unrolled damped steps, "npg" = truncated damped Neumann series of the adjoint; Geng et al., 2021).
 - ``shine``: ``refine`` (default 0): extra ``b_solver`` steps started from the SHINE estimate.
 - ``unrolled``: ``checkpoint`` (default 0 = off; n = recompute segments of n steps in backward).
+- ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8): f_max_iter coupled reversible steps
+  replace the forward solve, with exact gradients in O(1) memory (deqzoo.core.reversible).
 """
 
 from __future__ import annotations
@@ -296,3 +298,9 @@ def backward_in_stages(
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     return total
 
+
+
+# b_mode="reversible" (RevDEQ): the algorithm lives in deqzoo.core.reversible
+from .reversible import reversible_mode  # noqa: E402
+
+register_backward("reversible", {"beta"})(reversible_mode)

@@ -6,6 +6,11 @@ back onto its constraints after every optimizer step.
 
     python examples/mdeq/train_mnist.py --variant mdeq --out model_cards/mdeq-tiny-mnist
     python examples/mdeq/train_mnist.py --variant lipschitz --out model_cards/lipschitz-mdeq-tiny-mnist
+    python examples/mdeq/train_mnist.py --variant reversible --steps 4 --beta 0.8 \
+        --out model_cards/mdeq-tiny-mnist-reversible --state-dir runs/mdeq-rev    # b_mode="reversible"
+
+The reversible variant is the mdeq preset trained with b_mode="reversible" (RevDEQ, deqzoo.core.reversible):
+`--steps` coupled steps (2 * steps + 1 f calls) in training and evaluation, exact gradients, no regulariser.
 
 Each run writes config.json, model.safetensors, preprocessor_config.json, train_log.json and (with --card, the
 default) README.md with the held-out metrics exactly as `deqzoo eval` prints them.
@@ -30,8 +35,10 @@ from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
 from deqzoo.models.mdeq.lipschitz import project_lipschitz
 from deqzoo.tasks import mnist
 
-PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny"}
-IDS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "lipschitz": "deqzoo/lipschitz-mdeq-tiny-mnist"}
+PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny",
+           "reversible": "mdeq-mnist-tiny"}
+IDS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "lipschitz": "deqzoo/lipschitz-mdeq-tiny-mnist",
+       "reversible": "deqzoo/mdeq-tiny-mnist-reversible"}
 
 
 def seed_everything(seed: int) -> None:
@@ -111,6 +118,8 @@ def train(
     jac_reg_samples: int = 0,
     jac_loss_weight: float = 0.0,
     state_dir: Path | None = None,
+    steps: int = 4,
+    beta: float = 0.8,
 ) -> dict:
     """Train from scratch (or resume from `state_dir`, written after every epoch), save to `out`, evaluate.
 
@@ -123,6 +132,9 @@ def train(
     overrides: dict = {}
     if jac_reg_samples:
         overrides = {"jac_loss_weight": jac_loss_weight, "deq": {"jac_reg_samples": jac_reg_samples}}
+    if variant == "reversible":
+        rev = {"b_mode": "reversible", "f_max_iter": steps, "b_mode_kwargs": {"beta": beta}}
+        overrides.setdefault("deq", {}).update(rev)
     model = deqzoo.create_model(
         PRESETS[variant],
         id2label={i: str(i) for i in range(10)},
@@ -149,6 +161,7 @@ def train(
     for epoch in range(first, epochs):
         order = torch.randperm(len(labels), generator=gen)
         for s in range(0, len(labels), batch_size):
+            t_step = time.perf_counter()
             idx = order[s : s + batch_size]
             xb = random_shift(pixels[idx], max_shift, gen)
             outb = model(pixel_values=xb, labels=labels[idx])
@@ -160,7 +173,8 @@ def train(
                 project_lipschitz(model)
             stats = outb.deq_stats
             entry = {"epoch": epoch, "loss": round(float(outb.loss), 4), "nfe": stats.nfe,
-                     "converged": round(float(stats.converged.float().mean()), 4)}
+                     "converged": round(float(stats.converged.float().mean()), 4),
+                     "seconds": round(time.perf_counter() - t_step, 3)}
             if stats.jac_loss is not None:
                 entry["jac"] = round(float(stats.jac_loss), 4)
             log.append(entry)
@@ -186,6 +200,7 @@ def train(
         "threads": threads,
         "jac_reg_samples": jac_reg_samples,
         "jac_loss_weight": jac_loss_weight if jac_reg_samples else 0.0,
+        **({"steps_reversible": steps, "beta": beta} if variant == "reversible" else {}),
         "train_seconds": round(seconds, 1),
         "metrics": metrics,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -336,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="weight of the Jacobian regularizer")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="resumable training state, written after every epoch and resumed from when present")
+    p.add_argument("--steps", type=int, default=4, help="reversible variant: coupled steps (f_max_iter)")
+    p.add_argument("--beta", type=float, default=0.8, help="reversible variant: coupling beta")
     p.add_argument("--no-card", action="store_true")
     p.add_argument(
         "--card-only", action="store_true", help="re-evaluate the saved checkpoint, rewrite README.md"
@@ -358,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         jac_reg_samples=ARGS.jac_reg_samples,
         jac_loss_weight=ARGS.jac_loss_weight,
         state_dir=ARGS.state_dir,
+        steps=ARGS.steps,
+        beta=ARGS.beta,
     )
     return 0
 
