@@ -22,8 +22,9 @@ Cost (N steps, state of D numbers per sample):
 - forward: 2N + 1 f calls without a graph (f(z0), then f(y_{n+1}) and f(z_{n+1}) per step; the last f(z_N)
   gives the residual reported in the statistics); ``stats.nfe = 2N + 1``.
 - backward: 2N f calls with a graph and 2N vector-Jacobian products, one graph alive at a time.
-- memory: the state doubles (y beside z) in the forward; the backward holds z, y and their two cotangents
-  (4 states) plus one f call's graph, whatever N is. Unrolled autograd holds 2N graphs.
+- memory: the state doubles (y beside z) in the forward, and z0 is kept (the reversal ends on it exactly
+  instead of rebuilding it); the backward holds z, y and their two cotangents plus one f call's graph,
+  whatever N is. Unrolled autograd holds 2N graphs.
 - no adaptive stopping: every sample runs exactly N steps (the exact reversal needs the same N).
 
 When to prefer it: over IFT when gradients must be exact (IFT is exact only at a converged z* and to b_tol;
@@ -45,6 +46,9 @@ Requirements and limits:
 - The tensors f depends on (parameters, input injection) are found by recording, during the first f call,
   the tensors requiring grad that f passes to torch operations (a `TorchFunctionMode`); they become inputs
   of the autograd node, so gradients reach leaves, non-leaf injections and ``torch.autograd.grad`` alike.
+  The backward's f calls see detached aliases of them, so each is differentiated once per use in f. A tensor
+  that reaches f only through a custom ``autograd.Function`` (not a torch operation) is not seen: f must
+  pass its parameters to torch operations (every family in the zoo does; tests/gradients checks each).
 """
 
 from __future__ import annotations
@@ -107,30 +111,27 @@ class _GradInputs(TorchFunctionMode):
         return out
 
 
-def _check_independent(inputs: list[torch.Tensor]) -> None:
-    """A clear error when one recorded tensor is computed from another (f uses both W and the v that W is
-    made of): the vector-Jacobian product with respect to v would also run through W, which the outer
-    graph differentiates again."""
-    leaves = {id(t): t for t in inputs if t.grad_fn is None}
-    nodes = {t.grad_fn: t for t in inputs if t.grad_fn is not None}
-    for t in inputs:
-        if t.grad_fn is None:
-            continue
-        stack, seen = [fn for fn, _ in t.grad_fn.next_functions if fn is not None], set()
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
-            other = nodes.get(node) if variable is None else leaves.get(id(variable))
-            if other is not None:
-                raise ValueError(
-                    f"b_mode='reversible': f uses a tensor of shape {tuple(t.shape)} and also, directly, a "
-                    f"tensor of shape {tuple(other.shape)} it is computed from; compute the former inside f "
-                    "or use only the former, so that each gradient path is counted once"
-                )
-            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+class _Substitute(TorchFunctionMode):
+    """Hands torch operations a detached alias wherever f passes one of the recorded inputs, so that a
+    backward step differentiates f's own use of each input and never enters the graph that made it (an
+    input computed from another input, e.g. an offset made from a weight f also uses, then counts once:
+    the outer graph routes the offset's gradient to the weight)."""
+
+    def __init__(self, aliases: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.aliases = aliases
+
+    def _swap(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.aliases.get(id(obj), obj)
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self._swap(item) for item in obj)
+        if isinstance(obj, dict):
+            return {k: self._swap(v) for k, v in obj.items()}
+        return obj
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*self._swap(args), **self._swap(kwargs or {}))
 
 
 def first_call_inputs(g: Callable[[torch.Tensor], torch.Tensor],
@@ -139,9 +140,7 @@ def first_call_inputs(g: Callable[[torch.Tensor], torch.Tensor],
     recorder, start = _GradInputs(), x0.detach()  # detached outside the recording: x0 is not f's input
     with torch.no_grad(), recorder:
         f0 = g(start)
-    inputs = list(recorder.found.values())
-    _check_independent(inputs)
-    return f0, inputs
+    return f0, list(recorder.found.values())
 
 
 def _residuals(z: torch.Tensor, fz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +173,7 @@ class _Reversible(torch.autograd.Function):
         run["trace"] = trace
         ctx.run = {"g": run["g"], "steps": run["steps"], "beta": run["beta"], "inputs": inputs}
         ctx.y = y  # no graph: a plain state, not an input or output of this node
-        ctx.save_for_backward(z)
+        ctx.save_for_backward(z, x0)
         return z
 
     @staticmethod
@@ -186,9 +185,12 @@ class _Reversible(torch.autograd.Function):
                 "same f_max_iter for second-order derivatives of the same computation."
             )
         g, steps, beta, inputs = (ctx.run[k] for k in ("g", "steps", "beta", "inputs"))
-        (z,) = ctx.saved_tensors
+        z, x0 = ctx.saved_tensors
         y = ctx.y
         need = [t for t, n in zip(inputs, ctx.needs_input_grad[2:]) if n]
+        aliases = {id(t): t.detach().requires_grad_() for t in need}
+        swap = _Substitute(aliases)
+        leaves = list(aliases.values())
         acc: list[torch.Tensor | None] = [None] * len(need)
         gz, gy = grad_z, torch.zeros_like(y)
 
@@ -196,26 +198,26 @@ class _Reversible(torch.autograd.Function):
             """f(state) (value) and the state's cotangent; the inputs' cotangents are added to acc."""
             with torch.enable_grad():
                 leaf = state.detach().requires_grad_()
-                out = g(leaf)
-                # retain_graph: the inputs' own graphs (e.g. a normalized weight made once per forward) serve
-                # every step; this call's graph goes with `out`
-                grads = torch.autograd.grad(out, [leaf, *need], cotangent, allow_unused=True,
-                                            retain_graph=True)
+                with swap:
+                    out = g(leaf)
+                grads = torch.autograd.grad(out, [leaf, *leaves], cotangent, allow_unused=True)
             for i, gi in enumerate(grads[1:]):
                 if gi is not None:
                     acc[i] = gi if acc[i] is None else acc[i] + gi
             g_state = grads[0] if grads[0] is not None else torch.zeros_like(state)
             return out.detach(), g_state
 
-        for _ in range(steps):
-            # undo z_{n+1} = (1 - beta) z_n + beta f(y_{n+1})
+        for n in range(steps, 0, -1):
+            # undo z_n = (1 - beta) z_{n-1} + beta f(y_n); the first state is known exactly (the saved z0):
+            # rebuilt, its rounding error would meet f where f amplifies most (normalisations of a state
+            # near zero, as z0 = 0 usually is)
             fy, dy = vjp(y, beta * gz)
-            z = (z - beta * fy) / (1 - beta)
+            z = (z - beta * fy) / (1 - beta) if n > 1 else x0.detach()
             gy = gy + dy
             gz = (1 - beta) * gz
-            # undo y_{n+1} = (1 - beta) y_n + beta f(z_n)
+            # undo y_n = (1 - beta) y_{n-1} + beta f(z_{n-1})
             fz, dz = vjp(z, beta * gy)
-            y = (y - beta * fz) / (1 - beta)
+            y = (y - beta * fz) / (1 - beta) if n > 1 else z
             gz = gz + dz
             gy = (1 - beta) * gy
         it = iter(acc)
