@@ -89,6 +89,11 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
         nonlocal busy
         if busy:  # the vector-Jacobian products below flow through fx as well
             return grad
+        if torch.is_grad_enabled():  # create_graph=True: the adjoint below is solved without a graph
+            raise RuntimeError(
+                f"b_mode={ctx.config.b_mode!r} does not support double backward (create_graph=True, "
+                "Hessian-vector products): its adjoint is solved without a graph, so the product would be "
+                "silently wrong. Use b_mode='unrolled' for second-order derivatives")
         busy = True
         try:
 
