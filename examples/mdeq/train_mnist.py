@@ -305,7 +305,8 @@ def write_card_reversible(out: Path, summary: dict) -> None:
     lines += [
         "",
         "Both trained on the same shared 2-core CPU with 1 thread, beside other jobs, so their wall times "
-        "carry the load of the moment (the side-by-side step times below do not). Mean forward NFE counts every f call (2 per coupled step, plus f(z0); the last call gives the "
+        "carry the load of the moment (the side-by-side step times below do not). Mean forward NFE counts "
+        "every f call (2 per coupled step, plus f(z0); the last call gives the "
         "residual in `deq_stats`). Converged share: images whose residual after the fixed number of steps is "
         f"below f_tol = {cfg.deq['f_tol']} (rel); the reversible iteration never stops early, so this is a "
         "diagnostic, not a budget.",
