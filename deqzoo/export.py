@@ -20,6 +20,8 @@ inference setting this module turns on:
 Supported heads and their tensor signatures (:func:`exportable` builds the module to export):
 
 * MDEQ image classification: ``(pixel_values,) -> logits``;
+* Implicit² signal representation: ``(coords,) -> values``, coordinates (N, d), any number of points N
+  (the value checks of the eager model, finite and within ``coordinate_range``, are not in the program);
 * IGNN node and graph classification: ``(x, operator) -> logits``, ``operator`` the dense normalized
   adjacency Â of the graph (:func:`graph_operator`). The projection of W onto ``||W||∞ <= κ/λ_pf(|Â|)`` is
   a constraint on the weights: it is applied once, for the graph given to :func:`exportable`, and the
@@ -162,6 +164,15 @@ class _ImageClassifier(nn.Module):
         return self.model(pixel_values, return_dict=True).logits
 
 
+class _SignalRepresenter(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, coords: torch.Tensor) -> torch.Tensor:
+        return self.model(coords, return_dict=True).values
+
+
 class _GraphClassifier(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -214,6 +225,15 @@ def _prepare_ignn(model: nn.Module, graph) -> None:
             module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
 
 
+# why the other families are not exported (the reason ExportError gives)
+_NOT_EXPORTABLE = {
+    "deq_transformer": "its forward validates token ids by value (a data-dependent branch) and keeps a "
+                       "recurrent memory cache whose length changes per call",
+    "deq_flow": "its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
+                "upsampling are not checked for a dynamic image size or batch",
+}
+
+
 def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
                ) -> nn.Module:
     """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
@@ -233,12 +253,13 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     heads = {"mdeq": ("MDEQForImageClassification", "LipschitzMDEQForImageClassification"),
-             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification")}
+             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification"),
+             "implicit2": ("Implicit2ForSignalRepresentation",)}
     name = type(model).__name__
     if model_type not in heads:
-        raise ExportError(f"{name} (model_type {model_type!r}): export is implemented for "
-                          f"{sorted(heads)} heads; this family's forward has steps that depend on tensor "
-                          "values outside the solve (not checked for tracing)")
+        why = _NOT_EXPORTABLE.get(model_type, "its forward has not been checked for tracing")
+        raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {why} (export is "
+                          f"implemented for {sorted(heads)})")
     if not any(isinstance(m, DEQ) for m in model.modules()):
         raise ExportError(f"{name} has no DEQ layer to run at a fixed iteration budget")
     copy_ = _fixed_iteration_copy(model, max_iter, tau)
@@ -248,6 +269,11 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
                               "batch vector's values; export supports IGNNForNodeClassification")
         _prepare_ignn(copy_, graph)
         return _GraphClassifier(copy_).eval()
+    if model_type == "implicit2":
+        if name not in heads["implicit2"]:
+            raise ExportError(f"{name}: export is implemented for Implicit2ForSignalRepresentation "
+                              "(values out)")
+        return _SignalRepresenter(copy_).eval()
     if not hasattr(copy_, "classifier") and "Classification" not in name:
         raise ExportError(f"{name}: export is implemented for image classification heads (logits out)")
     return _ImageClassifier(copy_).eval()
@@ -272,10 +298,14 @@ def batch_dynamic_shapes(module: nn.Module):
     if isinstance(module, _GraphClassifier):
         nodes = torch.export.Dim("nodes", min=1, max=2**31 - 2)
         return ({0: nodes}, {0: nodes, 1: nodes})
+    if isinstance(module, _SignalRepresenter):  # (N, d) coordinates: the number of points
+        return ({0: torch.export.Dim("points", min=1, max=2**31 - 2)},)
     return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
 
 
 def _onnx_dynamic_axes(module: nn.Module) -> dict[str, dict[int, str]]:
+    if isinstance(module, _SignalRepresenter):
+        return {"coords": {0: "points"}, "values": {0: "points"}}
     if isinstance(module, _GraphClassifier):
         return {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}, "logits": {0: "nodes"}}
     return {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
@@ -309,7 +339,7 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new path (an existing file is never overwritten)")
     kwargs.setdefault("input_names", _input_names(module))
-    kwargs.setdefault("output_names", ["logits"])
+    kwargs.setdefault("output_names", ["values"] if isinstance(module, _SignalRepresenter) else ["logits"])
     if dynamic_batch and "dynamic_shapes" not in kwargs and "dynamic_axes" not in kwargs:
         if kwargs.get("dynamo", True):
             kwargs["dynamic_shapes"] = batch_dynamic_shapes(module)
@@ -332,10 +362,12 @@ def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
 
 
 def _input_names(module: nn.Module) -> list[str]:
+    if isinstance(module, _SignalRepresenter):
+        return ["coords"]
     return ["x", "operator"] if isinstance(module, _GraphClassifier) else ["pixel_values"]
 
 
 def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, (_ImageClassifier, _GraphClassifier)):
+    if not isinstance(module, (_ImageClassifier, _GraphClassifier, _SignalRepresenter)):
         raise ExportError(f"{type(module).__name__}: pass the module deqzoo.export.exportable(model) returns "
                           "(a DEQ's adaptive solve cannot be traced: its stopping test reads tensor values)")

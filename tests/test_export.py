@@ -232,3 +232,26 @@ def test_unsupported_models_name_the_reason(ignn):
         exportable(model)  # kappa set and no graph: the projection radius is unknown
     with pytest.raises(ValueError, match="max_iter must be >= 1"):
         exportable(model, max_iter=0, graph=model.ignn.prepare_graph(x, edges))
+
+
+def test_implicit2_one_export_per_format_serves_every_number_of_points(tmp_path):
+    model = deqzoo.from_pretrained("deqzoo/implicit2-isiren-camera").eval()
+    module = exportable(model)  # the card's budget, f_max_iter 100
+    g = torch.Generator().manual_seed(0)
+    example = torch.rand(50, 2, generator=g) * 2 - 1
+    runs = {"program": export_program(module, (example,)).module(), "trace": trace(module, (example,))}
+    if HAS_ORT:
+        path = export_onnx(module, (example,), tmp_path / "implicit2.onnx", dynamo=False)
+        runs["onnx"] = lambda c: _onnx_run(path, {"coords": c})
+    engine = model.__class__.from_pretrained("deqzoo/implicit2-isiren-camera", deq={
+        "f_solver": "fixed_point", "f_tol": 1e-12, "on_nonconvergence": "ignore"}).eval()
+    with torch.no_grad():
+        for n in BATCHES:
+            coords = torch.rand(n, 2, generator=g) * 2 - 1
+            eager = module(coords)
+            # the eager module is the engine's fixed_point solve at the same budget
+            _close(eager, engine(coords).values)
+            for name, run in runs.items():
+                out = run(coords)
+                assert out.shape == (n, model.config.out_features), name
+                _close(out, eager)
