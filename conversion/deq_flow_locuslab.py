@@ -22,8 +22,23 @@ Weight-normalised layers keep ``weight_g``/``weight_v`` (deqzoo's engine weight 
 recomputes the weight once per forward, as the original); ``--option fold_weight_norm=true`` folds them into
 plain weights (w = g · v / ||v||, outputs unchanged) and builds the model without weight norm.
 
-Solver settings follow the original's evaluation (its ``val.sh``: ``--f_solver naive_solver --f_thres 40
---eval_factor 1.5``): plain fixed-point iteration, 60 steps; relative tolerance 1e-3.
+Solver settings are the original's evaluation settings for the release the checkpoint comes from
+(`eval_settings`; the release is told by where the mask head lives: ``update_block.mask`` in v1.0, ``mask``
+in v2.0):
+
+* v2.0 (``code.v.2.0/val.sh``: ``--f_solver naive_solver --f_thres 40 --eval_factor 1.5``, with
+  ``arg_utils``' defaults ``--f_stop_mode abs --f_eps 1e-3``): plain fixed-point iteration, 60 steps, stop
+  when the absolute residual is below 1e-3;
+* v1.0 (``code.v.1.0/val.sh``; ``main.py``'s defaults ``--stop_mode abs --eval_factor 1.5``, and ``deq.py``'s
+  ``eps=1e-3`` in abs mode): DEQ-Flow-B with Anderson (``--f_thres 40``: 60 steps; m = 6, β = 1 as its
+  ``anderson``), DEQ-Flow-H (hidden width 256, ``--huge``) with Broyden (``--f_thres 36``: 54 steps, full
+  memory); absolute tolerance 1e-3.
+
+The stop test is applied to (h, coords1), the original's state: deqzoo's state is (h, flow) with flow =
+coords1 - coords0 and coords0 fixed, so f(z) - z and hence the absolute residual are the same numbers. The
+engine tests each sample's residual (as v2.0's solvers do); v1.0's Anderson tests the batch mean and its
+Broyden the norm over the batch, which is the same at batch 1 (the original's validation runs one pair at a
+time).
 
     deqzoo convert deq-flow-locuslab deq-flow-H-things-test-3x.pth out_dir
 """
@@ -38,9 +53,14 @@ import torch
 
 from ._common import fill_model, load_state_dict
 
-__all__ = ["FORMATS", "convert", "convert_state_dict", "fold_weight_norm"]
+__all__ = ["FORMATS", "convert", "convert_state_dict", "eval_settings", "fold_weight_norm", "release_version"]
 
-EVAL_DEQ = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "rel"}
+# v2.0's val.sh: naive_solver, f_thres 40 x eval_factor 1.5, abs stop at f_eps 1e-3 (arg_utils' defaults)
+EVAL_DEQ = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}
+# v1.0's val.sh (main.py: stop_mode abs, eval_factor 1.5; deq.py: eps 1e-3 in abs mode)
+EVAL_DEQ_V1_B = {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs",
+                 "f_solver_kwargs": {"m": 6, "tau": 1.0}}
+EVAL_DEQ_V1_H = {"f_solver": "broyden", "f_max_iter": 54, "f_tol": 1e-3, "f_stop_mode": "abs"}
 
 _ENCODER = [
     (r"conv1\.(weight|bias)$", r"convnormrelu.0.\1"),
@@ -175,6 +195,27 @@ def convert_state_dict(
     return state, config
 
 
+def release_version(sd: dict[str, torch.Tensor]) -> str:
+    """"v1.0" (mask head inside the update block, ``update_block.mask.*``) or "v2.0" (``mask.*``)."""
+    keys = [k[len("module."):] if k.startswith("module.") else k for k in sd]
+    return "v1.0" if any(k.startswith("update_block.mask.") for k in keys) else "v2.0"
+
+
+def eval_settings(version: str, hidden_dim: int) -> dict[str, Any]:
+    """The original's evaluation solver settings (a DEQConfig dict) for a release and model width.
+
+    Example:
+        >>> eval_settings("v1.0", 256)["f_solver"], eval_settings("v1.0", 128)["f_solver"]
+        ('broyden', 'anderson')
+    """
+    if version == "v2.0":
+        return dict(EVAL_DEQ)
+    if version != "v1.0":
+        raise ValueError(f"unknown DEQ-Flow release {version!r} (v1.0 or v2.0)")
+    settings = EVAL_DEQ_V1_H if hidden_dim >= 256 else EVAL_DEQ_V1_B
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in settings.items()}
+
+
 def convert(
     src: str | Path,
     out: str | Path,
@@ -183,12 +224,15 @@ def convert(
     all_grad: bool = False,
     deq: dict[str, Any] | None = None,
     card: bool = True,
+    base_deq: dict[str, Any] | None = None,
+    source_name: str = "locuslab/deq-flow",
     **options: Any,
 ) -> Path:
     """Convert an original DEQ-Flow state dict into a deqzoo checkpoint directory `out`.
 
     ``all_grad=True`` marks checkpoints trained with the original's ``--all_grad`` (no detach of the flow
-    input to f); it changes training only, never inference.
+    input to f); it changes training only, never inference. The solver settings written are the release's
+    evaluation settings (`eval_settings`, see the module docstring); `deq` overrides entries of them.
 
     Example:
         >>> convert("deq-flow-B-things.pth", "/tmp/deq-flow-b")  # doctest: +SKIP
@@ -199,11 +243,15 @@ def convert(
     for name, value in (("fold_weight_norm", fold_weight_norm), ("all_grad", all_grad)):
         if not isinstance(value, bool):
             raise ValueError(f"option {name} must be true or false, got {value!r}")
-    state, fields = convert_state_dict(load_state_dict(src), src, fold=fold_weight_norm)
+    sd = load_state_dict(src)
+    state, fields = convert_state_dict(sd, src, fold=fold_weight_norm)
+    version = release_version(sd)
+    settings = {**(base_deq if base_deq is not None else eval_settings(version, fields["hidden_dim"])),
+                **(deq or {})}
     config = DEQFlowConfig(
         **fields,
         detach_flow_input=not all_grad,
-        deq={**EVAL_DEQ, **(deq or {})},
+        deq=settings,
         architectures=[DEQFlowForOpticalFlow.__name__],
         **options,
     )
@@ -212,11 +260,19 @@ def convert(
     out = Path(out)
     model.save_pretrained(out)
     if card:
-        _write_card(out, src.name, fields)
+        release = source_name if base_deq is not None else f"{source_name} {version}"
+        _write_card(out, src.name, fields, release, config.deq)
     return out
 
 
-def _write_card(path: Path, source: str, fields: dict[str, Any]) -> None:
+def _settings_text(deq: dict[str, Any]) -> str:
+    extra = "".join(f", {k} {v}" for k, v in sorted(deq.get("f_solver_kwargs", {}).items()))
+    return (f"solver `{deq['f_solver']}`{extra}, at most {deq['f_max_iter']} steps, stop when the "
+            f"{'absolute' if deq['f_stop_mode'] == 'abs' else 'relative'} residual of (h, flow) is below "
+            f"{deq['f_tol']:g}")
+
+
+def _write_card(path: Path, source: str, fields: dict[str, Any], release: str, deq: dict[str, Any]) -> None:
     from deqzoo.hub.cards import render_model_card
 
     meta = {
@@ -226,9 +282,11 @@ def _write_card(path: Path, source: str, fields: dict[str, Any]) -> None:
     }
     size = {32: "tiny", 128: "B", 192: "large", 256: "H", 384: "gigantic"}.get(fields["hidden_dim"], "custom")
     body = (
-        f"# DEQ-Flow ({size}{', GMA' if fields['gma'] else ''}) converted from locuslab/deq-flow\n\n"
+        f"# DEQ-Flow ({size}{', GMA' if fields['gma'] else ''}) converted from {release}\n\n"
         f"Converted with `deqzoo convert` from `{source}` (an original-format state dict). No evaluation was "
-        "run by the converter.\n"
+        "run by the converter.\n\n"
+        f"Solver settings (the original's evaluation settings for {release}): {_settings_text(deq)}. The "
+        "absolute residual of (h, flow) equals the original's on (h, coords1), coords0 being fixed.\n"
     )
     (path / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
 

@@ -8,8 +8,10 @@ uses too). The key mapping, shape-derived config and the ``fold_weight_norm`` op
 Spectral-normalised checkpoints (``--norm_type spectral_norm``: ``weight_orig``/``weight_u``) are refused with
 a clear error.
 
-Solver settings follow deq-zoo's ``val.sh`` (``--f_solver simple_fixed_point_iter --f_max_iter 40
---eval_factor 1.5``): plain fixed-point iteration, 60 steps, relative tolerance 1e-3.
+Solver settings follow deq-zoo's ``val.sh`` (``--f_solver fixed_point_iter --f_max_iter 40 --eval_factor
+1.5``, with TorchDEQ's defaults ``f_stop_mode="abs"``, ``f_tol=1e-3``): plain fixed-point iteration, 60
+steps, stop when the absolute residual is below 1e-3 (`EVAL_DEQ`). The original tests the residual of
+(h, coords1) per sample; deqzoo's state is (h, flow), whose residual is the same numbers (coords0 is fixed).
 
     deqzoo convert deq-flow-torchdeq deq-flow-B-things.pth out_dir
 """
@@ -20,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ._common import load_state_dict
-from .deq_flow_locuslab import EVAL_DEQ
 from .deq_flow_locuslab import convert as _convert
 
-__all__ = ["FORMATS", "convert"]
+__all__ = ["EVAL_DEQ", "FORMATS", "convert"]
+
+# deq-zoo/deq-flow/val.sh: fixed_point_iter, f_max_iter 40 x eval_factor 1.5; TorchDEQ: abs stop at 1e-3
+EVAL_DEQ = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}
 
 
 def convert(
@@ -52,7 +56,9 @@ def convert(
         out,
         fold_weight_norm=fold_weight_norm,
         all_grad=all_grad,
-        deq={**EVAL_DEQ, **(deq or {})},
+        deq=deq,
+        base_deq=EVAL_DEQ,
+        source_name="locuslab/torchdeq deq-zoo",
         **options,
     )
 

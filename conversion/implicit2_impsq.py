@@ -19,8 +19,11 @@ Dropped: the Fourier filter's ``x_map_2`` (the original's forward never reads it
 
 The filter type is recognised from the keys (``mu``/``gamma``: Gabor; ``x_map_2``: Fourier; neither: SIREN).
 Whether the network is implicit is not stored in a state dict: ``--option implicit=false`` for the explicit
-baselines (default true). Solver settings follow the original (forward iteration, relative tolerance 1e-3,
-100 steps, NPG with T = 1).
+baselines (default true). Solver settings are the original's (`EVAL_DEQ`): ``modules/modeling_utils.py``'s
+``construct_model_args(tol=1e-3, forward_solver="forward_iter")`` into ``DEQImplicitNN(max_iter=100)``,
+whose ``forward_iteration`` stops at a relative residual ||f(z) - z|| / ||f(z)|| of 1e-3 over the whole
+signal (deqzoo's Implicit² state is the whole signal as one sample, so the engine's per-sample test is the
+same), at most 100 steps; backward: NPG with T = 1 (its ``OnestepBackward``).
 
     deqzoo convert implicit2-impsq camera_gabor.pt out_dir --option implicit=true
 """
@@ -35,7 +38,11 @@ import torch
 
 from ._common import fill_model, load_state_dict
 
-__all__ = ["FORMATS", "convert", "fold_spectral_norm"]
+__all__ = ["EVAL_DEQ", "FORMATS", "convert", "fold_spectral_norm"]
+
+# locuslab/ImpSq's evaluation: construct_model_args(tol=1e-3) -> DEQImplicitNN(tol, max_iter=100),
+# forward_iter with stop_mode "rel" (the whole signal's residual)
+EVAL_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 100, "f_tol": 1e-3, "f_stop_mode": "rel"}
 
 _P = "implicit_layer.f."
 
@@ -95,6 +102,7 @@ def convert(
         >>> convert(src, "/tmp/implicit2-conv")  # doctest: +SKIP
     """
     from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
+    from deqzoo.models.implicit2.configuration_implicit2 import DEFAULT_DEQ
 
     src = Path(src)
     sd = load_state_dict(src)
@@ -138,18 +146,18 @@ def convert(
         implicit=implicit,
         input_scale=input_scale,
         architectures=[Implicit2ForSignalRepresentation.__name__],
-        **({"deq": deq} if deq else {}),
+        deq={**DEFAULT_DEQ, **EVAL_DEQ, **(deq or {})},
         **options,
     )
     model = Implicit2ForSignalRepresentation(config)
     fill_model(model, state, src)
     out = Path(out)
     model.save_pretrained(out)
-    _write_card(out, kind, implicit)
+    _write_card(out, kind, implicit, config.deq)
     return out
 
 
-def _write_card(path: Path, kind: str, implicit: bool) -> None:
+def _write_card(path: Path, kind: str, implicit: bool, deq: dict[str, Any]) -> None:
     from deqzoo.hub.cards import render_model_card
 
     meta = {
@@ -160,7 +168,12 @@ def _write_card(path: Path, kind: str, implicit: bool) -> None:
     body = (
         f"# Implicit² ({'implicit' if implicit else 'explicit'} {kind}) converted from locuslab/ImpSq\n\n"
         f"Converted with `deqzoo convert implicit2-impsq` from an original-format state dict; the original's "
-        f"spectral norm is folded into the weights. No evaluation was run by the converter.\n"
+        f"spectral norm is folded into the weights. No evaluation was run by the converter.\n\n"
+        f"Solver settings (the original's, locuslab/ImpSq): `{deq['f_solver']}` iteration, at most "
+        f"{deq['f_max_iter']} steps, stop when the "
+        f"{'relative' if deq['f_stop_mode'] == 'rel' else 'absolute'} residual of the whole signal is below "
+        f"{deq['f_tol']:g}; backward `{deq['b_mode']}` "
+        f"{deq.get('b_mode_kwargs', {})}.\n"
     )
     (path / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
 

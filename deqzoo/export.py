@@ -12,11 +12,16 @@ inference setting this module turns on:
   f_tol=0)``) whenever its residual decreases along the iteration, as on contractive models;
 * the statistics in an exported model's outputs are not computed (``deq_stats`` of the eager wrapper says
   ``solver="fixed_iteration"`` and reports the final step's residual);
-* a family or input that cannot be exported raises :class:`ExportError` naming the reason.
+* a family or input that cannot be exported raises :class:`ExportError` naming the reason;
+* the batch is dynamic: :func:`export_program` and :func:`export_onnx` mark it (a ``torch.export.Dim``,
+  ONNX dynamic axes) and nothing in the fixed-iteration solve turns a size into a Python ``int``, so one
+  exported program, ONNX file or traced module serves every batch size (every number of nodes for IGNN).
 
 Supported heads and their tensor signatures (:func:`exportable` builds the module to export):
 
 * MDEQ image classification: ``(pixel_values,) -> logits``;
+* Implicit² signal representation: ``(coords,) -> values``, coordinates (N, d), any number of points N
+  (the value checks of the eager model, finite and within ``coordinate_range``, are not in the program);
 * IGNN node and graph classification: ``(x, operator) -> logits``, ``operator`` the dense normalized
   adjacency Â of the graph (:func:`graph_operator`). The projection of W onto ``||W||∞ <= κ/λ_pf(|Â|)`` is
   a constraint on the weights: it is applied once, for the graph given to :func:`exportable`, and the
@@ -45,11 +50,10 @@ from torch import nn
 
 from .core import DEQ, SolverStats, remove_norm
 from .core.backward import phantom_steps
-from .core.state import StatePacker
 from .errors import DeqzooError
 
-__all__ = ["ExportError", "FixedIterationDEQ", "export_onnx", "export_program", "exportable",
-           "graph_operator", "trace"]
+__all__ = ["ExportError", "FixedIterationDEQ", "batch_dynamic_shapes", "export_onnx", "export_program",
+           "exportable", "graph_operator", "trace"]
 
 
 class ExportError(DeqzooError, RuntimeError):
@@ -83,7 +87,7 @@ class FixedIterationDEQ(DEQ):
         return f"fixed_iteration, max_iter={self.max_iter}, tau={self.tau}"
 
     def forward(self, f, z0):
-        packer = StatePacker(z0)
+        packer = _SymbolicPacker(z0)
         g = packer.wrap(f)
         x = phantom_steps(g, packer.flatten(z0), self.max_iter - 1, self.tau)
         fx = g(x)  # the last step, kept to report its residual
@@ -96,6 +100,36 @@ class FixedIterationDEQ(DEQ):
                             trace=res.max().reshape(1), converged=res <= cfg.f_tol, solver="fixed_iteration",
                             stop_mode=cfg.f_stop_mode, tol=cfg.f_tol)
         return packer.unflatten(z), stats
+
+
+class _SymbolicPacker:
+    """The engine's state packing ((B, D) matrices) without turning any size into a Python int: under
+    ``torch.export`` with a dynamic batch the sizes are symbols, and an ``int()`` (as the adaptive solve's
+    packer takes, for its checks) would specialise the program to the example's batch. The structure is
+    checked by the model's eager forward; here f's outputs are only reshaped."""
+
+    def __init__(self, z0):
+        self.is_tensor = isinstance(z0, torch.Tensor)
+        tensors = [z0] if self.is_tensor else list(z0)
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+            raise ExportError("fixed-iteration inference needs a state of tensors with a batch dimension")
+        self.container = None if self.is_tensor else type(z0)
+        self.shapes = [t.shape for t in tensors]
+        self.widths = [t.flatten(1).shape[1] if t.dim() > 1 else 1 for t in tensors]
+
+    def flatten(self, z) -> torch.Tensor:
+        tensors = [z] if self.is_tensor else list(z)
+        flat = [t.reshape(t.shape[0], -1) for t in tensors]
+        return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+
+    def unflatten(self, x: torch.Tensor):
+        if self.is_tensor:
+            return x.reshape(self.shapes[0])
+        parts = torch.split(x, self.widths, dim=1)
+        return self.container(p.reshape(s) for p, s in zip(parts, self.shapes))
+
+    def wrap(self, f):
+        return lambda x: self.flatten(f(self.unflatten(x)))
 
 
 def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) -> nn.Module:
@@ -129,6 +163,15 @@ class _ImageClassifier(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.model(pixel_values, return_dict=True).logits
+
+
+class _SignalRepresenter(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, coords: torch.Tensor) -> torch.Tensor:
+        return self.model(coords, return_dict=True).values
 
 
 class _GraphClassifier(nn.Module):
@@ -183,6 +226,15 @@ def _prepare_ignn(model: nn.Module, graph) -> None:
             module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
 
 
+# why the other families are not exported (the reason ExportError gives)
+_NOT_EXPORTABLE = {
+    "deq_transformer": "its forward validates token ids by value (a data-dependent branch) and keeps a "
+                       "recurrent memory cache whose length changes per call",
+    "deq_flow": "its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
+                "upsampling are not checked for a dynamic image size or batch",
+}
+
+
 def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
                ) -> nn.Module:
     """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
@@ -202,12 +254,13 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     heads = {"mdeq": ("MDEQForImageClassification", "LipschitzMDEQForImageClassification"),
-             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification")}
+             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification"),
+             "implicit2": ("Implicit2ForSignalRepresentation",)}
     name = type(model).__name__
     if model_type not in heads:
-        raise ExportError(f"{name} (model_type {model_type!r}): export is implemented for "
-                          f"{sorted(heads)} heads; this family's forward has steps that depend on tensor "
-                          "values outside the solve (not checked for tracing)")
+        why = _NOT_EXPORTABLE.get(model_type, "its forward has not been checked for tracing")
+        raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {why} (export is "
+                          f"implemented for {sorted(heads)})")
     if not any(isinstance(m, DEQ) for m in model.modules()):
         raise ExportError(f"{name} has no DEQ layer to run at a fixed iteration budget")
     copy_ = _fixed_iteration_copy(model, max_iter, tau)
@@ -217,6 +270,11 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
                               "batch vector's values; export supports IGNNForNodeClassification")
         _prepare_ignn(copy_, graph)
         return _GraphClassifier(copy_).eval()
+    if model_type == "implicit2":
+        if name not in heads["implicit2"]:
+            raise ExportError(f"{name}: export is implemented for Implicit2ForSignalRepresentation "
+                              "(values out)")
+        return _SignalRepresenter(copy_).eval()
     if not hasattr(copy_, "classifier") and "Classification" not in name:
         raise ExportError(f"{name}: export is implemented for image classification heads (logits out)")
     return _ImageClassifier(copy_).eval()
@@ -226,9 +284,43 @@ def _as_tuple(inputs) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def export_program(module: nn.Module, example_inputs, **kwargs) -> torch.export.ExportedProgram:
-    """``torch.export.export`` of an :func:`exportable` module; failures raise :class:`ExportError`."""
+def batch_dynamic_shapes(module: nn.Module):
+    """``dynamic_shapes`` for ``torch.export`` that leave the batch free: the image batch of an image
+    classifier; the number of nodes of an IGNN (``x``'s rows and both sides of the operator).
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
+        >>> model = IGNNForNodeClassification(IGNNConfig(in_features=3, num_labels=2, kappa=None))
+        >>> [sorted(d) for d in batch_dynamic_shapes(exportable(model))]
+        [[0], [0, 1]]
+    """
     _check_module(module)
+    if isinstance(module, _GraphClassifier):
+        nodes = torch.export.Dim("nodes", min=1, max=2**31 - 2)
+        return ({0: nodes}, {0: nodes, 1: nodes})
+    if isinstance(module, _SignalRepresenter):  # (N, d) coordinates: the number of points
+        return ({0: torch.export.Dim("points", min=1, max=2**31 - 2)},)
+    return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
+
+
+def _onnx_dynamic_axes(module: nn.Module) -> dict[str, dict[int, str]]:
+    if isinstance(module, _SignalRepresenter):
+        return {"coords": {0: "points"}, "values": {0: "points"}}
+    if isinstance(module, _GraphClassifier):
+        return {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}, "logits": {0: "nodes"}}
+    return {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
+
+
+def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = True,
+                   **kwargs) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of an :func:`exportable` module; failures raise :class:`ExportError`.
+
+    With ``dynamic_batch`` (default) the program serves any batch size (any number of nodes for IGNN):
+    the batch is a ``torch.export.Dim`` (:func:`batch_dynamic_shapes`) unless ``dynamic_shapes`` is given."""
+    _check_module(module)
+    if dynamic_batch:
+        kwargs.setdefault("dynamic_shapes", batch_dynamic_shapes(module))
     try:
         return torch.export.export(module, _as_tuple(example_inputs), **kwargs)
     except Exception as err:
@@ -236,15 +328,24 @@ def export_program(module: nn.Module, example_inputs, **kwargs) -> torch.export.
                           f"{str(err).splitlines()[0] if str(err) else ''}") from err
 
 
-def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, **kwargs) -> Path:
+def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, dynamic_batch: bool = True,
+                **kwargs) -> Path:
     """Write an ONNX file of an :func:`exportable` module (torch's exporter; needs the ``onnx`` extra).
-    Refuses to overwrite an existing file."""
+    Refuses to overwrite an existing file. With ``dynamic_batch`` (default) the graph's batch axis (IGNN:
+    node axis) is symbolic, so ONNX Runtime runs it at any batch size: ``dynamic_shapes`` for the
+    ``torch.export``-based exporter (``dynamo=True``, torch's default), ``dynamic_axes`` for the TorchScript
+    one (``dynamo=False``, several times faster to export a long unrolled solve)."""
     _check_module(module)
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new path (an existing file is never overwritten)")
     kwargs.setdefault("input_names", _input_names(module))
-    kwargs.setdefault("output_names", ["logits"])
+    kwargs.setdefault("output_names", ["values"] if isinstance(module, _SignalRepresenter) else ["logits"])
+    if dynamic_batch and "dynamic_shapes" not in kwargs and "dynamic_axes" not in kwargs:
+        if kwargs.get("dynamo", True):
+            kwargs["dynamic_shapes"] = batch_dynamic_shapes(module)
+        else:
+            kwargs["dynamic_axes"] = _onnx_dynamic_axes(module)
     try:
         torch.onnx.export(module, _as_tuple(example_inputs), str(path), **kwargs)
     except Exception as err:
@@ -254,17 +355,20 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, **kw
 
 
 def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
-    """``torch.jit.trace`` of an :func:`exportable` module."""
+    """``torch.jit.trace`` of an :func:`exportable` module. Sizes are recorded as computations on the input's
+    shape (no Python ``int`` is taken of the batch), so the traced module serves any batch size."""
     _check_module(module)
     with torch.no_grad():
         return torch.jit.trace(module, _as_tuple(example_inputs), check_trace=False)
 
 
 def _input_names(module: nn.Module) -> list[str]:
+    if isinstance(module, _SignalRepresenter):
+        return ["coords"]
     return ["x", "operator"] if isinstance(module, _GraphClassifier) else ["pixel_values"]
 
 
 def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, (_ImageClassifier, _GraphClassifier)):
+    if not isinstance(module, (_ImageClassifier, _GraphClassifier, _SignalRepresenter)):
         raise ExportError(f"{type(module).__name__}: pass the module deqzoo.export.exportable(model) returns "
                           "(a DEQ's adaptive solve cannot be traced: its stopping test reads tensor values)")

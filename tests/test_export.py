@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import deqzoo
-from deqzoo.export import ExportError, export_onnx, export_program, exportable, graph_operator, trace
+from deqzoo.export import (
+    ExportError,
+    batch_dynamic_shapes,
+    export_onnx,
+    export_program,
+    exportable,
+    graph_operator,
+    trace,
+)
 
 ATOL = 1e-4
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
@@ -123,6 +131,78 @@ def test_ignn_onnx_dynamo_exporter_matches_the_card_model(ignn, tmp_path):
         _close(_onnx_run(path, {"x": x, "operator": operator}), model(x, edges).logits)
 
 
+BATCHES = (1, 7, 64)
+
+
+def _chain(model, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, model.config.in_features, generator=g)
+    src = torch.arange(n - 1)
+    return x, torch.stack([src, src + 1])
+
+
+def _mdeq_serves_every_batch(run, module) -> list[float]:
+    """max |exported - eager| at each batch size (inputs unlike the export's example batch of 3)."""
+    g = torch.Generator().manual_seed(1)
+    diffs = []
+    with torch.no_grad():
+        for b in BATCHES:
+            pixels = torch.rand(b, 1, 28, 28, generator=g)
+            out = run(pixels)
+            assert out.shape == (b, 10)
+            diffs.append(_close(out, module(pixels)))
+    return diffs
+
+
+def test_mdeq_one_program_and_one_trace_serve_every_batch(mdeq):
+    model, pixels = mdeq  # exported at batch 3
+    module = exportable(model)  # the card's budget (f_max_iter 20)
+    program = export_program(module, (pixels,))
+    _mdeq_serves_every_batch(program.module(), module)
+    _mdeq_serves_every_batch(trace(module, (pixels,)), module)
+    fixed = export_program(module, (pixels,), dynamic_batch=False)  # opting out keeps the example's batch
+    with pytest.raises(Exception, match="3"):
+        fixed.module()(torch.rand(7, 1, 28, 28))
+
+
+@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
+def test_mdeq_one_onnx_file_serves_every_batch(mdeq, tmp_path):
+    model, pixels = mdeq
+    module = exportable(model)
+    path = export_onnx(module, (pixels,), tmp_path / "mdeq.onnx", dynamo=False)
+    _mdeq_serves_every_batch(lambda x: _onnx_run(path, {"pixel_values": x}), module)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
+def test_mdeq_dynamo_onnx_serves_every_batch(mdeq, tmp_path):
+    model, pixels = mdeq
+    module = exportable(model)
+    path = export_onnx(module, (pixels,), tmp_path / "mdeq.onnx")  # torch.export-based, batch as a Dim
+    _mdeq_serves_every_batch(lambda x: _onnx_run(path, {"pixel_values": x}), module)
+
+
+def test_ignn_one_export_per_format_serves_every_number_of_nodes(ignn, tmp_path):
+    model, x, edges = ignn  # exported at 40 nodes
+    module = exportable(model, graph=model.ignn.prepare_graph(x, edges))
+    operator = graph_operator(model, x, edges)
+    assert [sorted(d) for d in batch_dynamic_shapes(module)] == [[0], [0, 1]]
+    runs = {"program": export_program(module, (x, operator)).module(), "trace": trace(module, (x, operator))}
+    if HAS_ORT:
+        path = export_onnx(module, (x, operator), tmp_path / "ignn.onnx", dynamo=False)
+        runs["onnx"] = lambda a, op: _onnx_run(path, {"x": a, "operator": op})
+    with torch.no_grad():
+        for n in BATCHES:
+            xn, en = _chain(model, n, seed=n)
+            opn = graph_operator(model, xn, en)
+            card = model(xn, en).logits  # the card's own fixed_point solve
+            _close(module(xn, opn), card)
+            for name, run in runs.items():
+                out = run(xn, opn)
+                assert out.shape == (n, model.config.num_labels), name
+                _close(out, card)
+
+
 def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq, ignn, tmp_path):
     model, pixels = mdeq
     with pytest.raises(RuntimeError, match="fixed-iteration inference"):
@@ -152,3 +232,26 @@ def test_unsupported_models_name_the_reason(ignn):
         exportable(model)  # kappa set and no graph: the projection radius is unknown
     with pytest.raises(ValueError, match="max_iter must be >= 1"):
         exportable(model, max_iter=0, graph=model.ignn.prepare_graph(x, edges))
+
+
+def test_implicit2_one_export_per_format_serves_every_number_of_points(tmp_path):
+    model = deqzoo.from_pretrained("deqzoo/implicit2-isiren-camera").eval()
+    module = exportable(model)  # the card's budget, f_max_iter 100
+    g = torch.Generator().manual_seed(0)
+    example = torch.rand(50, 2, generator=g) * 2 - 1
+    runs = {"program": export_program(module, (example,)).module(), "trace": trace(module, (example,))}
+    if HAS_ORT:
+        path = export_onnx(module, (example,), tmp_path / "implicit2.onnx", dynamo=False)
+        runs["onnx"] = lambda c: _onnx_run(path, {"coords": c})
+    engine = model.__class__.from_pretrained("deqzoo/implicit2-isiren-camera", deq={
+        "f_solver": "fixed_point", "f_tol": 1e-12, "on_nonconvergence": "ignore"}).eval()
+    with torch.no_grad():
+        for n in BATCHES:
+            coords = torch.rand(n, 2, generator=g) * 2 - 1
+            eager = module(coords)
+            # the eager module is the engine's fixed_point solve at the same budget
+            _close(eager, engine(coords).values)
+            for name, run in runs.items():
+                out = run(coords)
+                assert out.shape == (n, model.config.out_features), name
+                _close(out, eager)

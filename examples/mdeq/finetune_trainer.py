@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         data_seed=args.seed,
         use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        # every parameter gets a gradient each step (the DEQ's backward reaches all of f_θ), so DDP need not
+        # search the graph for unused ones; the Trainer's default (True) costs a traversal per step and
+        # prints DDP's performance warning on every rank
+        ddp_find_unused_parameters=False,
         save_strategy="no",
         report_to=[],
         logging_steps=1,

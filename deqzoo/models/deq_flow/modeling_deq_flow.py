@@ -14,6 +14,7 @@ replication and the flow is cropped back, as RAFT's InputPadder does.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -339,6 +340,23 @@ class DEQFlowOutput(DEQModelOutput):
     loss_terms: list[Callable[[], torch.Tensor]] | None = None
 
 
+# encode()'s pyramids by the id of the context tensor they belong to, dropped when that tensor is freed: the
+# two-step API (encode, then update_fn(context, coords0)) without per-call state on the model. (Tensors
+# compare elementwise, so they cannot key a WeakKeyDictionary.)
+_PYRAMIDS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+
+
+def _remember_pyramid(context: torch.Tensor, pyramid: list[torch.Tensor]) -> None:
+    key = id(context)
+    _PYRAMIDS[key] = (weakref.ref(context), pyramid)
+    weakref.finalize(context, _PYRAMIDS.pop, key, None)
+
+
+def _recall_pyramid(context: torch.Tensor) -> list[torch.Tensor] | None:
+    ref, pyramid = _PYRAMIDS.get(id(context), (None, None))
+    return pyramid if ref is not None and ref() is context else None
+
+
 @dataclass
 class FlowFeatures:
     """What the encoders compute once per pair, the part of the training graph every supervised state shares:
@@ -442,17 +460,39 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         mask = None if self.mask_predictor is None else self.mask_predictor(hidden)
         return upsample_flow(flow_low, up_mask=mask)
 
-    def update_fn(self, context: torch.Tensor, coords0: torch.Tensor):
+    def build_pyramid(self, fmap1: torch.Tensor, fmap2: torch.Tensor) -> list[torch.Tensor]:
+        """The correlation pyramid of a pair's features (level 0 first), returned, never stored: torchvision's
+        ``CorrBlock`` keeps its pyramid on itself, so each call uses its own block (one model can serve
+        several threads at once; ``self.corr_block`` only names the configuration)."""
+        corr = tv_raft.CorrBlock(num_levels=self.corr_block.num_levels, radius=self.corr_block.radius)
+        corr.build_pyramid(fmap1, fmap2)
+        return list(corr.corr_pyramid)
+
+    def index_pyramid(self, pyramid: Sequence[torch.Tensor], coords: torch.Tensor) -> torch.Tensor:
+        """Correlation features around `coords` (B, 2, H/8, W/8) looked up in this call's `pyramid`."""
+        corr = tv_raft.CorrBlock(num_levels=self.corr_block.num_levels, radius=self.corr_block.radius)
+        corr.corr_pyramid = list(pyramid)
+        return corr.index_pyramid(centroids_coords=coords)
+
+    def update_fn(self, context: torch.Tensor, coords0: torch.Tensor,
+                  pyramid: Sequence[torch.Tensor] | None = None):
         """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and
-        its GMA attention) and the correlation pyramid built for this pair."""
+        its GMA attention) and the correlation pyramid built for this pair (`pyramid`; None: the one
+        `encode` built for this `context`)."""
         detach = self.config.detach_flow_input
         extra = () if self.attention is None else (self.attention(context),)
+        if pyramid is None:
+            pyramid = _recall_pyramid(context)
+            if pyramid is None:
+                raise ValueError("update_fn needs the correlation pyramid of this context: pass pyramid= "
+                                 "(features(...).pyramid) or a context returned by encode()")
+        pyramid = list(pyramid)
 
         def f(state):
             h, flow = state
             if detach:  # RAFT's coords1.detach(): no gradient through the correlation lookup
                 flow = flow.detach()
-            corr = self.corr_block.index_pyramid(centroids_coords=coords0 + flow)
+            corr = self.index_pyramid(pyramid, coords0 + flow)
             h, delta = self.update_block(h, context, corr, flow, *extra)
             return h, flow + delta
 
@@ -471,12 +511,18 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             return x
         return encoder(x)
 
-    def encode(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
-        """Features of both frames into the correlation pyramid; returns the context (ReLU) of frame 1."""
+    def _features(self, image1: torch.Tensor, image2: torch.Tensor) -> FlowFeatures:
         fmaps = self._encoder(self.feature_encoder, torch.cat([2 * image1 - 1, 2 * image2 - 1], dim=0))
         fmap1, fmap2 = torch.chunk(fmaps, 2, dim=0)
-        self.corr_block.build_pyramid(fmap1, fmap2)
-        return F.relu(self._encoder(self.context_encoder, 2 * image1 - 1))
+        pyramid = self.build_pyramid(fmap1, fmap2)
+        return FlowFeatures(F.relu(self._encoder(self.context_encoder, 2 * image1 - 1)), pyramid)
+
+    def encode(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
+        """The context (ReLU) of frame 1 for padded images; its correlation pyramid is remembered for this
+        context tensor (weakly, outside the model), so ``update_fn(context, coords0)`` finds it."""
+        features = self._features(image1, image2)
+        _remember_pyramid(features.context, features.pyramid)
+        return features.context
 
     def features(self, image1: torch.Tensor, image2: torch.Tensor) -> FlowFeatures:
         """The encoders' outputs for a pair of image batches (validated and padded as in `forward`).
@@ -490,10 +536,9 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             ((1, 48, 8, 8), 3)
         """
         a, b, _ = prepare_images(image1, image2, self.config.min_image_size)
-        context = self.encode(a, b)
-        return FlowFeatures(context, list(self.corr_block.corr_pyramid))
+        return self._features(a, b)
 
-    def _use_features(self, features: FlowFeatures, a: torch.Tensor) -> torch.Tensor:
+    def _check_features(self, features: FlowFeatures, a: torch.Tensor) -> FlowFeatures:
         want = (a.shape[0], self.config.context_dim, a.shape[-2] // 8, a.shape[-1] // 8)
         if not isinstance(features, FlowFeatures) or tuple(features.context.shape) != want:
             got = tuple(features.context.shape) if isinstance(features, FlowFeatures) else type(features)
@@ -502,8 +547,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             raise ValueError(
                 f"features.pyramid has {len(features.pyramid)} levels, the model {self.config.corr_levels}"
             )
-        self.corr_block.corr_pyramid = list(features.pyramid)
-        return features.context
+        return features
 
     def forward(
         self,
@@ -538,11 +582,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             )
         if c.weight_norm:
             reset_norm(self.update_block)
-        context = self.encode(a, b) if features is None else self._use_features(features, a)
+        features = self._features(a, b) if features is None else self._check_features(features, a)
+        context = features.context
         bsz, _, h8, w8 = context.shape
         coords0 = make_coords_grid(bsz, h8, w8).to(context)
         z0 = self._initial(initial_state, (bsz, c.hidden_dim, h8, w8), context)
-        f = self.update_fn(context, coords0)
+        f = self.update_fn(context, coords0, features.pyramid)
         stats, supervised, terms = None, [], None
         if defer:
             output, stats = self._solve(f, z0, budget, defer_graphs=True)

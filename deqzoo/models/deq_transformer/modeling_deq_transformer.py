@@ -12,6 +12,7 @@ All tensors are batch first: states (B, L, d_model), injection (B, L, 3 * n_head
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +259,11 @@ def _rel_shift(x: torch.Tensor) -> torch.Tensor:
     return x[:, :, 1:].reshape(b, h, q, k)
 
 
+# (attention modules of the model collecting, their probabilities) while a forward records attentions
+_RECORDING: contextvars.ContextVar[tuple[frozenset, list] | None] = contextvars.ContextVar(
+    "deqzoo_deq_transformer_attention_recording", default=None)
+
+
 class DEQTransformerAttention(nn.Module):
     """Relative-position multi-head attention over [memory, z] with the input injection added to q/k/v."""
 
@@ -277,7 +283,6 @@ class DEQTransformerAttention(nn.Module):
             self.ln2 = nn.LayerNorm(h * dh)
         self.dropatt = VariationalDropout(config.dropatt)
         self.drop = VariationalDropout(config.dropout, shared_dims=(1,))
-        self.recorded: list[torch.Tensor] | None = None  # a list while the model collects attentions
 
     def _ln(self, x: torch.Tensor, which: str) -> torch.Tensor:
         if self.torchdeq:
@@ -301,8 +306,9 @@ class DEQTransformerAttention(nn.Module):
         score = (ac + bd) * (dh ** -0.5)
         score = score.masked_fill(mask, float("-inf"))
         prob = F.softmax(score, dim=-1)
-        if self.recorded is not None:
-            self.recorded.append(prob)
+        recording = _RECORDING.get()
+        if recording is not None and self in recording[0]:
+            recording[1].append(prob)
         prob = self.dropatt(prob)
         vec = torch.einsum("bnij,bjnd->bind", prob, wv).reshape(b, q, h * dh)
         if self.torchdeq:
@@ -539,14 +545,16 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
     def _recording(self, on: bool):
         """Collect the attention probabilities of every f_θ block called inside the block (when `on`)."""
         got: list[torch.Tensor] = []
-        modules = self._attention_modules() if on else []
-        for m in modules:
-            m.recorded = got
+        if not on:
+            yield got
+            return
+        # the recording lives in this call's context, not on the modules: other threads calling the same
+        # model at the same time neither record into this list nor see it
+        token = _RECORDING.set((frozenset(self._attention_modules()), got))
         try:
             yield got
         finally:
-            for m in modules:
-                m.recorded = None
+            _RECORDING.reset(token)
 
     @torch.no_grad()
     def _update_memory(self, old, z, z_hist, u, q, stats) -> DEQTransformerCache:

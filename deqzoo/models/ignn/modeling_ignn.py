@@ -473,8 +473,11 @@ class IGNNModel(IGNNPreTrainedModel):
             if not layer.has_norm():
                 layer.W.weight.copy_(project_rows_l1(layer.W.weight, radius))
 
-    def _effective_w(self, layer: IGNNImplicitLayer, radius: float | None) -> torch.Tensor:
+    def _effective_w(self, layer: IGNNImplicitLayer, radius: float | None, projected: bool = False
+                     ) -> torch.Tensor:
         w = layer.W.weight
+        if radius is not None and not layer.has_norm() and not projected:
+            return project_rows_l1(w, radius)  # inference: the projected value, the stored W untouched
         if radius is not None and layer.has_norm():
             # normalized W: project its value, let gradients pass as if unprojected (as TorchDEQ does)
             w = w + (project_rows_l1(w.detach(), radius) - w.detach())
@@ -499,13 +502,18 @@ class IGNNModel(IGNNPreTrainedModel):
         if self.config.norm_type != "none":
             reset_norm(self.layers)  # normalized weights once per forward, reused by every f call
         radius = self.projection_radius(graph)
-        if radius is not None:  # kappa unset (None or 0): no projection, nothing reads the weights' values
+        # kappa unset (None or 0): no projection, nothing reads the weights' values. Training projects the
+        # stored W in place, as the original does per forward (the optimizer steps from a feasible W);
+        # inference projects a copy (_effective_w), so concurrent calls on graphs with different λ_pf never
+        # change the weights another thread is solving with
+        in_place = radius is not None and self.training and torch.is_grad_enabled()
+        if in_place:
             self.project_weights(radius=radius)
         phi = _ACTIVATIONS[self.config.activation]
         op = graph.operator
         z, hidden, stats_all = x, [], []
         for layer in self.layers:
-            w = self._effective_w(layer, radius)
+            w = self._effective_w(layer, radius, projected=in_place)
             b = layer.injection(z, op)
 
             def f(s: torch.Tensor, w=w, b=b) -> torch.Tensor:

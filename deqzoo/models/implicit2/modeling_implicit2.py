@@ -231,6 +231,10 @@ class Implicit2Model(Implicit2PreTrainedModel):
             )
         if coords.shape[-2] == 0:
             raise ValueError(f"coords has no points: shape {tuple(coords.shape)}")
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():
+            # a traced or exported program cannot branch on values: the value checks below are the eager
+            # model's (deqzoo.export documents that exported programs take coordinates as they come)
+            return coords if coords.dim() == 3 else coords.unsqueeze(0)
         finite = torch.isfinite(coords)
         if not bool(finite.all()):
             bad = (~finite).any(-1).nonzero()[0].tolist()

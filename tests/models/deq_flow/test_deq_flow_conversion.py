@@ -95,3 +95,45 @@ def test_cli_lists_the_formats():
     from deqzoo.hub.converters import conversion_formats
 
     assert {"deq-flow-locuslab", "deq-flow-torchdeq"} <= set(conversion_formats())
+
+
+# the originals' evaluation settings, read from their val.sh and argument defaults (see the converters'
+# docstrings): written out here, not imported, so a converter that drifts from them fails
+V2_EVAL = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}  # 40 x 1.5
+V1_B_EVAL = {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}  # 40 x 1.5
+V1_H_EVAL = {"f_solver": "broyden", "f_max_iter": 54, "f_tol": 1e-3, "f_stop_mode": "abs"}  # 36 x 1.5
+TORCHDEQ_EVAL = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}
+
+
+@pytest.mark.parametrize("version, expected",
+                         [("v2", V2_EVAL), ("v1", V1_B_EVAL), ("torchdeq", TORCHDEQ_EVAL)])
+def test_converters_write_the_release_evaluation_settings(version, expected, tmp_path):
+    out = CASES[version].convert(FIX / META[version]["checkpoint"], tmp_path / version)
+    written = json.loads((out / "config.json").read_text())["deq"]
+    assert {k: written[k] for k in expected} == expected
+    if version == "v1":
+        assert written["f_solver_kwargs"] == {"m": 6, "tau": 1.0}  # the release's anderson(m=6, beta=1.0)
+    card = (out / "README.md").read_text()
+    assert f"`{expected['f_solver']}`" in card and f"at most {expected['f_max_iter']} steps" in card
+    assert "absolute residual of (h, flow) is below 0.001" in card
+    # the written settings are the ones the loaded model solves with: an abs stop on (h, flow)
+    model = deqzoo.from_pretrained(out, deq={"on_nonconvergence": "ignore"}).eval()
+    io = load_file(FIX / META[version]["io"])
+    with torch.no_grad():
+        res = model(io["image1"], io["image2"])
+    stats = res.deq_stats
+    assert stats.solver == expected["f_solver"] and stats.stop_mode == "abs" and stats.tol == 1e-3
+    assert stats.nfe <= expected["f_max_iter"] + 1
+    assert torch.equal(stats.converged, stats.abs_residual <= 1e-3)
+
+
+def test_v1_release_and_width_choose_the_solver():
+    sd = torch.load(FIX / META["v1"]["checkpoint"], weights_only=True)
+    assert L.release_version(sd) == "v1.0"
+    assert L.release_version(torch.load(FIX / META["v2"]["checkpoint"], weights_only=True)) == "v2.0"
+    h = L.eval_settings("v1.0", 256)  # DEQ-Flow-H (--huge): val.sh's broyden, f_thres 36
+    assert {k: h[k] for k in V1_H_EVAL} == V1_H_EVAL and "f_solver_kwargs" not in h
+    assert {k: L.eval_settings("v1.0", 128)[k] for k in V1_B_EVAL} == V1_B_EVAL
+    assert L.eval_settings("v2.0", 256) == V2_EVAL
+    with pytest.raises(ValueError, match="release"):
+        L.eval_settings("v3.0", 128)

@@ -107,11 +107,18 @@ def test_equilibrium_and_projection_against_dense_reference():
     model = IGNNModel(IGNNConfig(in_features=4, hidden_size=6, deq=TIGHT)).double().eval()
     with torch.no_grad():
         model.layers[0].W.weight.mul_(4.0)  # far outside the bound: the forward must project it
+        stored = model.layers[0].W.weight.clone()
         out = model(x, ei, w)
+    # inference solves with the projected W and leaves the stored one as it is (one model may serve several
+    # threads and graphs at once); training projects the stored W in place, as the original
+    assert torch.equal(model.layers[0].W.weight, stored)
     a = dense_operator(ei, w, 15)
     rho = torch.linalg.eigvals(a.abs()).abs().max().item()
-    wt, om = model.layers[0].W.weight, model.layers[0].Omega_1.weight
-    assert wt.abs().sum(1).max().item() <= 0.9 / rho + 1e-9
+    model.train()
+    model(x, ei, w)
+    model.eval()
+    wt, om = model.layers[0].W.weight.detach(), model.layers[0].Omega_1.weight
+    assert wt.abs().sum(1).max().item() <= 0.9 / rho + 1e-9 and not torch.equal(wt, stored)
     z = torch.zeros(15, 6, dtype=torch.float64)
     for _ in range(2000):  # dense plain iteration, independent of the engine
         z = torch.relu(a @ z @ wt.T + a @ x @ om.T)
