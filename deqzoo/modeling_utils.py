@@ -297,21 +297,30 @@ class DEQPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
-                        **kwargs):
-        """Load a checkpoint (directory, embedded id, or Hub id) from safetensors, verified; never unpickles.
-
-        `deq` overrides solver settings after loading. Errors name the file and list missing, unexpected and
-        mis-shaped keys.
+                        max_parameters: int | None = None, **kwargs):
+        """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents works as there
+        (``output_loading_info``, ``ignore_mismatched_sizes``, ``state_dict``, ``dtype``, ``device_map``,
+        ``subfolder``, ``variant``, base-model checkpoints into task heads, ...). deqzoo adds, before it runs
+        (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to their verified folder (also
+        offline), Hub downloads of safe files only, safetensors only (no pickle path), no remote code,
+        validated config and parameter budget, weights' headers checked against the model with errors naming
+        the file and both shapes; after it, ``deq={...}`` overrides solver settings.
 
         Example:
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
             ...     "deqzoo/mdeq-tiny-mnist", deq={"f_solver": "broyden", "f_max_iter": 12})
         """
-        from .hub.loading import load_pretrained
+        from .hub.loading import prepare_pretrained
 
-        if model_args:
-            raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model arguments")
-        return load_pretrained(cls, pretrained_model_name_or_path, deq=deq, **kwargs)
+        directory, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path,
+                                                       max_parameters=max_parameters, **kwargs)
+        result = super().from_pretrained(directory, *model_args, config=config, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        if pretrained_model_name_or_path is not None:
+            model.name_or_path = model.config.name_or_path = str(pretrained_model_name_or_path)
+        if deq:
+            model.set_deq(**deq)
+        return result
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """Save config.json + model.safetensors (see :func:`deqzoo.hub.saving.atomic_save`).
