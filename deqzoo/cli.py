@@ -56,11 +56,19 @@ def _task_module(directory: Path, meta: dict[str, Any]):
 
 
 def _load(name: str, deq: dict[str, Any] | None = None):
+    from transformers.utils import logging as hf_logging
+
     import deqzoo
     from deqzoo.factory import checkpoint_card
 
     directory, meta, metrics = checkpoint_card(name)
-    model = deqzoo.from_pretrained(directory, deq=deq)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar: a command prints its own output
+    try:
+        model = deqzoo.from_pretrained(directory, deq=deq)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return model, directory, meta, metrics
 
 
