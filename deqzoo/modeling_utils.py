@@ -332,7 +332,9 @@ class DEQPreTrainedModel(PreTrainedModel):
         """
         from .hub.saving import atomic_save
 
-        kwargs.pop("safe_serialization", None)  # always safetensors
+        if kwargs.pop("safe_serialization", True) is False:
+            raise ValueError("save_pretrained(safe_serialization=False) is not supported: deqzoo writes "
+                             "safetensors only (a pickle is never written nor read)")
         if not (args[0] if args else kwargs.get("is_main_process", True)):
             Path(save_directory).mkdir(parents=True, exist_ok=True)  # other ranks write nothing
             return

@@ -107,3 +107,19 @@ def test_documented_keywords_on_an_embedded_checkpoint(tmp_path):
     assert not list((tmp_path / "sharded").glob("*.bin"))
     resharded = cls.from_pretrained(tmp_path / "sharded")
     assert all(torch.equal(resharded.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+def test_documented_save_keywords(tmp_path):
+    """save_pretrained's safe_serialization / variant, as in transformers (safetensors only); push_to_hub's
+    commit options are exercised against a loopback Hub in test_hub_push.py."""
+    model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+    cls = type(model)
+    with pytest.raises(ValueError, match="safe_serialization=False"):
+        model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    assert not (tmp_path / "pickled").exists()
+    model.save_pretrained(tmp_path / "variant", variant="v2", safe_serialization=True)
+    assert (tmp_path / "variant" / "model.v2.safetensors").is_file()
+    loaded = cls.from_pretrained(tmp_path / "variant", variant="v2")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        cls.from_pretrained(tmp_path / "variant")  # no default variant there
