@@ -338,6 +338,8 @@ class DEQPreTrainedModel(PreTrainedModel):
         if not (args[0] if args else kwargs.get("is_main_process", True)):
             Path(save_directory).mkdir(parents=True, exist_ok=True)  # other ranks write nothing
             return
+        # never write a config our own loader would refuse (an attribute set after __init__ is not checked)
+        type(self.config).from_dict(self.config.to_dict())
         push_options = {k: kwargs.pop(k) for k in _PUSH_OPTIONS if k in kwargs}
         repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
         parent_save = super().save_pretrained

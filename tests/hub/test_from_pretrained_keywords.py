@@ -123,3 +123,16 @@ def test_documented_save_keywords(tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     with pytest.raises(CheckpointError, match="model.safetensors"):
         cls.from_pretrained(tmp_path / "variant")  # no default variant there
+
+
+def test_a_saved_config_is_one_the_loader_accepts(tmp_path):
+    """A scalar image_std (transformers' image processors broadcast it) was saved, then refused on load."""
+    model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+    model.config.image_std = 0.25
+    model.save_pretrained(tmp_path / "scalar")
+    loaded = type(model).from_pretrained(tmp_path / "scalar")
+    assert loaded.config.image_std == [0.25] * loaded.config.in_channels
+    model.config.num_layers = "ten"  # set after __init__, so unchecked until the save
+    with pytest.raises(ValueError, match="num_layers"):
+        model.save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
