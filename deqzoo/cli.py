@@ -58,25 +58,36 @@ def _task_module(directory: Path, meta: dict[str, Any]):
 
 
 def _load(name: str, deq: dict[str, Any] | None = None):
+    from transformers.utils import logging as hf_logging
+
     import deqzoo
     from deqzoo.factory import checkpoint_card
 
     directory, meta, metrics = checkpoint_card(name)
-    model = deqzoo.from_pretrained(directory, deq=deq)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar: a command prints its own output
+    try:
+        model = deqzoo.from_pretrained(directory, deq=deq)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return model, directory, meta, metrics
 
 
 def cmd_list(args) -> int:
     import deqzoo
+    from deqzoo.hub.catalog import load_catalog
     from deqzoo.models.registry import unavailable_families
 
+    headlines = {cid: entry.get("headline") for cid, entry in load_catalog().items()}
     rows = [[m.name, m.kind, m.model_type or "?", m.task or "?", _fmt_params(m.parameters),
-             _fmt_metrics(m.metrics) if m.kind == "checkpoint" else m.description]
+             (headlines.get(m.name) or _fmt_metrics(m.metrics)) if m.kind == "checkpoint" else m.description]
             for m in deqzoo.list_models(args.kind)]
     if args.json:
         print(json.dumps([vars(m) for m in deqzoo.list_models(args.kind)], indent=2))
         return 0
-    print(_table(rows, ["name", "kind", "model_type", "task", "params", "metrics / description"])
+    header = ["name", "kind", "model_type", "task", "params", "headline result (data set) / description"]
+    print(_table(rows, header)
           if rows else "no models registered")
     for model_type, reason in unavailable_families().items():
         print(f"(family {model_type} unavailable: {reason})")

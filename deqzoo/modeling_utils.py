@@ -303,21 +303,30 @@ class DEQPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
-                        **kwargs):
-        """Load a checkpoint (directory, embedded id, or Hub id) from safetensors, verified; never unpickles.
-
-        `deq` overrides solver settings after loading. Errors name the file and list missing, unexpected and
-        mis-shaped keys.
+                        max_parameters: int | None = None, **kwargs):
+        """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents works as there
+        (``output_loading_info``, ``ignore_mismatched_sizes``, ``state_dict``, ``dtype``, ``device_map``,
+        ``subfolder``, ``variant``, base-model checkpoints into task heads, ...). deqzoo adds, before it runs
+        (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to their verified folder (also
+        offline), Hub downloads of safe files only, safetensors only (no pickle path), no remote code,
+        validated config and parameter budget, weights' headers checked against the model with errors naming
+        the file and both shapes; after it, ``deq={...}`` overrides solver settings.
 
         Example:
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
             ...     "deqzoo/mdeq-tiny-mnist", deq={"f_solver": "broyden", "f_max_iter": 12})
         """
-        from .hub.loading import load_pretrained
+        from .hub.loading import prepare_pretrained
 
-        if model_args:
-            raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model arguments")
-        return load_pretrained(cls, pretrained_model_name_or_path, deq=deq, **kwargs)
+        directory, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path,
+                                                       max_parameters=max_parameters, **kwargs)
+        result = super().from_pretrained(directory, *model_args, config=config, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        if pretrained_model_name_or_path is not None:
+            model.name_or_path = model.config.name_or_path = str(pretrained_model_name_or_path)
+        if deq:
+            model.set_deq(**deq)
+        return result
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """Save config.json + model.safetensors (see :func:`deqzoo.hub.saving.atomic_save`).
@@ -329,10 +338,14 @@ class DEQPreTrainedModel(PreTrainedModel):
         """
         from .hub.saving import atomic_save
 
-        kwargs.pop("safe_serialization", None)  # always safetensors
+        if kwargs.pop("safe_serialization", True) is False:
+            raise ValueError("save_pretrained(safe_serialization=False) is not supported: deqzoo writes "
+                             "safetensors only (a pickle is never written nor read)")
         if not (args[0] if args else kwargs.get("is_main_process", True)):
             Path(save_directory).mkdir(parents=True, exist_ok=True)  # other ranks write nothing
             return
+        # never write a config our own loader would refuse (an attribute set after __init__ is not checked)
+        type(self.config).from_dict(self.config.to_dict())
         push_options = {k: kwargs.pop(k) for k in _PUSH_OPTIONS if k in kwargs}
         repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
         parent_save = super().save_pretrained

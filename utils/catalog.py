@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deqzoo.hub.cards import CARD_NAME, card_metrics, read_model_card
+from deqzoo.hub.cards import CARD_NAME, card_headline, card_metrics, read_model_card
 from deqzoo.hub.catalog import CATALOG_PATH, NAMESPACE, sha256_file
 from deqzoo.hub.safetensors_io import WEIGHTS_NAME
 
@@ -51,6 +51,7 @@ def describe_checkpoint(folder: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
         "task": meta.get("pipeline_tag"),
         "deqzoo_task": meta.get("deqzoo_task"),
         "metrics": card_metrics(meta),
+        "headline": card_headline(meta),
         "parameters": _diffusers_parameter_count(folder) if diffusers_repo else _parameter_count(config),
         "license": meta.get("license"),
         "datasets": meta.get("datasets", []),
@@ -138,9 +139,11 @@ README_START, README_END = "<!-- catalog:start -->", "<!-- catalog:end -->"
 
 def catalog_markdown(catalog: dict[str, Any]) -> str:
     """The README's checkpoint table."""
-    lines = ["| Checkpoint | Task | Parameters | Metrics | Size |", "|---|---|---|---|---|"]
+    lines = ["| Checkpoint | Task | Parameters | Headline result (data set) | Size |",
+             "|---|---|---|---|---|"]
     for cid, entry in sorted(catalog["checkpoints"].items()):
-        metrics = ", ".join(f"{k} {v}" for k, v in (entry.get("metrics") or {}).items())
+        metrics = entry.get("headline") or \
+            ", ".join(f"{k} {v}" for k, v in (entry.get("metrics") or {}).items())
         lines.append(f"| [`{cid}`]({entry['location']}/README.md) | {entry.get('task')} | "
                      f"{entry.get('parameters', 0):,} | {metrics} | {entry['size_bytes'] / 1e6:.2f} MB |")
     if not catalog["checkpoints"]:

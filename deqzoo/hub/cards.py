@@ -225,6 +225,28 @@ def card_metrics(metadata: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def card_headline(metadata: dict[str, Any]) -> str | None:
+    """The card's headline result: the first metric of its first model-index result, with its name and the
+    data set it was measured on (several metrics may share a type, e.g. two EPEs on two data sets, so a
+    {type: value} view alone can hide the one that matters).
+
+    Example:
+        >>> card_headline({"model-index": [{"results": [{"dataset": {"name": "MNIST test"},
+        ...     "metrics": [{"type": "accuracy", "name": "Test accuracy", "value": 0.978}]}]}]})
+        'Test accuracy 0.978 (MNIST test)'
+    """
+    for entry in metadata.get("model-index") or [] if isinstance(metadata, dict) else []:
+        for result in (entry.get("results") or []) if isinstance(entry, dict) else []:
+            metrics = result.get("metrics") if isinstance(result, dict) else None
+            if isinstance(metrics, list) and metrics and isinstance(metrics[0], dict):
+                first = metrics[0]
+                dataset = result.get("dataset") if isinstance(result.get("dataset"), dict) else {}
+                where = dataset.get("name") or dataset.get("type")
+                text = f"{first.get('name') or first.get('type')} {first.get('value')}"
+                return f"{text} ({where})" if where else text
+    return None
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -6,6 +6,7 @@ reported at once: missing, unexpected and mis-shaped keys (with both shapes) and
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -23,7 +24,6 @@ from .validation import check_budget, confined, is_network_error, read_json
 logger = logging.getLogger("deqzoo")
 # What we fetch from the Hub: configs, safetensors, cards, tokenizer/processor text files. Never pickles.
 SAFE_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.model", "*.png"]
-_VERIFIED: dict[tuple[str, int, int], str] = {}
 
 
 def _env_true(name: str) -> bool:
@@ -47,15 +47,14 @@ def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
         path = folder / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the catalog for {entry['id']} but missing")
-        stat = path.stat()
-        key = (str(path), stat.st_size, stat.st_mtime_ns)
-        actual = _VERIFIED.get(key) or sha256_file(path)
+        # hashed on every load (embedded files are a few MB): a cache keyed by size and mtime would accept a
+        # file edited in place with its mtime restored
+        actual = sha256_file(path)
         if actual != expected:
             raise CheckpointError(
                 f"{path}: sha256 {actual} does not match the catalog ({expected}) for {entry['id']}; "
                 "the embedded checkpoint was modified or corrupted "
                 "(regenerate with `python -m utils.catalog` if intended)")
-        _VERIFIED[key] = actual
 
 
 def resolve(
@@ -78,6 +77,9 @@ def resolve(
         >>> resolve(".").is_dir()
         True
     """
+    if not str(name_or_path).strip():  # Path("") is the working directory: never load that by accident
+        raise CheckpointError(f"{name_or_path!r}: an empty name is not a checkpoint (give a directory, an "
+                              "embedded id or a Hub repo id)")
     path = Path(name_or_path).expanduser()
     recover(path)  # a save of this folder was interrupted: finish or undo it first
     if path.is_dir():
@@ -138,11 +140,12 @@ def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **k
                               f"download failed ({type(err).__name__}: {err})") from err
 
 
-def load_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+def load_state_dict(directory: str | os.PathLike, variant: str | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors of a checkpoint directory and the file each came from (safetensors only, checked)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
-    for path in weight_files(directory):
+    for path in weight_files(directory, variant):
         read_safetensors_header(path)
         try:
             part = load_file(str(path))
@@ -154,93 +157,160 @@ def load_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tenso
     return tensors, origin
 
 
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Raise listing missing, unexpected, mis-shaped keys (both shapes) and dtypes that would need more than a
-    floating-point cast; tied duplicates may be absent."""
+def load_weights_file(model: torch.nn.Module, path: str | os.PathLike, *, strip_prefix: str = ""
+                      ) -> torch.nn.Module:
+    """Load one safetensors file into `model`: header checked first, then every key, shape and dtype against
+    the model (errors name the file); never unpickles. Keys starting with `strip_prefix` (a wrapper's
+    ``model.``) may be saved with it."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: deqzoo loads safetensors files only and never unpickles; convert it "
+                              "with `deqzoo convert`")
+    read_safetensors_header(path)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
+    if strip_prefix and state and all(k.startswith(strip_prefix) for k in state):
+        state = {k[len(strip_prefix):]: v for k, v in state.items()}
+    check_state_dict(model, state, str(path))
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def compare_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list]:
+    """Missing, unexpected, mis-shaped ((key, checkpoint shape, model shape)) and mistyped keys of `state`
+    against `model` (tied duplicates may be absent; floating-point weights may be cast)."""
     expected = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for key, value in expected.items():
         groups.setdefault(id(value), []).append(key)
-    missing = [k for k in expected if k not in state and not any(o in state for o in groups[id(expected[k])])]
-    unexpected = [k for k in state if k not in expected]
-    misshaped = [(k, tuple(state[k].shape), tuple(expected[k].shape))
-                 for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)]
-    mistyped = [(k, state[k].dtype, expected[k].dtype) for k in state if k in expected
-                and state[k].dtype != expected[k].dtype
-                and not (state[k].dtype.is_floating_point and expected[k].dtype.is_floating_point)]
-    if not (missing or unexpected or misshaped or mistyped):
-        return
+    return {
+        "missing_keys": [k for k in expected
+                         if k not in state and not any(o in state for o in groups[id(expected[k])])],
+        "unexpected_keys": [k for k in state if k not in expected],
+        "mismatched_keys": [(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in state
+                            if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)],
+        "mistyped_keys": [(k, state[k].dtype, expected[k].dtype) for k in state if k in expected
+                          and state[k].dtype != expected[k].dtype
+                          and not (state[k].dtype.is_floating_point and expected[k].dtype.is_floating_point)],
+    }
+
+
+def mismatch_report(model: torch.nn.Module, found: dict[str, list], source: str) -> str:
     lines = [f"{source}: weights do not match the model built from its config ({type(model).__name__}):"]
-    if missing:
-        lines.append(f"  missing keys ({len(missing)}): " + ", ".join(missing))
-    if unexpected:
-        lines.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(unexpected))
-    for key, got, want in misshaped:
+    if found["missing_keys"]:
+        lines.append(f"  missing keys ({len(found['missing_keys'])}): " + ", ".join(found["missing_keys"]))
+    if found["unexpected_keys"]:
+        lines.append(f"  unexpected keys ({len(found['unexpected_keys'])}): "
+                     + ", ".join(found["unexpected_keys"]))
+    for key, got, want in found["mismatched_keys"]:
         lines.append(f"  mis-shaped key {key}: checkpoint {list(got)} vs model {list(want)}")
-    for key, got, want in mistyped:
+    for key, got, want in found["mistyped_keys"]:
         lines.append(f"  dtype of key {key}: checkpoint {got} vs model {want} (only floating-point weights "
                      "may be cast)")
-    raise CheckpointError("\n".join(lines))
+    return "\n".join(lines)
 
 
-# Keyword arguments transformers' Auto classes and pipelines pass along that have no meaning for us.
-_IGNORED = {"_from_auto", "_from_pipeline", "trust_remote_code", "code_revision", "low_cpu_mem_usage",
-            "use_safetensors", "attn_implementation", "output_loading_info", "subfolder", "proxies",
-            "adapter_kwargs", "_commit_hash", "user_agent", "local_files_only_fallback"}
-_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "endpoint")
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, *,
+                     strict: bool = True, ignore_mismatched_sizes: bool = False) -> dict[str, list]:
+    """Compare `state` with `model`; raise listing every problem (both shapes of a mis-shaped key) when a key
+    is mis-shaped (unless `ignore_mismatched_sizes`) or mistyped, or, with `strict`, missing or unexpected.
+    Returns what `compare_state` found."""
+    found = compare_state(model, state)
+    fatal = found["mistyped_keys"] or (found["mismatched_keys"] and not ignore_mismatched_sizes) or (
+        strict and (found["missing_keys"] or found["unexpected_keys"]))
+    if fatal:
+        hint = ("\n  (pass ignore_mismatched_sizes=True to re-initialise mis-shaped weights, as for a new "
+                "number of labels)" if found["mismatched_keys"] and not ignore_mismatched_sizes else "")
+        raise CheckpointError(mismatch_report(model, found, source) + hint)
+    return found
 
 
-def load_pretrained(
-    model_cls: type,
-    name_or_path: str | os.PathLike,
-    *,
-    config: Any = None,
-    deq: dict[str, Any] | None = None,
-    dtype: Any = None,
-    device_map: Any = None,
-    max_parameters: int | None = None,
-    **kwargs: Any,
-):
-    """Build `model_cls` from its config and load verified safetensors weights (`deqzoo.from_pretrained`).
+# The keywords transformers' PreTrainedModel.from_pretrained reads itself (5.x); any other keyword naming a
+# config attribute overrides it, as in transformers, and anything else is an error naming it.
+TRANSFORMERS_KEYWORDS = frozenset({
+    "config", "cache_dir", "ignore_mismatched_sizes", "force_download", "local_files_only", "token",
+    "revision", "use_safetensors", "weights_only", "fusion_config", "disable_mmap", "state_dict", "proxies",
+    "tqdm_class",
+    "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype", "device_map", "max_memory",
+    "offload_folder", "offload_buffers", "quantization_config", "subfolder", "_commit_hash", "variant",
+    "adapter_kwargs", "adapter_name", "generation_config", "gguf_file", "distributed_config", "device_mesh",
+    "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config",
+    "key_mapping", "attn_implementation", "experts_implementation", "low_cpu_mem_usage", "code_revision",
+    "user_agent", "mirror", "resume_download", "from_tf", "from_flax", "local_files_only_fallback"})
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "endpoint", "proxies")
+_REFUSED = {"gguf_file": "GGUF files are not safetensors",
+            "from_tf": "TensorFlow checkpoints are not safetensors",
+            "from_flax": "Flax checkpoints are not safetensors",
+            "adapter_kwargs": "adapters name another model to load",
+            "quantization_config": "deqzoo models are not quantised"}
 
-    Before anything is allocated, the model is built on the meta device: its size is checked against the
-    parameter budget (`max_parameters`, $DEQZOO_MAX_PARAMETERS, 1e9) and its keys, shapes and dtypes against
-    the safetensors headers."""
-    if kwargs.pop("use_safetensors", None) is False:
+
+def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, *,
+                       max_parameters: int | None = None, **kwargs: Any) -> tuple[str | None, Any, dict]:
+    """What deqzoo does before transformers' ``from_pretrained`` runs; returns (local folder or None, the
+    validated config, the keywords left for transformers).
+
+    The name resolves to a local folder (`resolve`: directory, embedded checkpoint with sha256 check, HF
+    cache, Hub with safe files only; ``subfolder`` confined to it). Refused with an error naming the cause,
+    before anything is allocated: a call under ``torch.device('meta')`` (transformers would return a model
+    without weights), pickle-only or non-safetensors loading, keywords that would load other formats or
+    another model (``gguf_file``, adapters), an ``adapter_config.json`` in the folder, a config that fails
+    validation (types, ranges), a model above the parameter budget, weights whose headers do not match the
+    model (mis-shaped keys unless ``ignore_mismatched_sizes``, dtypes that need more than a float cast).
+    Config attributes given as keywords override the config (validated like ``__init__``)."""
+    if torch.empty(0).device.type == "meta":
+        raise RuntimeError(f"{model_cls.__name__}.from_pretrained was called under torch.device('meta'): "
+                           "the weights would not be loaded; build a meta skeleton with model_cls(config)")
+    if kwargs.get("use_safetensors", True) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
-    dtype = dtype if dtype is not None else kwargs.pop("torch_dtype", None)
+    for key, why in _REFUSED.items():
+        if kwargs.pop(key, None):
+            raise CheckpointError(f"{model_cls.__name__}.from_pretrained: {key}= is not supported ({why}; "
+                                  "deqzoo loads safetensors checkpoints only)")
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-    for key in _IGNORED:
-        kwargs.pop(key, None)
-    directory = resolve(name_or_path, **hub)
+    subfolder = kwargs.pop("subfolder", "") or ""
+    config = kwargs.pop("config", None)
+    directory = None
+    if name_or_path is None:
+        if config is None or kwargs.get("state_dict") is None:
+            raise TypeError(f"{model_cls.__name__}.from_pretrained(None, ...) needs both config= and "
+                            "state_dict= (there is no checkpoint folder to read them from)")
+    else:
+        directory = resolve(name_or_path, **hub)
+        if subfolder:
+            directory = confined(directory, subfolder, f"subfolder={subfolder!r}")
+            if not directory.is_dir():
+                raise CheckpointError(f"{directory}: subfolder={subfolder!r} is not a folder of the "
+                                      "checkpoint")
+        if (directory / "adapter_config.json").exists():
+            raise CheckpointError(f"{directory / 'adapter_config.json'}: adapter checkpoints name another "
+                                  "model to load; deqzoo does not load them")
     if config is None:
         config = load_config(model_cls.config_class, directory)
+    elif isinstance(config, (str, os.PathLike)):
+        config = load_config(model_cls.config_class, Path(config))
+    else:
+        config = copy.deepcopy(config)
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in TRANSFORMERS_KEYWORDS}
+    unknown = sorted(k for k in overrides if not hasattr(config, k))
+    if unknown:
+        raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
+                        f"{unknown[0]!r}")
     if hasattr(config, "check_overrides"):  # a deqzoo config checks overrides like its __init__ does
-        config.check_overrides(kwargs)
-    for key, value in kwargs.items():  # transformers convention: extra kwargs override config attributes
-        if not hasattr(config, key):
-            raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
-                            f"{key!r}")
+        config.check_overrides(overrides)
+    for key, value in overrides.items():
         setattr(config, key, value)
-    precheck(model_cls, config, directory, max_parameters=max_parameters)
-    state, origin = load_state_dict(directory)
-    model = model_cls(config)
-    state = _strip_head(model, state)
-    files = sorted({str(p) for p in origin.values()}) or [str(directory)]
-    check_state_dict(model, state, ", ".join(files))
-    model.load_state_dict(state, strict=False)
-    if isinstance(dtype, torch.dtype):
-        model.to(dtype)
-    elif isinstance(dtype, str) and dtype != "auto":
-        model.to(getattr(torch, dtype))
-    if isinstance(device_map, (str, torch.device)) and str(device_map) != "auto":
-        model.to(device_map)
-    model.eval()
-    model.name_or_path = str(name_or_path)
-    model.config.name_or_path = str(name_or_path)
-    if deq:
-        model.set_deq(**deq)
-    return model
+    bridge = precheck(model_cls, config, directory if kwargs.get("state_dict") is None else None,
+                      max_parameters=max_parameters, variant=kwargs.get("variant"),
+                      ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes", False))
+    if bridge:  # base model <-> task head: transformers' own bridging misses weight-norm's renamed keys
+        state, _ = load_state_dict(directory, kwargs.get("variant"))
+        kwargs["state_dict"] = _bridge_prefix(bridge, state)
+        directory = None  # transformers takes either a folder or tensors
+    kwargs.update(use_safetensors=True, trust_remote_code=False)  # config.json's auto_map never runs
+    return (str(directory) if directory is not None else None), config, kwargs
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -248,11 +318,11 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def header_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+def header_state(directory: Path, variant: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Meta tensors (shape and dtype, no data) for every weight of a checkpoint, from the headers only."""
     state: dict[str, torch.Tensor] = {}
     files = []
-    for path in weight_files(directory):
+    for path in weight_files(directory, variant):
         files.append(str(path))
         for key, info in read_safetensors_header(path).items():
             dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
@@ -263,10 +333,12 @@ def header_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     return state, files
 
 
-def precheck(model_cls: type, config: Any, directory: Path, *, max_parameters: int | None = None) -> None:
+def precheck(model_cls: type, config: Any, directory: Path | None, *, max_parameters: int | None = None,
+             ignore_mismatched_sizes: bool = False, variant: str | None = None) -> torch.nn.Module | None:
     """Build the model on the meta device (nothing allocated) and check its size against the budget and its
-    keys, shapes and dtypes against the safetensors headers, before the real model or any tensor exists."""
-    source = str(Path(directory) / "config.json")
+    keys, shapes and dtypes against the safetensors headers, before the real model or any tensor exists.
+    Returns the meta model when the checkpoint's keys need base-model bridging (`_bridge_prefix`)."""
+    source = str(Path(directory) / "config.json") if directory is not None else "the given config"
     try:
         with torch.device("meta"):
             meta_model = model_cls(config)
@@ -275,26 +347,29 @@ def precheck(model_cls: type, config: Any, directory: Path, *, max_parameters: i
     tensors = list(meta_model.parameters()) + list(meta_model.buffers())
     count = sum(t.numel() for t in tensors)
     check_budget(count, sum(t.numel() * t.element_size() for t in tensors), source, max_parameters)
-    state, files = header_state(directory)
-    check_state_dict(meta_model, _strip_head(meta_model, state, quiet=True), ", ".join(files) or source)
+    if directory is not None:
+        state, files = header_state(directory, variant)
+        bridged = _bridge_prefix(meta_model, state)
+        check_state_dict(meta_model, bridged, ", ".join(files) or source,
+                         strict=False, ignore_mismatched_sizes=ignore_mismatched_sizes)
+        return meta_model if bridged is not state else None
+    return None
 
 
-def _strip_head(model: torch.nn.Module, state: dict[str, torch.Tensor], quiet: bool = False
-                ) -> dict[str, torch.Tensor]:
-    """Base model from a checkpoint with a task head (transformers convention): keep `<prefix>.*` keys."""
+def _bridge_prefix(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' base-model bridging: a task head's checkpoint into its base model (keep the
+    ``<base_model_prefix>.*`` keys, unprefixed) and a base model's checkpoint into a task head (prefixed)."""
     prefix = getattr(model, "base_model_prefix", "")
     expected = model.state_dict().keys()
-    if not prefix or any(k.startswith(prefix + ".") for k in expected):
+    if not prefix or not state:
         return state
-    base = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
-    if not base or set(base) != set(expected):  # not that case: let check_state_dict report the mismatch
-        return state
-    dropped = sorted(k for k in state if not k.startswith(prefix + "."))
-    if quiet:
-        return base
-    logger.warning("Loading %s from a checkpoint with a task head; unused head weights: %s",
-                   type(model).__name__, ", ".join(dropped))
-    return base
+    head_model = any(k.startswith(prefix + ".") for k in expected)
+    head_state = any(k.startswith(prefix + ".") for k in state)
+    if head_state and not head_model:
+        return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")} or state
+    if head_model and not head_state and any(f"{prefix}.{k}" in expected for k in state):
+        return {f"{prefix}.{k}": v for k, v in state.items()}
+    return state
 
 
 def load_config(config_cls: type, directory: Path):

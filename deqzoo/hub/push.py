@@ -16,7 +16,10 @@ from .validation import is_network_error
 
 # Top-level files a checkpoint repository consists of: configs (config.json, generation/preprocessor/
 # tokenizer/scheduler configs, model_index.json, safetensors indexes), weights, tokenizer vocabularies, card.
-_CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".tiktoken")
+_CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".tiktoken")
+# Text files are uploaded by name only: the vocabularies transformers' tokenizers write (vocab.txt for
+# WordPiece, merges.txt for BPE). Any other *.txt (secrets.txt, wandb-key.txt, notes) stays local.
+_TOKENIZER_TEXT_FILES = ("vocab.txt", "merges.txt")
 _CARD_ASSET_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp")
 CARD_NAME = "README.md"
 
@@ -42,10 +45,11 @@ def _component_dirs(directory: Path, card_text: str) -> set[str]:
 def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
     """(files to upload, stray files left out) of a checkpoint folder, as sorted POSIX relative paths.
 
-    Uploaded: top-level configs, weights and tokenizer files (``*.json``, ``*.safetensors``, ``*.txt``,
-    ``*.model``, ``*.tiktoken``), ``README.md`` and the images it references; the same kinds of file inside
-    subfolders that are repository components (named in ``model_index.json`` or referenced by the card as
-    ``name/``). Everything else (optimizer state, pickles, logs, hidden files, scratch folders) stays local.
+    Uploaded: top-level configs, weights and tokenizer files (``*.json``, ``*.safetensors``, ``vocab.txt``,
+    ``merges.txt``, ``*.model``, ``*.tiktoken``), ``README.md`` and the images it references; the same kinds
+    of file inside subfolders that are repository components (named in ``model_index.json`` or referenced by
+    the card as ``name/``). Everything else (optimizer state, pickles, logs, hidden files, scratch folders)
+    stays local.
 
     Example:
         >>> import tempfile, pathlib
@@ -70,10 +74,11 @@ def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], li
         if hidden or not path.resolve().is_relative_to(root):  # a link never exports a file from outside
             keep = False
         elif len(parts) == 1:
-            keep = (rel.name == CARD_NAME or rel.suffix in _CHECKPOINT_SUFFIXES
+            keep = (rel.name in (CARD_NAME, *_TOKENIZER_TEXT_FILES) or rel.suffix in _CHECKPOINT_SUFFIXES
                     or (rel.suffix.lower() in _CARD_ASSET_SUFFIXES and rel.name in card_text))
         else:
-            keep = len(parts) == 2 and parts[0] in components and rel.suffix in _CHECKPOINT_SUFFIXES
+            keep = len(parts) == 2 and parts[0] in components and (
+                rel.suffix in _CHECKPOINT_SUFFIXES or rel.name in _TOKENIZER_TEXT_FILES)
         (upload if keep else stray).append(rel.as_posix())
     return upload, stray
 

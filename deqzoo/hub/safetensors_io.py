@@ -56,12 +56,17 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     header.pop("__metadata__", None)
     data_len = size - 8 - header_len
     for name, info in header.items():
-        try:
-            start, end = info["data_offsets"]
-            shape = info["shape"]
-            nbytes = math.prod(shape) * _DTYPE_BYTES.get(info["dtype"], 1)
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}: {info!r}") from err
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        # JSON booleans are ints to Python and a 2-character string unpacks into two "offsets": check types
+        if not (_int_list(offsets) and len(offsets) == 2 and _int_list(shape) and dtype in _DTYPE_BYTES):
+            shown = repr(info) if len(repr(info)) < 200 else repr(info)[:197] + "..."
+            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}: {shown} (needs a "
+                                  "known 'dtype', a 'shape' of non-negative integers and 'data_offsets' "
+                                  "[start, end] of non-negative integers)")
+        start, end = offsets
+        nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
         if end > data_len or end - start != nbytes or start < 0:
             raise CheckpointError(
                 f"{path}: corrupt or truncated safetensors file: tensor {name!r} needs bytes {start}..{end} "
@@ -69,10 +74,15 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     return header
 
 
-def refuse_pickles(directory: str | os.PathLike) -> None:
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def refuse_pickles(directory: str | os.PathLike, variant: str | None = None) -> None:
     """Raise when a checkpoint directory offers only pickle-based weights (which deqzoo never loads)."""
     directory = Path(directory)
-    if (directory / WEIGHTS_NAME).is_file() or (directory / WEIGHTS_INDEX_NAME).is_file():
+    single, index = weight_names(variant)
+    if (directory / single).is_file() or (directory / index).is_file():
         return
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -80,19 +90,46 @@ def refuse_pickles(directory: str | os.PathLike) -> None:
             f"{directory}: only pickle weights found ({', '.join(pickles)}); "
             "deqzoo loads safetensors only and "
             f"never unpickles. Convert them with `deqzoo convert` (uses torch.load(weights_only=True)).")
-    raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} found")
+    raise CheckpointError(f"{directory}: no {single} found")
 
 
-def weight_files(directory: str | os.PathLike) -> list[Path]:
+def weight_names(variant: str | None = None) -> tuple[str, str]:
+    """(single file, shard index) names, with transformers' ``variant`` spelling (model.fp16.safetensors)."""
+    if not variant:
+        return WEIGHTS_NAME, WEIGHTS_INDEX_NAME
+    return f"model.{variant}.safetensors", f"model.safetensors.index.{variant}.json"
+
+
+def check_component_folder(folder: str | os.PathLike, source: str | os.PathLike) -> None:
+    """A component folder of a diffusers repository (``unet/``, ``scheduler/``), before diffusers reads it:
+    every entry stays inside it (a link leading out is refused), weights are safetensors with sound headers,
+    and a folder offering only pickle weights is refused (diffusers would unpickle them)."""
+    from .validation import confined
+
+    folder = Path(folder)
+    entries = sorted(folder.iterdir())
+    for entry in entries:
+        confined(folder, entry.name, source)
+    weights = [p for p in entries if p.suffix == ".safetensors"]
+    pickles = [p.name for p in entries if p.suffix in PICKLE_SUFFIXES]
+    if pickles and not weights:
+        raise CheckpointError(f"{folder}: only pickle weights found ({', '.join(pickles)}); deqzoo loads "
+                              "safetensors only and never unpickles")
+    for path in weights:
+        read_safetensors_header(path)
+
+
+def weight_files(directory: str | os.PathLike, variant: str | None = None) -> list[Path]:
     """The safetensors files of a checkpoint (single file or sharded via the index)."""
     from .validation import confined, read_json
 
     directory = Path(directory)
-    refuse_pickles(directory)
-    single = directory / WEIGHTS_NAME
+    refuse_pickles(directory, variant)
+    single_name, index_name = weight_names(variant)
+    single = directory / single_name
     if single.is_file() or single.is_symlink():
-        return [confined(directory, WEIGHTS_NAME, directory)]
-    index_path = confined(directory, WEIGHTS_INDEX_NAME, directory)
+        return [confined(directory, single_name, directory)]
+    index_path = confined(directory, index_name, directory)
     index = read_json(index_path)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:

@@ -108,9 +108,12 @@ def load_yaml(text: str, source: str | os.PathLike, *, max_bytes: int = MAX_YAML
 def _allowed_roots(directory: Path) -> list[Path]:
     root = directory.resolve()
     roots = [root]
-    # A Hugging Face cache snapshot is a folder of symlinks into the repository's blobs/ folder.
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        roots.append(root.parent.parent / "blobs")
+    # A Hugging Face cache snapshot (and each subfolder of it) is a folder of symlinks into the repository's
+    # blobs/ folder.
+    for folder in (root, *root.parents):
+        if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+            roots.append(folder.parent.parent / "blobs")
+            break
     return roots
 
 

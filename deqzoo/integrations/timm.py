@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models._features import feature_take_indices
 from torch import nn
 
@@ -89,6 +89,7 @@ class MDEQTimm(nn.Module):
         load_weights: bool = False,
         num_classes: int | None = None,
         in_chans: int | None = None,
+        weights_file: str | None = None,
         **overrides: Any,
     ) -> MDEQTimm:
         """Build from a deqzoo preset (random init) or from `checkpoint` (``load_weights``).
@@ -97,6 +98,16 @@ class MDEQTimm(nn.Module):
         MDEQConfig fields of a randomly initialized model.
         """
         deq = overrides.pop("deq", None) or {}
+        if load_weights and weights_file is not None:  # pretrained_cfg_overlay=dict(file=...): the preset's
+            from ..hub.loading import load_weights_file  # architecture with that file's weights (checked)
+
+            config = MDEQConfig(**{**ARCHITECTURES[preset]["config"], **overrides,
+                                   "deq": {**ARCHITECTURES[preset]["config"].get("deq", {}), **deq}})
+            net = cls(load_weights_file(MDEQForImageClassification(config), weights_file,
+                                        strip_prefix="model.").eval())
+            if num_classes is not None and num_classes != net.num_classes:
+                net.reset_classifier(num_classes)
+            return net
         if load_weights:
             if checkpoint is None:
                 raise RuntimeError(
@@ -209,7 +220,13 @@ default_cfgs = generate_default_cfgs(
 def _create(name: str, pretrained: bool = False, **kwargs: Any) -> MDEQTimm:
     preset, checkpoint = TIMM_MODELS[name]
     n = len(ARCHITECTURES[preset]["config"]["branch_channels"])
-    builder = partial(MDEQTimm.create, preset, checkpoint, pretrained)
+    # timm's pretrained_cfg (with pretrained_cfg_overlay applied) may point the weights elsewhere
+    cfg = resolve_pretrained_cfg(name, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+    if cfg.url or cfg.hf_hub_filename or cfg.state_dict is not None:
+        raise ValueError(f"{name}: pretrained_cfg url / hf_hub_filename / state_dict are not supported by "
+                         "deqzoo (safetensors only): use file=<path.safetensors> or hf_hub_id=<id>")
+    checkpoint = cfg.hf_hub_id or checkpoint
+    builder = partial(MDEQTimm.create, preset, checkpoint, pretrained, weights_file=cfg.file)
     # weights are loaded by the builder through deqzoo (offline for embedded checkpoints), so timm's own
     # loader is told pretrained=False
     return build_model_with_cfg(

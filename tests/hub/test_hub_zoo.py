@@ -123,7 +123,8 @@ def test_cli_list_info_eval_predict(embedded, capsys):
     directory, model, cat = embedded
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "toy-deq-tiny" in out and "deqzoo/toy-deq-tiny" in out and "mean_max_prob=" in out
+    assert "toy-deq-tiny" in out and "deqzoo/toy-deq-tiny" in out
+    assert "Mean max prob 0." in out and "(random pixels)" in out  # the card's headline with its data set
     assert cli_main(["info", "deqzoo/toy-deq-tiny"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["task"] == "image-classification" and info["deq"]["f_max_iter"] == 40

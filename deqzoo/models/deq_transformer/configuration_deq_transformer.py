@@ -53,6 +53,8 @@ class DEQTransformerConfig(DEQPretrainedConfig):
     """
 
     model_type = "deq_transformer"
+    # transformers' generic names (read by its common tests, pipelines and generation utilities)
+    attribute_map = {"num_attention_heads": "n_head", "hidden_size": "d_model"}
     # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
     value_ranges = {
         "vocab_size": (1, 10_000_000), "d_model": (1, 65536), "n_head": (1, 1024), "d_head": (1, 65536),
@@ -132,10 +134,6 @@ class DEQTransformerConfig(DEQPretrainedConfig):
         self.final_f_step = final_f_step
         kwargs.setdefault("tie_word_embeddings", False)  # tying is done inside the head (no duplicated keys)
         super().__init__(deq=deq, **kwargs)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.d_model
 
 
 _TINY = dict(vocab_size=1024, d_model=128, n_head=4, d_head=32, tgt_len=64, mem_len=64)

@@ -371,8 +371,11 @@ class PositionalEmbedding(nn.Module):
 
     def __init__(self, d_model: int):
         super().__init__()
-        inv_freq = 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.d_model = d_model
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    def frequencies(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return 1 / (10000 ** (torch.arange(0.0, self.d_model, 2.0, device=device) / self.d_model))
 
     def forward(self, k_len: int) -> torch.Tensor:
         pos = torch.arange(k_len - 1, -1, -1.0, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
@@ -400,7 +403,10 @@ class DEQTransformerPreTrainedModel(DEQPreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         # Transformer-XL style small normal init (upstream: init_std 0.02, LayerNorm weight 1)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, PositionalEmbedding):  # not saved: rebuilt when loading materialises from meta
+            with torch.no_grad():
+                module.inv_freq.copy_(module.frequencies(module.inv_freq.device))
+        elif isinstance(module, nn.Linear):
             w = module.weight if "weight" in module._parameters else getattr(module, "weight_v", None)
             if w is not None:
                 nn.init.normal_(w, 0.0, 0.02)
@@ -686,18 +692,25 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True)
         h = out.last_hidden_state
-        if logits_to_keep and labels is None:
+        if logits_to_keep and labels is None and kwargs.get("shift_labels") is None:
             h = h[:, -logits_to_keep:]
         logits = self.crit(h)
         loss = None
-        if labels is not None:
+        shift_labels = kwargs.get("shift_labels")
+        if shift_labels is not None:  # transformers' convention: labels already aligned with the logits
+            if shift_labels.shape != input_ids.shape:
+                raise ValueError(f"shift_labels shape {tuple(shift_labels.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+                                   ignore_index=-100)
+        elif labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
                                  f"{tuple(input_ids.shape)}")
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-            if out.jac_loss is not None and self.config.jac_reg_weight > 0:
-                loss = loss + self.config.jac_reg_weight * out.jac_loss
+        if loss is not None and out.jac_loss is not None and self.config.jac_reg_weight > 0:
+            loss = loss + self.config.jac_reg_weight * out.jac_loss
         result = DEQTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                               hidden_states=out.hidden_states, attentions=out.attentions,
                                               jac_loss=out.jac_loss, deq_stats=out.deq_stats)

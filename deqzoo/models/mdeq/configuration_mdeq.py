@@ -41,6 +41,12 @@ from ...modeling_utils import DEQPretrainedConfig
 __all__ = ["ARCHITECTURES", "MDEQConfig", "ORIGINAL_PARAMETER_COUNTS"]
 
 
+def _per_channel(value: float | list[float] | tuple[float, ...] | None, channels: int) -> list[float]:
+    if value is None:
+        return [0.5] * channels
+    return [float(value)] * channels if isinstance(value, (int, float)) else list(value)
+
+
 class MDEQConfig(DEQPretrainedConfig):
     """Configuration of an MDEQ backbone and its heads.
 
@@ -105,8 +111,8 @@ class MDEQConfig(DEQPretrainedConfig):
         bn_momentum: float = 0.1,
         num_layers: int = 10,
         image_size: list[int] | tuple[int, int] = (32, 32),
-        image_mean: list[float] | tuple[float, ...] | None = None,
-        image_std: list[float] | tuple[float, ...] | None = None,
+        image_mean: float | list[float] | tuple[float, ...] | None = None,
+        image_std: float | list[float] | tuple[float, ...] | None = None,
         lipschitz: bool = False,
         residual_alpha: float = 0.5,
         fusion_alpha: float = 0.3,
@@ -144,8 +150,9 @@ class MDEQConfig(DEQPretrainedConfig):
         self.bn_momentum = float(bn_momentum)
         self.num_layers = int(num_layers)
         self.image_size = [int(s) for s in image_size]
-        self.image_mean = list(image_mean) if image_mean is not None else [0.5] * self.in_channels
-        self.image_std = list(image_std) if image_std is not None else [0.5] * self.in_channels
+        # one number applies to every channel, as in transformers' image processors
+        self.image_mean = _per_channel(image_mean, self.in_channels)
+        self.image_std = _per_channel(image_std, self.in_channels)
         self.lipschitz = bool(lipschitz)
         self.residual_alpha = float(residual_alpha)
         self.fusion_alpha = float(fusion_alpha)

@@ -307,6 +307,21 @@ class DEQDDIMPipeline(DiffusionPipeline):
 
     model_cpu_offload_seq = "unet"
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> DEQDDIMPipeline:
+        """diffusers' own loader, safetensors only, on a repository deqzoo resolved (local folder, embedded
+        id, HF cache, Hub: safe files only) and checked first (`check_repository`): component classes from an
+        allow-list, no file linking out of its folder, no pickle-only weights."""
+        from ...hub.loading import resolve
+
+        if kwargs.pop("use_safetensors", True) is False:
+            raise ValueError("DEQDDIMPipeline loads safetensors only; use_safetensors=False is not supported")
+        hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only",
+                                          "force_download") if k in kwargs}
+        directory = check_repository(resolve(pretrained_model_name_or_path, **hub),
+                                     scheduler_given=kwargs.get("scheduler") is not None)
+        return super().from_pretrained(str(directory), use_safetensors=True, **kwargs)
+
     def __init__(self, unet: UNet2DModel, scheduler: DDIMScheduler):
         super().__init__()
         check_components(unet, scheduler)
@@ -592,27 +607,20 @@ _REPO_COMPONENTS = {"unet": ("diffusers", {"UNet2DModel"}),
                     "scheduler": ("diffusers", {"DDIMScheduler", "DDPMScheduler", "PNDMScheduler"})}
 
 
-def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
-    """A `DEQDDIMPipeline` from a local diffusers repository (model_index.json, unet/, scheduler/), loading
-    only the UNet2DModel and the scheduler it names, from safetensors; anything else in model_index.json is
-    refused.
-
-    A scheduler saved as DDPM/PNDM is refused by the pipeline unless `scheduler` (a DDIMScheduler) is given.
-
-    Example:
-        >>> import deqzoo
-        >>> pipe = load_repository("model_cards/ddim-digits-16")  # doctest: +SKIP
-    """
+def check_repository(directory: Any, *, scheduler_given: bool = False) -> Any:
+    """A local diffusers repository (model_index.json, unet/, scheduler/) checked before diffusers reads it:
+    model_index.json names only the UNet2DModel and a scheduler from `_REPO_COMPONENTS` (its content never
+    chooses code), every component file stays inside its folder and weights are safetensors
+    (`deqzoo.hub.safetensors_io.check_component_folder`). Returns the directory."""
     from pathlib import Path
 
     from ...errors import CheckpointError
+    from ...hub.safetensors_io import check_component_folder
     from ...hub.validation import confined, read_json
 
     directory = Path(directory)
     index_path = confined(directory, "model_index.json", directory)
     index = read_json(index_path)
-    if not isinstance(index, dict):
-        raise CheckpointError(f"{index_path}: expected a JSON object, got {type(index).__name__}")
     for key, value in index.items():
         if key.startswith("_"):
             continue
@@ -626,16 +634,25 @@ def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None
     for key in _REPO_COMPONENTS:
         if key not in index:
             raise CheckpointError(f"{index_path}: no {key!r} component")
-        confined(directory, key, index_path)
-    unet = UNet2DModel.from_pretrained(str(directory), subfolder="unet", use_safetensors=True)
-    if scheduler is None:
-        scheduler_cls = {"DDIMScheduler": DDIMScheduler}.get(index["scheduler"][1])
-        if scheduler_cls is None:
-            raise ValueError(f"{index_path}: scheduler {index['scheduler'][1]} is not a DDIMScheduler; "
-                             "DEQ-DDIM solves the deterministic DDIM chain only (pass "
-                             "scheduler=DDIMScheduler(...) to choose DDIM deliberately)")
-        scheduler = scheduler_cls.from_pretrained(str(directory), subfolder="scheduler")
-    return DEQDDIMPipeline(unet=unet, scheduler=scheduler)
+        check_component_folder(confined(directory, key, index_path), index_path)
+    if not scheduler_given and index["scheduler"][1] != "DDIMScheduler":
+        raise ValueError(f"{index_path}: scheduler {index['scheduler'][1]} is not a DDIMScheduler; "
+                         "DEQ-DDIM solves the deterministic DDIM chain only (pass "
+                         "scheduler=DDIMScheduler(...) to choose DDIM deliberately)")
+    return directory
+
+
+def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
+    """A `DEQDDIMPipeline` from a local diffusers repository (`DEQDDIMPipeline.from_pretrained`, which checks
+    it first: see `check_repository`). A scheduler saved as DDPM/PNDM is refused unless `scheduler` (a
+    DDIMScheduler) is given.
+
+    Example:
+        >>> import deqzoo
+        >>> pipe = load_repository("model_cards/ddim-digits-16")  # doctest: +SKIP
+    """
+    given = {} if scheduler is None else {"scheduler": scheduler}
+    return DEQDDIMPipeline.from_pretrained(directory, **given)
 
 
 def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
