@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import deqzoo
-from deqzoo.hub.catalog import REPO_ROOT
 from deqzoo.hub.safetensors_io import CheckpointError, read_safetensors_header
+from utils.catalog import REPO_ROOT
 
 DDIM = REPO_ROOT / "model_cards" / "ddim-digits-16"
 UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
@@ -31,7 +31,7 @@ def ddim_copy(tmp_path):
 
 
 def _pipeline_loaders():
-    from deqzoo.integrations.diffusers import DEQDDIMPipeline
+    from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
 
     return {"deqzoo.from_pretrained": deqzoo.from_pretrained,
             "DEQDDIMPipeline.from_pretrained": lambda d: DEQDDIMPipeline.from_pretrained(str(d))}
@@ -163,6 +163,7 @@ def test_empty_name_never_loads_the_working_directory(toy_checkpoint, monkeypatc
 
 def test_timm_pretrained_cfg_overlay_file_is_loaded(tmp_path):
     timm = pytest.importorskip("timm")
+    deqzoo.register()  # registration is explicit (or on first deqzoo use), no import hook
     net = timm.create_model("mdeq_tiny_mnist", pretrained=True)
     g = torch.Generator().manual_seed(0)
     state = {k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v
@@ -184,7 +185,8 @@ def test_timm_pretrained_cfg_overlay_file_is_loaded(tmp_path):
 def test_list_and_readme_show_each_cards_headline_with_its_data_set(capsys):
     """Two metrics of one type (held-out EPE, motorcycle EPE) used to collapse into the last one."""
     from deqzoo.hub.cards import card_headline, read_model_card
-    from deqzoo.hub.catalog import CARDS_DIR, build_catalog, catalog_markdown, load_catalog
+    from deqzoo.hub.catalog import load_catalog
+    from utils.catalog import CARDS_DIR, build_catalog, catalog_markdown
 
     flow = CARDS_DIR / "deq-flow-cpu-synth"
     if not flow.is_dir():
