@@ -10,6 +10,7 @@ from torch import nn
 
 from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
 from .config import DEQConfig
+from .norm import checked_once
 from .regularize import jacobian_reg
 from .solvers import get_solver
 from .state import State, StatePacker
@@ -185,7 +186,7 @@ class DEQ(nn.Module):
             solver_keep = [k for k in keep if k < max_iter]
             if solver_keep:
                 kwargs["keep_steps"] = solver_keep
-            with torch.no_grad():
+            with torch.no_grad(), checked_once():  # weight norms checked once per solve, not per f call
                 x_star, stats = get_solver(cfg.f_solver)(
                     g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
                 )

@@ -203,3 +203,41 @@ def test_residual_penalty_is_the_relative_residual_and_trains_f_only():
     assert a.grad is None and b.grad is None
     fz1, r1 = residual_penalty(torch.tanh, a)  # a plain tensor state
     torch.testing.assert_close(r1, ((torch.tanh(a) - a).norm(dim=1) / a.norm(dim=1)).mean().detach())
+
+
+def test_weight_norm_checked_once_per_solve(monkeypatch):
+    """In a DEQ's no-grad forward solve each normalized module's staleness check runs once, not per f call;
+    outputs equal those of a check on every call, and a parameter change between solves is still seen."""
+    import contextlib
+
+    from deqzoo.core import DEQ, DEQConfig
+    from deqzoo.core import deq as deq_module
+    from deqzoo.core import norm as norm_module
+    from deqzoo.core.norm import apply_norm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    apply_norm(net)
+    x = torch.randn(3, 8)
+    f = lambda z: torch.tanh(0.5 * net(z) + x)  # noqa: E731
+    layer = DEQ(DEQConfig(f_solver="anderson", f_max_iter=40, f_tol=1e-6))
+    calls = []
+    original = norm_module._Norm.refresh_if_stale
+    monkeypatch.setattr(norm_module._Norm, "refresh_if_stale",
+                        lambda self, m: (calls.append(id(self)), original(self, m))[1])  # fmt: skip
+    with torch.no_grad():
+        z1, st = layer(f, torch.zeros(3, 8))
+    assert st.nfe > 5 and len(calls) == 2, (st.nfe, len(calls))  # two normalized layers, once each
+    monkeypatch.setattr(deq_module, "checked_once", contextlib.nullcontext)
+    calls.clear()
+    with torch.no_grad():
+        z2, _ = layer(f, torch.zeros(3, 8))
+    assert len(calls) == 2 * st.nfe  # the old behaviour: every call of f
+    assert torch.equal(z1, z2)
+    monkeypatch.undo()
+    fn = norm_module._norms_of(net[0])[0]
+    before = fn.n_resets
+    with torch.no_grad():
+        net[0].weight_v.mul_(2.0)  # a parameter change between solves (as an optimizer step)
+        layer(f, torch.zeros(3, 8))
+    assert fn.n_resets == before + 1
