@@ -53,6 +53,7 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
 # canonical name -> (architecture preset, aliases)
 MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
+    "mdeq-tiny-mnist-reversible": ("mdeq-mnist-tiny", ()),  # same architecture, b_mode="reversible"
     "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
                                   ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
     "deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ()),

@@ -39,6 +39,7 @@ TIMM_MODELS: dict[str, tuple[str, str | None]] = {
     "mdeq_imagenet_large": ("mdeq-imagenet-large", None),
     "mdeq_imagenet_xl": ("mdeq-imagenet-xl", None),
     "mdeq_tiny_mnist": ("mdeq-mnist-tiny", "deqzoo/mdeq-tiny-mnist"),
+    "mdeq_tiny_mnist_reversible": ("mdeq-mnist-tiny", "deqzoo/mdeq-tiny-mnist-reversible"),
     "lipschitz_mdeq_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
     # alias (the first spelling); canonical names follow the hub id, see deqzoo.factory.MODEL_NAMES
     "mdeq_lipschitz_tiny_mnist": ("lipschitz-mdeq-mnist-tiny", "deqzoo/lipschitz-mdeq-tiny-mnist"),
