@@ -80,6 +80,7 @@ FAMILIES: list[Family] = [
         timm_module="deqzoo.integrations.timm",
         names={
             "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
+            "mdeq-tiny-mnist-reversible": ("mdeq-mnist-tiny", ()),  # same architecture, b_mode="reversible"
             "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
                                           ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
         },
@@ -90,6 +91,7 @@ FAMILIES: list[Family] = [
             "mdeq_imagenet_large": "mdeq-imagenet-large",
             "mdeq_imagenet_xl": "mdeq-imagenet-xl",
             "mdeq_tiny_mnist": "mdeq-tiny-mnist",
+            "mdeq_tiny_mnist_reversible": "mdeq-tiny-mnist-reversible",
             "lipschitz_mdeq_tiny_mnist": "lipschitz-mdeq-tiny-mnist",
             "mdeq_lipschitz_tiny_mnist": "lipschitz-mdeq-tiny-mnist",  # alias (the first spelling)
         },

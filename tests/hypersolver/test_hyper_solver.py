@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from deqzoo.core import DEQ, DEQConfig, solve
-from deqzoo.core.hyper import MeanPoolNet, hyper_update, hyperanderson, normalize_alpha, unroll
+from deqzoo.core.hyper import MeanPoolNet, hyper_update, normalize_alpha, unroll
+from deqzoo.core.solvers import hyperanderson
 from deqzoo.core.solvers import anderson
 from deqzoo.hypersolver import HyperSolver, HyperSolverConfig
 

@@ -207,7 +207,7 @@ def test_base_anderson_with_zero_correction_is_anderson():
     W = torch.randn(24, 24, generator=g, dtype=torch.float64) * 0.3
     x = torch.randn(3, 24, generator=g, dtype=torch.float64)
     f = lambda z: torch.tanh(z @ W.T + x)  # noqa: E731
-    from deqzoo.core.hyper import hyperanderson
+    from deqzoo.core.solvers import hyperanderson
 
     x0 = torch.zeros(3, 24, dtype=torch.float64)
     za, sa = anderson(f, x0, max_iter=12, tol=1e-14, m=6)
