@@ -6,8 +6,7 @@ import torch
 
 from deqzoo.core import DEQ, DEQConfig, solve
 from deqzoo.core.hyper import MeanPoolNet, hyper_update, normalize_alpha, unroll
-from deqzoo.core.solvers import hyperanderson
-from deqzoo.core.solvers import anderson
+from deqzoo.core.solvers import anderson, hyperanderson
 from deqzoo.hypersolver import HyperSolver, HyperSolverConfig
 
 LAM = 1e-5
