@@ -15,6 +15,7 @@ def test_models_are_registered_with_pretrained_tags():
     assert set(timm.list_models("mdeq_*")) | set(timm.list_models("lipschitz_mdeq_*")) == set(TIMM_MODELS)
     assert set(timm.list_pretrained("*mdeq_*")) == {
         "mdeq_tiny_mnist.deqzoo",
+        "mdeq_tiny_mnist_reversible.deqzoo",
         "lipschitz_mdeq_tiny_mnist.deqzoo",  # canonical: the hub id's spelling
         "mdeq_lipschitz_tiny_mnist.deqzoo",  # alias
     }
