@@ -22,6 +22,9 @@ Supported heads and their tensor signatures (:func:`exportable` builds the modul
 * MDEQ image classification: ``(pixel_values,) -> logits``;
 * Implicit² signal representation: ``(coords,) -> values``, coordinates (N, d), any number of points N
   (the value checks of the eager model, finite and within ``coordinate_range``, are not in the program);
+* DEQ-Transformer language model: ``(input_ids,) -> logits`` without the memory cache, any batch size at
+  the example's sequence length (re-export for another length: the relative-position shift's sizes are
+  specialised to it);
 * IGNN node and graph classification: ``(x, operator) -> logits``, ``operator`` the dense normalized
   adjacency Â of the graph (:func:`graph_operator`). The projection of W onto ``||W||∞ <= κ/λ_pf(|Â|)`` is
   a constraint on the weights: it is applied once, for the graph given to :func:`exportable`, and the
@@ -174,6 +177,15 @@ class _SignalRepresenter(nn.Module):
         return self.model(coords, return_dict=True).values
 
 
+class _LanguageModel(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, use_cache=False, return_dict=True).logits
+
+
 class _GraphClassifier(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -228,8 +240,6 @@ def _prepare_ignn(model: nn.Module, graph) -> None:
 
 # why the other families are not exported (the reason ExportError gives)
 _NOT_EXPORTABLE = {
-    "deq_transformer": "its forward validates token ids by value (a data-dependent branch) and keeps a "
-                       "recurrent memory cache whose length changes per call",
     "deq_flow": "its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
                 "upsampling are not checked for a dynamic image size or batch",
 }
@@ -255,7 +265,8 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     heads = {"mdeq": ("MDEQForImageClassification", "LipschitzMDEQForImageClassification"),
              "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification"),
-             "implicit2": ("Implicit2ForSignalRepresentation",)}
+             "implicit2": ("Implicit2ForSignalRepresentation",),
+             "deq_transformer": ("DEQTransformerForCausalLM",)}
     name = type(model).__name__
     if model_type not in heads:
         why = _NOT_EXPORTABLE.get(model_type, "its forward has not been checked for tracing")
@@ -270,6 +281,10 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
                               "batch vector's values; export supports IGNNForNodeClassification")
         _prepare_ignn(copy_, graph)
         return _GraphClassifier(copy_).eval()
+    if model_type == "deq_transformer":
+        if name not in heads["deq_transformer"]:
+            raise ExportError(f"{name}: export is implemented for DEQTransformerForCausalLM (logits out)")
+        return _LanguageModel(copy_).eval()
     if model_type == "implicit2":
         if name not in heads["implicit2"]:
             raise ExportError(f"{name}: export is implemented for Implicit2ForSignalRepresentation "
@@ -299,6 +314,8 @@ def batch_dynamic_shapes(module: nn.Module):
     if isinstance(module, _GraphClassifier):
         nodes = torch.export.Dim("nodes", min=1, max=2**31 - 2)
         return ({0: nodes}, {0: nodes, 1: nodes})
+    if isinstance(module, _LanguageModel):  # (batch, length) token ids at the example's length
+        return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
     if isinstance(module, _SignalRepresenter):  # (N, d) coordinates: the number of points
         return ({0: torch.export.Dim("points", min=1, max=2**31 - 2)},)
     return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
@@ -307,6 +324,8 @@ def batch_dynamic_shapes(module: nn.Module):
 def _onnx_dynamic_axes(module: nn.Module) -> dict[str, dict[int, str]]:
     if isinstance(module, _SignalRepresenter):
         return {"coords": {0: "points"}, "values": {0: "points"}}
+    if isinstance(module, _LanguageModel):
+        return {"input_ids": {0: "batch"}, "logits": {0: "batch"}}
     if isinstance(module, _GraphClassifier):
         return {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}, "logits": {0: "nodes"}}
     return {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
@@ -365,10 +384,12 @@ def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
 def _input_names(module: nn.Module) -> list[str]:
     if isinstance(module, _SignalRepresenter):
         return ["coords"]
+    if isinstance(module, _LanguageModel):
+        return ["input_ids"]
     return ["x", "operator"] if isinstance(module, _GraphClassifier) else ["pixel_values"]
 
 
 def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, (_ImageClassifier, _GraphClassifier, _SignalRepresenter)):
+    if not isinstance(module, (_ImageClassifier, _GraphClassifier, _SignalRepresenter, _LanguageModel)):
         raise ExportError(f"{type(module).__name__}: pass the module deqzoo.export.exportable(model) returns "
                           "(a DEQ's adaptive solve cannot be traced: its stopping test reads tensor values)")

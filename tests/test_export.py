@@ -220,9 +220,9 @@ def test_adaptive_solve_refuses_tracing_with_the_reason(mdeq, ignn, tmp_path):
 
 
 def test_unsupported_models_name_the_reason(ignn):
-    lm = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc")
-    with pytest.raises(ExportError, match="deq_transformer"):
-        exportable(lm)
+    flow = deqzoo.from_pretrained("deqzoo/deq-flow-cpu-synth")
+    with pytest.raises(ExportError, match="deq_flow.*cannot be exported: its solve reuses"):
+        exportable(flow)
     from deqzoo.models.ignn import IGNNConfig, IGNNForGraphClassification
 
     with pytest.raises(ExportError, match="number of graphs"):
@@ -254,4 +254,36 @@ def test_implicit2_one_export_per_format_serves_every_number_of_points(tmp_path)
             for name, run in runs.items():
                 out = run(coords)
                 assert out.shape == (n, model.config.out_features), name
+                _close(out, eager)
+
+
+def test_deq_transformer_one_program_and_one_trace_serve_every_batch(tmp_path):
+    _deq_transformer_serves_every_batch(tmp_path, onnx=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
+@pytest.mark.xfail(strict=True, reason="known gap: ONNX Runtime's logits differ from eager by 2.0e-3 "
+                   "(measured; 30 plain fixed-point steps of the LM amplify float differences), above 1e-4")
+def test_deq_transformer_one_onnx_file_serves_every_batch(tmp_path):
+    _deq_transformer_serves_every_batch(tmp_path, onnx=True)
+
+
+def _deq_transformer_serves_every_batch(tmp_path, onnx: bool) -> None:
+    model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
+    module = exportable(model)  # the card's budget
+    g = torch.Generator().manual_seed(0)
+    length = 16
+    example = torch.randint(0, model.config.vocab_size, (3, length), generator=g)
+    runs = {"program": export_program(module, (example,)).module(), "trace": trace(module, (example,))}
+    if HAS_ORT and onnx:  # the torch.export-based exporter (TorchScript's cannot take the dynamic shift)
+        path = export_onnx(module, (example,), tmp_path / "lm.onnx")
+        runs = {"onnx": lambda ids: _onnx_run(path, {"input_ids": ids})}
+    with torch.no_grad():
+        for b in BATCHES:
+            ids = torch.randint(0, model.config.vocab_size, (b, length), generator=g)
+            eager = module(ids)
+            for name, run in runs.items():
+                out = run(ids)
+                assert out.shape == (b, length, model.config.vocab_size), name
                 _close(out, eager)

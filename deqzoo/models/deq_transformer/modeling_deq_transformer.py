@@ -388,7 +388,7 @@ def causal_memory_mask(q_len: int, m_len: int, local_size: int, device=None) -> 
     k_len = q_len + m_len
     ones = torch.ones(q_len, k_len, device=device)
     mask = torch.triu(ones, diagonal=1 + m_len) > 0
-    mask |= torch.tril(ones, diagonal=m_len - (local_size or 1000)) > 0
+    mask = mask | (torch.tril(ones, diagonal=m_len - (local_size or 1000)) > 0)  # not in place: ONNX
     return mask[None, None]
 
 
@@ -496,7 +496,8 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         check_sequence(input_ids, past_key_values)
-        if int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0:
+        capturing = torch.jit.is_tracing() or torch.compiler.is_exporting()  # no branch on values there
+        if not capturing and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}); got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         c = self.config
