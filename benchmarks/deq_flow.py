@@ -123,8 +123,8 @@ def saved_by_part(model, exclude: set[int]):
         return run
 
     for owner, name, part in (
-        (model.corr_block, "build_pyramid", "correlation"),
-        (model.corr_block, "index_pyramid", "correlation"),
+        (model, "build_pyramid", "correlation"),
+        (model, "index_pyramid", "correlation"),
         (model, "upsample", "upsampler"),
         (model, "_encoder", "encoders"),  # under checkpointing: the block inputs the checkpoints keep
     ):
