@@ -230,7 +230,8 @@ def cmd_train_hypersolver(rest: list[str]) -> int:
                        "the root of a clone (git clone ... && pip install -e .)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    return int(importlib.import_module("examples.hypersolver.train").main(rest) or 0)
+    train = importlib.import_module("examples.hypersolver.train")
+    return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
 
 
 def _solver_names() -> list[str]:

@@ -23,6 +23,7 @@ def test_stock_tokenizer_and_pipeline_offline():
     from transformers import AutoTokenizer, pipeline
 
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    __import__("deqzoo").register()  # stock transformers code: families registered explicitly
     tok = AutoTokenizer.from_pretrained(CKPT)
     assert tok.decode(tok("def f(x): return x")["input_ids"]) == "def f(x): return x"
     pipe = pipeline("text-generation", model=str(CKPT))

@@ -109,6 +109,7 @@ def test_save_load_roundtrip_and_bad_input(tmp_path):
 
     model = _tiny(variant="torchdeq", n_block=2, deq={"f_max_iter": 6}).float()
     model.save_pretrained(tmp_path)
+    __import__("deqzoo").register()  # stock transformers code: families registered explicitly
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is DEQTransformerForCausalLM and loaded.config.n_block == 2
     ids = torch.randint(0, 40, (1, 5))

@@ -178,6 +178,7 @@ def test_save_load_round_trip_with_auto_classes(tmp_path):
     torch.manual_seed(0)
     model = MDEQForImageClassification(tiny_config()).eval()
     model.save_pretrained(tmp_path)
+    __import__("deqzoo").register()  # stock transformers code: families registered explicitly
     assert AutoConfig.from_pretrained(tmp_path).model_type == "mdeq"
     loaded = AutoModelForImageClassification.from_pretrained(tmp_path).eval()
     assert type(loaded) is MDEQForImageClassification

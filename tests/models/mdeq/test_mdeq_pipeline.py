@@ -53,6 +53,7 @@ def test_lipschitz_card_reports_fewer_iterations_at_the_same_tolerance():
 @pytest.mark.parametrize("model_id", IDS)
 def test_stock_pipeline_on_raw_pil_images_matches_deqzoo_eval(model_id):
     directory = resolve(model_id)
+    __import__("deqzoo").register()  # stock transformers code: families registered explicitly
     clf = pipeline("image-classification", model=str(directory))
     assert isinstance(clf.image_processor, MDEQImageProcessor)
     x, y = mnist.load_split("test")
