@@ -25,7 +25,8 @@ import pytest
 from deqzoo.hub.catalog import load_catalog, load_hypersolver_catalog
 from utils.catalog import REPO_ROOT
 
-pytestmark = pytest.mark.wheel
+# building the wheel and two environments, then the demo of every checkpoint: minutes on 2 cores
+pytestmark = [pytest.mark.wheel, pytest.mark.timeout(1800)]
 
 
 def _source_copy(dest: Path) -> Path:
