@@ -294,6 +294,15 @@ def cmd_demo(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_app(args) -> int:
+    from deqzoo.app import gradio_missing_message, launch
+
+    if importlib.util.find_spec("gradio") is None:
+        raise CLIError(gradio_missing_message())
+    launch(port=args.port, warm_up=not args.no_warm_up)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deqzoo import __version__
 
@@ -343,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("app", help="the Gradio app: a tab per family on 127.0.0.1 (needs the `app` extra)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--no-warm-up", action="store_true", help="start at once; the first click loads models")
     p = sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint")
     p.add_argument("model", help="checkpoint id or directory (e.g. deqzoo/mdeq-tiny-mnist)")
     p.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
@@ -411,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
                     "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo,
-                    "train-hypersolver": cmd_train_hypersolver}
+                    "train-hypersolver": cmd_train_hypersolver, "app": cmd_app}
         handler = handlers[command]
-    if command == "demo":
+    if command in ("demo", "app"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
     try:
         return handler(args)
