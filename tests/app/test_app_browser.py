@@ -48,7 +48,7 @@ def test_tab_produces_output_in_10s(page, artifacts, tab, button, result_id, exp
     page.locator(f"#{result_id}").get_by_text(expected).first.wait_for(timeout=10_000)
     elapsed = time.perf_counter() - start
     page.wait_for_timeout(300)  # let plots and images paint before the screenshot
-    name = "".join(c if c.isalnum() else "_" for c in tab).strip("_").lower()
+    name = "".join(c if c.isascii() and c.isalnum() else "_" for c in tab).strip("_").lower()
     page.screenshot(path=str(artifacts / f"{name}.png"), full_page=True)
     assert elapsed < 10.0, f"{tab}: {elapsed:.1f} s"
     assert page.console_errors == [], page.console_errors
