@@ -196,7 +196,7 @@ def _ddim_tab() -> None:
     with gr.Row():
         steps = gr.Slider(2, 50, value=10, step=1, label="steps T")
         seed = gr.Number(0, label="seed", precision=0)
-        batch = gr.Slider(1, 8, value=4, step=1, label="images")
+        batch = gr.Slider(1, 8, value=2, step=1, label="images")
         solver = gr.Dropdown(["anderson", "fixed_point"], value="anderson", label="solver")
         tol = gr.Number(1e-3, label="tolerance")
     run = gr.Button("Sample with both", variant="primary")
