@@ -337,6 +337,15 @@ def cmd_demo(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_app(args) -> int:
+    from deqzoo.app import gradio_missing_message, launch
+
+    if importlib.util.find_spec("gradio") is None:
+        raise CLIError(gradio_missing_message())
+    launch(port=args.port, warm_up=not args.no_warm_up)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deqzoo import __version__
 
@@ -386,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("app", help="the Gradio app: a tab per family on 127.0.0.1 (needs the `app` extra)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--no-warm-up", action="store_true", help="start at once; the first click loads models")
     sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint (from "
                    "a clone: examples/hypersolver/train.py; `train-hypersolver --help` lists its options)",
                    add_help=False)
@@ -437,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo}
+                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo, "app": cmd_app}
         handler = handlers[command]
-    if command == "demo":
+    if command in ("demo", "app"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network
     try:
         return handler(args)

