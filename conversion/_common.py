@@ -57,3 +57,14 @@ def fill_model(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
             f"unexpected {unexpected}, mis-shaped {shapes}"
         )
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def with_options(src: str | Path, fixed: dict, options: dict) -> dict:
+    """Config keywords: what the checkpoint's weights fix (`fixed`) plus the user's `options`. An option that
+    would change what the weights fix is refused naming it (passed twice it would be a bare TypeError)."""
+    clash = sorted(set(fixed) & set(options))
+    if clash:
+        key = clash[0]
+        raise ValueError(f"{src}: option {key}={options[key]!r} cannot be set: the checkpoint fixes it "
+                         f"({key}={fixed[key]!r})")
+    return {**fixed, **options}

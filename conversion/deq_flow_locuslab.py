@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ._common import fill_model, load_state_dict
+from ._common import fill_model, load_state_dict, with_options
 
 __all__ = ["FORMATS", "convert", "convert_state_dict", "eval_settings", "fold_weight_norm", "release_version"]
 
@@ -248,13 +248,8 @@ def convert(
     version = release_version(sd)
     settings = {**(base_deq if base_deq is not None else eval_settings(version, fields["hidden_dim"])),
                 **(deq or {})}
-    config = DEQFlowConfig(
-        **fields,
-        detach_flow_input=not all_grad,
-        deq=settings,
-        architectures=[DEQFlowForOpticalFlow.__name__],
-        **options,
-    )
+    config = DEQFlowConfig(**with_options(src, {**fields, "detach_flow_input": not all_grad, "deq": settings,
+                                                "architectures": [DEQFlowForOpticalFlow.__name__]}, options))
     model = DEQFlowForOpticalFlow(config)
     fill_model(model, state, src)
     out = Path(out)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ._common import fill_model, load_state_dict
+from ._common import fill_model, load_state_dict, with_options
 
 __all__ = ["EVAL_DEQ", "FORMATS", "convert", "fold_spectral_norm"]
 
@@ -137,18 +137,11 @@ def convert(
     if sd:
         raise ValueError(f"{src}: unexpected key(s) {sorted(sd)} for the original DEQImplicitNN layout")
     hidden, in_features = state["implicit2.init_filter.x_map.weight"].shape
-    config = Implicit2Config(
-        in_features=in_features,
-        out_features=state["head.weight"].shape[0],
-        hidden_size=hidden,
-        num_layers=len(layer_ids),
-        filter_type=kind,
-        implicit=implicit,
-        input_scale=input_scale,
-        architectures=[Implicit2ForSignalRepresentation.__name__],
-        deq={**DEFAULT_DEQ, **EVAL_DEQ, **(deq or {})},
-        **options,
-    )
+    fixed = dict(in_features=in_features, out_features=state["head.weight"].shape[0], hidden_size=hidden,
+                 num_layers=len(layer_ids), filter_type=kind, implicit=implicit, input_scale=input_scale,
+                 architectures=[Implicit2ForSignalRepresentation.__name__],
+                 deq={**DEFAULT_DEQ, **EVAL_DEQ, **(deq or {})})
+    config = Implicit2Config(**with_options(src, fixed, options))
     model = Implicit2ForSignalRepresentation(config)
     fill_model(model, state, src)
     out = Path(out)

@@ -125,6 +125,17 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type for counts: a clear usage error for 0, negatives and non-integers (not a crash later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def cmd_eval(args) -> int:
     model, directory, meta, card = _load(args.name)
     results = _task_module(directory, meta).evaluate(model, limit=args.limit, progress=not args.no_progress)
@@ -367,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "representations); OUT.png (diffusion). Details: the task module's predict() docstring")
     p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task module")
     p.add_argument("name")
-    p.add_argument("--limit", type=int, default=None, help="evaluate on the first N examples")
+    p.add_argument("--limit", type=_positive_int, default=None, help="evaluate on the first N examples")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists)")
     p.add_argument("format", nargs="?")

@@ -155,3 +155,22 @@ def test_real_process_exit_code_and_single_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert str(tmp_path) in result.stderr
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "two"])
+def test_eval_limit_must_be_a_positive_integer(capsys, limit):
+    """Issue 31: `--limit 0` ended in a ZeroDivisionError after loading the model."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", MNIST, "--limit", limit])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--limit" in err and "positive integer" in err and "Traceback" not in err
+
+
+def test_convert_option_fixed_by_the_weights_names_it(capsys, tmp_path):
+    """Issue 31: `--option hidden_size=-1` escaped as a TypeError traceback (the keyword passed twice)."""
+    src = REPO_ROOT / "conversion" / "fixtures" / "implicit2" / "impsq_gabor_1l_implicit_state_dict.pt"
+    out = tmp_path / "out"
+    argv = ["convert", "implicit2-impsq", str(src), str(out), "--option", "hidden_size=-1"]
+    _fails_in_one_line(capsys, argv, "hidden_size=-1", "the checkpoint fixes it")
+    assert not out.exists()

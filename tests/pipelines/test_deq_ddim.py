@@ -180,3 +180,12 @@ def test_docstring_examples():
 
     for module in (integration, task):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("empty", ["list", "tensor"])
+def test_invert_refuses_an_empty_batch_naming_it(empty):
+    """Issue 31: an empty batch ended in a bare IndexError inside the chain."""
+    pipe = DEQDDIMPipeline(unet=_random_unet(out_scale=0.02, size=16), scheduler=DDIMScheduler())
+    images = [] if empty == "list" else torch.zeros(0, 3, 16, 16)
+    with pytest.raises(ValueError, match="empty batch"):
+        pipe.invert(images, num_inference_steps=4, steps=1)

@@ -75,6 +75,10 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
 
 def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]."""
+    if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) and getattr(images, "ndim", 1) > 0 \
+            and len(images) == 0:  # an empty batch has no shape to check and nothing to invert or compare
+        raise ValueError(f"images is an empty batch ({type(images).__name__} of length 0); "
+                         "give at least one image")
     if isinstance(images, list) and images and hasattr(images[0], "mode"):
         images = np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images])
         if images.ndim == 3:
