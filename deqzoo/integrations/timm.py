@@ -24,7 +24,13 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
+from timm.models import (
+    build_model_with_cfg,
+    generate_default_cfgs,
+    register_model,
+    register_model_deprecations,
+    resolve_pretrained_cfg,
+)
 from timm.models._features import feature_take_indices
 from torch import nn
 
@@ -212,8 +218,17 @@ def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:
     return cfg
 
 
+def _alias_of(name: str) -> str | None:
+    """The canonical timm name when `name` is an older spelling of a published model, else None: timm lists
+    each model once, so an alias is registered as timm's deprecated name (it still creates the model)."""
+    checkpoint = TIMM_MODELS[name][1]
+    canonical = checkpoint.rpartition("/")[2].replace("-", "_") if checkpoint else name
+    return canonical if canonical != name and canonical in TIMM_MODELS else None
+
+
 default_cfgs = generate_default_cfgs(
-    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()}
+    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()
+     if _alias_of(name) is None}
 )
 
 
@@ -251,4 +266,6 @@ def _register(name: str) -> None:
 
 
 for _name in TIMM_MODELS:
-    _register(_name)
+    if _alias_of(_name) is None:
+        _register(_name)
+register_model_deprecations(__name__, {a: f"{c}.deqzoo" for a in TIMM_MODELS if (c := _alias_of(a))})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import timm
 import torch
 
@@ -11,14 +12,19 @@ from deqzoo.integrations.timm import TIMM_MODELS
 torch.set_num_threads(1)
 
 
-def test_models_are_registered_with_pretrained_tags():
-    assert set(timm.list_models("mdeq_*")) | set(timm.list_models("lipschitz_mdeq_*")) == set(TIMM_MODELS)
-    assert set(timm.list_pretrained("*mdeq_*")) == {
+def test_models_are_registered_with_pretrained_tags_each_listed_once():
+    alias = "mdeq_lipschitz_tiny_mnist"  # the first spelling of lipschitz_mdeq_tiny_mnist
+    assert set(timm.list_models("*mdeq*")) == set(TIMM_MODELS) - {alias}
+    # issue 31: the alias was listed as a second pretrained model; each model is listed once now
+    assert sorted(timm.list_models("*mdeq*", pretrained=True)) == [
+        "lipschitz_mdeq_tiny_mnist.deqzoo",  # canonical: the hub id's spelling
         "mdeq_tiny_mnist.deqzoo",
         "mdeq_tiny_mnist_reversible.deqzoo",
-        "lipschitz_mdeq_tiny_mnist.deqzoo",  # canonical: the hub id's spelling
-        "mdeq_lipschitz_tiny_mnist.deqzoo",  # alias
-    }
+    ]
+    with pytest.warns(UserWarning, match="deprecated"):  # the alias still creates the same model
+        net = timm.create_model(alias, pretrained=True)
+    reference = timm.create_model("lipschitz_mdeq_tiny_mnist", pretrained=True)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), reference.state_dict().values()))
     cfg = timm.models.get_pretrained_cfg("mdeq_tiny_mnist")
     assert cfg.hf_hub_id == "deqzoo/mdeq-tiny-mnist" and cfg.input_size == (1, 28, 28)
 
