@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from .. import _kernels, workspace
+from .. import workspace
 from ..stats import SolverStats
 
 SOLVERS: dict[str, Callable] = {}
@@ -172,14 +172,17 @@ class _Tracker:
         self.kept: dict[int, torch.Tensor] = {}
         self.div_factor = div_factor
         self.flags = 0
+        from .. import _kernels  # numba loads with the first solve, not with the model
         self._track = _kernels.host(_kernels.track)
 
     @property
     def nonfinite(self) -> bool:
+        from .. import _kernels  # numba loads with the first solve, not with the model
         return bool(self.flags & _kernels.NONFINITE)
 
     @property
     def diverged(self) -> bool:
+        from .. import _kernels  # numba loads with the first solve, not with the model
         return bool(self.flags & _kernels.DIVERGED)
 
     def update(self, x: torch.Tensor, fx: torch.Tensor | None, abs_r: torch.Tensor | None = None,
@@ -235,6 +238,7 @@ class _Tracker:
 def _stats(best: np.ndarray, trace: list, nfe: int, x0: torch.Tensor, name: str, stop_mode: str, tol: float,
            flags: int, extra: dict) -> SolverStats:  # fmt: skip
     """The statistics of a solve from its bookkeeping (both paths)."""
+    from .. import _kernels  # numba loads with the first solve, not with the model
     r = best[1] if stop_mode == "rel" else best[0]
     res = torch.from_numpy(best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
     if x0.dtype not in _NUMPY_DTYPES:

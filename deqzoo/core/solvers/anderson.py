@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .. import _kernels
 from ._contract import (
     _NUMPY_DTYPES,
     _check_output,
@@ -50,6 +49,7 @@ def anderson(
     finite takes a plain damped fixed-point step; nothing here raises. On CPU the step is one fused kernel
     (`_kernels.anderson_step`); elsewhere the torch path below runs the same method.
     """
+    from .. import _kernels  # numba loads with the first solve, not with the model
     _check_tau(tau)
     if m < 1:
         raise ValueError(f"anderson memory m must be >= 1, got {m}")

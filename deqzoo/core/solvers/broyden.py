@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .. import _kernels
 from ._contract import (
     _NUMPY_DTYPES,
     _check_output,
@@ -144,6 +143,7 @@ def broyden(
     final estimate is exposed as ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`) for SHINE (the
     DEQ module asks for it when b_mode is "shine").
     """
+    from .. import _kernels  # numba loads with the first solve, not with the model
     _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
     m = min(max_iter, MAX_MEMORY) if m is None else int(m)
