@@ -24,6 +24,9 @@ from deqzoo.export import (
 ATOL = 1e-4
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 
+# every model in every format at three batch sizes: minutes on 2 cores, a CI step of its own
+pytestmark = pytest.mark.extended
+
 
 @pytest.fixture(scope="module")
 def mdeq():

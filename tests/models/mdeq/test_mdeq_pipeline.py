@@ -204,7 +204,7 @@ def test_loading_the_processor_prints_no_backend_notice():
     import subprocess
     import sys
 
-    code = ("import deqzoo, transformers; from deqzoo.hub import resolve; "
+    code = ("import deqzoo, transformers; from deqzoo.hub import resolve; deqzoo.register(); "
             "p = transformers.AutoImageProcessor.from_pretrained(str(resolve('deqzoo/mdeq-tiny-mnist'))); "
             "print(type(p).__name__, p.backend)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
