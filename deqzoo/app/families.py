@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-import warnings
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
@@ -100,7 +99,7 @@ def _check_float(value: Any, low: float, high: float, what: str) -> float:
 def read_image(path: str | Path, what: str = "image"):
     """Open an uploaded image safely: size in bytes and pixels checked before decoding, mode checked, a
     decompression bomb or an unreadable file is a ValueError naming the file. Returns a loaded PIL image."""
-    from PIL import Image, UnidentifiedImageError
+    from ..tasks._files import open_image
 
     path = Path(path)
     if not path.is_file():
@@ -108,27 +107,7 @@ def read_image(path: str | Path, what: str = "image"):
     size = path.stat().st_size
     if size > MAX_IMAGE_BYTES:
         raise ValueError(f"{what} {path.name!r} is {size:,} bytes, above the limit of {MAX_IMAGE_BYTES:,}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(path)  # reads the header only
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ValueError(
-                    f"{what} {path.name!r} is {width}x{height} = {width * height:,} pixels, above "
-                    f"the limit of {MAX_IMAGE_PIXELS:,}; not decoded"
-                )
-            if image.mode not in _IMAGE_MODES:
-                raise ValueError(
-                    f"{what} {path.name!r} has image mode {image.mode!r}; the app reads "
-                    f"{', '.join(_IMAGE_MODES)} (save it as an 8-bit PNG or JPEG)"
-                )
-            image.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ValueError(f"{what} {path.name!r} is a decompression bomb ({err})") from err
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(f"{what} {path.name!r} is not a readable image ({err})") from err
-    return image
+    return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
 
 
 def _residual_figure(curves: dict[str, Any], tol: float | None, title: str):

@@ -141,26 +141,12 @@ def predict(model, input: str) -> str:
 
     Returns the label, the top-3 class probabilities and whether the solve converged, on one line.
     """
-    from PIL import Image, UnidentifiedImageError
+    from ._files import open_image
 
     path = Path(input)
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(path)  # reads the header only
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"predict: {input!r} is {width}x{height} = {width * height:,} pixels, above "
-                                 f"the limit of {MAX_IMAGE_PIXELS:,} (MAX_IMAGE_PIXELS); not decoded")
-            image.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ValueError(f"predict: {input!r} is a decompression bomb ({err})") from err
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(f"predict: {input!r} is not a readable image ({err})") from err
+    image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
     model.eval()
     pixels = _processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
     out = model(pixel_values=pixels)
