@@ -88,3 +88,30 @@ def test_converter_writes_the_originals_evaluation_settings(tmp_path):
     assert convert(FIX / "impsq_gabor_1l_implicit_state_dict.pt", tmp_path / "o2",
                    deq={"f_tol": 1e-4}) and Implicit2ForSignalRepresentation.from_pretrained(
         tmp_path / "o2").config.deq["f_tol"] == 1e-4  # an explicit deq= still overrides
+
+
+def test_default_solver_settings_are_the_originals_and_the_converters():
+    """A model built from Implicit2Config() evaluates as ImpSq does (construct_model_args' tol=1e-3,
+    forward_iter to max_iter 100 on the whole signal's relative residual, read from locuslab/ImpSq
+    modules/modeling_utils.py), and the converter writes the same settings, so a fresh model and a
+    converted one solve alike."""
+    from deqzoo.models.implicit2 import Implicit2Config
+
+    original = {"f_solver": "fixed_point", "f_max_iter": 100, "f_tol": 1e-3, "f_stop_mode": "rel"}
+    default = Implicit2Config().deq_config
+    assert {k: getattr(default, k) for k in original} == original
+    eval_deq = converter_module("implicit2_impsq").EVAL_DEQ
+    assert {k: getattr(default, k) for k in eval_deq} == eval_deq
+
+
+@pytest.mark.parametrize("card", ["implicit2-isiren-camera", "implicit2-igabor-mfn-camera"])
+def test_embedded_checkpoints_keep_their_stored_tolerance(card):
+    """The embedded checkpoints were evaluated (and their cards written) at f_tol 1e-2; their config.json
+    stores it, so the default's change to ImpSq's 1e-3 does not change what `deqzoo eval` prints for them
+    (tests/models/implicit2/test_implicit2_checkpoints.py compares those numbers with the cards)."""
+    import json
+
+    stored = json.loads((ROOT / "model_cards" / card / "config.json").read_text())["deq"]
+    assert stored["f_tol"] == 1e-2
+    model = Implicit2ForSignalRepresentation.from_pretrained(ROOT / "model_cards" / card)
+    assert model.config.deq_config.f_tol == 1e-2

@@ -162,7 +162,7 @@ def test_save_load_roundtrip_and_auto_loading(tmp_path):
 
 def test_render_covers_the_range_at_any_resolution():
     # a tight solve: the stopping test is per signal, so a 2-point and a 117-point batch stop at different
-    # iterates at the default tolerance (1e-2); this test is about where the pixels are
+    # iterates at the default tolerance (1e-3); this test is about where the pixels are
     model = _model(filter_type="fourier", deq={"f_tol": 1e-9, "f_max_iter": 1000})
     img = model.render(9, 13)
     assert img.shape == (9, 13, 1) and float(img.min()) >= 0 and float(img.max()) <= 1
