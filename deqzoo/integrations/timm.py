@@ -7,6 +7,16 @@ this module).
   ``feature_info`` giving channels and reductions (stride of the stem times 2**i).
 * ``pretrained=True`` loads deqzoo checkpoints through :func:`deqzoo.from_pretrained` (embedded checkpoints
   work offline); ``pretrained_cfg["hf_hub_id"]`` names the checkpoint id.
+* RGB input to a grayscale model: timm sets an image's mode in its datasets (``input_img_mode``), not in
+  ``create_transform``, so an RGB PIL image through ``create_transform(**resolve_data_config({}, model=m))``
+  gives 3 channels, each normalized with the model's one mean and std. A 1-channel model takes such a batch
+  and converts it to luminance with ITU-R 601 weights (0.299, 0.587, 0.114), PIL's "L" and the deqzoo image
+  processor's conversion: the weights sum to 1, so converting after the per-channel normalization equals
+  normalizing the luminance. Other channel counts are refused by the model, naming the shape.
+* ``set_grad_checkpointing()`` (timm's API, e.g. ``train.py --grad-checkpointing``): the DEQ solve already
+  keeps no per-iteration activations (its backward is implicit), so what is checkpointed is the explicit
+  head (the fusion of the equilibrium maps and the final layer), recomputed in the backward pass. Its batch
+  norms update their running statistics once per step, as without checkpointing.
 
 Example:
     >>> import timm, torch, deqzoo
@@ -20,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -31,6 +42,7 @@ from timm.models import (
     register_model_deprecations,
     resolve_pretrained_cfg,
 )
+from timm.models import checkpoint as timm_checkpoint
 from timm.models._features import feature_take_indices
 from torch import nn
 
@@ -39,6 +51,10 @@ from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
 from ..models.registry import declared_family
 
 __all__ = ["MDEQTimm", "TIMM_MODELS", "timm_name"]
+
+# ITU-R 601 luma weights, PIL's "L" conversion (deqzoo's image processor converts with PIL)
+_LUMA = (0.299, 0.587, 0.114)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _timm_models() -> dict[str, tuple[str, str | None]]:
@@ -81,6 +97,7 @@ class MDEQTimm(nn.Module):
         self.num_classes = cfg.num_labels
         self.num_features = self.head_hidden_size = cfg.final_chansize
         self.in_chans = cfg.in_channels
+        self.grad_checkpointing = False
         stride = 2**cfg.downsample_times
         self.feature_info = [
             dict(num_chs=c, reduction=stride * 2**i, module=f"model.mdeq.fullstage.branches.{i}")
@@ -157,14 +174,42 @@ class MDEQTimm(nn.Module):
             nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         )
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch: recompute the explicit head in the backward pass instead of storing its activations
+        (the DEQ solve stores none: see the module docstring)."""
+        self.grad_checkpointing = bool(enable)
+
+    def _pixels(self, x: torch.Tensor) -> torch.Tensor:
+        """RGB batches for a grayscale model -> luminance (module docstring); anything else unchanged."""
+        if self.in_chans == 1 and x.dim() == 4 and x.shape[1] == 3:
+            luma = x.new_tensor(_LUMA).view(1, 3, 1, 1)
+            return (x * luma).sum(dim=1, keepdim=True)
+        return x
+
+    def _fuse(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if not (self.grad_checkpointing and torch.is_grad_enabled() and self.training):
+            return self.model.fuse(states)
+        calls = 0
+
+        def head(*s: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self.model.fuse(s)
+            with _running_stats_frozen(self.model):  # the recomputation: same batch statistics, no update
+                return self.model.fuse(s)
+
+        return timm_checkpoint(head, *states)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_features(x)
+        # the model's forward_features (one solve, then fuse), split so the head can be checkpointed
+        return self._fuse(self.model.mdeq(self._pixels(x), output_hidden_states=True).hidden_states)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         return self.model.forward_head(x, pre_logits=pre_logits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_head(self.model.forward_features(x))
+        return self.model.forward_head(self.forward_features(x))
 
     # --- timm feature API (features_only uses FeatureGetterNet -> forward_intermediates) ---
     def forward_intermediates(
@@ -179,11 +224,11 @@ class MDEQTimm(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
-        states = self.model.mdeq(x, output_hidden_states=True).hidden_states  # the one solve of this call
+        states = self.model.mdeq(self._pixels(x), output_hidden_states=True).hidden_states  # the one solve
         intermediates = [states[i] for i in take]
         if intermediates_only:
             return intermediates
-        return self.model.fuse(states), intermediates
+        return self._fuse(states), intermediates
 
     def prune_intermediate_layers(
         self, indices: int | list[int] | None = None, prune_norm: bool = False, prune_head: bool = True
@@ -195,6 +240,24 @@ class MDEQTimm(nn.Module):
             m.final_layer = nn.Identity()
             self.reset_classifier(0)
         return take
+
+
+@contextmanager
+def _running_stats_frozen(module: nn.Module):
+    """Batch norms in training mode still normalize with the batch's statistics (the recomputation must save
+    the same tensors as the first forward) but with momentum 0 their running statistics keep their values,
+    and the step counters are put back: the checkpointed head's recomputation is not a second update."""
+    norms = [m for m in module.modules() if isinstance(m, _BATCH_NORMS) and m.training and
+             m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, steps) in zip(norms, saved):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(steps)
 
 
 def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -10,6 +12,7 @@ import deqzoo
 from deqzoo.integrations.timm import TIMM_MODELS
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_models_are_registered_with_pretrained_tags_each_listed_once():
@@ -83,3 +86,93 @@ def test_timm_wrapper_delegates_to_the_model_and_solves_once_per_call():
         torch.testing.assert_close(net.forward_head(net.forward_features(x), pre_logits=True),
                                    model.forward_head(model.forward_features(x), pre_logits=True))
     assert len(solves) == 2
+
+
+def _stratified_held_out(per_class: int = 20):
+    """The first `per_class` held-out digits of each class (the split is ordered by class, 100 each)."""
+    import numpy as np
+
+    from deqzoo.tasks.mnist import load_split
+
+    x, y = load_split("test")
+    keep = np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(10)])
+    return x[keep], y[keep]
+
+
+def test_rgb_images_through_timms_own_transform_classify_as_the_originals():
+    """issue 31: an RGB PIL image through timm's create_transform(resolve_data_config(model)) gives 3 channels
+    normalized with the model's one mean/std; the 1-channel model takes them as luminance. On 200 held-out
+    digits (20 per class) given as RGB, accuracy is within 1 point of the originals' through the deqzoo image
+    processor (the card's path), and each RGB batch equals the processor's "L" conversion."""
+    from PIL import Image
+
+    from deqzoo.tasks.mnist import to_pixel_values
+
+    _ = deqzoo.register()
+    net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=net))
+    images, labels = _stratified_held_out()
+    rgb = torch.stack([transform(Image.fromarray(im, mode="L").convert("RGB")) for im in images])
+    assert rgb.shape == (200, 3, 28, 28)
+    reference = to_pixel_values(images, net.model)  # the image processor on the originals
+    torch.testing.assert_close(net._pixels(rgb), reference, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        acc_rgb = float((net(rgb).argmax(1) == torch.as_tensor(labels)).float().mean())
+        acc_ref = float((net.model(reference).logits.argmax(1) == torch.as_tensor(labels)).float().mean())
+    assert abs(acc_rgb - acc_ref) <= 0.01 and acc_ref >= 0.95, (acc_rgb, acc_ref)
+    # a coloured image: timm's path equals the image processor's conversion (PIL's "L", no inversion)
+    # within its 8-bit rounding
+    from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
+    g = torch.Generator().manual_seed(0)
+    colour = torch.randint(0, 256, (28, 28, 3), generator=g, dtype=torch.uint8).numpy()
+    pil = Image.fromarray(colour, mode="RGB")
+    std = net.model.config.image_std[0]
+    processor = MDEQImageProcessor.from_pretrained(ROOT / "model_cards" / "mdeq-tiny-mnist")
+    gray = processor(pil, do_invert=False, return_tensors="pt")["pixel_values"]
+    assert gray.shape == (1, 1, 28, 28)
+    diff = net._pixels(transform(pil)[None]) - gray
+    assert float(diff.abs().max()) <= 0.5 / 255 / std + 1e-5
+    with pytest.raises(ValueError, match=r"\(batch, 1, H, W\)"):  # two channels are not an image mode here
+        net(torch.zeros(1, 2, 28, 28))
+    features = timm.create_model("mdeq_tiny_mnist", pretrained=True, features_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(features(rgb[:4]), features(reference[:4]), atol=1e-4, rtol=0)
+
+
+def _train_step(net, x, y):
+    net.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def test_grad_checkpointing_recomputes_the_head_with_the_same_gradients_and_statistics():
+    """timm's set_grad_checkpointing(): the head (fusion + final layer) runs again in the backward pass
+    instead of keeping its activations; gradients equal those without checkpointing (the reference), and the
+    batch norms' running statistics are updated once per step, as without it."""
+    _ = deqzoo.register()
+    torch.manual_seed(0)
+    plain = timm.create_model("mdeq_tiny_mnist", pretrained=True).train()
+    ckpt = timm.create_model("mdeq_tiny_mnist", pretrained=True).train()
+    assert ckpt.set_grad_checkpointing() is None and ckpt.grad_checkpointing
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 3, 7, 9])
+    head_runs = []
+    # a pre-hook: the recomputation stops once the saved tensors are recomputed, before forward hooks
+    ckpt.model.final_layer.register_forward_pre_hook(lambda *_: head_runs.append(1))
+    ref = _train_step(plain, x, y)
+    got = _train_step(ckpt, x, y)
+    assert len(head_runs) == 2, "the head is recomputed in the backward pass"
+    assert ref.keys() == got.keys() and len(ref) > 0
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-5, msg=name)
+    for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
+    ckpt.set_grad_checkpointing(False)
+    head_runs.clear()
+    _train_step(ckpt, x, y)
+    assert len(head_runs) == 1
+    ckpt.set_grad_checkpointing(enable=True)
+    with torch.no_grad():  # inference: nothing to recompute
+        head_runs.clear()
+        ckpt.eval()(x)
+        assert len(head_runs) == 1
