@@ -260,28 +260,13 @@ def test_implicit2_one_export_per_format_serves_every_number_of_points(tmp_path)
                 _close(out, eager)
 
 
-def test_deq_transformer_one_program_and_one_trace_serve_every_batch(tmp_path):
-    _deq_transformer_serves_every_batch(tmp_path, onnx=False)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_ORT, reason="onnx/onnxruntime not installed (the `export` extra)")
-@pytest.mark.xfail(strict=True, reason="known gap: ONNX Runtime's logits differ from eager by 2.0e-3 "
-                   "(measured; 30 plain fixed-point steps of the LM amplify float differences), above 1e-4")
-def test_deq_transformer_one_onnx_file_serves_every_batch(tmp_path):
-    _deq_transformer_serves_every_batch(tmp_path, onnx=True)
-
-
-def _deq_transformer_serves_every_batch(tmp_path, onnx: bool) -> None:
+def test_deq_transformer_one_program_and_one_trace_serve_every_batch():
     model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
     module = exportable(model)  # the card's budget
     g = torch.Generator().manual_seed(0)
     length = 16
     example = torch.randint(0, model.config.vocab_size, (3, length), generator=g)
     runs = {"program": export_program(module, (example,)).module(), "trace": trace(module, (example,))}
-    if HAS_ORT and onnx:  # the torch.export-based exporter (TorchScript's cannot take the dynamic shift)
-        path = export_onnx(module, (example,), tmp_path / "lm.onnx")
-        runs = {"onnx": lambda ids: _onnx_run(path, {"input_ids": ids})}
     with torch.no_grad():
         for b in BATCHES:
             ids = torch.randint(0, model.config.vocab_size, (b, length), generator=g)
@@ -290,3 +275,33 @@ def _deq_transformer_serves_every_batch(tmp_path, onnx: bool) -> None:
                 out = run(ids)
                 assert out.shape == (b, length, model.config.vocab_size), name
                 _close(out, eager)
+def test_deq_transformer_onnx_export_is_refused_with_the_reason(tmp_path):
+    """issue 31: ONNX Runtime's logits differed from eager by 2.0e-3 / 0.17 / 3.5 at batch 1 / 7 / 64 (not a
+    bug in an op: damped, batch 1 matched to 4e-6); the fixed-point map is not contractive, so any rounding
+    difference grows. The export is refused, naming why, before anything is written."""
+    model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
+    module = exportable(model)
+    example = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "lm.onnx"
+    with pytest.raises(ExportError, match="not contractive.*rounding.*export_program"):
+        export_onnx(module, (example,), path)
+    with pytest.raises(ExportError, match="not contractive"):
+        export_onnx(module, (example,), path, dynamo=False)
+    assert not path.exists()
+
+
+def test_deq_transformer_fixed_iteration_amplifies_rounding_unlike_mdeq(mdeq):
+    """The reason the refusal names, measured: the same exported computation in float32 and float64 differs
+    far above 1e-4 for the DEQ-Transformer (its iteration does not contract), while the MDEQ's, a contractive
+    iteration, agrees to 1e-4 (so ONNX Runtime's different rounding is harmless there)."""
+    lm = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
+    lm64 = lm.__class__.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").double().eval()
+    ids = torch.randint(0, lm.config.vocab_size, (7, 16), generator=torch.Generator().manual_seed(0))
+    model, pixels = mdeq
+    mdeq64 = model.__class__.from_pretrained("deqzoo/mdeq-tiny-mnist").double()
+    with torch.no_grad():
+        lm_gap = float((exportable(lm)(ids).double() - exportable(lm64)(ids)).abs().max())
+        mdeq_out = exportable(model)(pixels).double()
+        mdeq_gap = float((mdeq_out - exportable(mdeq64)(pixels.double())).abs().max())
+    assert lm_gap > 1e-2, lm_gap
+    assert mdeq_gap < 1e-4, mdeq_gap
