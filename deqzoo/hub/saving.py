@@ -227,13 +227,12 @@ def _in_place(target: Path) -> bool:
         os.environ.get("DEQZOO_SAVE_NO_EXCHANGE"))  # the in-place path, for tests and odd filesystems
 
 
-def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, keep_existing: bool = True,
-                lock_timeout: float = 600.0) -> Path:
+def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, lock_timeout: float = 600.0
+                ) -> Path:
     """Run `write(tmp_dir)` in a temporary sibling directory, then put the result in place (module doc).
 
     A failure while writing leaves the previous checkpoint untouched and nothing behind. Files of an existing
-    directory that `write` does not produce stay; stale weight files of the checkpoint go. `keep_existing` is
-    accepted for compatibility: a save never deletes files it does not replace.
+    directory that `write` does not produce stay; stale weight files of the checkpoint go.
 
     Example:
         >>> import tempfile, pathlib
@@ -242,7 +241,6 @@ def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, k
         >>> sorted(p.name for p in d.iterdir())
         ['config.json']
     """
-    del keep_existing
     target = Path(os.path.abspath(directory))
     if target.is_symlink() and target.resolve().is_dir():
         target = target.resolve()  # save into the folder the link points to; the link stays
