@@ -329,12 +329,11 @@ class DEQPreTrainedModel(PreTrainedModel):
         return result
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        """Save config.json + model.safetensors (see :func:`deqzoo.hub.saving.atomic_save`).
-
-        Written into a temporary sibling and swapped in atomically: at every instant the path holds the old or
-        the new complete checkpoint; a failed or killed save leaves the old one (recovered on the next call).
-        Only the files this save writes are replaced: other files and folders in `save_directory` (optimizer
-        state, logs, a card) are kept. Concurrent saves to one path are serialised.
+        """transformers' ``save_pretrained`` (every keyword but ``safe_serialization=False``), written whole
+        into a temporary sibling and swapped in atomically (:func:`deqzoo.hub.saving.atomic_save`): at every
+        instant the path holds the old or the new complete checkpoint. Only the files this save writes are
+        replaced: other files and folders in `save_directory` (optimizer state, logs, a card) are kept.
+        Concurrent saves to one path are serialised.
         """
         from .hub.saving import atomic_save
 

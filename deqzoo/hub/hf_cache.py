@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .catalog import embedded_folder, load_catalog
+from .catalog import embedded_folder, load_catalog, sha256_file
 
 MARKER = ".deqzoo-embedded"
 
@@ -82,11 +82,6 @@ def snapshot_files(cid: str, entry: dict[str, Any]) -> dict[str, bytes | Path]:
     return files
 
 
-def _digest(source: bytes | Path) -> str:
-    data = source if isinstance(source, bytes) else Path(source).read_bytes()
-    return hashlib.sha256(data).hexdigest()
-
-
 def _commit(files: dict[str, str]) -> str:
     """A stable 40-hex commit id for a snapshot: sha1 over its (path, sha256) pairs."""
     return hashlib.sha1(json.dumps(sorted(files.items())).encode()).hexdigest()
@@ -127,7 +122,8 @@ def _populate_one(cache: Path, cid: str, entry: dict[str, Any]) -> str:
     if repo.exists() and not marker.is_file():
         return f"kept: {repo} exists and was not written by deqzoo (left untouched)"
     files = snapshot_files(cid, entry)
-    digests = {rel: _digest(src) for rel, src in files.items()}
+    digests = {rel: hashlib.sha256(src).hexdigest() if isinstance(src, bytes) else sha256_file(src)
+               for rel, src in files.items()}
     commit = _commit(digests)
     snapshot = repo / "snapshots" / commit
     ref = repo / "refs" / "main"

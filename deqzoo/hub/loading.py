@@ -140,20 +140,23 @@ def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **k
                               f"download failed ({type(err).__name__}: {err})") from err
 
 
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    read_safetensors_header(path)  # errors name the file (and the tensor) before safetensors reads data
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
+
+
 def load_state_dict(directory: str | os.PathLike, variant: str | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors of a checkpoint directory and the file each came from (safetensors only, checked)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for path in weight_files(directory, variant):
-        read_safetensors_header(path)
-        try:
-            part = load_file(str(path))
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
-        for key, value in part.items():
-            tensors[key] = value
-            origin[key] = path
+        part = _read_weights(path)
+        tensors.update(part)
+        origin.update(dict.fromkeys(part, path))
     return tensors, origin
 
 
@@ -166,11 +169,7 @@ def load_weights_file(model: torch.nn.Module, path: str | os.PathLike, *, strip_
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path}: deqzoo loads safetensors files only and never unpickles; convert it "
                               "with `deqzoo convert`")
-    read_safetensors_header(path)
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, RuntimeError) as err:
-        raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
+    state = _read_weights(path)
     if strip_prefix and state and all(k.startswith(strip_prefix) for k in state):
         state = {k[len(strip_prefix):]: v for k, v in state.items()}
     check_state_dict(model, state, str(path))

@@ -7,12 +7,11 @@ are uploaded (see :func:`checkpoint_upload_files`).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from .safetensors_io import weight_files
-from .validation import is_network_error
+from .validation import is_network_error, read_json
 
 # Top-level files a checkpoint repository consists of: configs (config.json, generation/preprocessor/
 # tokenizer/scheduler configs, model_index.json, safetensors indexes), weights, tokenizer vocabularies, card.
@@ -27,18 +26,10 @@ CARD_NAME = "README.md"
 def _component_dirs(directory: Path, card_text: str) -> set[str]:
     """Subfolders that belong to the repository: a diffusers repository's components (named in
     model_index.json) and folders the card points at as ``name/`` (e.g. an evaluator checkpoint)."""
-    names: set[str] = set()
     index = directory / "model_index.json"
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{index}: not valid JSON ({err})") from None
-        if isinstance(data, dict):
-            names |= {k for k, v in data.items() if not k.startswith("_") and isinstance(v, list)}
-    for sub in directory.iterdir():
-        if sub.is_dir() and f"{sub.name}/" in card_text:
-            names.add(sub.name)
+    data = read_json(index) if index.is_file() else {}
+    names = {k for k, v in data.items() if not k.startswith("_") and isinstance(v, list)}
+    names |= {sub.name for sub in directory.iterdir() if sub.is_dir() and f"{sub.name}/" in card_text}
     return {n for n in names if (directory / n).is_dir() and not n.startswith(".")}
 
 

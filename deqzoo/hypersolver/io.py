@@ -1,5 +1,8 @@
-"""A hypersolver as a hub artifact: ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked.
+"""A hypersolver as a hub artifact on huggingface_hub's `PyTorchModelHubMixin` (``save_pretrained``,
+``from_pretrained``, ``push_to_hub``): ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked.
 
+deqzoo adds the guarantees of its checkpoints: saves are atomic and keep other files; loads read safetensors
+only (the mixin's pickle fallback is never reached), from files confined to the folder, with size limits.
 Checks, each a clear error: the config is a hypersolver config (validated before anything is built); the
 weights file's sha256 matches the one recorded in the config (a corrupted or swapped file names the file and
 both digests); the tensor names and shapes match the config; and, when attached, the model's fingerprint
@@ -14,9 +17,10 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from ..errors import DeqzooError
+from ..errors import CheckpointError, DeqzooError
 from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .modeling import HyperSolver
@@ -81,12 +85,11 @@ def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
         )
 
 
-def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> Path:
-    """Write config.json (with the weights' sha256) and model.safetensors into `directory`, atomically as a
-    pair (`deqzoo.hub.saving.atomic_save`); other files there (a card) are kept. A directory that holds some
-    other checkpoint (a config.json that is not a hypersolver's) is refused: its weights would be replaced."""
-    from safetensors.torch import save_file
-
+def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike, **kwargs) -> Path:
+    """huggingface_hub's ``save_pretrained`` (config.json with the weights' sha256, model.safetensors, a card
+    where the folder has none; ``push_to_hub=True`` and its options), made atomic
+    (`deqzoo.hub.saving.atomic_save`): other files there (a card) are kept. A directory that holds some other
+    checkpoint (a config.json that is not a hypersolver's) is refused: its weights would be replaced."""
     from ..hub.saving import atomic_save
 
     directory = Path(directory)
@@ -102,91 +105,55 @@ def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike) -> 
                 f"{kind!r}); saving would replace its config.json and model.safetensors. Choose another --out"
             )
 
+    kwargs.pop("config", None)  # the mixin's push passes its copy; the file is always the hypersolver's own
+
     def write(tmp: Path) -> None:
-        weights = tmp / WEIGHTS_NAME
-        state = {k: v.detach().contiguous().cpu() for k, v in hypersolver.state_dict().items()}
-        save_file(state, str(weights))
-        hypersolver.config.training["weights_sha256"] = sha256_file(weights)
-        (tmp / CONFIG_NAME).write_text(hypersolver.config.to_json())
+        PyTorchModelHubMixin.save_pretrained(hypersolver, tmp, config=hypersolver.config, **kwargs)
+        if (directory / "README.md").exists():
+            (tmp / "README.md").unlink()  # the mixin writes a card only where there is none: keep the user's
 
     return atomic_save(directory, write)
 
 
-def resolve_hypersolver(name_or_path: str | os.PathLike) -> Path:
-    """A local directory, or an embedded hypersolver id ``deqzoo/hyperdeq-...`` (listed in the catalog: in
-    ``model_cards/`` or, installed from a wheel, in the package)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
+def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
+    """A local directory, an embedded hypersolver id ``deqzoo/hyperdeq-...`` (listed in the catalog), or a Hub
+    repository (`deqzoo.hub.resolve`: the HF cache, then the Hub, safe files only)."""
     from ..hub.catalog import embedded_folder, load_hypersolver_catalog
+    from ..hub.loading import resolve
 
-    name = str(name_or_path)
     embedded = load_hypersolver_catalog()  # the source tree's model_cards/ or a wheel's packaged copy
-    if name in embedded:
-        folder = embedded_folder(embedded[name])
-        if folder is not None:
-            return folder
-    known = sorted(embedded)
-    raise HyperSolverError(
-        f"hypersolver {name!r} is neither a directory nor an embedded hypersolver; embedded: "
-        f"{known or 'none'}"
-    )
+    entry = embedded.get(str(name_or_path))
+    folder = embedded_folder(entry) if entry and not Path(name_or_path).expanduser().is_dir() else None
+    try:
+        return folder or resolve(name_or_path, **hub_kwargs)
+    except CheckpointError as err:
+        raise HyperSolverError(f"hypersolver {str(name_or_path)!r} is neither a directory nor an embedded "
+                               f"hypersolver ({sorted(embedded) or 'none'}) nor found on the Hub: "
+                               f"{err}") from None
 
 
-def load_hypersolver(name_or_path: str | os.PathLike) -> HyperSolver:
-    """Load and verify a hypersolver (see the module docstring for the checks).
+def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
+    """Load and verify a hypersolver (``HyperSolver.from_pretrained``; the module docstring lists the checks).
 
     Example:
         >>> hs = load_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist")  # doctest: +SKIP
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from ..hub.loading import load_weights_file
+    from ..hub.validation import confined, read_json
 
-    folder = resolve_hypersolver(name_or_path)
-    cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise HyperSolverError(
-                f"{p}: missing; a hypersolver directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
-            )
-    if cfg_path.stat().st_size > MAX_CONFIG_BYTES or w_path.stat().st_size > MAX_WEIGHTS_BYTES:
-        raise HyperSolverError(
-            f"{folder}: config.json or model.safetensors is larger than a hypersolver can be "
-            f"({MAX_CONFIG_BYTES} / {MAX_WEIGHTS_BYTES} bytes)"
-        )
+    folder = resolve_hypersolver(name_or_path, **hub_kwargs)
     try:
-        data = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HyperSolverError(f"{cfg_path}: not valid JSON ({err})") from None
-    try:
-        config = HyperSolverConfig.from_dict(data, source=str(cfg_path))
-    except HyperSolverConfigError as err:
+        cfg_path, w_path = (confined(folder, name, folder) for name in (CONFIG_NAME, WEIGHTS_NAME))
+        if not w_path.is_file() or w_path.stat().st_size > MAX_WEIGHTS_BYTES:
+            raise HyperSolverError(f"{w_path}: missing or larger than a hypersolver can be "
+                                   f"({MAX_WEIGHTS_BYTES} bytes); a hypersolver directory holds "
+                                   f"{CONFIG_NAME} and {WEIGHTS_NAME}")
+        config = HyperSolverConfig.from_dict(read_json(cfg_path, max_bytes=MAX_CONFIG_BYTES), str(cfg_path))
+        want, have = config.training.get("weights_sha256"), sha256_file(w_path)
+        if want is not None and want != have:
+            raise HyperSolverError(f"{w_path}: sha256 {have} does not match the {want} recorded in "
+                                   f"{cfg_path} (hypersolver for {config.model_id or '?'}): the file is "
+                                   "corrupted or replaced")
+        return load_weights_file(HyperSolver(config), w_path).eval()
+    except (CheckpointError, HyperSolverConfigError) as err:
         raise HyperSolverError(str(err)) from None
-    want = config.training.get("weights_sha256")
-    have = sha256_file(w_path)
-    if want is not None and want != have:
-        raise HyperSolverError(
-            f"{w_path}: sha256 {have} does not match the {want} recorded in {cfg_path} "
-            f"(hypersolver for {config.model_id or '?'}): the file is corrupted or replaced"
-        )
-    try:
-        state = load_file(str(w_path))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise HyperSolverError(f"{w_path}: not a readable safetensors file ({err})") from None
-    model = HyperSolver(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if expected != got:
-        missing = sorted(set(expected) - set(got))
-        unexpected = sorted(set(got) - set(expected))
-        shapes = [
-            f"{k}: file {got[k]} vs config {expected[k]}"
-            for k in sorted(set(got) & set(expected))
-            if got[k] != expected[k]
-        ]
-        raise HyperSolverError(
-            f"{w_path}: tensors do not match {cfg_path}: missing {missing}, unexpected "
-            f"{unexpected}, mis-shaped {shapes}"
-        )
-    model.load_state_dict(state)
-    return model.eval()

@@ -17,10 +17,13 @@ layers that predict α̂ per window entry and β (from the newest entry, β = 2�
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from .configuration import HyperSolverConfig
@@ -30,8 +33,11 @@ __all__ = ["BoundNet", "HyperSolver"]
 _EPS = 1e-20
 
 
-class HyperSolver(nn.Module):
+class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=["deqzoo", "hyperdeq"]):
     """A hypersolver: ``initial_state(injection, shapes)`` (h_φ) and ``bind(shapes)`` (s_ξ for flat states).
+
+    Saved, loaded and pushed with huggingface_hub's mixin (``save_pretrained``, ``from_pretrained``,
+    ``push_to_hub``), with deqzoo's checks and atomic saves (`deqzoo.hypersolver.io`).
 
     Example:
         >>> import torch
@@ -71,6 +77,27 @@ class HyperSolver(nn.Module):
                 for p in self.init_proj if isinstance(self.init_proj, nn.ModuleList) else [self.init_proj]:
                     p.weight.mul_(0.1)
                     p.bias.zero_()
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> Path:
+        """The mixin's save, atomic and keeping other files (`deqzoo.hypersolver.save_hypersolver`)."""
+        from .io import save_hypersolver
+
+        return save_hypersolver(self, save_directory, **kwargs)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """The mixin's model.safetensors, then its sha256 into the config the mixin writes next."""
+        from ..hub.catalog import sha256_file
+
+        super()._save_pretrained(save_directory)
+        self.config.training["weights_sha256"] = sha256_file(Path(save_directory) / "model.safetensors")
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
+        """Load and verify (`deqzoo.hypersolver.load_hypersolver`): safetensors only, never the mixin's pickle
+        fallback; hub keywords (revision, cache_dir, token, local_files_only, ...) as in huggingface_hub."""
+        from .io import load_hypersolver
+
+        return load_hypersolver(name_or_path, **hub_kwargs)
 
     def feature_width(self) -> int:
         c = self.config

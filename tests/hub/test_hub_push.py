@@ -383,3 +383,61 @@ def test_every_embedded_checkpoint_would_upload_complete():
     for cid, entry in load_catalog().items():
         upload, stray = checkpoint_upload_files(embedded_folder(entry))
         assert upload == sorted(entry["files"]) and stray == [], cid
+
+
+# --- hypersolvers: huggingface_hub's PyTorchModelHubMixin, with deqzoo's checks -----------------------------
+def test_hypersolver_push_to_hub_and_from_pretrained(fake_hub, tmp_path, monkeypatch):
+    """A hypersolver is pushed with the mixin's push_to_hub, loaded back by repo id with its sha256 and shapes
+    checked, and still refuses a model it was not trained for."""
+    import functools
+
+    from huggingface_hub import HfApi, hub_mixin
+
+    from deqzoo.hypersolver import HyperSolver, HyperSolverError, model_fingerprint
+    from deqzoo.hypersolver.attach import default_config
+
+    hub, endpoint = fake_hub
+    # the mixin's HfApi() takes $HF_ENDPOINT as read at import time; the fixture sets it later
+    monkeypatch.setattr(hub_mixin, "HfApi", functools.partial(HfApi, endpoint=endpoint))
+    model = deqzoo.create_model("mdeq-mnist-tiny")
+    hs = HyperSolver(default_config(model, "me/mdeq"))
+    for p in hs.parameters():
+        p.data.normal_()
+    hs.push_to_hub("me/hs-push", commit_message="Trained hypersolver")
+    assert {"config.json", "model.safetensors", "README.md"} <= set(hub.repos["me/hs-push"])
+    assert "library_name: deqzoo" in hub.repos["me/hs-push"]["README.md"].decode()
+    assert json.loads(hub.repos["me/hs-push"]["config.json"])["training"]["weights_sha256"] == hashlib.sha256(
+        hub.repos["me/hs-push"]["model.safetensors"]).hexdigest()
+    back = HyperSolver.from_pretrained("me/hs-push", cache_dir=tmp_path / "cache")
+    _assert_same_weights(hs, back)
+    assert back.config.model_fingerprint == model_fingerprint(model)
+    model.set_hypersolver(back)  # trained for this model
+    other = deqzoo.create_model("mdeq-mnist-tiny")  # same architecture, other weights
+    with pytest.raises(HyperSolverError, match="does not fit model"):
+        other.set_hypersolver(back)
+
+
+def test_hypersolver_repo_with_only_a_pickle_is_refused_unread(fake_hub, tmp_path, monkeypatch):
+    """The mixin falls back to pytorch_model.bin (torch.load) when a repo has no model.safetensors; deqzoo's
+    from_pretrained never reaches that fallback: the pickle is neither downloaded nor opened."""
+    from deqzoo.hypersolver import HyperSolver, HyperSolverConfig, HyperSolverError
+
+    hub, _ = fake_hub
+    config = HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4)
+    hub.repos["me/hs-pickle"] = {}
+    hub.commit("me/hs-pickle", {"config.json": config.to_json().encode(), "pytorch_model.bin": b"PK pickle"})
+    with pytest.raises(HyperSolverError, match="model.safetensors"):
+        HyperSolver.from_pretrained("me/hs-pickle", cache_dir=tmp_path / "cache")
+    assert not any("pytorch_model.bin" in c for c in hub.calls)
+
+
+def test_hypersolver_weights_link_leading_out_is_refused(tmp_path):
+    from deqzoo.hypersolver import HyperSolver, HyperSolverConfig, HyperSolverError, save_hypersolver
+
+    hs = HyperSolver(HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4))
+    save_hypersolver(hs, tmp_path / "outside")
+    save_hypersolver(hs, tmp_path / "hs")
+    (tmp_path / "hs" / "model.safetensors").unlink()
+    (tmp_path / "hs" / "model.safetensors").symlink_to(tmp_path / "outside" / "model.safetensors")
+    with pytest.raises(HyperSolverError, match="link leading outside"):
+        HyperSolver.from_pretrained(tmp_path / "hs")

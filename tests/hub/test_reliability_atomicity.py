@@ -123,7 +123,7 @@ def _only_target_left(target):
 
 # at each step: what the path holds at that instant (read without deqzoo)
 EXCHANGE_STEPS = [("mid-write", "old"), ("written", "old"), ("linked", "old"), ("exchanged", "new"),
-                  ("swapped", "new"), ("retire", "new")]
+                  ("retiring", "new")]
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
@@ -147,34 +147,22 @@ def test_kill_during_save_leaves_old_or_new_at_every_step(tmp_path, toy_family, 
     _only_target_left(target)
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
-def test_kill_between_the_two_renames_is_undone_on_next_load(tmp_path, toy_family, nested):
-    """Without renameat2 (other systems) the swap is two renames; a kill between them is recovered."""
-    target = tmp_path / "ckpt"
-    old, new = _model(0, 16), _model(1, 24)
-    old.save_pretrained(target)
-    files = _layout(target, nested)
-    assert _fork_save(new, target, stage="between-renames",
-                      env={"DEQZOO_SAVE_NO_EXCHANGE": "1"}) == signal.SIGKILL
-    assert not target.exists()  # the instant between the renames
-    loaded = deqzoo.from_pretrained(target)
-    assert torch.equal(loaded.mix.weight, old.mix.weight)
-    _user_files_intact(target, files)
-    new.save_pretrained(target)
-    assert _which(target, old, new) == "new"
-    _only_target_left(target)
-
-
+@pytest.mark.parametrize("where", ["cwd", "no-exchange"])
 @pytest.mark.parametrize("step", ["journal", "in-place-file"])
-def test_kill_during_in_place_save_of_the_working_directory_rolls_forward(tmp_path, toy_family, step,
-                                                                          monkeypatch):
+def test_kill_during_in_place_save_rolls_forward(tmp_path, toy_family, step, where, monkeypatch):
+    """The working directory (which must keep its identity) and systems without an exchange call are updated
+    in place under a journal: a kill there is completed by the next load."""
     target = tmp_path / "work"
     old, new = _model(0, 16), _model(1, 24)
     old.save_pretrained(target)
     files = _layout(target, nested=True)
-    assert _fork_save(new, ".", stage=step, chdir=target) == signal.SIGKILL
-    monkeypatch.chdir(target)
-    loaded = deqzoo.from_pretrained(".")  # the journal is found and the save completed
+    if where == "cwd":
+        assert _fork_save(new, ".", stage=step, chdir=target) == signal.SIGKILL
+        monkeypatch.chdir(target)
+    else:
+        assert _fork_save(new, target, stage=step, env={"DEQZOO_SAVE_NO_EXCHANGE": "1"}) == signal.SIGKILL
+    assert (target / saving.JOURNAL).is_file()
+    loaded = deqzoo.from_pretrained(target)  # the journal is found and the save completed
     assert torch.equal(loaded.mix.weight, new.mix.weight)
     assert _which(target, old, new) == "new"
     _user_files_intact(target, files)
@@ -182,7 +170,7 @@ def test_kill_during_in_place_save_of_the_working_directory_rolls_forward(tmp_pa
     _only_target_left(target)
 
 
-def test_two_rename_save_without_kill(tmp_path, toy_family, monkeypatch):
+def test_in_place_save_without_kill(tmp_path, toy_family, monkeypatch):
     monkeypatch.setenv("DEQZOO_SAVE_NO_EXCHANGE", "1")
     target = tmp_path / "ckpt"
     old, new = _model(0, 16), _model(1, 24)

@@ -95,14 +95,14 @@ def test_corrupted_and_invalid_files(tmp_path):
 
     cfg["training"]["weights_sha256"] = hashlib.sha256(b"\x00" * 16).hexdigest()
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(HyperSolverError, match="not a readable safetensors file"):
+    with pytest.raises(HyperSolverError, match="model.safetensors: corrupt safetensors"):
         load_hypersolver(bad)
     cfg["model_type"] = "mdeq"
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HyperSolverError, match="'model_type' must be 'hypersolver'"):
         load_hypersolver(bad)
     (bad / "config.json").write_text("{not json")
-    with pytest.raises(HyperSolverError, match="not valid JSON"):
+    with pytest.raises(HyperSolverError, match="config.json: malformed JSON"):
         load_hypersolver(bad)
     with pytest.raises(HyperSolverError, match="neither a directory nor an embedded"):
         load_hypersolver("deqzoo/hyperdeq-nothing")
