@@ -45,16 +45,18 @@ def _true(f, z):
     return a, a / (torch.linalg.vector_norm(fz.double(), dim=1) + 1e-12)
 
 
+@pytest.mark.parametrize("final", [False, True])
 @pytest.mark.parametrize("budget", ["converges", "runs_out"])
 @pytest.mark.parametrize("kind", ["non_normal", "ill_conditioned"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("solver", SOLVERS)
-def test_reported_residual_is_the_returned_points(path, solver, dtype, kind, budget):
+def test_reported_residual_is_the_returned_points(path, solver, dtype, kind, budget, final):
+    """With ``final=True`` the returned point may be f(best iterate) (`final_step`): its own residual too."""
     f = _map(kind, dtype)
     tol = {torch.float32: 1e-4, torch.float64: 1e-9}[dtype]
     max_iter = 400 if budget == "converges" else 7
     z0 = torch.zeros(3, D, dtype=dtype)
-    z, st = solve(f, z0, solver=solver, max_iter=max_iter, tol=tol)
+    z, st = solve(f, z0, solver=solver, max_iter=max_iter, tol=tol, final=final)
     abs_true, rel_true = _true(f, z)
     # the reported residual was measured from f's own float output at that point: equal to rounding of
     # the state's dtype relative to |f(z)| (the difference f(z) - z loses digits as it shrinks)
@@ -68,6 +70,30 @@ def test_reported_residual_is_the_returned_points(path, solver, dtype, kind, bud
     assert st.converged[~edge].tolist() == (rel_true < tol)[~edge].tolist(), st.summary()
     if budget == "runs_out":
         assert not st.converged.all()  # the case is hard: 7 evaluations do not reach it
+    if final:
+        z_plain, st_plain = solve(f, z0, solver=solver, max_iter=max_iter, tol=tol)
+        # the one measuring evaluation, made when some sample's answer is the last iterate f saw
+        assert st.nfe == st_plain.nfe + ("final_step" in st.extra)
+        assert (st.residual.double() <= st_plain.residual.double()).all()  # never worse, per sample
+
+
+@pytest.mark.parametrize("solver", ["fixed_point", "anderson", "broyden"])
+def test_final_step_takes_f_of_the_answer_where_it_is_better(path, solver):
+    """On a contraction f(z*) is closer to the fixed point than z*: the final step returns it (its residual
+    |f(f(z)) - f(z)| <= L |f(z) - z|, L = 0.5 here), measured, and it passes a tolerance z itself misses."""
+    gen = torch.Generator().manual_seed(3)
+    A = 0.5 * torch.linalg.qr(torch.randn(D, D, dtype=torch.float64, generator=gen))[0]
+    b = torch.randn(3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    f = lambda z: z @ A + b  # noqa: E731
+    z0 = torch.zeros(3, D, dtype=torch.float64)
+    z_plain, st_plain = solve(f, z0, solver=solver, max_iter=6, tol=1e-12)
+    z, st = solve(f, z0, solver=solver, max_iter=6, tol=1e-12, final=True)
+    assert st.extra["final_step"].all()
+    torch.testing.assert_close(z, f(z_plain))
+    assert (st.rel_residual <= 0.51 * st_plain.rel_residual).all(), (st.rel_residual, st_plain.rel_residual)
+    tol = float(st.rel_residual.max()) * 1.01
+    assert not solve(f, z0, solver=solver, max_iter=6, tol=tol)[1].converged.all()
+    assert solve(f, z0, solver=solver, max_iter=6, tol=tol, final=True)[1].converged.all()
 
 
 def _tuple_map(dtype: torch.dtype):
@@ -100,8 +126,9 @@ def test_f_receives_contiguous_state_tensors(path, solver):
         assert st.converged.all(), st.summary()
 
 
+@pytest.mark.parametrize("final", [False, True])
 @pytest.mark.parametrize("b_mode", ["ift", "jacobian_free"])
-def test_deq_hands_f_contiguous_tensors_and_keeps_its_gradient(b_mode):
+def test_deq_hands_f_contiguous_tensors_and_keeps_its_gradient(b_mode, final):
     """Through the DEQ module (forward solve and backward): f sees contiguous tensors; the IFT gradient
     equals autograd through an unrolled solve to the same fixed point (the contiguous copy is
     differentiable)."""
@@ -109,7 +136,7 @@ def test_deq_hands_f_contiguous_tensors_and_keeps_its_gradient(b_mode):
     w.requires_grad_(True)
     m.requires_grad_(True)
     deq = DEQ(DEQConfig(f_solver="anderson", f_max_iter=80, f_tol=1e-12, b_mode=b_mode, b_max_iter=80,
-                        b_tol=1e-12))  # fmt: skip
+                        b_tol=1e-12, f_final_step=final))  # fmt: skip
     z, st = deq(f, z0)
     (z[0].square().sum() + z[1].sum()).backward()
     assert seen and all(seen)
