@@ -12,9 +12,11 @@ round, since a shared machine's load drifts), medians reported. Ratios are deqzo
 as configured (``deqzoo``) and with ``f_final_step=True`` (``deqzoo+final``: f of the answer where one more
 evaluation shows it better, that point's residual reported; its tolerance matched the same way).
 
-Profile: each side's share of the timed call spent inside f_θ (``f_share_median``; in training it includes
-the backward's vector-Jacobian products only where they go through f's forward). At equal NFE the ratio cannot
-fall below what is spent outside f.
+Work: the calls of f_θ counted by a wrapper around f (``f_calls_median``: the same count on both sides,
+whatever each library's own statistic counts). Profile: each side's share of the timed call spent inside the
+forward calls of f_θ (``f_share_median``). A ratio cannot fall below deqzoo's time in f over TorchDEQ's whole
+time: the same module costs the same per call on both sides, only the number of calls and what runs around
+them differ.
 
 Cases: ``mdeq-infer`` (mdeq-tiny-mnist, eval, no grad), ``mdeq-train`` (one training step: forward in train
 mode, cross-entropy, backward with IFT on both sides), ``pydoc-infer`` (deq-transformer-tiny-pydoc, eval).
@@ -48,15 +50,16 @@ class _Recorder(nn.Module):
         self.inner = inner
         self.last = None
         self.nfe = 0
-        self.f_seconds = 0.0
+        self.f_seconds, self.calls = 0.0, 0
 
     def forward(self, f, z0, **kwargs):
-        self.f_seconds = 0.0
+        self.f_seconds, self.calls = 0.0, 0
 
         def timed(z):  # the profile: how much of the call is f_θ itself (the same module on every side)
             t = time.perf_counter()
             out = f(z)
             self.f_seconds += time.perf_counter() - t
+            self.calls += 1
             return out
 
         z, stats = self.inner(timed, z0, **kwargs)
@@ -220,7 +223,7 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
             t, r = measure(modules[key])
             times[key].append(t)
             res[key].append(r)
-            nfe[key].append(modules[key].nfe)
+            nfe[key].append(modules[key].calls)
             share[key].append(modules[key].f_share)
     use(owner_deq)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -228,7 +231,7 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
         "case": name, "rounds": rounds, "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
         "tol": {"deqzoo": tol_o, "deqzoo+final": tol_f, "torchdeq": tol_t},
         "returned_rel_residual": {k: statistics.median(v) for k, v in res.items()},
-        "nfe_median": {k: statistics.median(v) for k, v in nfe.items()},
+        "f_calls_median": {k: statistics.median(v) for k, v in nfe.items()},
         "f_share_median": {k: statistics.median(v) for k, v in share.items()},
         "seconds_median": med, "seconds": times,
         "ratio": {k: med[k] / med["torchdeq"] for k in ("deqzoo", "deqzoo+final")},
@@ -238,12 +241,13 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
 
 def format_table(results: list[dict]) -> str:
     rows = [f"{'case':<12} {'DEQ module':<13} {'median s':>9} {'ratio':>6} {'residual':>9} {'tol':>8} "
-            f"{'nfe':>5} {'in f':>5}"]
+            f"{'f calls':>7} {'in f':>5}"]
     for r in results:
         for k in ("deqzoo", "deqzoo+final", "torchdeq"):
             ratio = r["ratio"].get(k, 1.0)
             rows.append(f"{r['case']:<12} {k:<13} {r['seconds_median'][k]:9.4f} {ratio:6.2f} "
-                        f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} {r['nfe_median'][k]:5.1f} "
+                        f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} "
+                        f"{r['f_calls_median'][k]:7.1f} "
                         f"{r['f_share_median'][k]:5.0%}")
     return "\n".join(rows)
 

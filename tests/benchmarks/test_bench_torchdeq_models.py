@@ -39,7 +39,7 @@ def test_table_lists_every_module():
          "seconds_median": {"deqzoo": 1.0, "deqzoo+final": 1.2, "torchdeq": 2.0},
          "returned_rel_residual": {"deqzoo": 1e-4, "deqzoo+final": 1e-4, "torchdeq": 1e-4},
          "tol": {"deqzoo": 1e-3, "deqzoo+final": 2e-3, "torchdeq": 5e-3},
-         "nfe_median": {"deqzoo": 9, "deqzoo+final": 9, "torchdeq": 8},
+         "f_calls_median": {"deqzoo": 9, "deqzoo+final": 9, "torchdeq": 8},
          "f_share_median": {"deqzoo": 0.8, "deqzoo+final": 0.8, "torchdeq": 0.7}}  # fmt: skip
     lines = bench.format_table([r]).splitlines()
     assert len(lines) == 4 and lines[1].split()[1:4] == ["deqzoo", "1.0000", "0.50"]
