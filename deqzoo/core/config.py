@@ -20,6 +20,8 @@ class DEQConfig:
     broyden).
     ``f_max_iter_min`` > 0 randomizes the iteration budget in training: each forward with autograd enabled
     draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
+    ``f_final_step`` returns f(z) from the solver's best z where that point's residual, measured with one more
+    evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point).
 
     Backward: ``b_mode`` ("ift", "phantom", "jacobian_free", "shine", "unrolled", "reversible" or a
     registered mode; "reversible" replaces the solve by f_max_iter coupled steps, see deqzoo.core.reversible),
@@ -52,6 +54,7 @@ class DEQConfig:
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
+    f_final_step: bool = False
     # backward
     b_mode: str = "ift"
     b_solver: str = "anderson"
@@ -71,6 +74,8 @@ class DEQConfig:
     jac_reg_samples: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.f_final_step, bool):
+            raise TypeError(f"DEQConfig.f_final_step must be a bool, got {self.f_final_step!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS
         from .solvers import SOLVERS, solver_kwarg_names
 

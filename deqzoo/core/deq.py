@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -12,7 +13,7 @@ from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
 from .config import DEQConfig
 from .norm import checked_once
 from .regularize import jacobian_reg
-from .solvers import get_solver
+from .solvers import final_step, get_solver
 from .state import State, StatePacker
 from .stats import SolverStats
 
@@ -187,7 +188,10 @@ class DEQ(nn.Module):
             if solver_keep:
                 kwargs["keep_steps"] = solver_keep
             with torch.no_grad(), checked_once():  # weight norms checked once per solve, not per f call
-                x_star, stats = get_solver(cfg.f_solver)(
+                run = get_solver(cfg.f_solver)
+                if cfg.f_final_step:
+                    run = functools.partial(final_step, run)
+                x_star, stats = run(
                     g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
                 )
             self._report(stats, cfg)

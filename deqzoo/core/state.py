@@ -52,10 +52,13 @@ class StatePacker:
         return torch.cat([t.reshape(self.batch, n) for t, n in zip(tensors, self.sizes)], dim=1)
 
     def unflatten(self, x: torch.Tensor) -> State:
+        """The structured state of a (B, D) matrix. Every tensor is contiguous: a part of a tuple state is a
+        column block of the matrix (a strided view) that a convolution would otherwise copy on each use
+        inside f; one copy here serves them all."""
         if self.is_tensor:
             return x.reshape(self.shapes[0])
         parts = torch.split(x, self.sizes, dim=1)
-        return self.container(p.reshape(s) for p, s in zip(parts, self.shapes))
+        return self.container(p.contiguous().reshape(s) for p, s in zip(parts, self.shapes))
 
     def check_finite(self, x: torch.Tensor, what: str = "z0") -> None:
         # max |x| is NaN or Inf exactly when some entry is; a fifth of the cost of isfinite(x).all()

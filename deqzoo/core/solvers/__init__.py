@@ -26,13 +26,14 @@ are one algorithm: the same per-step bookkeeping (`_kernels.track`), the same mi
 they agree per sample to rounding.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from ..state import State, StatePacker
 from ..stats import SolverStats
-from ._contract import SOLVERS, _check_solve_args, get_solver, register_solver, solver_kwarg_names
+from ._contract import SOLVERS, _check_solve_args, final_step, get_solver, register_solver, solver_kwarg_names
 from .anderson import anderson
 from .broyden import InverseJacobian, LowRankInverse, StepProductInverse, broyden
 from .fixed_point import fixed_point
@@ -46,6 +47,7 @@ __all__ = [
     "StepProductInverse",
     "anderson",
     "broyden",
+    "final_step",
     "fixed_point",
     "get_solver",
     "gmres",
@@ -63,12 +65,14 @@ def solve(
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
+    final: bool = False,
     **solver_kwargs,
 ) -> tuple[State, SolverStats]:
     """Find z* = f(z*) starting at z0 (no autograd graph is built).
 
     z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
-    structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned.
+    structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned
+    (``final=True``: or f of it, where one more evaluation shows it is better; see `final_step`).
 
     Example:
         >>> import torch
@@ -83,7 +87,9 @@ def solve(
     x0 = packer.flatten(z0)
     packer.check_finite(x0)
     with torch.no_grad():
-        x, stats = get_solver(solver)(
-            packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode, **solver_kwargs
-        )
+        run = get_solver(solver)
+        if final:
+            run = functools.partial(final_step, run)
+        x, stats = run(packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode,
+                       **solver_kwargs)  # fmt: skip
     return packer.unflatten(x), stats

@@ -1,0 +1,280 @@
+"""`deqzoo bench torchdeq-models`: deqzoo's DEQ module against TorchDEQ 0.1.0's at the model level.
+
+The same pretrained model, the same f_θ module; only the DEQ module is swapped: ``model.deq`` (deqzoo's) or an
+adapter around ``torchdeq.get_deq`` (same solver, budget, stop mode; Anderson with TorchDEQ's defaults m=6,
+λ=1e-4 on both sides). Each library's forward tolerance is chosen so that the *returned* points have equal
+relative residuals: the residual of what each DEQ module returns is recomputed independently, |f(z) - z| /
+|f(z)| per sample in float64 with one more call of f outside the timed region (TorchDEQ returns f at its
+stopping point and reports the residual of the point before; deqzoo returns its best iterate). deqzoo runs at
+the model's own tolerance; TorchDEQ's tolerance is scanned over a log grid and the one whose returned residual
+is nearest deqzoo's (log scale) is timed. Timing: one thread, rounds interleaved (the order alternates each
+round, since a shared machine's load drifts), medians reported. Ratios are deqzoo / TorchDEQ, for deqzoo
+as configured (``deqzoo``) and with ``f_final_step=True`` (``deqzoo+final``: f of the answer where one more
+evaluation shows it better, that point's residual reported; its tolerance matched the same way).
+
+Work: the calls of f_θ counted by a wrapper around f (``f_calls_median``: the same count on both sides,
+whatever each library's own statistic counts). Profile: each side's share of the timed call spent inside the
+forward calls of f_θ (``f_share_median``). A ratio cannot fall below deqzoo's time in f over TorchDEQ's whole
+time: the same module costs the same per call on both sides, only the number of calls and what runs around
+them differ.
+
+Cases: ``mdeq-infer`` (mdeq-tiny-mnist, eval, no grad), ``mdeq-train`` (one training step: forward in train
+mode, cross-entropy, backward with IFT on both sides), ``pydoc-infer`` (deq-transformer-tiny-pydoc, eval).
+
+    deqzoo bench torchdeq-models                    # all cases -> bench_results/torchdeq_models.json
+    deqzoo bench torchdeq-models --quick            # fewer rounds, smaller batches
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CASES = ("mdeq-infer", "mdeq-train", "pydoc-infer")
+TOL_GRID = tuple(10.0 ** (-e / 4) for e in range(4, 29))  # 1e-1 .. 1e-7, four per decade
+
+
+class _Recorder(nn.Module):
+    """A DEQ module (deqzoo's or the TorchDEQ adapter) that remembers f and what it returned, so the returned
+    point's residual can be measured after the timed call."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.last = None
+        self.nfe = 0
+        self.f_seconds, self.calls = 0.0, 0
+
+    def forward(self, f, z0, **kwargs):
+        self.f_seconds, self.calls = 0.0, 0
+
+        def timed(z):  # the profile: how much of the call is f_θ itself (the same module on every side)
+            t = time.perf_counter()
+            out = f(z)
+            self.f_seconds += time.perf_counter() - t
+            self.calls += 1
+            return out
+
+        z, stats = self.inner(timed, z0, **kwargs)
+        self.last, self.nfe = (f, z), stats.nfe
+        return z, stats
+
+
+class _TorchDEQ(nn.Module):
+    """``torchdeq.get_deq(...)`` behind deqzoo's DEQ call: ``(f, z0) -> (z, stats)`` with f on deqzoo's
+    structured state (a tensor or a tuple of tensors)."""
+
+    def __init__(self, cfg, tol: float):
+        super().__init__()
+        from torchdeq import get_deq
+
+        kw = dict(cfg.f_solver_kwargs)
+        anderson = cfg.f_solver == "anderson"
+        self.solver_kwargs = {"m": kw.get("m", 6), "lam": kw.get("lam", 1e-4)} if anderson else {}
+        self.deq = get_deq(
+            core="sliced", ift=cfg.b_mode == "ift", f_solver=cfg.f_solver, f_max_iter=cfg.f_max_iter,
+            f_tol=tol, f_stop_mode=cfg.f_stop_mode, b_solver=cfg.b_solver, b_max_iter=cfg.b_max_iter,
+            b_tol=cfg.b_tol, b_stop_mode=cfg.b_stop_mode,
+        )  # fmt: skip
+
+    def forward(self, f, z0):
+        from deqzoo.core import SolverStats
+
+        if isinstance(z0, torch.Tensor):
+            zs, info = self.deq(f, z0, solver_kwargs=dict(self.solver_kwargs))
+            z = zs[-1]
+        else:
+            zs, info = self.deq(lambda *z: tuple(f(tuple(z))), list(z0),
+                                solver_kwargs=dict(self.solver_kwargs))
+            z = tuple(zs[-1])
+        rel = info["rel_lowest"].detach().reshape(-1)
+        b = rel.shape[0]
+        stats = SolverStats(nfe=int(info["nstep"].max()), rel_residual=rel,
+                            abs_residual=info["abs_lowest"].detach().reshape(-1),
+                            trace=torch.zeros(0, dtype=torch.float64),
+                            converged=torch.ones(b, dtype=torch.bool), solver="torchdeq")  # fmt: skip
+        return z, stats
+
+
+def _residual(rec: _Recorder) -> float:
+    """Mean per-sample relative residual of the point the DEQ module returned (float64, one more f call)."""
+    from deqzoo.core.state import StatePacker
+
+    f, z = rec.last
+    with torch.no_grad():
+        z = z.detach() if isinstance(z, torch.Tensor) else tuple(t.detach() for t in z)
+        packer = StatePacker(z)
+        x, fx = packer.flatten(z).double(), packer.flatten(f(z)).double()
+    r = torch.linalg.vector_norm(fx - x, dim=1) / (torch.linalg.vector_norm(fx, dim=1) + 1e-12)
+    return float(r.mean())
+
+
+def _case(name: str, quick: bool):
+    """(model, run(model) -> None, deq config) for a case; the inputs are fixed held-out data."""
+    import deqzoo
+
+    torch.manual_seed(0)
+    if name.startswith("mdeq"):
+        from deqzoo.tasks import mnist
+
+        model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+        x, y = mnist.load_split("test")
+        batch = 8 if quick else 32
+        pixels = mnist.to_pixel_values(x[:batch], model)
+        labels = torch.from_numpy(y[:batch]).long()
+        if name == "mdeq-infer":
+            model.eval()
+
+            def run(m):
+                with torch.no_grad():
+                    m(pixel_values=pixels)
+        else:
+            model.train()
+
+            def run(m):
+                m.zero_grad(set_to_none=True)
+                out = m(pixel_values=pixels)
+                nn.functional.cross_entropy(out.logits, labels).backward()
+        return model, model.mdeq if hasattr(model, "mdeq") else _backbone(model), run
+    from deqzoo.tasks import pydoc_lm
+
+    model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
+    ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), "held_out")
+    seg = model.config.tgt_len
+    n = 1 if quick else 2
+    batch = ids[: n * seg].reshape(n, seg)
+
+    def run(m):
+        with torch.no_grad():
+            m(batch)
+
+    return model, _backbone(model), run
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The submodule that owns the DEQ module (``.deq``)."""
+    for mod in model.modules():
+        if isinstance(getattr(mod, "deq", None), nn.Module):
+            return mod
+    raise ValueError(f"{type(model).__name__} has no DEQ module")
+
+
+def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
+    from deqzoo.core import DEQ
+
+    model, owner, run = _case(name, quick)
+    cfg = owner.deq.config
+    owner_deq = owner.deq
+    ours = _Recorder(owner_deq)
+
+    def use(module: nn.Module) -> None:
+        owner.deq = module
+        module.train(model.training)
+
+    def measure(module: nn.Module) -> tuple[float, float]:
+        use(module)
+        t = time.perf_counter()
+        run(model)
+        t = time.perf_counter() - t
+        module.f_share = module.f_seconds / t
+        return t, _residual(module)
+
+    measure(ours)  # warm-up: kernels, allocator
+
+    def nearest(make, target: float) -> tuple[float, float, list]:
+        """The grid tolerance whose returned residual is nearest target (log scale): (tol, residual, scan)."""
+        scan = []
+        for tol in TOL_GRID:
+            scan.append((tol, measure(_Recorder(make(tol)))[1]))
+            if scan[-1][1] < target / 4 or (len(scan) >= 3 and scan[-1][1] == scan[-3][1]):
+                break  # past the target, or on the budget's plateau (a smaller tol changes nothing)
+        tol, r = min(scan, key=lambda p: abs(math.log(p[1] / target)))
+        return tol, r, scan
+
+    tol_o = cfg.f_tol
+    r_ours = statistics.median(measure(ours)[1] for _ in range(2))
+    tol_t, r_t, scan = nearest(lambda tol: _TorchDEQ(cfg, tol), r_ours)
+    scan_o: list = []
+    target = r_ours
+    if r_t > 1.5 * r_ours:  # TorchDEQ does not reach our residual within its budget: match its best instead
+        tol_t, target = min(scan, key=lambda p: p[1])
+        tol_o, _, scan_o = nearest(lambda tol: DEQ(cfg.update(f_tol=tol)), target)
+        ours = _Recorder(DEQ(cfg.update(f_tol=tol_o)))
+    # deqzoo with the final step (f of the answer where measured better), its tolerance matched likewise
+    tol_f, _, scan_f = nearest(lambda tol: DEQ(cfg.update(f_tol=tol, f_final_step=True)), target)
+    modules = {"deqzoo": ours, "deqzoo+final": _Recorder(DEQ(cfg.update(f_tol=tol_f, f_final_step=True))),
+               "torchdeq": _Recorder(_TorchDEQ(cfg, tol_t))}  # fmt: skip
+    for mod in modules.values():
+        measure(mod)
+    times: dict[str, list[float]] = {k: [] for k in modules}
+    res: dict[str, list[float]] = {k: [] for k in modules}
+    nfe: dict[str, list[int]] = {k: [] for k in modules}
+    share: dict[str, list[float]] = {k: [] for k in modules}
+    order = list(modules)
+    for i in range(rounds):
+        for key in order[i % 3:] + order[: i % 3]:  # the order rotates each round
+            t, r = measure(modules[key])
+            times[key].append(t)
+            res[key].append(r)
+            nfe[key].append(modules[key].calls)
+            share[key].append(modules[key].f_share)
+    use(owner_deq)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "case": name, "rounds": rounds, "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
+        "tol": {"deqzoo": tol_o, "deqzoo+final": tol_f, "torchdeq": tol_t},
+        "returned_rel_residual": {k: statistics.median(v) for k, v in res.items()},
+        "f_calls_median": {k: statistics.median(v) for k, v in nfe.items()},
+        "f_share_median": {k: statistics.median(v) for k, v in share.items()},
+        "seconds_median": med, "seconds": times,
+        "ratio": {k: med[k] / med["torchdeq"] for k in ("deqzoo", "deqzoo+final")},
+        "torchdeq_tol_scan": scan, "deqzoo_tol_scan": scan_o, "deqzoo_final_tol_scan": scan_f,
+    }  # fmt: skip
+
+
+def format_table(results: list[dict]) -> str:
+    rows = [f"{'case':<12} {'DEQ module':<13} {'median s':>9} {'ratio':>6} {'residual':>9} {'tol':>8} "
+            f"{'f calls':>7} {'in f':>5}"]
+    for r in results:
+        for k in ("deqzoo", "deqzoo+final", "torchdeq"):
+            ratio = r["ratio"].get(k, 1.0)
+            rows.append(f"{r['case']:<12} {k:<13} {r['seconds_median'][k]:9.4f} {ratio:6.2f} "
+                        f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} "
+                        f"{r['f_calls_median'][k]:7.1f} "
+                        f"{r['f_share_median'][k]:5.0%}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deqzoo bench torchdeq-models", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller batches, 3 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per library (default 9)")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="bench_results/torchdeq_models.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (3 if args.quick else 9)
+    results = []
+    for case in filter(None, args.cases.split(",")):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}; cases: {', '.join(CASES)}")
+        results.append(bench_case(case, rounds=rounds, quick=args.quick))
+        print(format_table(results[-1:]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    print(format_table(results))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""`deqzoo bench torchdeq-models`: the TorchDEQ adapter solves the same problem as deqzoo's DEQ module,
+and the returned point's residual is measured independently of either library's statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import torchdeq_models as bench
+from deqzoo.core import DEQ, DEQConfig
+
+pytest.importorskip("torchdeq")
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    w = 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64) / 6**0.5
+    x = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    return (lambda z: (torch.tanh(z[0] @ w + x), 0.5 * z[1] + z[0][:, :2])), (
+        torch.zeros(3, 6, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64))  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["deqzoo", "torchdeq"])
+def test_both_modules_reach_the_fixed_point_and_the_residual_is_recomputed(which):
+    f, z0 = _problem()
+    cfg = DEQConfig(f_solver="anderson", f_max_iter=60, f_tol=1e-10)
+    rec = bench._Recorder(DEQ(cfg) if which == "deqzoo" else bench._TorchDEQ(cfg, 1e-10)).eval()
+    with torch.no_grad():
+        z, _ = rec(f, z0)
+    assert rec.nfe > 0 and rec.f_seconds > 0
+    fz = f(tuple(z))
+    want = torch.cat([(a - b) for a, b in zip(fz, z)], 1).norm(dim=1) / torch.cat(fz, 1).norm(dim=1)
+    assert bench._residual(rec) == pytest.approx(float(want.mean()), rel=1e-6, abs=1e-15)
+    assert bench._residual(rec) < 1e-8
+
+
+def test_table_lists_every_module():
+    r = {"case": "x", "ratio": {"deqzoo": 0.5, "deqzoo+final": 0.6},
+         "seconds_median": {"deqzoo": 1.0, "deqzoo+final": 1.2, "torchdeq": 2.0},
+         "returned_rel_residual": {"deqzoo": 1e-4, "deqzoo+final": 1e-4, "torchdeq": 1e-4},
+         "tol": {"deqzoo": 1e-3, "deqzoo+final": 2e-3, "torchdeq": 5e-3},
+         "f_calls_median": {"deqzoo": 9, "deqzoo+final": 9, "torchdeq": 8},
+         "f_share_median": {"deqzoo": 0.8, "deqzoo+final": 0.8, "torchdeq": 0.7}}  # fmt: skip
+    lines = bench.format_table([r]).splitlines()
+    assert len(lines) == 4 and lines[1].split()[1:4] == ["deqzoo", "1.0000", "0.50"]
