@@ -324,7 +324,8 @@ def _demo_cells(row: dict[str, Any]) -> list[str]:
     short = row["model"].split("/", 1)[1] if row["model"].startswith("deqzoo/") else row["model"]
     if row.get("failed"):
         return [short, "-", row["metric"], "-", "-", "-", "-"]
-    solver = row["solver"] + ("*" if row["card"] and row["solver"] != _NO_SOLVE else "")
+    # a pipeline's solvers ("anderson+fixed_point") may wrap after their "+"
+    solver = row["solver"].replace("+", "+ ") + ("*" if row["card"] and row["solver"] != _NO_SOLVE else "")
     if row["NFE"] is None:
         return [short, solver, row["metric"], "-", "-", "-", f"{row['time_s']:.2f}s"]
     return [short, solver, row["metric"], str(row["NFE"]), f"{row['residual']:.1e} {row['stop_mode']}",
@@ -334,7 +335,7 @@ def _demo_cells(row: dict[str, Any]) -> list[str]:
 def demo_table(rows: list[dict[str, Any]], width: int = DEMO_WIDTH) -> str:
     """The demo's table (model names without the `deqzoo/` prefix; * marks the card's solver) within
     `width` columns: the model and metric columns wrap when needed."""
-    return _fit_table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 0: 16})
+    return _fit_table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 1: 12, 0: 16})
 
 
 _DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solvers rerun the same demo for "
