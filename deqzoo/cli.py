@@ -1,7 +1,8 @@
 """The `deqzoo` command: list, info, predict, eval, convert, push, bench, demo.
 
 `deqzoo demo` is the main job: it loads every embedded checkpoint offline, runs each on shipped sample inputs
-with every registered solver, prints a table and writes one residual-vs-iteration PNG per model.
+with every registered solver, prints a table that fits 100 columns and writes the task's figures, one
+residual-vs-iteration PNG per model that solves (tolerance drawn) and index.html showing them all.
 """
 
 from __future__ import annotations
@@ -251,26 +252,6 @@ def _solver_names() -> list[str]:
     return [s for s in DEMO_SOLVERS if s in SOLVERS]
 
 
-def _plot(traces: dict[str, Any], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for solver, (trace, stop_mode) in traces.items():
-        values = [max(float(v), 1e-12) for v in trace]
-        ax.semilogy(range(1, len(values) + 1), values, marker=".", label=f"{solver} ({stop_mode})")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("max residual")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _task_demo(task, model, output_dir: Path):
     """A task's demo; tasks that write files (renders, sample grids) put them in the demo's folder."""
     import inspect
@@ -280,45 +261,153 @@ def _task_demo(task, model, output_dir: Path):
     return task.demo(model)
 
 
-def run_demo(names: list[str], output_dir: Path, progress: bool = True) -> tuple[list[list[str]], list[str]]:
-    """Run each checkpoint's task demo with every registered solver; returns (table rows, failures)."""
+# `deqzoo demo`'s table: one row per model and solver, at most DEMO_WIDTH characters wide (a 100-column
+# terminal); the full lines go to summary.json and index.html.
+DEMO_HEADER = ["model", "solver", "metric", "NFE", "residual", "converged", "time"]
+DEMO_WIDTH = 100
+_NO_SOLVE = "no solve"
+
+
+def _fit_table(rows: list[list[str]], header: list[str], width: int, shrink: dict[int, int]) -> str:
+    """`_table`'s layout within `width` characters: the columns in `shrink` (column -> narrowest width, in
+    the order given) are narrowed, then any column down to 4, and their cells wrapped onto continuation lines
+    until the table fits; no cell's text is lost."""
+    import textwrap
+
+    cells = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
+    gap = 2
+    order = [*shrink.items(), *((i, 4) for i in range(len(widths)))]
+    for column, narrowest in order:
+        excess = sum(widths) + gap * (len(widths) - 1) - width
+        if excess <= 0:
+            break
+        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
+
+    def lines_of(row: list[str]) -> list[str]:
+        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=False) or [""]
+                   for c, w in zip(row, widths)]
+        out = []
+        for k in range(max(len(w) for w in wrapped)):
+            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
+            out.append((" " * gap).join(parts).rstrip())
+        return out
+
+    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
+    for row in rows:
+        lines += lines_of(row)
+    return "\n".join(lines)
+
+
+def _converged(stats) -> str:
+    done, total = int(stats.converged.sum()), int(stats.converged.numel())
+    return "yes" if done == total else "no" if done == 0 else f"{done}/{total}"
+
+
+def _demo_row(name: str, solver: str, card: bool, summary: str, stats, seconds: float) -> dict[str, Any]:
+    """One solve of a model's demo as a record (summary.json, index.html) and, by `_demo_cells`, a table row;
+    a model without a solve says so instead of showing 0 evaluations and residual 0."""
+    from deqzoo.tasks._demo import demo_metric, has_solve
+
+    row: dict[str, Any] = {"model": name, "solver": solver if has_solve(stats) else _NO_SOLVE, "card": card,
+                           "metric": demo_metric(summary), "prediction": str(summary),
+                           "time_s": round(seconds, 2)}
+    if has_solve(stats):
+        row.update(NFE=int(stats.nfe), residual=float(stats.residual.max()), stop_mode=stats.stop_mode,
+                   tol=float(stats.tol), converged=_converged(stats))
+    else:
+        row.update(NFE=None, residual=None, stop_mode=None, tol=None, converged=None)
+    return row
+
+
+def _demo_cells(row: dict[str, Any]) -> list[str]:
+    short = row["model"].split("/", 1)[1] if row["model"].startswith("deqzoo/") else row["model"]
+    if row.get("failed"):
+        return [short, "-", row["metric"], "-", "-", "-", "-"]
+    # a pipeline's solvers ("anderson+fixed_point") may wrap after their "+"
+    solver = row["solver"].replace("+", "+ ") + ("*" if row["card"] and row["solver"] != _NO_SOLVE else "")
+    if row["NFE"] is None:
+        return [short, solver, row["metric"], "-", "-", "-", f"{row['time_s']:.2f}s"]
+    return [short, solver, row["metric"], str(row["NFE"]), f"{row['residual']:.1e} {row['stop_mode']}",
+            row["converged"], f"{row['time_s']:.2f}s"]
+
+
+def demo_table(rows: list[dict[str, Any]], width: int = DEMO_WIDTH) -> str:
+    """The demo's table (model names without the `deqzoo/` prefix; * marks the card's solver) within
+    `width` columns: the model and metric columns wrap when needed."""
+    return _fit_table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 1: 12, 0: 16})
+
+
+_DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solvers rerun the same demo for "
+              "the residual plot. residual: the largest over the batch, in the solve's stop mode (abs/rel); "
+              "converged: below the card's f_tol.")
+
+
+def _pngs(folder: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in folder.glob("*.png")}
+
+
+def run_demo(
+    names: list[str], output_dir: Path, progress: bool = True
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run each checkpoint's task demo with its card's solver and every other registered solver, write one
+    residual plot per model that solves (tolerance drawn) and `index.html` (the table and every PNG written
+    now); returns (one record per model and solver, failures)."""
+    import tempfile
+
     from tqdm.auto import tqdm
 
-    rows, failures = [], []
+    from deqzoo.tasks._demo import has_solve, residual_figure, save_figure, write_index
+
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    images: dict[str, list[Path]] = {}
     solvers = _solver_names()
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in tqdm(names, desc="demo", unit="model", disable=not progress):
         try:
             model, directory, meta, _ = _load(name)
             task = _task_module(directory, meta)
-            if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
-                start = time.perf_counter()
-                summary, stats = _task_demo(task, model, output_dir)
-                rows.append([str(name), summary, str(stats.nfe), f"{float(stats.residual.max()):.2e}",
-                             f"{time.perf_counter() - start:.2f}s", "-"])
-                continue
-            default = model.config.deq_config
+            before = _pngs(output_dir)
             start = time.perf_counter()
             summary, stats = _task_demo(task, model, output_dir)
             elapsed = time.perf_counter() - start
-            traces = {f"{default.f_solver} (card)": (stats.trace.tolist(), stats.stop_mode)}
+            written = sorted(p for p, t in _pngs(output_dir).items() if before.get(p) != t)
+            images[str(name)] = written
+            if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
+                rows.append(_demo_row(str(name), getattr(stats, "solver", ""), True, summary, stats, elapsed))
+                continue
+            default = model.config.deq_config
+            rows.append(_demo_row(str(name), default.f_solver, True, summary, stats, elapsed))
+            if not has_solve(stats):  # an explicit network (the RAFT twin): no solver to compare, no plot
+                continue
+            traces = {f"{default.f_solver} (card)": stats}
             policy = model.config.on_nonconvergence
-            for solver in tqdm(solvers, desc=name, leave=False, disable=not progress):
-                if solver == default.f_solver:
-                    continue
-                # the comparison solvers are drawn, residuals and all: one that misses the card's tolerance
-                # is what the plot shows, not a warning about the card's own settings
-                model.set_deq(f_solver=solver, on_nonconvergence="ignore")
-                _, solver_stats = _task_demo(task, model, output_dir)
-                traces[solver] = (solver_stats.trace.tolist(), solver_stats.stop_mode)
+            # the comparison runs write their task files elsewhere: the folder shows the card's solve
+            with tempfile.TemporaryDirectory(prefix="deqzoo-demo-") as scratch:
+                for solver in tqdm(solvers, desc=name, leave=False, disable=not progress):
+                    if solver == default.f_solver:
+                        continue
+                    # the comparison solvers are drawn, residuals and all: one that misses the card's
+                    # tolerance is what the plot shows, not a warning about the card's own settings
+                    model.set_deq(f_solver=solver, on_nonconvergence="ignore")
+                    start = time.perf_counter()
+                    solver_summary, solver_stats = _task_demo(task, model, Path(scratch))
+                    row = _demo_row(str(name), solver, False, solver_summary, solver_stats,
+                                    time.perf_counter() - start)
+                    row["prediction"] = row["prediction"].replace(scratch, "(not kept)")  # files deleted
+                    rows.append(row)
+                    traces[solver] = solver_stats
             model.set_deq(f_solver=default.f_solver, on_nonconvergence=policy)
             png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"
-            _plot(traces, f"{name}: forward solve", png)
-            rows.append([str(name), summary, str(stats.nfe), f"{float(stats.residual.max()):.2e}",
-                         f"{elapsed:.2f}s", str(png)])
+            images[str(name)].append(save_figure(residual_figure(traces, f"{name}: forward solve"), png))
         except Exception as err:  # noqa: BLE001 - report every model, then fail
             failures.append(f"{name}: {type(err).__name__}: {err}")
-            rows.append([str(name), f"FAILED: {type(err).__name__}", "-", "-", "-", "-"])
+            rows.append({"model": str(name), "failed": True, "metric": f"FAILED: {type(err).__name__}",
+                         "prediction": f"FAILED: {type(err).__name__}: {err}"})
+    page_rows = [_demo_cells(r) + [r["prediction"]] for r in rows]
+    write_index(output_dir / "index.html", [*DEMO_HEADER, "full output"], page_rows, images,
+                intro=_DEMO_NOTE)
     return rows, failures
 
 
@@ -338,14 +427,22 @@ def cmd_demo(args) -> int:
               "nothing to run. "
               "Add a folder under model_cards/ and run `python -m utils.catalog`.")
         return 0
-    rows, failures = run_demo(names, Path(args.output_dir), progress=not args.no_progress)
-    header = ["model", "prediction", "NFE", "final residual", "time", "plot"]
-    print(_table(rows, header))
-    summary = Path(args.output_dir) / "summary.json"
-    summary.write_text(json.dumps([dict(zip(header, row)) for row in rows], indent=2) + "\n")
+    output_dir = Path(args.output_dir)
+    rows, failures = run_demo(names, output_dir, progress=not args.no_progress)
+    print(demo_table(rows))
+    print(_wrap_note(_DEMO_NOTE))
+    print("the plots and the full table (open in a browser):")
+    print(f"  {output_dir / 'index.html'}")  # the only line as long as the user's path
+    (output_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _wrap_note(text: str, width: int = DEMO_WIDTH) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width)
 
 
 def cmd_app(args) -> int:

@@ -172,7 +172,9 @@ def demo(model) -> tuple[str, SolverStats]:
         f"{correct.float().mean().item():.4f}, accuracy at the last chain position {last:.4f}; "
         f"solve: {stats.nfe} f-evals, final residual {stats.abs_residual.max().item():.2e}"
     )
-    return line, stats
+    from ._demo import DemoSummary
+
+    return DemoSummary(line, f"accuracy {correct.float().mean().item():.3f} (last {last:.3f})"), stats
 
 
 # Documented limits of `deqzoo predict` for graphs: generated chain length, size of a graph JSON file.

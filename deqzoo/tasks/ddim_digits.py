@@ -195,7 +195,9 @@ def demo(pipe, output_dir: str | Path = "demo_output"):
     every run); returns a summary line and the solve's stats."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     path, stats = sample_grid(pipe, Path(output_dir) / "ddim-digits-16_samples.png", n=16)
-    return f"16 digits sampled by DEQ-DDIM (T=10) -> {path}", stats
+    from ._demo import DemoSummary
+
+    return DemoSummary(f"16 digits sampled by DEQ-DDIM (T=10) -> {path}", "16 samples, T=10"), stats
 
 
 def predict(pipe, input: str) -> str:

@@ -541,9 +541,80 @@ def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
     return path
 
 
+def colour_key(size: int = 101) -> torch.Tensor:
+    """The colour wheel of `flow_to_image` (uint8 (3, size, size)): the pixel at offset (dx, dy) from the
+    centre has the colour of the flow (dx, dy) (image axes: y down) scaled so the rim is the largest flow;
+    white outside the disk. A flow image coloured together with the wheel's rim reads off it directly."""
+    from torchvision.utils import flow_to_image
+
+    axis = torch.linspace(-1.0, 1.0, size)
+    y, x = torch.meshgrid(axis, axis, indexing="ij")
+    inside = x**2 + y**2 <= 1.0
+    field = torch.stack([x, y]) * inside  # zero outside: the largest flow is the rim's, 1
+    rgb = flow_to_image(field)
+    rgb[:, ~inside] = 255
+    return rgb
+
+
+def _to_hwc(image: torch.Tensor) -> np.ndarray:
+    """(3, H, W) float in [0, 1] or uint8 -> (H, W, 3) for imshow."""
+    arr = image.detach().cpu()
+    if arr.dtype != torch.uint8:
+        arr = (arr.float().clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+    return arr.permute(1, 2, 0).numpy()
+
+
+def flow_figure(pair: FlowPair | None, image1: torch.Tensor, image2: torch.Tensor, pred: torch.Tensor,
+                title: str):
+    """The demo's flow figure (a matplotlib Figure): both input frames, the ground truth (when `pair` has
+    one; black where it is not valid), the predicted flow with its EPE, and the colour key. Ground truth and
+    prediction are coloured together by torchvision's flow_to_image (one scale: the larger of their largest
+    flows), and the key's rim is that largest flow, in pixels."""
+    from matplotlib.figure import Figure
+    from torchvision.utils import flow_to_image
+
+    pred = pred.detach().float().cpu()
+    flows = [pred]
+    if pair is not None:
+        truth = torch.where(pair.valid[None], pair.flow, torch.zeros_like(pair.flow))
+        flows.insert(0, truth)
+    stacked = torch.stack(flows)
+    rgb = flow_to_image(stacked)  # one normalisation for the whole batch: comparable colours
+    scale = float(torch.linalg.vector_norm(stacked, dim=1).max())
+    panels = [("frame 1", _to_hwc(image1)), ("frame 2", _to_hwc(image2))]
+    if pair is not None:
+        truth_rgb = rgb[0].clone()
+        truth_rgb[:, ~pair.valid] = 0
+        panels.append(("ground truth (black: none)", _to_hwc(truth_rgb)))
+        panels.append((f"predicted, EPE {epe(pred, pair.flow, pair.valid):.2f} px", _to_hwc(rgb[-1])))
+    else:
+        panels.append(("predicted", _to_hwc(rgb[-1])))
+    h, w = image1.shape[-2:]
+    fig = Figure(figsize=(2.6 * (len(panels) + 0.8), 2.6 * h / w + 1.0), layout="constrained")
+    widths = [1.0] * len(panels) + [0.6 * h / w]
+    axes = fig.subplots(1, len(panels) + 1, gridspec_kw={"width_ratios": widths})
+    for ax, (name, image) in zip(axes, panels):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(name, fontsize="small")
+        ax.set_axis_off()
+    key = axes[-1]
+    key.imshow(_to_hwc(colour_key()), extent=(-scale, scale, scale, -scale))
+    key.set_title(f"colour key\n(rim = {scale:.1f} px)", fontsize="small")
+    key.set_xlabel("x flow (px)", fontsize="x-small")
+    key.set_ylabel("y flow (px, down)", fontsize="x-small")
+    key.tick_params(labelsize="x-small")
+    fig.suptitle(title, fontsize="medium")
+    return fig
+
+
 def demo(model, output_dir: str | Path = "demo_output"):
-    """Flow of one held-out pair and of the motorcycle stereo pair, written as colour PNGs into `output_dir`
-    (replaced on every run); returns (summary line, the motorcycle solve's statistics)."""
+    """Flow of one held-out pair and of the motorcycle stereo pair, each written as a figure (frames, ground
+    truth, prediction, colour key; `flow_figure`) into `output_dir` (replaced on every run); returns (summary
+    line with the EPEs as its metric, the motorcycle solve's statistics: `SolverStats.no_solve()` for the
+    explicit RAFT twin)."""
+    from ..core import SolverStats
+    from ._demo import DemoSummary, save_figure
+
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = synthetic_pair(0, EVAL_SIZE, "held-out")
@@ -553,18 +624,18 @@ def demo(model, output_dir: str | Path = "demo_output"):
         syn = model(pair.image1[None], pair.image2[None])
         out = model(moto.image1[None], moto.image2[None])
     name = Path(str(getattr(model, "name_or_path", "") or "deq-flow")).name
-    p1 = flow_png(syn.flow[0], out_dir / f"{name}_held_out_flow.png")
-    p2 = flow_png(out.flow[0], out_dir / f"{name}_motorcycle_flow.png")
-    stats = out.deq_stats
-    if stats is None:  # the explicit twin has no solve
-        from ..core import SolverStats
-
-        stats = SolverStats.no_solve()
+    syn_epe, moto_epe = epe(syn.flow[0], pair.flow, pair.valid), epe(out.flow[0], moto.flow, moto.valid)
+    p1 = save_figure(flow_figure(pair, pair.image1, pair.image2, syn.flow[0],
+                                 f"{name}: held-out synthetic pair"), out_dir / f"{name}_held_out_flow.png")
+    p2 = save_figure(flow_figure(moto, moto.image1, moto.image2, out.flow[0],
+                                 f"{name}: motorcycle stereo pair (1/4 res)"),
+                     out_dir / f"{name}_motorcycle_flow.png")
+    stats = out.deq_stats if out.deq_stats is not None else SolverStats.no_solve()  # the explicit twin
     summary = (
-        f"held-out pair EPE {epe(syn.flow[0], pair.flow, pair.valid):.2f} px -> {p1}; motorcycle "
-        f"(1/4 res) disparity EPE {epe(out.flow[0], moto.flow, moto.valid):.2f} px -> {p2}"
+        f"held-out pair EPE {syn_epe:.2f} px -> {p1}; motorcycle "
+        f"(1/4 res) disparity EPE {moto_epe:.2f} px -> {p2}"
     )
-    return summary, stats
+    return DemoSummary(summary, f"EPE {syn_epe:.2f} px held-out, {moto_epe:.2f} px motorcycle"), stats
 
 
 def _read_image(path: str) -> torch.Tensor:

@@ -192,9 +192,13 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     name = Path(getattr(model, "name_or_path", "") or "implicit2").name
     path = out_dir / f"{name}_{2 * size}x{2 * size}.png"
     _save_png(image, path)
-    summary = (
-        f"{s['image']} ({s['split']}, {size}x{size}): PSNR {psnr(values, data.test_values):.2f} dB; "
-        f"rendered at 2x ({2 * size}x{2 * size}) to {path}"
+    from ._demo import DemoSummary
+
+    score = psnr(values, data.test_values)
+    summary = DemoSummary(
+        f"{s['image']} ({s['split']}, {size}x{size}): PSNR {score:.2f} dB; "
+        f"rendered at 2x ({2 * size}x{2 * size}) to {path}",
+        f"PSNR {score:.2f} dB",
     )
     st = (render_stats or [None])[0]
     if st is None:  # explicit networks have no solve

@@ -128,7 +128,10 @@ def demo(model) -> tuple[str, SolverStats]:
     names = _labels(model)
     shown = " ".join(names.get(p, str(p)) for p in pred)
     right = sum(int(p == t) for p, t in zip(pred, y.tolist()))
-    return f"digits 0-9 -> predicted {shown} ({right}/10 correct)", out.deq_stats
+    from ._demo import DemoSummary
+
+    summary = DemoSummary(f"digits 0-9 -> predicted {shown} ({right}/10 correct)", f"{right}/10 correct")
+    return summary, out.deq_stats
 
 
 # Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.

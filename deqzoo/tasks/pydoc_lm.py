@@ -169,8 +169,12 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     with torch.no_grad():
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
+    from ._demo import DemoSummary
+
     text, _ = _generate(model, DEMO_PROMPT)
-    return (DEMO_PROMPT + text).replace("\n", " "), stats
+    words = " ".join(text.split())
+    metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'  # no score: a sample of it
+    return DemoSummary((DEMO_PROMPT + text).replace("\n", " "), metric), stats
 
 
 def predict(model, input: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -140,11 +141,17 @@ def test_cli_demo_writes_png_per_model(embedded, tmp_path, capsys):
     out_dir = tmp_path / "demo"
     assert cli_main(["demo", "--output-dir", str(out_dir), "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "deqzoo/toy-deq-tiny" in text and "NFE" in text and "final residual" in text
+    assert "toy-deq-tiny" in text and "NFE" in text and "residual" in text
+    # a 100-column terminal (the path of index.html is as long as the folder the user named)
+    assert max(len(line) for line in text.splitlines() if str(out_dir) not in line) <= 100
+    assert f"  {out_dir / 'index.html'}" in text.splitlines()
     rows = json.loads((out_dir / "summary.json").read_text())
-    assert rows[0]["model"] == "deqzoo/toy-deq-tiny" and int(rows[0]["NFE"]) > 0
+    assert rows[0]["model"] == "deqzoo/toy-deq-tiny" and rows[0]["card"] and int(rows[0]["NFE"]) > 0
+    assert {r["solver"] for r in rows} >= {"fixed_point", "anderson", "broyden"}  # one row per solver
     pngs = list(out_dir.glob("*.png"))
     assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out_dir / "index.html").read_text(encoding="utf-8")
+    assert re.findall(r'<img src="([^"]+)"', page) == [pngs[0].name]  # every PNG written, linked relatively
 
 
 def test_cli_demo_comparison_solvers_do_not_warn_about_the_card(tmp_path):
@@ -163,7 +170,7 @@ def test_cli_demo_comparison_solvers_do_not_warn_about_the_card(tmp_path):
     with warnings.catch_warnings(record=True) as caught:  # the card's own solver may still warn
         warnings.simplefilter("always")
         rows, failures = run_demo([name], tmp_path, progress=False)
-    assert not failures and rows[0][0] == name
+    assert not failures and rows[0]["model"] == name
     ours = [str(w.message) for w in caught if issubclass(w.category, DEQNonConvergenceWarning)]
     assert not any("fixed_point" in m or "broyden" in m for m in ours), ours
     assert (tmp_path / "deq-transformer-tiny-pydoc_residuals.png").is_file()
