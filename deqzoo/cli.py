@@ -385,7 +385,9 @@ def run_demo(
             policy = model.config.on_nonconvergence
             # the comparison runs write their task files elsewhere: the folder shows the card's solve
             with tempfile.TemporaryDirectory(prefix="deqzoo-demo-") as scratch:
-                for solver in tqdm(solvers, desc=name, leave=False, disable=not progress):
+                # a reversible DEQ runs its own coupled iteration whatever f_solver says: nothing to compare
+                others = [] if default.b_mode == "reversible" else solvers
+                for solver in tqdm(others, desc=name, leave=False, disable=not progress):
                     if solver == default.f_solver:
                         continue
                     # the comparison solvers are drawn, residuals and all: one that misses the card's

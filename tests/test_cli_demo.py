@@ -172,3 +172,13 @@ def test_demo_of_the_raft_twin_shows_no_solve_and_writes_no_residual_plot(tmp_pa
     assert _srcs(tmp_path / "index.html") == pngs
     line = demo_table(rows).splitlines()[2]
     assert line.split()[1:3] == ["no", "solve"] and line.split()[-4:-1] == ["-", "-", "-"]
+
+
+def test_demo_of_a_reversible_deq_compares_no_solvers(tmp_path):
+    """A reversible DEQ (b_mode="reversible") runs its own coupled iteration whatever `f_solver` says, so the
+    demo shows its card's solve only: one row, one residual plot, no identical 'comparison' rows."""
+    name = "deqzoo/mdeq-tiny-mnist-reversible"
+    rows, failures = run_demo([name], tmp_path, progress=False)
+    assert failures == []
+    assert len(rows) == 1 and rows[0]["card"]
+    assert (tmp_path / "mdeq-tiny-mnist-reversible_residuals.png").is_file()
