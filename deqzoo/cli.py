@@ -285,7 +285,7 @@ def _fit_table(rows: list[list[str]], header: list[str], width: int, shrink: dic
         widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
 
     def lines_of(row: list[str]) -> list[str]:
-        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=False) or [""]
+        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
                    for c, w in zip(row, widths)]
         out = []
         for k in range(max(len(w) for w in wrapped)):
