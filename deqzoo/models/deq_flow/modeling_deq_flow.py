@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
 from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
@@ -512,12 +513,13 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             # activation checkpointing (transformers' convention, per block as per decoder layer there): only
             # each stage's input is kept and the backward recomputes one stage at a time (the whole encoder as
             # one checkpoint would bring all its activations back at once in the backward). The residual
-            # blocks checkpoint themselves (CheckpointedResidualBlock), the final conv here, in torchvision's
-            # FeatureEncoder.forward order. The stem runs normally: it is get_input_embeddings(), whose output
-            # transformers makes require grad for reentrant checkpointing (inside a reentrant checkpoint that
-            # would be lost). BatchNorm updates its running statistics twice per step, as under any
-            # checkpointing.
-            x = encoder.layer3(encoder.layer2(encoder.layer1(encoder.convnormrelu(x))))
+            # blocks checkpoint themselves (CheckpointedResidualBlock), the stem and the final conv here, in
+            # torchvision's FeatureEncoder.forward order. The stem's input (the images) never requires grad,
+            # so it is always checkpointed without reentrance: a reentrant checkpoint would return an output
+            # without grad and the stem's weights would get none. BatchNorm updates its running statistics
+            # twice per step, as under any checkpointing.
+            x = torch.utils.checkpoint.checkpoint(encoder.convnormrelu, x, use_reentrant=False)
+            x = encoder.layer3(encoder.layer2(encoder.layer1(x)))
             return self._gradient_checkpointing_func(encoder.conv.__call__, x)
         return encoder(x)
 
