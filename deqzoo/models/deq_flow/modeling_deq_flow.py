@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
 from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
 from ...core.regularize import FP_WEIGHTS
@@ -376,6 +378,12 @@ class FlowFeatures:
         return FlowFeatures(leaf(self.context), [leaf(t) for t in self.pyramid])
 
 
+class CheckpointedResidualBlock(GradientCheckpointingLayer, tv_raft.ResidualBlock):
+    """torchvision's RAFT residual block (same parameters and forward) as a transformers
+    GradientCheckpointingLayer: ``activation_checkpointing_enable()`` makes it recompute in backward, as
+    transformers' own layers do."""
+
+
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
     """Weights I/O for DEQ-Flow models (config class, prefix); torchvision's blocks initialise themselves."""
 
@@ -415,10 +423,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         c = config
         enc = c.encoder_layers
         self.feature_encoder = tv_raft.FeatureEncoder(
-            block=tv_raft.ResidualBlock, layers=(*enc, c.feature_dim), norm_layer=_norm_layer(c.feature_norm)
+            block=CheckpointedResidualBlock, layers=(*enc, c.feature_dim),
+            norm_layer=_norm_layer(c.feature_norm),
         )
         self.context_encoder = tv_raft.FeatureEncoder(
-            block=tv_raft.ResidualBlock, layers=(*enc, c.context_dim), norm_layer=_norm_layer(c.context_norm)
+            block=CheckpointedResidualBlock, layers=(*enc, c.context_dim),
+            norm_layer=_norm_layer(c.context_norm),
         )
         self.corr_block = tv_raft.CorrBlock(num_levels=c.corr_levels, radius=c.corr_radius)
         motion = tv_raft.MotionEncoder(
@@ -501,14 +511,16 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
     def _encoder(self, encoder: tv_raft.FeatureEncoder, x: torch.Tensor) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             # activation checkpointing (transformers' convention, per block as per decoder layer there): only
-            # each residual block's input is kept and the backward recomputes one block at a time (the whole
-            # encoder as one checkpoint would bring all its activations back at once in the backward). The
-            # blocks are torchvision's FeatureEncoder.forward in order. BatchNorm updates its running
-            # statistics twice per step, as under any checkpointing.
-            stages = (encoder.convnormrelu, *encoder.layer1, *encoder.layer2, *encoder.layer3, encoder.conv)
-            for stage in stages:
-                x = self._gradient_checkpointing_func(stage.__call__, x)
-            return x
+            # each stage's input is kept and the backward recomputes one stage at a time (the whole encoder as
+            # one checkpoint would bring all its activations back at once in the backward). The residual
+            # blocks checkpoint themselves (CheckpointedResidualBlock), the stem and the final conv here, in
+            # torchvision's FeatureEncoder.forward order. The stem's input (the images) never requires grad,
+            # so it is always checkpointed without reentrance: a reentrant checkpoint would return an output
+            # without grad and the stem's weights would get none. BatchNorm updates its running statistics
+            # twice per step, as under any checkpointing.
+            x = torch.utils.checkpoint.checkpoint(encoder.convnormrelu, x, use_reentrant=False)
+            x = encoder.layer3(encoder.layer2(encoder.layer1(x)))
+            return self._gradient_checkpointing_func(encoder.conv.__call__, x)
         return encoder(x)
 
     def _features(self, image1: torch.Tensor, image2: torch.Tensor) -> FlowFeatures:

@@ -637,6 +637,10 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
             torch.Size([1, 2, 53])
         """
         c = self.config
+        if pad_to_multiple_of is not None and not isinstance(pad_to_multiple_of, int):
+            raise ValueError(  # transformers' message, which its users match
+                f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not "
+                "and integer. Please make sure to pass an integer")
         if new_num_tokens is None:
             return self.get_input_embeddings()
         if pad_to_multiple_of:
@@ -669,7 +673,7 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
         head.out_biases[-1] = resized(head.out_biases[-1])
         if not c.tie_weights:
             head.out_weights[-1] = resized(head.out_weights[-1])
-        c.vocab_size = new_num_tokens
+        c.vocab_size = self.vocab_size = new_num_tokens  # both, as transformers' own resize does
         return self.get_input_embeddings()
 
     def forward(
