@@ -110,3 +110,50 @@ def test_plot_draws_every_run_and_reports_the_first_step_at_the_target(tmp_path)
         assert r["first_step_at_10dB"] == first and r["step"] == 4 and r["psnr"] == p["psnr"][-1]
     with pytest.raises(ValueError, match="no psnr.json"):
         tl.plot([tmp_path], tmp_path / "x.png")
+
+
+def test_make_cards_long_mode_writes_the_card_from_the_latest_state_with_the_twin_curve(tmp_path):
+    from deqzoo.hub.cards import read_model_card
+    from examples.implicit2 import make_cards
+
+    runs, cards = tmp_path / "runs", tmp_path / "cards"
+    for network in ("siren-imp-1l256d", "siren-exp-4l256d"):
+        tl.train(network, runs / network, 4, size=SIZE, eval_every=2, progress=False)
+    assert make_cards.main(["--long", str(runs), "--cards-dir", str(cards)]) == 0
+    assert not (cards / "implicit2-igabor-mfn-camera").exists()  # no Gabor run: skipped
+    card = cards / "implicit2-isiren-camera"
+    imp = json.loads((runs / "siren-imp-1l256d" / "psnr.json").read_text())
+    exp = json.loads((runs / "siren-exp-4l256d" / "psnr.json").read_text())
+    state = tl.latest_state(runs / "siren-imp-1l256d")
+    assert (card / "model.safetensors").read_bytes() == (state / "model.safetensors").read_bytes()
+    meta, _ = read_model_card(card)
+    metrics = meta["model-index"][0]["results"][0]["metrics"]
+    psnr = next(m["value"] for m in metrics if m["type"] == "psnr")
+    assert psnr == round(imp["psnr"][-1], 2)
+    text = (card / "README.md").read_text()
+    for st in (2, 4):  # the side-by-side curve at the common evaluated steps
+        a, b = imp["psnr"][imp["eval_steps"].index(st)], exp["psnr"][exp["eval_steps"].index(st)]
+        assert f"| {st} | {a:.2f} | {b:.2f} | {a - b:+.2f} |" in text
+    assert "train_long train siren-imp-1l256d --steps 4" in text
+    with pytest.raises(SystemExit):
+        make_cards.main(["--cards-dir", str(cards)])  # neither a bench folder nor --long
+
+
+@pytest.mark.extended  # two evaluations at 256² (~10 s on a free core, 35 s on the shared machine)
+def test_make_cards_bench_mode_still_writes_the_embedded_cards_byte_for_byte(tmp_path):
+    """The --long refactor leaves the bench path as it was: the embedded cards regenerate unchanged from
+    their checkpoints and the committed bench records."""
+    import shutil
+
+    from examples.implicit2 import make_cards
+
+    names = ("implicit2-isiren-camera", "implicit2-igabor-mfn-camera")
+    for name in names:
+        (tmp_path / name).mkdir()
+        for f in ("config.json", "model.safetensors"):
+            shutil.copyfile(make_cards.ROOT / "model_cards" / name / f, tmp_path / name / f)
+    bench = make_cards.ROOT / "examples" / "implicit2" / "results" / "bench256"
+    assert make_cards.main([str(bench), str(bench), "--cards-dir", str(tmp_path)]) == 0
+    for name in names:
+        want = (make_cards.ROOT / "model_cards" / name / "README.md").read_text()
+        assert (tmp_path / name / "README.md").read_text() == want
