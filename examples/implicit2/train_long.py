@@ -247,6 +247,20 @@ def _write_psnr(out: Path, run: dict[str, Any], history: dict[str, Any], step: i
     })
 
 
+def _resumed_model(state: Path, built):
+    """The network a run continues with: its own saved config (the recipe it started with, e.g. its solver
+    tolerance), not what today's defaults would build; a difference is reported."""
+    from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
+
+    if not (state / "config.json").is_file():
+        raise ValueError(f"{state}: missing config.json; the state folder is incomplete")
+    saved = Implicit2Config.from_pretrained(str(state))
+    if saved.deq_config != built.config.deq_config:
+        print(f"note: resuming with the run's own solver settings {saved.deq_config} (today's defaults "
+              f"would build {built.config.deq_config})", file=sys.stderr)
+    return Implicit2ForSignalRepresentation(saved)
+
+
 class _StopFlag:
     """Set by SIGTERM / SIGINT: the loop saves after the step in progress and exits."""
 
@@ -287,8 +301,10 @@ def train(network: str, out: Path, steps: int, *, size: int = 256, image: str = 
 
     data = image_data(image, size)
     model = _build(s, data, seed)
-    fitter = Fitter(model, data.train_coords, data.train_values, lr=lr, reuse=s["reuse"])
     state = latest_state(out)
+    if state is not None:
+        model = _resumed_model(state, model)
+    fitter = Fitter(model, data.train_coords, data.train_values, lr=lr, reuse=s["reuse"])
     if state is not None:
         start, history = load_state(state, fitter, data.train_coords)
     else:

@@ -157,3 +157,22 @@ def test_make_cards_bench_mode_still_writes_the_embedded_cards_byte_for_byte(tmp
     for name in names:
         want = (make_cards.ROOT / "model_cards" / name / "README.md").read_text()
         assert (tmp_path / name / "README.md").read_text() == want
+
+
+def test_a_resumed_run_keeps_its_own_solver_settings_when_the_defaults_change(tmp_path, monkeypatch):
+    """A run continues with the config it saved (e.g. f_tol 1e-2), even if the code's defaults moved (a
+    later checkout building the network with another tolerance): the result equals the uninterrupted run."""
+    network, kw = "gabor-imp-1l256d", dict(size=SIZE, eval_every=2, progress=False)
+    whole = tl.train(network, tmp_path / "whole", 4, **kw)
+    tl.train(network, tmp_path / "split", 4, stop_after=2, **kw)
+    build = tl._build
+
+    def moved_defaults(setting, data, seed):
+        model = build(setting, data, seed)
+        model.set_deq(f_tol=1e-6)  # what a changed default tolerance would build
+        return model
+
+    monkeypatch.setattr(tl, "_build", moved_defaults)
+    resumed = tl.train(network, tmp_path / "split", 4, **kw)
+    assert resumed["loss"] == whole["loss"] and resumed["psnr"] == whole["psnr"]
+    assert resumed["nfe"] == whole["nfe"]
