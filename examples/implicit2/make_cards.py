@@ -10,6 +10,10 @@ README.md;
 the metrics are recomputed here with ``deqzoo.tasks.implicit2.evaluate`` on the copied checkpoint, so they are
 exactly what ``deqzoo eval deqzoo/<name>`` prints. A second bench directory (the side-by-side comparison)
 adds its table to the card.
+
+Long fits (`train_long.py`, issue #32): ``make_cards.py --long RUNS`` takes each card's network from
+RUNS/<network> (its latest state) and its explicit 4L twin's curve from RUNS/<twin> for the side-by-side
+PSNR-vs-step table.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ CARDS = {
     "rep-siren-imp-1l256d": ("implicit2-isiren-camera", "iSIREN 1L-256D", "siren"),
     "rep-gabor-imp-1l256d": ("implicit2-igabor-mfn-camera", "Gabor-iMFN 1L-256D", "gabor"),
 }
+# the explicit network each card is compared with in a long fit (the same recipe, steps and data)
+LONG_TWINS = {"rep-siren-imp-1l256d": "siren-exp-4l256d", "rep-gabor-imp-1l256d": "gabor-exp-4l256d"}
+LONG_TRAIN = (
+    "python -m examples.implicit2.train_long train {network} --steps {steps} --save-every 25 "
+    "--eval-every 25 --out RUNS/{network}\n"
+    "python -m examples.implicit2.train_long train {twin} --steps {steps} --save-every 25 "
+    "--eval-every 25 --out RUNS/{twin}\n"
+    "python examples/implicit2/make_cards.py --long RUNS"
+)
 TRAIN = (
     "python -m deqzoo.cli bench implicit2 --size 256 --steps 110 --t-steps 40 --filters gabor,siren "
     "--groups rep,reuse,T --only {setting} --save-models outputs/i2bench256/models --out outputs/i2bench256"
@@ -103,25 +116,91 @@ def generalization_table(path: Path) -> str:
     )
 
 
+def _thin(evals: list, keep: int = 12) -> list:
+    """At most about `keep` evenly spaced entries of a curve, always with its last one."""
+    stride = max(1, len(evals) // keep)
+    out = evals[stride - 1 :: stride]
+    return out if out and out[-1] == evals[-1] else [*out, evals[-1]]
+
+
+def long_record(folder: Path) -> tuple[Path, dict]:
+    """A train_long.py run folder as (its latest state folder, a record shaped like the bench's)."""
+    from examples.implicit2.train_long import latest_state
+
+    state = latest_state(folder)
+    if state is None:
+        raise ValueError(f"{folder}: no saved state (OUT/latest); not a train_long.py run or not started")
+    run = json.loads((folder / "run.json").read_text())
+    meta = json.loads((state / "trainer.json").read_text())
+    hist = meta["history"]
+    rec = {**run["setting"], "seed": run["seed"], "steps": meta["step"], "step_time": hist["step_time"],
+           "nfe": hist["nfe"], "eval": [(st, v) for st, v, *_ in hist["eval"] if st > 0]}
+    return state, rec
+
+
+def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str:
+    """Markdown: the PSNR-vs-step curves of a long implicit fit and its explicit twin at their common
+    evaluated steps, and the first step each reached `target` dB."""
+    exp = dict(explicit["eval"])
+    common = [(st, v, exp[st]) for st, v in implicit["eval"] if st in exp]
+    if not common:
+        return ""
+    rows = ["| step | implicit 1L (dB) | explicit 4L (dB) | difference (dB) |", "|---|---|---|---|"]
+    rows += [f"| {st} | {a:.2f} | {b:.2f} | {a - b:+.2f} |" for st, a, b in _thin(common)]
+
+    def first(rec: dict) -> str:
+        st = next((st for st, v in rec["eval"] if v >= target), None)
+        return f"step {st}" if st is not None else f"not within {rec['eval'][-1][0]} steps"
+
+    return (
+        f"\n## PSNR against step, implicit vs explicit 4L-256D (same data, seed, optimizer, steps)\n\n"
+        f"`train_long.py` runs of both networks, evaluated every {implicit['eval'][0][0]} steps from a zero "
+        f"initial state on every pixel. {target:g} dB reached: implicit {first(implicit)}, explicit "
+        f"{first(explicit)}. Training time (one thread of a shared CPU, nice 19): implicit "
+        f"{sum(implicit['step_time']) / 60:.0f} min for {implicit['steps']} steps, explicit "
+        f"{sum(explicit['step_time']) / 60:.0f} min for {explicit['steps']} steps.\n\n"
+        + "\n".join(rows) + "\n"
+    )
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("bench", type=Path, help="the bench output folder holding models/ and runs/")
+    parser.add_argument("bench", type=Path, nargs="?",
+                        help="the bench output folder holding models/ and runs/")
     parser.add_argument("compare", type=Path, nargs="?", help="a second bench folder (side-by-side table)")
+    parser.add_argument("--long", type=Path,
+                        help="a folder of train_long.py run folders (instead of a bench)")
+    parser.add_argument("--cards-dir", type=Path, default=ROOT / "model_cards", help="where the cards go")
     args = parser.parse_args(argv)
     bench, compare = args.bench, args.compare
+    if (bench is None) == (args.long is None):
+        parser.error("give a bench folder or --long RUNS (one of them)")
     for setting, (name, title, filt) in CARDS.items():
-        src = bench / "models" / setting
-        run = bench / "runs" / f"{setting}.json"
-        dst = ROOT / "model_cards" / name
-        if not src.exists() and (dst / "model.safetensors").exists():
-            src = dst  # no new fit: the card is rewritten around the embedded checkpoint
-        if not src.exists() or not run.exists():
-            print(f"skip {name}: {src} not trained yet")
-            continue
-        rec = json.loads(run.read_text())
+        dst = args.cards_dir / name
+        extra, train_command = "", TRAIN.format(setting=setting) + (
+            "\npython examples/implicit2/make_cards.py outputs/i2bench256")
+        if args.long is not None:
+            network, twin = setting.removeprefix("rep-"), LONG_TWINS[setting]
+            if not (args.long / network / "latest").exists():
+                print(f"skip {name}: {args.long / network} has no saved state")
+                continue
+            src, rec = long_record(args.long / network)
+            if (args.long / twin / "latest").exists():
+                extra = long_comparison(rec, long_record(args.long / twin)[1])
+            train_command = LONG_TRAIN.format(network=network, twin=twin, steps=rec["steps"])
+        else:
+            src = bench / "models" / setting
+            run = bench / "runs" / f"{setting}.json"
+            if not src.exists() and (dst / "model.safetensors").exists():
+                src = dst  # no new fit: the card is rewritten around the embedded checkpoint
+            if not src.exists() or not run.exists():
+                print(f"skip {name}: {src} not trained yet")
+                continue
+            rec = json.loads(run.read_text())
+            extra = comparison_table(compare) if compare else ""
         dst.mkdir(parents=True, exist_ok=True)
         if src != dst:
             for f in ("config.json", "model.safetensors"):
@@ -129,8 +208,15 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(1)
         model = Implicit2ForSignalRepresentation.from_pretrained(dst)
         result = evaluate(model, progress=False)
+        rec.setdefault("params", sum(p.numel() for p in model.parameters()))
+        rec.setdefault("f_tol", model.config.deq_config.f_tol)
         minutes = sum(rec["step_time"]) / 60
-        curve = ", ".join(f"step {s}: {v:.2f} dB" for s, v in rec["eval"])
+        curve = ", ".join(f"step {s}: {v:.2f} dB" for s, v in _thin(rec["eval"]))
+        regime = (
+            f"this checkpoint is a short fit ({rec['steps']} steps at {rec['size']}x{rec['size']}) and is "
+            "far from\nconverged." if rec["steps"] < 1000 else
+            f"this checkpoint: {rec['steps']} steps at {rec['size']}x{rec['size']}, {result['psnr']} dB."
+        )
         nfe = rec["nfe"]
         body = f"""
 An Implicit² representation (Huang, Bai & Kolter, "(Implicit)²: Implicit Layers for Implicit Representations",
@@ -156,16 +242,15 @@ its frequencies per pixel: input scale {rec["input_scale"]:g} / sqrt(2) at {rec[
 {"128" if filt == "siren" else "256"} at 512 px).
 Training time: {minutes:.1f} min on one thread of a shared CPU. PSNR from a zero initial state during
 training:
-{curve}. Forward f-evaluations per training step: {nfe[0]} at step 1, mean {np.mean(nfe[100:]):.2f}
+{curve}. Forward f-evaluations per training step: {nfe[0]} at step 1, mean {np.mean(nfe[100:] or nfe):.2f}
 after step 100.
 
 `model.render(h, w)` draws it at any resolution; `deqzoo predict deqzoo/{name} 2x` writes a
 {2 * rec["size"]}x{2 * rec["size"]} PNG; `deqzoo demo` renders it at 2x.
 
 **Paper comparison.** The paper reports camera PSNRs in the high 30s to 40s dB after 5000 steps at 512x512;
-this checkpoint is a short fit ({rec["steps"]} steps at {rec["size"]}x{rec["size"]}) and is far from
-converged.
-{comparison_table(compare) if compare else ""}
+{regime}
+{extra}
 {generalization_table(ROOT / "examples" / "implicit2" / "results" / "gen_implicit2.json")}
 """
         write_model_card(
@@ -181,8 +266,7 @@ converged.
                 {"type": "nfe", "name": "Forward f-evaluations", "value": result["nfe"]},
             ],
             tags=["implicit2", "implicit-neural-representation", filt],
-            train_command=TRAIN.format(setting=setting)
-            + "\npython examples/implicit2/make_cards.py outputs/i2bench256",
+            train_command=train_command,
             eval_command=f"deqzoo eval deqzoo/{name}",
             body_markdown=body,
             license="mit",
