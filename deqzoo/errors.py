@@ -11,3 +11,8 @@ class DeqzooError(Exception):
 
 class CheckpointError(DeqzooError, ValueError):
     """A checkpoint file is missing, unsafe, corrupt or does not match its config."""
+
+
+class CheckpointMismatchError(CheckpointError, RuntimeError):
+    """Weights whose shapes, dtypes or keys do not fit the config. Also a RuntimeError: transformers raises
+    RuntimeError there, and fine-tuning code catches that."""

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ..errors import CheckpointMismatchError
 from .catalog import NAMESPACE, PACKAGED_CARDS_DIR, embedded_folder, load_catalog, sha256_file
 from .safetensors_io import CheckpointError, read_safetensors_header, weight_files
 from .saving import recover
@@ -222,7 +223,7 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     if fatal:
         hint = ("\n  (pass ignore_mismatched_sizes=True to re-initialise mis-shaped weights, as for a new "
                 "number of labels)" if found["mismatched_keys"] and not ignore_mismatched_sizes else "")
-        raise CheckpointError(mismatch_report(model, found, source) + hint)
+        raise CheckpointMismatchError(mismatch_report(model, found, source) + hint)
     return found
 
 
@@ -260,7 +261,10 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
     model (mis-shaped keys unless ``ignore_mismatched_sizes``, dtypes that need more than a float cast).
     Config attributes given as keywords override the config (validated like ``__init__``)."""
     if torch.empty(0).device.type == "meta":
-        raise RuntimeError(f"{model_cls.__name__}.from_pretrained was called under torch.device('meta'): "
+        # transformers' own wording first (callers match on it), then which call and what to do instead
+        raise RuntimeError("You are using `from_pretrained` with a meta device context manager or "
+                           "`torch.set_default_device('meta')`: "
+                           f"{model_cls.__name__}.from_pretrained was called under torch.device('meta'), so "
                            "the weights would not be loaded; build a meta skeleton with model_cls(config)")
     if kwargs.get("use_safetensors", True) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")

@@ -81,6 +81,7 @@ def test_base_model_checkpoint_loads_into_a_task_head_and_back(tmp_path):
     base = MDEQModel.from_pretrained("deqzoo/mdeq-tiny-mnist")  # and a head's checkpoint into the base
     assert all(torch.equal(base.state_dict()[k], v) for k, v in head.mdeq.state_dict().items())
     auto = pytest.importorskip("transformers").AutoModelForImageClassification
+    deqzoo.register()  # stock Auto classes know the families after registration (no import hook)
     via_auto = auto.from_pretrained(str(tmp_path / "base"))
     assert torch.equal(via_auto.mdeq.state_dict()[next(iter(head.mdeq.state_dict()))],
                        next(iter(head.mdeq.state_dict().values())))

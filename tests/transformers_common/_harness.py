@@ -78,16 +78,6 @@ UNCONVERGED_AT_INIT = (
 # Defects outside this test folder's files, found by these tests; each test is a strict xfail until fixed
 # (an XPASS fails the run, so the marker must be removed with the fix).
 KNOWN_DEFECTS = {
-    "test_cannot_load_with_meta_device_context_manager": (
-        "deqzoo.hub.loading.prepare_pretrained raises its own RuntimeError under torch.device('meta') before "
-        "transformers' check runs; transformers raises 'You are using `from_pretrained` with a meta device "
-        "context manager ...' (transformers.integrations.accelerate.check_and_set_device_map), which users "
-        "match on. Fix: call that check (or raise its message) instead of ours"),
-    "test_can_load_ignoring_mismatched_shapes": (
-        "a checkpoint whose head does not fit the config (num_labels=42) raises deqzoo's CheckpointError, a "
-        "ValueError; transformers raises RuntimeError there (callers catch RuntimeError). Fix: the "
-        "size-mismatch error in deqzoo.hub.loading should also be a RuntimeError (e.g. a CheckpointError "
-        "subclass that is one)"),
     "test_can_init_all_missing_weights": (
         "weights drawn in __init__ but not by _init_weights come out differently when a model is "
         "materialised "

@@ -15,7 +15,7 @@ import torch
 from deqzoo.models.ignn.configuration_ignn import IGNNConfig
 from deqzoo.models.ignn.modeling_ignn import IGNNForGraphClassification, IGNNForNodeClassification, IGNNModel
 
-from ._harness import NO_TOKEN_EMBEDDINGS, ConfigTester, ModelTesterMixin, floats_tensor, known_defects
+from ._harness import NO_TOKEN_EMBEDDINGS, ConfigTester, ModelTesterMixin, floats_tensor
 
 pytestmark = pytest.mark.common
 
@@ -56,7 +56,6 @@ class IGNNModelTester:
         return self.get_config(), {"x": x, "edge_index": edge_index, "batch": batch}
 
 
-@known_defects("test_cannot_load_with_meta_device_context_manager")
 class IGNNModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (IGNNModel, IGNNForNodeClassification, IGNNForGraphClassification)
     # transformers exempts only its own pre-2023 models (found by a copyright year our files do not carry)

@@ -43,7 +43,7 @@ class Implicit2ModelTester:
         return self.get_config(), {"coords": coords}
 
 
-@known_defects("test_cannot_load_with_meta_device_context_manager", "test_can_init_all_missing_weights")
+@known_defects("test_can_init_all_missing_weights")
 class Implicit2ModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (Implicit2Model, Implicit2ForSignalRepresentation)
     # transformers exempts only its own pre-2023 models (found by a copyright year our files do not carry)

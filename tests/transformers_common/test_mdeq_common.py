@@ -21,7 +21,6 @@ from ._harness import (
     ModelTesterMixin,
     floats_tensor,
     ids_tensor,
-    known_defects,
 )
 
 pytestmark = pytest.mark.common
@@ -102,15 +101,10 @@ class MDEQCommonTests(ModelTesterMixin):
         pass
 
 
-DEFECTS = ("test_cannot_load_with_meta_device_context_manager", "test_can_load_ignoring_mismatched_shapes")
-
-
-@known_defects(*DEFECTS)
 @pytest.mark.filterwarnings("ignore::deqzoo.modeling_utils.DEQNonConvergenceWarning")
 class MDEQModelTest(MDEQCommonTests, unittest.TestCase):
     pass
 
 
-@known_defects(*DEFECTS)
 class LipschitzMDEQModelTest(MDEQCommonTests, unittest.TestCase):
     lipschitz = True
