@@ -39,7 +39,9 @@ def test_every_embedded_config_loads_to_the_values_it_holds(path):
     config = CONFIGS[data["model_type"]].from_dict(dict(data))
     values = json.loads(config.to_json_string(use_diff=False))
     for key, value in data.items():
-        if key not in ("transformers_version", "dtype", "torch_dtype"):
+        if key == "deq":  # a newer engine may add settings, at defaults that keep the older behaviour
+            assert {k: values["deq"][k] for k in value} == value
+        elif key not in ("transformers_version", "dtype", "torch_dtype"):
             assert values[key] == value, (key, values[key], value)
     assert json.loads(type(config).from_dict(values).to_json_string(use_diff=False)) == values
 
