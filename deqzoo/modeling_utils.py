@@ -1,192 +1,26 @@
-"""Base classes every zoo model builds on: a config with a nested `deq`, a PreTrainedModel, DEQ outputs."""
+"""Base classes every zoo model builds on: a PreTrainedModel whose solver settings can change, DEQ outputs
+(the config, DEQPretrainedConfig, lives in `deqzoo.configuration_utils`)."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-import math
-import numbers
-import types
-import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig
 from .core import DEQ, DEQConfig, SolverStats
-from .errors import DeqzooError
 
-# What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
-# model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError with the stats).
-ON_NONCONVERGENCE = ("warn", "ignore", "raise")
+__all__ = ["ConfigError", "DEQModelOutput", "DEQNonConvergenceWarning", "DEQPreTrainedModel",
+           "DEQPretrainedConfig"]
 
 
 class DEQNonConvergenceWarning(RuntimeWarning):
     """A model's forward solve stopped at its iteration cap above its tolerance (emitted once per model)."""
-
-MAX_LIST_LENGTH = 1024  # no config list (channels per branch, cutoffs) is longer; a longer one is an error
-MAX_LABELS = 1_000_000  # transformers builds id2label eagerly: a huge num_labels would hang before any model
-
-
-class ConfigError(DeqzooError, ValueError):
-    """A config value has the wrong type or is out of range; the message names the class and the key."""
-
-
-def _conforms(value: Any, hint: Any) -> bool | None:
-    """Whether `value` (as parsed from JSON or given in Python) has the annotated type; None: not checked."""
-    if hint is Any or hint is inspect.Parameter.empty:
-        return None
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        results = [_conforms(value, a) for a in args]
-        return True if True in results else (None if None in results else False)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                and math.isfinite(float(value)))
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (list, tuple) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False
-        elem = args[0] if args else None
-        return elem is None or all(_conforms(v, elem) is not False for v in value)
-    return None
-
-
-def _type_name(hint: Any) -> str:
-    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
-
-
-def check_config_values(cls: type, values: dict[str, Any], hints: dict[str, Any]) -> None:
-    """Types (from the ``__init__`` annotations), list lengths and ``value_ranges`` of config values.
-
-    Example:
-        >>> check_config_values(DEQPretrainedConfig, {"x": "2"}, {"x": int})
-        Traceback (most recent call last):
-        ...
-        deqzoo.modeling_utils.ConfigError: DEQPretrainedConfig: key 'x' must be int, got '2' (str)
-    """
-    ranges = getattr(cls, "value_ranges", {})
-    for key, value in values.items():
-        hint = hints.get(key)
-        if isinstance(value, (list, tuple)) and len(value) > MAX_LIST_LENGTH:
-            raise ConfigError(f"{cls.__name__}: key {key!r} has {len(value):,} entries, above the limit of "
-                              f"{MAX_LIST_LENGTH}")
-        if hint is not None and _conforms(value, hint) is False:
-            shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
-            raise ConfigError(f"{cls.__name__}: key {key!r} must be {_type_name(hint)}, got {shown} "
-                              f"({type(value).__name__})")
-        if key in ranges and value is not None:
-            low, high = ranges[key]
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
-                if isinstance(item, numbers.Real) and not isinstance(item, bool) and (
-                        (low is not None and item < low) or (high is not None and item > high)):
-                    where = f"an entry of {key!r}" if items is value else f"key {key!r}"
-                    raise ConfigError(f"{cls.__name__}: {where} is {item!r}, outside the allowed range "
-                                      f"[{low}, {high}]")
-
-
-def _checked_init(cls: type, init):
-    """Wrap a config class's own ``__init__`` so its declared arguments are checked before it runs."""
-    signature = inspect.signature(init)
-    try:
-        hints = typing.get_type_hints(init)
-    except Exception:  # noqa: BLE001 - an annotation we cannot evaluate is simply not checked
-        hints = {}
-    declared = [name for name, p in signature.parameters.items()
-                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"]
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        try:
-            bound = signature.bind_partial(self, *args, **kwargs)
-        except TypeError:
-            return init(self, *args, **kwargs)  # let the real call raise its own message
-        values = {k: v for k, v in bound.arguments.items()
-                  if k in declared and not (v is None and signature.parameters[k].default is None)}
-        check_config_values(cls, values, hints)
-        return init(self, *args, **kwargs)
-
-    checked._deqzoo_checked = True
-    cls._deqzoo_init_hints = {k: hints[k] for k in declared if k in hints}
-    return checked
-
-
-def check_config_overrides(config: PretrainedConfig, changes: dict[str, Any]) -> None:
-    """Check values set on an existing config (``from_pretrained(..., key=value)``) like ``__init__`` does."""
-    hints: dict[str, Any] = {}
-    for klass in reversed(type(config).__mro__):
-        hints.update(klass.__dict__.get("_deqzoo_init_hints", {}))
-    check_config_values(type(config), changes, hints)
-
-
-class DEQPretrainedConfig(PretrainedConfig):
-    """A `PretrainedConfig` whose `deq` entry is a serialised, validated :class:`DEQConfig`.
-
-    Example:
-        >>> from deqzoo.modeling_utils import DEQPretrainedConfig
-        >>> cfg = DEQPretrainedConfig(deq={"f_max_iter": 12})
-        >>> cfg.deq_config.f_max_iter
-        12
-    """
-
-    # Trainer's evaluation loop skips these output keys (solver statistics are not predictions).
-    keys_to_ignore_at_inference = ["deq_stats"]
-    # key -> (low, high), inclusive, None for open; lists are checked entry by entry. Families extend it.
-    value_ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and not getattr(init, "_deqzoo_checked", False):
-            cls.__init__ = _checked_init(cls, init)
-
-    def check_overrides(self, changes: dict[str, Any]) -> None:
-        """Check values about to be set on this config (``from_pretrained(..., key=value)``); the loader calls
-        it through the config, so hub.loading needs no import of this module."""
-        check_config_overrides(self, changes)
-
-    def __init__(self, deq: dict[str, Any] | DEQConfig | None = None, on_nonconvergence: str | None = None,
-                 **kwargs):
-        labels = kwargs.get("num_labels")
-        if labels is not None and (not isinstance(labels, numbers.Integral) or isinstance(labels, bool)
-                                   or not 1 <= labels <= MAX_LABELS):
-            raise ConfigError(f"{type(self).__name__}: key 'num_labels' must be an integer in [1, "
-                              f"{MAX_LABELS:,}], got {labels!r}")
-        for key in ("id2label", "label2id"):
-            if kwargs.get(key) is not None and (not isinstance(kwargs[key], dict)
-                                                or len(kwargs[key]) > MAX_LABELS):
-                raise ConfigError(f"{type(self).__name__}: key {key!r} must be a mapping of at most "
-                                  f"{MAX_LABELS:,} labels")
-        if deq is not None and not isinstance(deq, (dict, DEQConfig)):
-            raise ConfigError(f"{type(self).__name__}: key 'deq' must be a mapping of solver settings, "
-                              f"got {type(deq).__name__}")
-        if isinstance(deq, DEQConfig):
-            deq = deq.to_dict()
-        self.deq = DEQConfig.from_dict(deq).to_dict()
-        if on_nonconvergence is None:  # model-level default: warn once, unless the engine is told to raise
-            on_nonconvergence = "raise" if self.deq["on_nonconvergence"] == "raise" else "warn"
-        if on_nonconvergence not in ON_NONCONVERGENCE:
-            raise ValueError(
-                f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {on_nonconvergence!r}"
-            )
-        self.on_nonconvergence = on_nonconvergence
-        super().__init__(**kwargs)
-
-    @property
-    def deq_config(self) -> DEQConfig:
-        return DEQConfig.from_dict(self.deq)
 
 
 class DEQPreTrainedModel(PreTrainedModel):

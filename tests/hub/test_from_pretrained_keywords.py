@@ -133,7 +133,9 @@ def test_a_saved_config_is_one_the_loader_accepts(tmp_path):
     model.save_pretrained(tmp_path / "scalar")
     loaded = type(model).from_pretrained(tmp_path / "scalar")
     assert loaded.config.image_std == [0.25] * loaded.config.in_channels
-    model.config.num_layers = "ten"  # set after __init__, so unchecked until the save
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ValueError, match="num_layers"):  # a strict config checks every assignment
+        model.config.num_layers = "ten"
+    model.config.num_groups = 3  # a valid int, but it divides no stream: only the whole config can tell
+    with pytest.raises(ValueError, match="num_groups"):
         model.save_pretrained(tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

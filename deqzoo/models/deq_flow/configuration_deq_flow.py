@@ -11,28 +11,21 @@ of a split) and f_θ(h, flow) = (GRU(h, [context, motion(flow, corr(flow))]), fl
 block unrolled ``num_flow_updates`` times from zero, every iterate supervised (RAFT's sequence loss).
 """
 
-from __future__ import annotations
+from typing import Any, Literal
 
-import math
-from typing import Any
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
-from ...modeling_utils import DEQPretrainedConfig
-
-NORMS = ("instance", "batch", "group", "none")
+_Norm = Literal["instance", "batch", "group", "none"]
+_Widths = list[int] | tuple[int, ...]
 
 # The original's CPU-free recipe, adapted: plain fixed-point iteration (its naive_solver), a one-step phantom
 # gradient (its --phantom_grad 1, tau 1) and fixed-point correction states (its --n_losses).
-DEFAULT_DEQ: dict[str, Any] = {
-    "f_solver": "fixed_point",
-    "f_max_iter": 24,
-    "f_tol": 1e-3,
-    "f_stop_mode": "rel",
-    "b_mode": "phantom",
-    "b_mode_kwargs": {"k": 1, "tau": 1.0, "variant": "upg"},
-    "n_states": 3,
-}
+DEFAULT_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 24, "f_tol": 1e-3,
+                               "f_stop_mode": "rel", "b_mode": "phantom",
+                               "b_mode_kwargs": {"k": 1, "tau": 1.0, "variant": "upg"}, "n_states": 3}
 
 
+@strict_config
 class DEQFlowConfig(DEQPretrainedConfig):
     """Configuration of a DEQ-Flow (or explicit RAFT) optical-flow model.
 
@@ -70,90 +63,45 @@ class DEQFlowConfig(DEQPretrainedConfig):
     """
 
     model_type = "deq_flow"
+    default_deq = DEFAULT_DEQ
 
-    def __init__(
-        self,
-        encoder_layers: list[int] | tuple[int, ...] = (64, 64, 96, 128),
-        feature_dim: int = 256,
-        context_dim: int = 128,
-        hidden_dim: int = 128,
-        feature_norm: str = "instance",
-        context_norm: str = "batch",
-        corr_levels: int = 4,
-        corr_radius: int = 4,
-        motion_corr_layers: list[int] | tuple[int, ...] = (256, 192),
-        motion_flow_layers: list[int] | tuple[int, ...] = (128, 64),
-        motion_dim: int = 128,
-        flow_head_dim: int = 256,
-        mask_dim: int = 256,
-        gma: bool = False,
-        weight_norm: bool = False,
-        detach_flow_input: bool = True,
-        implicit: bool = True,
-        num_flow_updates: int = 12,
-        jac_loss_weight: float = 0.0,
-        residual_loss_weight: float = 0.0,
-        flow_residual_weight: float = 0.0,
-        deq: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ):
-        deq = {**DEFAULT_DEQ, **(deq.to_dict() if hasattr(deq, "to_dict") else (deq or {}))}
-        encoder_layers = _int_list("encoder_layers", encoder_layers, 4, 4)
-        motion_corr_layers = _int_list("motion_corr_layers", motion_corr_layers, 1, 2)
-        motion_flow_layers = _int_list("motion_flow_layers", motion_flow_layers, 2, 2)
-        for name, value, lo, hi in (
-            ("feature_dim", feature_dim, 1, 4096),
-            ("context_dim", context_dim, 1, 4096),
-            ("hidden_dim", hidden_dim, 1, 4096),
-            ("corr_levels", corr_levels, 1, 6),
-            ("corr_radius", corr_radius, 0, 16),
-            ("motion_dim", motion_dim, 3, 4096),
-            ("flow_head_dim", flow_head_dim, 1, 4096),
-            ("mask_dim", mask_dim, 0, 4096),
-            ("num_flow_updates", num_flow_updates, 1, 1000),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"DEQFlowConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")
-        for name, value in (
-            ("jac_loss_weight", jac_loss_weight),
-            ("residual_loss_weight", residual_loss_weight),
-            ("flow_residual_weight", flow_residual_weight),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"DEQFlowConfig.{name} must be a finite number >= 0, got {value!r}")
-        for name, value in (("feature_norm", feature_norm), ("context_norm", context_norm)):
-            if value not in NORMS:
-                raise ValueError(f"DEQFlowConfig.{name}={value!r}; choose one of {list(NORMS)}")
-        for name, value in (
-            ("gma", gma),
-            ("weight_norm", weight_norm),
-            ("detach_flow_input", detach_flow_input),
-            ("implicit", implicit),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"DEQFlowConfig.{name} must be a bool, got {value!r}")
-        self.encoder_layers = encoder_layers
-        self.feature_dim = feature_dim
-        self.context_dim = context_dim
-        self.hidden_dim = hidden_dim
-        self.feature_norm = feature_norm
-        self.context_norm = context_norm
-        self.corr_levels = corr_levels
-        self.corr_radius = corr_radius
-        self.motion_corr_layers = motion_corr_layers
-        self.motion_flow_layers = motion_flow_layers
-        self.motion_dim = motion_dim
-        self.flow_head_dim = flow_head_dim
-        self.mask_dim = mask_dim
-        self.gma = gma
-        self.weight_norm = weight_norm
-        self.detach_flow_input = detach_flow_input
-        self.implicit = implicit
-        self.num_flow_updates = num_flow_updates
-        self.jac_loss_weight = float(jac_loss_weight)
-        self.residual_loss_weight = float(residual_loss_weight)
-        self.flow_residual_weight = float(flow_residual_weight)
-        super().__init__(deq=deq, **kwargs)
+    encoder_layers: _Widths = ranged(1, 4096, default=(64, 64, 96, 128))
+    feature_dim: int = ranged(1, 4096, default=256)
+    context_dim: int = ranged(1, 4096, default=128)
+    hidden_dim: int = ranged(1, 4096, default=128)
+    feature_norm: _Norm = "instance"
+    context_norm: _Norm = "batch"
+    corr_levels: int = ranged(1, 6, default=4)
+    corr_radius: int = ranged(0, 16, default=4)
+    motion_corr_layers: _Widths = ranged(1, 4096, default=(256, 192))
+    motion_flow_layers: _Widths = ranged(1, 4096, default=(128, 64))
+    motion_dim: int = ranged(3, 4096, default=128)
+    flow_head_dim: int = ranged(1, 4096, default=256)
+    mask_dim: int = ranged(0, 4096, default=256)
+    gma: bool = False
+    weight_norm: bool = False
+    detach_flow_input: bool = True
+    implicit: bool = True
+    num_flow_updates: int = ranged(1, 1000, default=12)
+    jac_loss_weight: float | int = ranged(0.0, None, default=0.0)
+    residual_loss_weight: float | int = ranged(0.0, None, default=0.0)
+    flow_residual_weight: float | int = ranged(0.0, None, default=0.0)
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        for key in ("encoder_layers", "motion_corr_layers", "motion_flow_layers"):
+            setattr(self, key, list(getattr(self, key)))
+        for key in ("jac_loss_weight", "residual_loss_weight", "flow_residual_weight"):
+            setattr(self, key, float(getattr(self, key)))
+        super().__post_init__(**kwargs)
+
+    def validate_layers(self) -> None:
+        """The encoders have a stem and three stages; the motion encoder one or two correlation layers and
+        two flow layers."""
+        for key, low, high in (("encoder_layers", 4, 4), ("motion_corr_layers", 1, 2),
+                               ("motion_flow_layers", 2, 2)):
+            if not low <= len(getattr(self, key)) <= high:
+                raise ConfigError(f"key {key!r} must be a list of {low} to {high} integers, got "
+                                  f"{getattr(self, key)!r}")
 
     @property
     def min_image_size(self) -> int:
@@ -161,40 +109,17 @@ class DEQFlowConfig(DEQPretrainedConfig):
         return 8 * 2 * 2 ** (self.corr_levels - 1)
 
 
-def _int_list(name: str, value: Any, lo: int, hi: int) -> list[int]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not lo <= len(value) <= hi:
-        raise ValueError(f"DEQFlowConfig.{name} must be a list of {lo} to {hi} integers, got {value!r}")
-    out = []
-    for v in value:
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
-            raise ValueError(f"DEQFlowConfig.{name} entries must be integers in [1, 4096], got {value!r}")
-        out.append(int(v))
-    return out
-
-
 def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
     """The original's presets (locuslab/deq-flow code.v.2.0 core/deq_flow.py and update.py)."""
     if size == "tiny":
-        dims = {
-            "feature_dim": 64,
-            "hidden_dim": 32,
-            "context_dim": 32,
-            "motion_corr_layers": [64, 48],
-            "motion_flow_layers": [32, 16],
-            "motion_dim": 32,
-            "flow_head_dim": 64,
-        }
+        dims = {"feature_dim": 64, "hidden_dim": 32, "context_dim": 32, "motion_corr_layers": [64, 48],
+                "motion_flow_layers": [32, 16], "motion_dim": 32, "flow_head_dim": 64}
     else:
         extra = {"B": 0, "H": 128}[size]
-        dims = {
-            "feature_dim": 256,
-            "hidden_dim": 128 + extra,
-            "context_dim": 128 + extra,
-            "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
-            "motion_flow_layers": [128 + extra, 64 + extra // 2],
-            "motion_dim": 128 + extra,
-            "flow_head_dim": 2 * (128 + extra),
-        }
+        dims = {"feature_dim": 256, "hidden_dim": 128 + extra, "context_dim": 128 + extra,
+                "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
+                "motion_flow_layers": [128 + extra, 64 + extra // 2], "motion_dim": 128 + extra,
+                "flow_head_dim": 2 * (128 + extra)}
     return {**dims, "gma": gma, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
 
 
@@ -203,23 +128,10 @@ def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 # A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.
-_CPU = {
-    "encoder_layers": [32, 32, 48, 64],
-    "feature_dim": 64,
-    "context_dim": 48,
-    "hidden_dim": 48,
-    "feature_norm": "instance",
-    "context_norm": "instance",
-    "corr_levels": 3,
-    "corr_radius": 3,
-    "motion_corr_layers": [64, 48],
-    "motion_flow_layers": [32, 16],
-    "motion_dim": 48,
-    "flow_head_dim": 64,
-    "mask_dim": 64,
-    "weight_norm": True,
-    "architectures": ["DEQFlowForOpticalFlow"],
-}
+_CPU = {"encoder_layers": [32, 32, 48, 64], "feature_dim": 64, "context_dim": 48, "hidden_dim": 48,
+        "feature_norm": "instance", "context_norm": "instance", "corr_levels": 3, "corr_radius": 3,
+        "motion_corr_layers": [64, 48], "motion_flow_layers": [32, 16], "motion_dim": 48, "flow_head_dim": 64,
+        "mask_dim": 64, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-flow-tiny": _preset(_upstream("tiny"), "DEQ-Flow tiny (the original's --tiny), 2.49 M parameters"),

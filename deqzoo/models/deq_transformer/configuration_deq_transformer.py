@@ -1,14 +1,11 @@
 """Configuration of the DEQ-Transformer language model (Bai et al. 2019 and TorchDEQ's redesign)."""
 
-from __future__ import annotations
+from typing import Any, Literal
 
-from typing import Any
-
-from ...modeling_utils import DEQPretrainedConfig
-
-VARIANTS = ("bai2019", "torchdeq")
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 
+@strict_config
 class DEQTransformerConfig(DEQPretrainedConfig):
     """Hyperparameters of a DEQ-Transformer LM.
 
@@ -55,85 +52,52 @@ class DEQTransformerConfig(DEQPretrainedConfig):
     model_type = "deq_transformer"
     # transformers' generic names (read by its common tests, pipelines and generation utilities)
     attribute_map = {"num_attention_heads": "n_head", "hidden_size": "d_model"}
-    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
-    value_ranges = {
-        "vocab_size": (1, 10_000_000), "d_model": (1, 65536), "n_head": (1, 1024), "d_head": (1, 65536),
-        "d_inner": (1, 1 << 20), "d_embed": (1, 65536), "n_block": (1, 64), "explicit_layers": (0, 1024),
-        "cutoffs": (1, 10_000_000), "div_val": (1, 64), "tgt_len": (1, 1 << 20), "mem_len": (0, 1 << 20),
-        "local_size": (0, 1 << 20), "dropout": (0.0, 1.0), "dropatt": (0.0, 1.0),
-        "jac_reg_weight": (0.0, None),
-    }
 
-    def __init__(
-        self,
-        vocab_size: int = 1024,
-        d_model: int = 128,
-        n_head: int = 4,
-        d_head: int = 32,
-        d_inner: int = 512,
-        d_embed: int | None = None,
-        variant: str = "bai2019",
-        pre_lnorm: bool = False,
-        n_block: int = 1,
-        explicit_layers: int = 0,
-        cutoffs: list[int] | None = None,
-        div_val: int = 1,
-        tie_weights: bool = True,
-        tie_projs: list[bool] | None = None,
-        tgt_len: int = 64,
-        mem_len: int = 64,
-        local_size: int = 0,
-        dropout: float = 0.0,
-        dropatt: float = 0.0,
-        weight_norm: bool = False,
-        jac_reg_weight: float = 0.0,
-        fixed_point_reuse: bool = True,
-        final_f_step: bool = False,
-        deq: dict[str, Any] | None = None,
-        **kwargs,
-    ):
-        if variant not in VARIANTS:
-            raise ValueError(f"DEQTransformerConfig.variant={variant!r}; choose one of {VARIANTS}")
-        cutoffs = list(cutoffs or [])
-        if cutoffs and (sorted(cutoffs) != cutoffs or cutoffs[-1] >= vocab_size or cutoffs[0] <= 0):
-            raise ValueError(f"DEQTransformerConfig.cutoffs={cutoffs} must increase within "
-                             f"(0, vocab_size={vocab_size})")
-        if variant == "bai2019" and n_block != 1:
-            raise ValueError(f"DEQTransformerConfig.n_block={n_block}: the bai2019 variant has one block")
-        sizes = (("d_model", d_model), ("n_head", n_head), ("d_head", d_head), ("d_inner", d_inner))
-        for name, value in sizes:
-            if value < 1:
-                raise ValueError(f"DEQTransformerConfig.{name} must be >= 1, got {value}")
-        if n_head * d_head != d_model:
+    vocab_size: int = ranged(1, 10_000_000, default=1024)
+    d_model: int = ranged(1, 65536, default=128)
+    n_head: int = ranged(1, 1024, default=4)
+    d_head: int = ranged(1, 65536, default=32)
+    d_inner: int = ranged(1, 1 << 20, default=512)
+    d_embed: int | None = ranged(1, 65536, default=None)
+    variant: Literal["bai2019", "torchdeq"] = "bai2019"
+    pre_lnorm: bool = False
+    n_block: int = ranged(1, 64, default=1)
+    explicit_layers: int = ranged(0, 1024, default=0)
+    cutoffs: list[int] | tuple[int, ...] | None = ranged(1, 10_000_000, default=None)
+    div_val: int = ranged(1, 64, default=1)
+    tie_weights: bool = True
+    tie_projs: list[bool] | tuple[bool, ...] | None = ranged(default=None)
+    tgt_len: int = ranged(1, 1 << 20, default=64)
+    mem_len: int = ranged(0, 1 << 20, default=64)
+    local_size: int = ranged(0, 1 << 20, default=0)
+    dropout: float | int = ranged(0.0, 1.0, default=0.0)
+    dropatt: float | int = ranged(0.0, 1.0, default=0.0)
+    weight_norm: bool = False
+    jac_reg_weight: float | int = ranged(0.0, None, default=0.0)
+    fixed_point_reuse: bool = True
+    final_f_step: bool = False
+    tie_word_embeddings: bool = False  # tying is done inside the head (no duplicated keys)
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        self.d_embed = self.d_embed or self.d_model
+        self.cutoffs = list(self.cutoffs or [])
+        if self.tie_projs is None:
+            self.tie_projs = [False] * (len(self.cutoffs) + 1)
+        self.tie_projs = list(self.tie_projs)
+        super().__post_init__(**kwargs)
+
+    def validate_widths(self) -> None:
+        """Cutoffs split the vocabulary; bai2019 has one block; the heads tile d_model."""
+        cutoffs = self.cutoffs
+        if cutoffs and (sorted(cutoffs) != cutoffs or cutoffs[-1] >= self.vocab_size):
+            raise ConfigError(f"key 'cutoffs'={cutoffs} must increase within (0, vocab_size="
+                              f"{self.vocab_size})")
+        if self.variant == "bai2019" and self.n_block != 1:
+            raise ConfigError(f"key 'n_block'={self.n_block}: the bai2019 variant has one block")
+        if self.n_head * self.d_head != self.d_model:
             # the residual adds attention output (n_head*d_head -> d_model) to z; the injection adds to q/k/v
-            # of z
-            raise ValueError(f"DEQTransformerConfig: n_head*d_head ({n_head}*{d_head}) must equal "
-                             f"d_model ({d_model})")
-        self.vocab_size = vocab_size
-        self.d_model = d_model
-        self.n_head = n_head
-        self.d_head = d_head
-        self.d_inner = d_inner
-        self.d_embed = d_embed or d_model
-        self.variant = variant
-        self.pre_lnorm = pre_lnorm
-        self.n_block = n_block
-        self.explicit_layers = explicit_layers
-        self.cutoffs = cutoffs
-        self.div_val = div_val
-        self.tie_weights = tie_weights
-        self.tie_projs = list(tie_projs) if tie_projs is not None else [False] * (len(cutoffs) + 1)
-        self.tgt_len = tgt_len
-        self.mem_len = mem_len
-        self.local_size = local_size
-        self.dropout = dropout
-        self.dropatt = dropatt
-        self.weight_norm = weight_norm
-        self.jac_reg_weight = jac_reg_weight
-        self.fixed_point_reuse = fixed_point_reuse
-        self.final_f_step = final_f_step
-        kwargs.setdefault("tie_word_embeddings", False)  # tying is done inside the head (no duplicated keys)
-        super().__init__(deq=deq, **kwargs)
+            raise ConfigError(f"key 'n_head': n_head*d_head ({self.n_head}*{self.d_head}) must equal d_model "
+                              f"({self.d_model})")
 
 
 _TINY = dict(vocab_size=1024, d_model=128, n_head=4, d_head=32, tgt_len=64, mem_len=64)

@@ -5,31 +5,17 @@ TorchDEQ's re-implementation (locuslab/torchdeq, deq-zoo/ignn) adds the Ω₂ sk
 spectral normalization of W, Ω₁, Ω₂.
 """
 
-from __future__ import annotations
+from typing import Any, Literal
 
-from typing import Any
-
-from ...modeling_utils import DEQPretrainedConfig
-
-INJECTIONS = ("adjacency", "adjacency+linear")
-NORM_TYPES = ("none", "spectral_norm", "weight_norm")
-ACTIVATIONS = ("relu", "tanh", "identity")
-POOLINGS = ("add", "mean", "max")
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 # The original solves with plain fixed-point iteration, at most 300 steps, stopping at an absolute tolerance.
-DEFAULT_DEQ: dict[str, Any] = {
-    "f_solver": "fixed_point",
-    "f_max_iter": 300,
-    "f_tol": 3e-6,
-    "f_stop_mode": "abs",
-    "b_mode": "ift",
-    "b_solver": "fixed_point",
-    "b_max_iter": 300,
-    "b_tol": 3e-6,
-    "b_stop_mode": "abs",
-}
+DEFAULT_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 300, "f_tol": 3e-6,
+                               "f_stop_mode": "abs", "b_mode": "ift", "b_solver": "fixed_point",
+                               "b_max_iter": 300, "b_tol": 3e-6, "b_stop_mode": "abs"}
 
 
+@strict_config
 class IGNNConfig(DEQPretrainedConfig):
     """Configuration of an Implicit Graph Neural Network.
 
@@ -62,73 +48,31 @@ class IGNNConfig(DEQPretrainedConfig):
     """
 
     model_type = "ignn"
-    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
-    value_ranges = {
-        "in_features": (1, 1 << 24), "hidden_size": (1, 65536), "num_layers": (1, 64), "kappa": (0.0, None),
-        "spectral_radius": (0.0, None), "pf_tol": (0.0, 1.0), "pf_max_iter": (1, 1_000_000),
-        "norm_clip_value": (0.0, None), "dropout": (0.0, 1.0), "graph_head_hidden": (1, 65536),
-    }
+    default_deq = DEFAULT_DEQ
 
-    def __init__(
-        self,
-        in_features: int = 100,
-        hidden_size: int = 16,
-        num_layers: int = 1,
-        kappa: float | None = 0.9,
-        spectral_radius: float | None = None,
-        pf_tol: float = 1e-6,
-        pf_max_iter: int = 2000,
-        injection: str = "adjacency",
-        norm_type: str = "none",
-        norm_clip: bool = False,
-        norm_clip_value: float = 1.0,
-        activation: str = "relu",
-        dropout: float = 0.5,
-        normalize_states: bool = True,
-        graph_pooling: str = "add",
-        graph_head_hidden: int | None = None,
-        deq: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ):
-        deq = {**DEFAULT_DEQ, **(deq.to_dict() if hasattr(deq, "to_dict") else (deq or {}))}
-        for name, value, allowed in (
-            ("injection", injection, INJECTIONS),
-            ("norm_type", norm_type, NORM_TYPES),
-            ("activation", activation, ACTIVATIONS),
-            ("graph_pooling", graph_pooling, POOLINGS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"IGNNConfig.{name}={value!r}; choose one of {list(allowed)}")
-        for name, value in (
-            ("in_features", in_features),
-            ("hidden_size", hidden_size),
-            ("num_layers", num_layers),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"IGNNConfig.{name} must be an integer >= 1, got {value!r}")
-        if kappa is not None and not kappa >= 0:
-            raise ValueError(f"IGNNConfig.kappa must be >= 0 or None, got {kappa!r}")
-        if spectral_radius is not None and not spectral_radius > 0:
-            raise ValueError(f"IGNNConfig.spectral_radius must be > 0 or None, got {spectral_radius!r}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"IGNNConfig.dropout must be in [0, 1), got {dropout!r}")
-        self.in_features = in_features
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.kappa = kappa
-        self.spectral_radius = spectral_radius
-        self.pf_tol = pf_tol
-        self.pf_max_iter = pf_max_iter
-        self.injection = injection
-        self.norm_type = norm_type
-        self.norm_clip = norm_clip
-        self.norm_clip_value = norm_clip_value
-        self.activation = activation
-        self.dropout = dropout
-        self.normalize_states = normalize_states
-        self.graph_pooling = graph_pooling
-        self.graph_head_hidden = graph_head_hidden
-        super().__init__(deq=deq, **kwargs)
+    in_features: int = ranged(1, 1 << 24, default=100)
+    hidden_size: int = ranged(1, 65536, default=16)
+    num_layers: int = ranged(1, 64, default=1)
+    kappa: float | int | None = ranged(0.0, None, default=0.9)
+    spectral_radius: float | int | None = ranged(0.0, None, default=None)
+    pf_tol: float | int = ranged(0.0, 1.0, default=1e-6)
+    pf_max_iter: int = ranged(1, 1_000_000, default=2000)
+    injection: Literal["adjacency", "adjacency+linear"] = "adjacency"
+    norm_type: Literal["none", "spectral_norm", "weight_norm"] = "none"
+    norm_clip: bool = False
+    norm_clip_value: float | int = ranged(0.0, None, default=1.0)
+    activation: Literal["relu", "tanh", "identity"] = "relu"
+    dropout: float | int = ranged(0.0, 1.0, default=0.5)
+    normalize_states: bool = True
+    graph_pooling: Literal["add", "mean", "max"] = "add"
+    graph_head_hidden: int | None = ranged(1, 65536, default=None)
+
+    def validate_open_bounds(self) -> None:
+        """A spectral radius is > 0; a dropout rate < 1."""
+        if self.spectral_radius == 0:
+            raise ConfigError("key 'spectral_radius' must be > 0 or None, got 0")
+        if self.dropout >= 1:
+            raise ConfigError(f"key 'dropout' must be in [0, 1), got {self.dropout!r}")
 
 
 # Named presets for deqzoo.create_model (see deqzoo.models.registry).

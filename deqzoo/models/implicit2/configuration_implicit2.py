@@ -14,15 +14,9 @@ is the explicit baseline with the same layers applied once from z = 0 (a ``num_l
 injection, or a Fourier/Gabor MFN), so both share one code path, as in the original.
 """
 
-from __future__ import annotations
+from typing import Any, Literal
 
-import math
-from typing import Any
-
-from ...modeling_utils import DEQPretrainedConfig
-
-FILTERS = ("siren", "fourier", "gabor")
-OUT_OF_RANGE = ("raise", "allow")
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 # The original (locuslab/ImpSq, modules/modeling_utils.py: construct_model_args tol=1e-3; 1e-2 in its first
 # commit only): forward iteration to a whole-signal relative residual of 1e-3 (at most 100 steps) and the
@@ -36,10 +30,7 @@ DEFAULT_DEQ: dict[str, Any] = {
     "b_mode_kwargs": {"k": 2, "tau": 1.0, "variant": "npg"},
 }
 
-# largest state a single forward may allocate without chunking is the caller's business; this caps the width
-_MAX_HIDDEN = 16384
-
-
+@strict_config
 class Implicit2Config(DEQPretrainedConfig):
     """Configuration of an Implicit² representation network (implicit or explicit).
 
@@ -70,75 +61,36 @@ class Implicit2Config(DEQPretrainedConfig):
     """
 
     model_type = "implicit2"
+    default_deq = DEFAULT_DEQ
 
-    def __init__(
-        self,
-        in_features: int = 2,
-        out_features: int = 1,
-        hidden_size: int = 256,
-        num_layers: int = 1,
-        filter_type: str = "siren",
-        implicit: bool = True,
-        input_scale: float = 256.0,
-        gabor_alpha: float = 3.0,
-        spectral_max_norm: float | None = 0.97,
-        coordinate_range: tuple[float, float] | list[float] = (-1.0, 1.0),
-        out_of_range: str = "raise",
-        deq: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ):
-        deq = {**DEFAULT_DEQ, **(deq.to_dict() if hasattr(deq, "to_dict") else (deq or {}))}
-        if filter_type not in FILTERS:
-            raise ValueError(f"Implicit2Config.filter_type={filter_type!r}; choose one of {list(FILTERS)}")
-        if out_of_range not in OUT_OF_RANGE:
-            raise ValueError(
-                f"Implicit2Config.out_of_range={out_of_range!r}; choose one of {list(OUT_OF_RANGE)}"
-            )
-        for name, value, hi in (
-            ("in_features", in_features, 16),
-            ("out_features", out_features, 4096),
-            ("hidden_size", hidden_size, _MAX_HIDDEN),
-            ("num_layers", num_layers, 64),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-                raise ValueError(f"Implicit2Config.{name} must be an integer in [1, {hi}], got {value!r}")
-        if not isinstance(implicit, bool):
-            raise ValueError(f"Implicit2Config.implicit must be a bool, got {implicit!r}")
-        for name, value in (("input_scale", input_scale), ("gabor_alpha", gabor_alpha)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"Implicit2Config.{name} must be a finite number > 0, got {value!r}")
-        if spectral_max_norm is not None and (
-            isinstance(spectral_max_norm, bool)
-            or not isinstance(spectral_max_norm, (int, float))
-            or not 0 < spectral_max_norm < math.inf
-        ):
-            raise ValueError(
-                f"Implicit2Config.spectral_max_norm must be > 0 or None, got {spectral_max_norm!r}"
-            )
-        rng = list(coordinate_range)
-        if (
-            len(rng) != 2
-            or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in rng
-            )
-            or not rng[0] < rng[1]
-        ):
-            raise ValueError(
-                "Implicit2Config.coordinate_range must be two finite numbers low < high, "
-                f"got {coordinate_range!r}"
-            )
-        self.in_features = in_features
-        self.out_features = out_features
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.filter_type = filter_type
-        self.implicit = implicit
-        self.input_scale = float(input_scale)
-        self.gabor_alpha = float(gabor_alpha)
-        self.spectral_max_norm = None if spectral_max_norm is None else float(spectral_max_norm)
-        self.coordinate_range = [float(rng[0]), float(rng[1])]
-        self.out_of_range = out_of_range
-        super().__init__(deq=deq, **kwargs)
+    in_features: int = ranged(1, 16, default=2)
+    out_features: int = ranged(1, 4096, default=1)
+    hidden_size: int = ranged(1, 16384, default=256)  # the width cap; chunking large inputs is the caller's
+    num_layers: int = ranged(1, 64, default=1)
+    filter_type: Literal["siren", "fourier", "gabor"] = "siren"
+    implicit: bool = True
+    input_scale: float | int = ranged(0.0, None, default=256.0)
+    gabor_alpha: float | int = ranged(0.0, None, default=3.0)
+    spectral_max_norm: float | int | None = ranged(0.0, None, default=0.97)
+    coordinate_range: list[float | int] | tuple[float | int, ...] = ranged(default=(-1.0, 1.0))
+    out_of_range: Literal["raise", "allow"] = "raise"
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        for key in ("input_scale", "gabor_alpha", "spectral_max_norm"):
+            if getattr(self, key) is not None:
+                setattr(self, key, float(getattr(self, key)))
+        self.coordinate_range = [float(v) for v in self.coordinate_range]
+        super().__post_init__(**kwargs)
+
+    def validate_positive(self) -> None:
+        """Scales and the spectral bound are > 0; the coordinate range is two numbers, low < high."""
+        for key in ("input_scale", "gabor_alpha", "spectral_max_norm"):
+            if getattr(self, key) == 0:
+                raise ConfigError(f"key {key!r} must be > 0, got {getattr(self, key)!r}")
+        low_high = self.coordinate_range
+        if len(low_high) != 2 or not low_high[0] < low_high[1]:
+            raise ConfigError(f"key 'coordinate_range' must be two finite numbers low < high, got "
+                              f"{low_high!r}")
 
 
 def _preset(filter_type: str, layers: int, width: int, implicit: bool, what: str) -> dict[str, Any]:

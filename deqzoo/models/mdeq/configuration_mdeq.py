@@ -32,21 +32,23 @@ Example:
     (2, [24, 24])
 """
 
-from __future__ import annotations
-
 from typing import Any
 
-from ...modeling_utils import DEQPretrainedConfig
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 __all__ = ["ARCHITECTURES", "MDEQConfig", "ORIGINAL_PARAMETER_COUNTS"]
 
+_Numbers = float | int | list[float | int] | tuple[float | int, ...] | None
+_Ints = list[int] | tuple[int, ...]
 
-def _per_channel(value: float | list[float] | tuple[float, ...] | None, channels: int) -> list[float]:
+
+def _per_channel(value: _Numbers, channels: int) -> list[float]:
     if value is None:
         return [0.5] * channels
     return [float(value)] * channels if isinstance(value, (int, float)) else list(value)
 
 
+@strict_config
 class MDEQConfig(DEQPretrainedConfig):
     """Configuration of an MDEQ backbone and its heads.
 
@@ -81,367 +83,171 @@ class MDEQConfig(DEQPretrainedConfig):
     """
 
     model_type = "mdeq"
-    # checked before __init__ runs (deqzoo.modeling_utils.check_config_values); the size budget does the rest
-    value_ranges = {
-        "in_channels": (1, 1024), "branch_channels": (1, 65536), "num_blocks": (1, 64), "big_kernels": (0, 2),
-        "expansion_factor": (1e-3, 64), "num_groups": (1, 4096), "dropout": (0.0, 1.0),
-        "downsample_times": (0, 8), "head_channels": (1, 65536), "final_chansize": (1, 65536),
-        "final_conv_kernel": (1, 3), "bn_momentum": (0.0, 1.0), "num_layers": (0, 1024),
-        "image_size": (1, 65536), "spectral_fft_size": (1, 8192), "init_std": (0.0, None),
-        "jac_loss_weight": (0.0, None),
-    }
 
-    def __init__(
-        self,
-        in_channels: int = 3,
-        branch_channels: list[int] | tuple[int, ...] = (24, 24),
-        num_blocks: list[int] | tuple[int, ...] | None = None,
-        big_kernels: list[int] | tuple[int, ...] | None = None,
-        expansion_factor: float = 5,
-        num_groups: int = 8,
-        dropout: float = 0.0,
-        wnorm: bool = True,
-        downsample_times: int = 0,
-        block_gn_affine: bool = True,
-        fuse_gn_affine: bool = True,
-        post_gn_affine: bool = True,
-        head_channels: list[int] | tuple[int, ...] | None = None,
-        final_chansize: int = 200,
-        final_conv_kernel: int = 1,
-        bn_momentum: float = 0.1,
-        num_layers: int = 10,
-        image_size: list[int] | tuple[int, int] = (32, 32),
-        image_mean: float | list[float] | tuple[float, ...] | None = None,
-        image_std: float | list[float] | tuple[float, ...] | None = None,
-        lipschitz: bool = False,
-        residual_alpha: float = 0.5,
-        fusion_alpha: float = 0.3,
-        conv_norm: float = 2.0,
-        gamma_bound: float = 1.0,
-        relu_slope: float = 0.35,
-        spectral_fft_size: int = 64,
-        init_std: float = 0.01,
-        jac_loss_weight: float = 0.0,
-        deq: dict[str, Any] | None = None,
-        **kwargs,
-    ):
-        branch_channels = [int(c) for c in branch_channels]
-        n = len(branch_channels)
-        self.in_channels = int(in_channels)
-        self.branch_channels = branch_channels
-        self.num_blocks = [int(b) for b in (num_blocks if num_blocks is not None else [1] * n)]
-        self.big_kernels = [int(b) for b in (big_kernels if big_kernels is not None else [0] * n)]
-        self.expansion_factor = expansion_factor
-        self.num_groups = int(num_groups)
-        self.dropout = float(dropout)
-        self.wnorm = bool(wnorm)
-        self.downsample_times = int(downsample_times)
-        self.block_gn_affine = bool(block_gn_affine)
-        self.fuse_gn_affine = bool(fuse_gn_affine)
-        self.post_gn_affine = bool(post_gn_affine)
-        self.head_channels = [
-            int(c)
-            for c in (
-                head_channels if head_channels is not None else [max(1, c // 4) for c in branch_channels]
-            )
-        ]
-        self.final_chansize = int(final_chansize)
-        self.final_conv_kernel = int(final_conv_kernel)
-        self.bn_momentum = float(bn_momentum)
-        self.num_layers = int(num_layers)
-        self.image_size = [int(s) for s in image_size]
+    in_channels: int = ranged(1, 1024, default=3)
+    branch_channels: _Ints = ranged(1, 65536, default=(24, 24))
+    num_blocks: _Ints | None = ranged(1, 64, default=None)
+    big_kernels: _Ints | None = ranged(0, 2, default=None)
+    expansion_factor: float | int = ranged(1e-3, 64, default=5)
+    num_groups: int = ranged(1, 4096, default=8)
+    dropout: float | int = ranged(0.0, 1.0, default=0.0)
+    wnorm: bool = True
+    downsample_times: int = ranged(0, 8, default=0)
+    block_gn_affine: bool = True
+    fuse_gn_affine: bool = True
+    post_gn_affine: bool = True
+    head_channels: _Ints | None = ranged(1, 65536, default=None)
+    final_chansize: int = ranged(1, 65536, default=200)
+    final_conv_kernel: int = ranged(1, 3, default=1)
+    bn_momentum: float | int = ranged(0.0, 1.0, default=0.1)
+    num_layers: int = ranged(0, 1024, default=10)
+    image_size: _Ints = ranged(1, 65536, default=(32, 32))
+    image_mean: _Numbers = ranged(default=None)
+    image_std: _Numbers = ranged(default=None)
+    lipschitz: bool = False
+    residual_alpha: float | int = ranged(default=0.5)
+    fusion_alpha: float | int = ranged(default=0.3)
+    conv_norm: float | int = ranged(default=2.0)
+    gamma_bound: float | int = ranged(default=1.0)
+    relu_slope: float | int = ranged(default=0.35)
+    spectral_fft_size: int = ranged(1, 8192, default=64)
+    init_std: float | int = ranged(0.0, None, default=0.01)
+    jac_loss_weight: float | int = ranged(0.0, None, default=0.0)
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        channels = self.branch_channels = list(self.branch_channels)
+        self.num_blocks = list(self.num_blocks) if self.num_blocks is not None else [1] * len(channels)
+        self.big_kernels = list(self.big_kernels) if self.big_kernels is not None else [0] * len(channels)
+        self.head_channels = (list(self.head_channels) if self.head_channels is not None
+                              else [max(1, c // 4) for c in channels])
+        self.image_size = list(self.image_size)
         # one number applies to every channel, as in transformers' image processors
-        self.image_mean = _per_channel(image_mean, self.in_channels)
-        self.image_std = _per_channel(image_std, self.in_channels)
-        self.lipschitz = bool(lipschitz)
-        self.residual_alpha = float(residual_alpha)
-        self.fusion_alpha = float(fusion_alpha)
-        self.conv_norm = float(conv_norm)
-        self.gamma_bound = float(gamma_bound)
-        self.relu_slope = float(relu_slope)
-        self.spectral_fft_size = int(spectral_fft_size)
-        self.init_std = float(init_std)
-        self.jac_loss_weight = float(jac_loss_weight)
-        super().__init__(deq=deq, **kwargs)
-        self._validate()
+        self.image_mean = _per_channel(self.image_mean, self.in_channels)
+        self.image_std = _per_channel(self.image_std, self.in_channels)
+        for key in ("dropout", "bn_momentum", "residual_alpha", "fusion_alpha", "conv_norm", "gamma_bound",
+                    "relu_slope", "init_std", "jac_loss_weight"):
+            setattr(self, key, float(getattr(self, key)))
+        super().__post_init__(**kwargs)
 
     @property
     def num_branches(self) -> int:
         return len(self.branch_channels)
 
-    def _validate(self) -> None:
+    def validate_streams(self) -> None:
+        """Per-stream lists match branch_channels; GroupNorm groups divide every width; kernels exist."""
         n = self.num_branches
         if n < 1:
-            raise ValueError("MDEQConfig.branch_channels must name at least one resolution")
-        for name in ("num_blocks", "big_kernels", "head_channels"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"MDEQConfig.{name}={getattr(self, name)} has {len(getattr(self, name))} entries "
-                    f"but branch_channels={self.branch_channels} has {n}"
-                )
-        groups = {
-            "num_groups": self.num_groups,
-            "num_groups // 2 (post-fusion)": max(1, self.num_groups // 2),
-        }
-        for label, g in groups.items():
-            for c in self.branch_channels:
+            raise ConfigError("key 'branch_channels' must name at least one resolution")
+        for key in ("num_blocks", "big_kernels", "head_channels"):
+            if len(getattr(self, key)) != n:
+                raise ConfigError(f"key {key!r}={getattr(self, key)} has {len(getattr(self, key))} entries "
+                                  f"but branch_channels={self.branch_channels} has {n}")
+        groups = {"num_groups": self.num_groups,
+                  "num_groups // 2 (post-fusion)": max(1, self.num_groups // 2)}
+        for c in self.branch_channels:
+            for label, g in groups.items():
                 if c % g:
-                    raise ValueError(f"MDEQConfig.branch_channels entry {c} is not divisible by {label}={g}")
-        inner = [int(self.expansion_factor * c) for c in self.branch_channels]
-        for c in inner:
-            if c % self.num_groups:
-                raise ValueError(
-                    f"expansion_factor*channels={c} is not divisible by num_groups={self.num_groups}"
-                )
-        if any(k not in (0, 1, 2) for k in self.big_kernels):
-            raise ValueError(f"MDEQConfig.big_kernels entries must be 0, 1 or 2, got {self.big_kernels}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"MDEQConfig.dropout must be in [0, 1), got {self.dropout}")
+                    raise ConfigError(f"key 'branch_channels': entry {c} is not divisible by {label}={g}")
+            if int(self.expansion_factor * c) % self.num_groups:
+                raise ConfigError(f"key 'expansion_factor': expansion_factor*channels="
+                                  f"{int(self.expansion_factor * c)} is not divisible by "
+                                  f"num_groups={self.num_groups}")
+        if not self.dropout < 1.0:
+            raise ConfigError(f"key 'dropout' must be in [0, 1), got {self.dropout}")
         if self.final_conv_kernel not in (1, 3):
-            raise ValueError(f"MDEQConfig.final_conv_kernel must be 1 or 3, got {self.final_conv_kernel}")
-        if len(self.image_mean) != self.in_channels or len(self.image_std) != self.in_channels:
-            raise ValueError(
-                f"image_mean/image_std need {self.in_channels} entries (in_channels), got "
-                f"{self.image_mean} / {self.image_std}"
-            )
-        if self.lipschitz:
-            if self.wnorm:
-                raise ValueError("lipschitz=True keeps conv norms by projection; set wnorm=False")
-            checks = {
-                "residual_alpha": 0.0 <= self.residual_alpha <= 1.0,
-                "fusion_alpha": 0.0 <= self.fusion_alpha <= 1.0,
-                "conv_norm": self.conv_norm > 0,
-                "gamma_bound": self.gamma_bound > 0,
-                "relu_slope": self.relu_slope > 0,
-            }
-            for name, ok in checks.items():
-                if not ok:
-                    raise ValueError(f"MDEQConfig.{name}={getattr(self, name)} is out of range")
-            if self.spectral_fft_size < max(self.image_size) + 4:
-                raise ValueError(
-                    f"spectral_fft_size={self.spectral_fft_size} must be >= max(image_size)+4 "
-                    f"={max(self.image_size) + 4} for the conv-norm bound to hold"
-                )
+            raise ConfigError(f"key 'final_conv_kernel' must be 1 or 3, got {self.final_conv_kernel}")
+        for key in ("image_mean", "image_std"):
+            if len(_per_channel(getattr(self, key), self.in_channels)) != self.in_channels:
+                raise ConfigError(f"key {key!r} needs {self.in_channels} entries (in_channels), got "
+                                  f"{getattr(self, key)}")
+
+    def validate_lipschitz(self) -> None:
+        """The five constants of the Lipschitz bound, and an FFT grid large enough for it to hold."""
+        if not self.lipschitz:
+            return
+        if self.wnorm:
+            raise ConfigError("key 'wnorm': lipschitz=True keeps conv norms by projection; set wnorm=False")
+        checks = {"residual_alpha": 0.0 <= self.residual_alpha <= 1.0,
+                  "fusion_alpha": 0.0 <= self.fusion_alpha <= 1.0, "conv_norm": self.conv_norm > 0,
+                  "gamma_bound": self.gamma_bound > 0, "relu_slope": self.relu_slope > 0}
+        for key, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"key {key!r}={getattr(self, key)} is out of range")
+        if self.spectral_fft_size < max(self.image_size) + 4:
+            raise ConfigError(f"key 'spectral_fft_size'={self.spectral_fft_size} must be >= "
+                              f"max(image_size)+4={max(self.image_size) + 4} for the conv-norm bound to hold")
 
 
 # ---- presets: the original releases and ours --------------------------------------------------------------
 
 
 def _deq(f_solver: str, f_thres: int, b_thres: int, stop_mode: str) -> dict[str, Any]:
-    return {
-        "f_solver": f_solver,
-        "f_max_iter": f_thres,
-        "f_stop_mode": stop_mode,
-        "f_tol": 1e-3,
-        "b_mode": "ift",
-        "b_solver": f_solver,
-        "b_max_iter": b_thres,
-        "b_stop_mode": stop_mode,
-        "b_tol": 1e-3,
-    }
+    return {"f_solver": f_solver, "f_max_iter": f_thres, "f_stop_mode": stop_mode, "f_tol": 1e-3,
+            "b_mode": "ift", "b_solver": f_solver, "b_max_iter": b_thres, "b_stop_mode": stop_mode,
+            "b_tol": 1e-3}
 
 
-_IMAGENET = {
-    "image_size": [224, 224],
-    "image_mean": [0.485, 0.456, 0.406],
-    "image_std": [0.229, 0.224, 0.225],
-}
-_CITYSCAPES = {
-    "image_size": [1024, 2048],
-    "image_mean": [0.485, 0.456, 0.406],
-    "image_std": [0.229, 0.224, 0.225],
-    "bn_momentum": 0.01,
-    "final_conv_kernel": 1,
-    "num_labels": 19,
-}
-_CIFAR = {
-    "image_size": [32, 32],
-    "image_mean": [0.4914, 0.4822, 0.4465],
-    "image_std": [0.2023, 0.1994, 0.2010],
-    "num_labels": 10,
-}
+def _preset(description: str, task: str = "image-classification", **config: Any) -> dict[str, Any]:
+    auto = {"image-classification": "AutoModelForImageClassification",
+            "image-segmentation": "AutoModelForSemanticSegmentation"}[task]
+    return {"task": task, "auto": auto, "description": description, "config": config}
+
+
+_IMAGENET_STATS = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+_IMAGENET = {"image_size": [224, 224], **_IMAGENET_STATS, "num_labels": 1000, "dropout": 0.0,
+             "downsample_times": 2, "deq": _deq("broyden", 26, 27, "abs")}
+_CITYSCAPES = {"image_size": [1024, 2048], **_IMAGENET_STATS, "bn_momentum": 0.01, "final_conv_kernel": 1,
+               "num_labels": 19, "downsample_times": 2, "num_layers": 3,
+               "deq": _deq("broyden", 27, 30, "abs")}
+_CIFAR = {"image_size": [32, 32], "image_mean": [0.4914, 0.4822, 0.4465],
+          "image_std": [0.2023, 0.1994, 0.2010], "num_labels": 10, "expansion_factor": 5, "num_groups": 8,
+          "downsample_times": 0, "post_gn_affine": False, "num_layers": 10,
+          "deq": _deq("broyden", 18, 20, "rel")}
+_WIDE = {"branch_channels": [80, 160, 320, 640], "expansion_factor": 5, "num_groups": 8}
+_XL = {"branch_channels": [88, 176, 352, 704], "expansion_factor": 6, "num_groups": 8}
 
 # Hyperparameters from locuslab/deq MDEQ-Vision/experiments/*/*.yaml (the maintained release; the CIFAR and
 # Cityscapes files equal locuslab/mdeq's except POST_GN_AFFINE=false for CIFAR in MDEQ-Vision).
 _MNIST_TINY: dict = {
-    "in_channels": 1,
-    "image_size": [28, 28],
-    "image_mean": [0.1307],
-    "image_std": [0.3081],
+    "in_channels": 1, "image_size": [28, 28], "image_mean": [0.1307], "image_std": [0.3081],
     "num_labels": 10,
-    "branch_channels": [16, 16],
-    "head_channels": [8, 16],
-    "final_chansize": 64,
-    "expansion_factor": 2,
-    "num_groups": 4,
-    "dropout": 0.0,
-    "downsample_times": 1,
-    "num_layers": 4,
+    "branch_channels": [16, 16], "head_channels": [8, 16], "final_chansize": 64, "expansion_factor": 2,
+    "num_groups": 4, "dropout": 0.0, "downsample_times": 1, "num_layers": 4,
     "deq": {"f_solver": "anderson", "f_max_iter": 20, "f_tol": 1e-3, "b_mode": "ift", "b_solver": "anderson",
             "b_max_iter": 12, "b_tol": 1e-3},
 }
-_LIPSCHITZ_SWITCHES: dict = {
-    "wnorm": False,
-    "lipschitz": True,
-    "residual_alpha": 0.5,
-    "fusion_alpha": 0.3,
-    "conv_norm": 2.0,
-    "gamma_bound": 1.0,
-    "relu_slope": 0.35,
-    "spectral_fft_size": 32,
-}
+_LIPSCHITZ_SWITCHES: dict = {"wnorm": False, "lipschitz": True, "residual_alpha": 0.5, "fusion_alpha": 0.3,
+                             "conv_norm": 2.0, "gamma_bound": 1.0, "relu_slope": 0.35,
+                             "spectral_fft_size": 32}
+_SMALL = {"branch_channels": [32, 64, 128, 256], "expansion_factor": 5, "num_groups": 8}
+_SEG = "image-segmentation"
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "mdeq-cifar-tiny": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "MDEQ-Tiny for CIFAR-10 (cls_mdeq_TINY.yaml): 2 streams of 24 channels",
-        "config": {
-            **_CIFAR,
-            "branch_channels": [24, 24],
-            "head_channels": [8, 16],
-            "final_chansize": 200,
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.25,
-            "downsample_times": 0,
-            "post_gn_affine": False,
-            "num_layers": 10,
-            "deq": _deq("broyden", 18, 20, "rel"),
-        },
-    },
-    "mdeq-cifar-large": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "MDEQ-Large for CIFAR-10 (cls_mdeq_LARGE.yaml): 4 streams 32-256 channels",
-        "config": {
-            **_CIFAR,
-            "branch_channels": [32, 64, 128, 256],
-            "head_channels": [14, 28, 56, 112],
-            "final_chansize": 1680,
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.3,
-            "downsample_times": 0,
-            "post_gn_affine": False,
-            "num_layers": 10,
-            "deq": _deq("broyden", 18, 20, "rel"),
-        },
-    },
-    "mdeq-imagenet-small": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "MDEQ-Small for ImageNet (cls_mdeq_SMALL.yaml)",
-        "config": {
-            **_IMAGENET,
-            "num_labels": 1000,
-            "branch_channels": [32, 64, 128, 256],
-            "head_channels": [24, 48, 96, 192],
-            "final_chansize": 2048,
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.0,
-            "downsample_times": 2,
-            "num_layers": 5,
-            "deq": _deq("broyden", 26, 27, "abs"),
-        },
-    },
-    "mdeq-imagenet-large": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "MDEQ-Large for ImageNet (cls_mdeq_LARGE.yaml of MDEQ-Vision)",
-        "config": {
-            **_IMAGENET,
-            "num_labels": 1000,
-            "branch_channels": [80, 160, 320, 640],
-            "head_channels": [32, 64, 128, 256],
-            "final_chansize": 2048,
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.0,
-            "downsample_times": 2,
-            "num_layers": 4,
-            "deq": _deq("broyden", 26, 27, "abs"),
-        },
-    },
-    "mdeq-imagenet-xl": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "MDEQ-XL for ImageNet (cls_mdeq_XL.yaml)",
-        "config": {
-            **_IMAGENET,
-            "num_labels": 1000,
-            "branch_channels": [88, 176, 352, 704],
-            "head_channels": [32, 64, 128, 256],
-            "final_chansize": 2048,
-            "expansion_factor": 6,
-            "num_groups": 8,
-            "dropout": 0.0,
-            "downsample_times": 2,
-            "num_layers": 4,
-            "deq": _deq("broyden", 26, 27, "abs"),
-        },
-    },
-    "mdeq-cityscapes-small": {
-        "task": "image-segmentation",
-        "auto": "AutoModelForSemanticSegmentation",
-        "description": "MDEQ-Small for Cityscapes (seg_mdeq_SMALL.yaml)",
-        "config": {
-            **_CITYSCAPES,
-            "branch_channels": [32, 64, 128, 256],
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.05,
-            "downsample_times": 2,
-            "num_layers": 3,
-            "deq": _deq("broyden", 27, 30, "abs"),
-        },
-    },
-    "mdeq-cityscapes-large": {
-        "task": "image-segmentation",
-        "auto": "AutoModelForSemanticSegmentation",
-        "description": "MDEQ-Large for Cityscapes (seg_mdeq_LARGE.yaml)",
-        "config": {
-            **_CITYSCAPES,
-            "branch_channels": [80, 160, 320, 640],
-            "expansion_factor": 5,
-            "num_groups": 8,
-            "dropout": 0.03,
-            "downsample_times": 2,
-            "num_layers": 3,
-            "deq": _deq("broyden", 27, 30, "abs"),
-        },
-    },
-    "mdeq-cityscapes-xl": {
-        "task": "image-segmentation",
-        "auto": "AutoModelForSemanticSegmentation",
-        "description": "MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)",
-        "config": {
-            **_CITYSCAPES,
-            "branch_channels": [88, 176, 352, 704],
-            "expansion_factor": 6,
-            "num_groups": 8,
-            "dropout": 0.04,
-            "downsample_times": 2,
-            "num_layers": 3,
-            "deq": _deq("broyden", 27, 30, "abs"),
-        },
-    },
+    "mdeq-cifar-tiny": _preset("MDEQ-Tiny for CIFAR-10 (cls_mdeq_TINY.yaml): 2 streams of 24 channels",
+                               **_CIFAR, branch_channels=[24, 24], head_channels=[8, 16], final_chansize=200,
+                               dropout=0.25),
+    "mdeq-cifar-large": _preset("MDEQ-Large for CIFAR-10 (cls_mdeq_LARGE.yaml): 4 streams 32-256 channels",
+                                **_CIFAR, branch_channels=[32, 64, 128, 256], head_channels=[14, 28, 56, 112],
+                                final_chansize=1680, dropout=0.3),
+    "mdeq-imagenet-small": _preset("MDEQ-Small for ImageNet (cls_mdeq_SMALL.yaml)", **_IMAGENET, **_SMALL,
+                                   head_channels=[24, 48, 96, 192], final_chansize=2048, num_layers=5),
+    "mdeq-imagenet-large": _preset("MDEQ-Large for ImageNet (cls_mdeq_LARGE.yaml of MDEQ-Vision)",
+                                   **_IMAGENET, **_WIDE, head_channels=[32, 64, 128, 256],
+                                   final_chansize=2048, num_layers=4),
+    "mdeq-imagenet-xl": _preset("MDEQ-XL for ImageNet (cls_mdeq_XL.yaml)", **_IMAGENET, **_XL,
+                                head_channels=[32, 64, 128, 256], final_chansize=2048, num_layers=4),
+    "mdeq-cityscapes-small": _preset("MDEQ-Small for Cityscapes (seg_mdeq_SMALL.yaml)", _SEG, **_CITYSCAPES,
+                                     **_SMALL, dropout=0.05),
+    "mdeq-cityscapes-large": _preset("MDEQ-Large for Cityscapes (seg_mdeq_LARGE.yaml)", _SEG, **_CITYSCAPES,
+                                     **_WIDE, dropout=0.03),
+    "mdeq-cityscapes-xl": _preset("MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)", _SEG, **_CITYSCAPES, **_XL,
+                                  dropout=0.04),
     # ours: the embedded MNIST checkpoints (28x28 grayscale, 2 streams)
-    "mdeq-mnist-tiny": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 channels at "
-        "14x14 and 7x7); deqzoo/mdeq-tiny-mnist",
-        "config": _MNIST_TINY,
-    },
-    "lipschitz-mdeq-mnist-tiny": {
-        "task": "image-classification",
-        "auto": "AutoModelForImageClassification",
-        "description": "Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
-        "deqzoo/lipschitz-mdeq-tiny-mnist",
-        "config": {**_MNIST_TINY, **_LIPSCHITZ_SWITCHES},
-    },
+    "mdeq-mnist-tiny": _preset("Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 "
+                               "channels at 14x14 and 7x7); deqzoo/mdeq-tiny-mnist", **_MNIST_TINY),
+    "lipschitz-mdeq-mnist-tiny": _preset("Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
+                                         "deqzoo/lipschitz-mdeq-tiny-mnist", **_MNIST_TINY,
+                                         **_LIPSCHITZ_SWITCHES),
 }
 
 # Trainable parameter counts of the original implementations, obtained by building the upstream model classes
