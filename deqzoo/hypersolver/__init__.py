@@ -21,12 +21,11 @@ from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .io import (
     HyperSolverError,
     check_compatible,
-    load_hypersolver,
     model_fingerprint,
     resolve_hypersolver,
     save_hypersolver,
 )
-from .modeling import HyperSolver
+from .modeling import HyperSolver, load_hypersolver
 
 __all__ = [
     "HyperDEQ",

@@ -23,12 +23,11 @@ from torch import nn
 from ..errors import CheckpointError, DeqzooError
 from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig, HyperSolverConfigError
-from .modeling import HyperSolver
 
 __all__ = [
     "HyperSolverError",
     "check_compatible",
-    "load_hypersolver",
+    "read_hypersolver",
     "model_fingerprint",
     "resolve_hypersolver",
     "save_hypersolver",
@@ -71,7 +70,7 @@ def _model_name(model: nn.Module) -> str:
     )
 
 
-def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
+def check_compatible(model: nn.Module, hypersolver: nn.Module) -> None:
     """Raise `HyperSolverError` unless `hypersolver` was trained for this model's weights."""
     want = hypersolver.config.model_fingerprint
     have = model_fingerprint(model)
@@ -85,7 +84,7 @@ def check_compatible(model: nn.Module, hypersolver: HyperSolver) -> None:
         )
 
 
-def save_hypersolver(hypersolver: HyperSolver, directory: str | os.PathLike, **kwargs) -> Path:
+def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.PathLike, **kwargs) -> Path:
     """huggingface_hub's ``save_pretrained`` (config.json with the weights' sha256, model.safetensors, a card
     where the folder has none; ``push_to_hub=True`` and its options), made atomic
     (`deqzoo.hub.saving.atomic_save`): other files there (a card) are kept. A directory that holds some other
@@ -132,12 +131,10 @@ def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
                                f"{err}") from None
 
 
-def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
-    """Load and verify a hypersolver (``HyperSolver.from_pretrained``; the module docstring lists the checks).
-
-    Example:
-        >>> hs = load_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist")  # doctest: +SKIP
-    """
+def read_hypersolver(cls: type[nn.Module], name_or_path: str | os.PathLike, **hub_kwargs) -> nn.Module:
+    """Load and verify a hypersolver of class `cls` (what ``HyperSolver.from_pretrained`` and
+    `deqzoo.hypersolver.load_hypersolver` run; the module docstring lists the checks). The class is passed in
+    so that this module does not import the one that imports it."""
     from ..hub.loading import load_weights_file
     from ..hub.validation import confined, read_json
 
@@ -154,6 +151,6 @@ def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolv
             raise HyperSolverError(f"{w_path}: sha256 {have} does not match the {want} recorded in "
                                    f"{cfg_path} (hypersolver for {config.model_id or '?'}): the file is "
                                    "corrupted or replaced")
-        return load_weights_file(HyperSolver(config), w_path).eval()
+        return load_weights_file(cls(config), w_path).eval()
     except (CheckpointError, HyperSolverConfigError) as err:
         raise HyperSolverError(str(err)) from None

@@ -95,9 +95,9 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
     def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
         """Load and verify (`deqzoo.hypersolver.load_hypersolver`): safetensors only, never the mixin's pickle
         fallback; hub keywords (revision, cache_dir, token, local_files_only, ...) as in huggingface_hub."""
-        from .io import load_hypersolver
+        from .io import read_hypersolver
 
-        return load_hypersolver(name_or_path, **hub_kwargs)
+        return read_hypersolver(cls, name_or_path, **hub_kwargs)
 
     def feature_width(self) -> int:
         c = self.config
@@ -214,3 +214,13 @@ class BoundNet:
 
     def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hs.mix(C)
+
+
+def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
+    """Load and verify a hypersolver: ``HyperSolver.from_pretrained`` (the checks are listed in
+    `deqzoo.hypersolver.io`).
+
+    Example:
+        >>> hs = load_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist")  # doctest: +SKIP
+    """
+    return HyperSolver.from_pretrained(name_or_path, **hub_kwargs)
