@@ -378,7 +378,9 @@ def run_demo(
                 rows.append(_demo_row(str(name), getattr(stats, "solver", ""), True, summary, stats, elapsed))
                 continue
             default = model.config.deq_config
-            rows.append(_demo_row(str(name), default.f_solver, True, summary, stats, elapsed))
+            # a reversible DEQ's forward is its coupled iteration, not f_solver: the row names what ran
+            card_solver = "reversible" if default.b_mode == "reversible" else default.f_solver
+            rows.append(_demo_row(str(name), card_solver, True, summary, stats, elapsed))
             if not has_solve(stats):  # an explicit network (the RAFT twin): no solver to compare, no plot
                 continue
             traces = {f"{default.f_solver} (card)": stats}

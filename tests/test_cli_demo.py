@@ -180,5 +180,5 @@ def test_demo_of_a_reversible_deq_compares_no_solvers(tmp_path):
     name = "deqzoo/mdeq-tiny-mnist-reversible"
     rows, failures = run_demo([name], tmp_path, progress=False)
     assert failures == []
-    assert len(rows) == 1 and rows[0]["card"]
+    assert len(rows) == 1 and rows[0]["card"] and rows[0]["solver"] == "reversible"  # what ran, not f_solver
     assert (tmp_path / "mdeq-tiny-mnist-reversible_residuals.png").is_file()
