@@ -26,12 +26,35 @@ class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*map(str, row)) for row in rows]
-    lines = [line.rstrip() for line in lines]
+def _table(rows: list[list[str]], header: list[str], width: int | None = None,
+           shrink: dict[int, int] | None = None) -> str:
+    """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
+    -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
+    onto continuation lines until the table fits; no cell's text is lost."""
+    import textwrap
+
+    cells = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
+    gap = 2
+    order = [*(shrink or {}).items(), *((i, 4) for i in range(len(widths)))]
+    for column, narrowest in order if width is not None else ():
+        excess = sum(widths) + gap * (len(widths) - 1) - width
+        if excess <= 0:
+            break
+        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
+
+    def lines_of(row: list[str]) -> list[str]:
+        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
+                   for c, w in zip(row, widths)]
+        out = []
+        for k in range(max(len(w) for w in wrapped)):
+            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
+            out.append((" " * gap).join(parts).rstrip())
+        return out
+
+    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
+    for row in rows:
+        lines += lines_of(row)
     return "\n".join(lines)
 
 
@@ -268,35 +291,6 @@ DEMO_WIDTH = 100
 _NO_SOLVE = "no solve"
 
 
-def _fit_table(rows: list[list[str]], header: list[str], width: int, shrink: dict[int, int]) -> str:
-    """`_table`'s layout within `width` characters: the columns in `shrink` (column -> narrowest width, in
-    the order given) are narrowed, then any column down to 4, and their cells wrapped onto continuation lines
-    until the table fits; no cell's text is lost."""
-    import textwrap
-
-    cells = [header, *rows]
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
-    gap = 2
-    order = [*shrink.items(), *((i, 4) for i in range(len(widths)))]
-    for column, narrowest in order:
-        excess = sum(widths) + gap * (len(widths) - 1) - width
-        if excess <= 0:
-            break
-        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
-
-    def lines_of(row: list[str]) -> list[str]:
-        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
-                   for c, w in zip(row, widths)]
-        out = []
-        for k in range(max(len(w) for w in wrapped)):
-            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
-            out.append((" " * gap).join(parts).rstrip())
-        return out
-
-    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
-    for row in rows:
-        lines += lines_of(row)
-    return "\n".join(lines)
 
 
 def _converged(stats) -> str:
@@ -335,7 +329,7 @@ def _demo_cells(row: dict[str, Any]) -> list[str]:
 def demo_table(rows: list[dict[str, Any]], width: int = DEMO_WIDTH) -> str:
     """The demo's table (model names without the `deqzoo/` prefix; * marks the card's solver) within
     `width` columns: the model and metric columns wrap when needed."""
-    return _fit_table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 1: 12, 0: 16})
+    return _table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 1: 12, 0: 16})
 
 
 _DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solvers rerun the same demo for "

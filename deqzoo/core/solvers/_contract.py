@@ -175,16 +175,6 @@ class _Tracker:
         from .. import _kernels  # numba loads with the first solve, not with the model
         self._track = _kernels.host(_kernels.track)
 
-    @property
-    def nonfinite(self) -> bool:
-        from .. import _kernels  # numba loads with the first solve, not with the model
-        return bool(self.flags & _kernels.NONFINITE)
-
-    @property
-    def diverged(self) -> bool:
-        from .. import _kernels  # numba loads with the first solve, not with the model
-        return bool(self.flags & _kernels.DIVERGED)
-
     def update(self, x: torch.Tensor, fx: torch.Tensor | None, abs_r: torch.Tensor | None = None,
                fx_norm: torch.Tensor | None = None) -> bool:  # fmt: skip
         """Record iterate x with f(x) = fx (or the norms abs_r = |fx - x|, fx_norm = |fx|). Returns True when
@@ -385,8 +375,6 @@ def _sq_norms(gx: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
             torch.linalg.vector_norm(fx, dim=1, dtype=torch.float64),
         )
     ).square_()
-
-
 
 
 def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.Tensor, SolverStats]:
