@@ -5,8 +5,9 @@ One command (documented in the README)::
     python -m deqzoo.hub.hf_cache          # or deqzoo.hub.hf_cache.populate_hf_cache()
 
 writes, for every embedded checkpoint ``deqzoo/<name>``, the repository folder huggingface_hub reads
-(``$HF_HUB_CACHE/models--deqzoo--<name>/``: ``blobs/<sha256>``, ``snapshots/<commit>/<file>`` linking to the
-blobs, ``refs/main``). After it, ``transformers.AutoModel*.from_pretrained("deqzoo/<name>")``,
+(``$HF_HUB_CACHE/models--deqzoo--<name>/``: ``snapshots/<commit>/<file>`` and ``refs/main``; the files are
+plain copies in the snapshot, the layout huggingface_hub itself writes where symlinks are unavailable, so no
+``blobs/`` folder is needed). After it, ``transformers.AutoModel*.from_pretrained("deqzoo/<name>")``,
 ``pipeline(model="deqzoo/<name>")``, ``timm.create_model("hf-hub:deqzoo/<name>")`` and diffusers'
 ``from_pretrained`` find the files in the cache: with ``HF_HUB_OFFLINE=1`` no request is made; without it, an
 unreachable network falls back to the cache at once (huggingface_hub's own behaviour).
@@ -26,27 +27,21 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .catalog import embedded_folder, load_catalog, sha256_file
+from .saving import atomic_save
 
 MARKER = ".deqzoo-embedded"
 
 
 def hf_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The hub cache huggingface_hub uses ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),
-    read at call time."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
+    """`cache_dir`, else the hub cache huggingface_hub itself reads in this process ($HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub, as its `constants` resolved them)."""
     from huggingface_hub import constants
 
-    return Path(constants.HF_HUB_CACHE)
+    return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
 
 
 def _timm_config(cid: str) -> dict[str, Any] | None:
@@ -87,13 +82,6 @@ def _commit(files: dict[str, str]) -> str:
     return hashlib.sha1(json.dumps(sorted(files.items())).encode()).hexdigest()
 
 
-def _link_or_copy(blob: Path, target: Path) -> None:
-    try:
-        target.symlink_to(os.path.relpath(blob, target.parent))
-    except OSError:  # no symlinks (Windows without developer mode): huggingface_hub copies too
-        shutil.copyfile(blob, target)
-
-
 def populate_hf_cache(cache_dir: str | os.PathLike | None = None, names: list[str] | None = None
                       ) -> dict[str, str]:
     """Write every embedded checkpoint (or `names`) into the HF cache; returns {id: what happened}.
@@ -129,27 +117,18 @@ def _populate_one(cache: Path, cid: str, entry: dict[str, Any]) -> str:
     ref = repo / "refs" / "main"
     if ref.is_file() and ref.read_text().strip() == commit and all((snapshot / r).is_file() for r in files):
         return f"present: {snapshot}"
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    repo.mkdir(parents=True, exist_ok=True)
     marker.write_text("written by `python -m deqzoo.hub.hf_cache` from deqzoo's embedded checkpoints\n")
-    for rel, src in files.items():
-        blob = repo / "blobs" / digests[rel]
-        if not blob.is_file():
-            tmp = blob.with_name(f".{blob.name}.tmp")
+
+    def write(tmp: Path) -> None:
+        for rel, src in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if isinstance(src, bytes):
-                tmp.write_bytes(src)
+                (tmp / rel).write_bytes(src)
             else:
-                shutil.copyfile(src, tmp)
-            os.replace(tmp, blob)
-    # the snapshot is assembled beside its final place and renamed in: a reader sees all of it or none
-    (repo / "snapshots").mkdir(exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=repo / "snapshots"))
-    for rel in files:
-        target = staging / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(repo / "blobs" / digests[rel], target)
-    if snapshot.exists():
-        shutil.rmtree(snapshot)  # deqzoo's own incomplete snapshot (marker checked above)
-    os.replace(staging, snapshot)
+                shutil.copyfile(src, tmp / rel)
+
+    atomic_save(snapshot, write)  # a reader sees all of the snapshot or none of it
     ref.parent.mkdir(parents=True, exist_ok=True)
     tmp_ref = ref.with_name(".main.tmp")
     tmp_ref.write_text(commit)
