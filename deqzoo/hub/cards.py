@@ -7,12 +7,13 @@ read the metadata back with :func:`read_model_card`.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+from huggingface_hub import EvalResult, ModelCardData
 
+from .saving import write_whole
 from .validation import confined, load_yaml
 
 CARD_NAME = "README.md"
@@ -20,14 +21,6 @@ MAX_CARD_BYTES = 16 * 1024 * 1024
 # tasks with a transformers pipeline that the zoo's heads serve (card snippets use it); others use AutoModel
 TRANSFORMERS_PIPELINES = frozenset({"image-classification", "image-segmentation", "text-generation"})
 _FRONT = "---"
-
-
-_TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
-               "text-generation": "Text Generation", "image-classification": "Image Classification"}
-
-
-def _pretty(name: str) -> str:
-    return _TASK_NAMES.get(name) or name.replace("-", " ").replace("_", " ").title()
 
 
 def build_metadata(
@@ -52,26 +45,14 @@ def build_metadata(
         raise ValueError(f"task_module must be a dotted module name (deqzoo.tasks.<name>), "
                          f"got {task_module!r}")
     all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
-    meta: dict[str, Any] = {
-        "license": license,
-        "library_name": "deqzoo",
-        "tags": all_tags,
-        "datasets": list(datasets),
-        "metrics": sorted({m["type"] for m in metrics}),
-    }
-    if base_model:
-        meta["base_model"] = base_model
-    meta["pipeline_tag"] = pipeline_tag
-    meta["deqzoo_task"] = task_module
-    meta["model-index"] = [{
-        "name": model_id,
-        "results": [{
-            "task": {"type": pipeline_tag, "name": _pretty(pipeline_tag)},
-            "dataset": {"type": datasets[0] if datasets else dataset_name, "name": dataset_name},
-            "metrics": [{"type": m["type"], "name": m["name"], "value": m["value"]} for m in metrics],
-        }],
-    }]
-    return meta
+    # huggingface_hub writes the Hub's model-index from EvalResults (one result: one task, one data set)
+    results = [EvalResult(task_type=pipeline_tag, dataset_type=datasets[0] if datasets else dataset_name,
+                          dataset_name=dataset_name, metric_type=m["type"], metric_name=m["name"],
+                          metric_value=m["value"]) for m in metrics]
+    return ModelCardData(license=license, library_name="deqzoo", tags=all_tags, datasets=list(datasets),
+                         metrics=sorted({m["type"] for m in metrics}), base_model=base_model or None,
+                         pipeline_tag=pipeline_tag, deqzoo_task=task_module, model_name=model_id,
+                         eval_results=results or None).to_dict()
 
 
 def render_model_card(metadata: dict[str, Any], body: str) -> str:
@@ -176,10 +157,9 @@ deqzoo demo
 
 Task module used by `deqzoo eval|demo|predict`: `{task_module}`.
 """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / CARD_NAME
-    _atomic_write_text(path, render_model_card(meta, body))
+    path = Path(directory) / CARD_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(path, render_model_card(meta, body))  # README.md alone: the other files stay
     return path
 
 
@@ -210,19 +190,17 @@ def read_model_card(directory: str | os.PathLike) -> tuple[dict[str, Any], str]:
     raise ValueError(f"{path}: front matter opened with '---' but never closed")
 
 
+def _items(value: Any, key: str) -> list[dict]:
+    """The dicts in list `value[key]`: card metadata comes from anyone, so malformed parts are skipped."""
+    found = value.get(key) if isinstance(value, dict) else None
+    return [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
+
+
 def card_metrics(metadata: dict[str, Any]) -> dict[str, float]:
     """Flatten model-index results into {metric type: value}."""
-    out: dict[str, float] = {}
-
-    def items(value: Any, key: str) -> list[dict]:  # card metadata comes from anyone: skip malformed parts
-        found = value.get(key) if isinstance(value, dict) else None
-        return [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
-
-    for entry in items(metadata, "model-index"):
-        for result in items(entry, "results"):
-            for metric in items(result, "metrics"):
-                out[str(metric.get("type") or metric.get("name"))] = metric.get("value")
-    return out
+    return {str(metric.get("type") or metric.get("name")): metric.get("value")
+            for entry in _items(metadata, "model-index") for result in _items(entry, "results")
+            for metric in _items(result, "metrics")}
 
 
 def card_headline(metadata: dict[str, Any]) -> str | None:
@@ -235,27 +213,12 @@ def card_headline(metadata: dict[str, Any]) -> str | None:
         ...     "metrics": [{"type": "accuracy", "name": "Test accuracy", "value": 0.978}]}]}]})
         'Test accuracy 0.978 (MNIST test)'
     """
-    for entry in metadata.get("model-index") or [] if isinstance(metadata, dict) else []:
-        for result in (entry.get("results") or []) if isinstance(entry, dict) else []:
-            metrics = result.get("metrics") if isinstance(result, dict) else None
-            if isinstance(metrics, list) and metrics and isinstance(metrics[0], dict):
-                first = metrics[0]
-                dataset = result.get("dataset") if isinstance(result.get("dataset"), dict) else {}
-                where = dataset.get("name") or dataset.get("type")
-                text = f"{first.get('name') or first.get('type')} {first.get('value')}"
-                return f"{text} ({where})" if where else text
+    for result in (r for entry in _items(metadata, "model-index") for r in _items(entry, "results")):
+        metrics = _items(result, "metrics")
+        if metrics and metrics[0] is result["metrics"][0]:
+            first = metrics[0]
+            dataset = result.get("dataset") if isinstance(result.get("dataset"), dict) else {}
+            where = dataset.get("name") or dataset.get("type")
+            text = f"{first.get('name') or first.get('type')} {first.get('value')}"
+            return f"{text} ({where})" if where else text
     return None
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -44,16 +44,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def load_catalog(path: Path | None = None, section: str = "checkpoints") -> dict[str, dict[str, Any]]:
     """{id: entry} of the embedded checkpoints ({} when no catalog has been generated); `section`
-    "hypersolvers" lists the embedded hypersolvers, whose folders resolve through `embedded_folder` too."""
+    "hypersolvers" lists the embedded hypersolvers, whose folders resolve through `embedded_folder` too.
+
+    Example:
+        >>> "deqzoo/hyperdeq-mdeq-tiny-mnist" in load_catalog(section="hypersolvers")
+        True
+    """
     path = Path(path) if path is not None else CATALOG_PATH  # module global read at call time (tests swap it)
     return json.loads(path.read_text()).get(section, {}) if path.is_file() else {}
 
-
-def load_hypersolver_catalog(path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """{id: entry} of the embedded hypersolvers (`deqzoo.hypersolver`).
-
-    Example:
-        >>> "deqzoo/hyperdeq-mdeq-tiny-mnist" in load_hypersolver_catalog()
-        True
-    """
-    return load_catalog(path, "hypersolvers")

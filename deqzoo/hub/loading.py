@@ -37,9 +37,12 @@ def is_offline() -> bool:
 
 
 def embedded_entry(name: str) -> dict[str, Any] | None:
-    """The catalog entry for an id (``deqzoo/<short>`` or just ``<short>``), or None."""
-    catalog = load_catalog()
-    return catalog.get(name) or catalog.get(f"{NAMESPACE}/{name}")
+    """The catalog entry of an embedded checkpoint or hypersolver (``deqzoo/<short>`` or just ``<short>``),
+    or None."""
+    for catalog in (load_catalog(), load_catalog(section="hypersolvers")):
+        if entry := catalog.get(name) or catalog.get(f"{NAMESPACE}/{name}"):
+            return entry
+    return None
 
 
 def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
@@ -149,16 +152,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
 
 
-def load_state_dict(directory: str | os.PathLike, variant: str | None = None
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint directory and the file each came from (safetensors only, checked)."""
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
-    for path in weight_files(directory, variant):
-        part = _read_weights(path)
-        tensors.update(part)
-        origin.update(dict.fromkeys(part, path))
-    return tensors, origin
+def load_state_dict(directory: str | os.PathLike, variant: str | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (safetensors only, every header checked first)."""
+    return {key: tensor for path in weight_files(directory, variant)
+            for key, tensor in _read_weights(path).items()}
 
 
 def load_weights_file(model: torch.nn.Module, path: str | os.PathLike, *, strip_prefix: str = ""
@@ -254,18 +251,11 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
 
     The name resolves to a local folder (`resolve`: directory, embedded checkpoint with sha256 check, HF
     cache, Hub with safe files only; ``subfolder`` confined to it). Refused with an error naming the cause,
-    before anything is allocated: a call under ``torch.device('meta')`` (transformers would return a model
-    without weights), pickle-only or non-safetensors loading, keywords that would load other formats or
-    another model (``gguf_file``, adapters), an ``adapter_config.json`` in the folder, a config that fails
-    validation (types, ranges), a model above the parameter budget, weights whose headers do not match the
-    model (mis-shaped keys unless ``ignore_mismatched_sizes``, dtypes that need more than a float cast).
-    Config attributes given as keywords override the config (validated like ``__init__``)."""
-    if torch.empty(0).device.type == "meta":
-        # transformers' own wording first (callers match on it), then which call and what to do instead
-        raise RuntimeError("You are using `from_pretrained` with a meta device context manager or "
-                           "`torch.set_default_device('meta')`: "
-                           f"{model_cls.__name__}.from_pretrained was called under torch.device('meta'), so "
-                           "the weights would not be loaded; build a meta skeleton with model_cls(config)")
+    before anything is allocated: pickle-only or non-safetensors loading, keywords that would load other
+    formats or another model (``gguf_file``, adapters), an ``adapter_config.json`` in the folder, a config
+    that fails validation (types, ranges), a model above the parameter budget, weights whose headers do not
+    match the model (mis-shaped keys unless ``ignore_mismatched_sizes``, dtypes that need more than a float
+    cast). Config attributes given as keywords override the config (validated like ``__init__``)."""
     if kwargs.get("use_safetensors", True) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
     for key, why in _REFUSED.items():
@@ -309,8 +299,7 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
                       max_parameters=max_parameters, variant=kwargs.get("variant"),
                       ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes", False))
     if bridge:  # base model <-> task head: transformers' own bridging misses weight-norm's renamed keys
-        state, _ = load_state_dict(directory, kwargs.get("variant"))
-        kwargs["state_dict"] = _bridge_prefix(bridge, state)
+        kwargs["state_dict"] = _bridge_prefix(bridge, load_state_dict(directory, kwargs.get("variant")))
         directory = None  # transformers takes either a folder or tensors
     kwargs.update(use_safetensors=True, trust_remote_code=False)  # config.json's auto_map never runs
     return (str(directory) if directory is not None else None), config, kwargs

@@ -61,19 +61,23 @@ def _bad_entry(path: Path) -> str | None:
     return None
 
 
-def refuse_pickles(directory: str | os.PathLike, variant: str | None = None) -> None:
-    """Raise when a checkpoint directory offers only pickle-based weights (which deqzoo never loads)."""
+def refuse_pickles(directory: str | os.PathLike, variant: str | None = None, *,
+                   has_weights: bool | None = None) -> None:
+    """Raise when a checkpoint folder offers only pickle-based weights (which deqzoo never loads), or no
+    weights at all; `has_weights` says instead whether it holds safetensors (a diffusers component may hold
+    none)."""
     directory = Path(directory)
     single, index = weight_names(variant)
-    if (directory / single).is_file() or (directory / index).is_file():
-        return
+    found = has_weights if has_weights is not None else (directory / single).is_file() or (
+        directory / index).is_file()
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
+    if pickles and not found:
         raise CheckpointError(
             f"{directory}: only pickle weights found ({', '.join(pickles)}); "
             "deqzoo loads safetensors only and "
             f"never unpickles. Convert them with `deqzoo convert` (uses torch.load(weights_only=True)).")
-    raise CheckpointError(f"{directory}: no {single} found")
+    if not found and has_weights is None:
+        raise CheckpointError(f"{directory}: no {single} found")
 
 
 def weight_names(variant: str | None = None) -> tuple[str, str]:
@@ -94,10 +98,7 @@ def check_component_folder(folder: str | os.PathLike, source: str | os.PathLike)
     for entry in entries:
         confined(folder, entry.name, source)
     weights = [p for p in entries if p.suffix == ".safetensors"]
-    pickles = [p.name for p in entries if p.suffix in PICKLE_SUFFIXES]
-    if pickles and not weights:
-        raise CheckpointError(f"{folder}: only pickle weights found ({', '.join(pickles)}); deqzoo loads "
-                              "safetensors only and never unpickles")
+    refuse_pickles(folder, has_weights=bool(weights))  # diffusers would unpickle them
     for path in weights:
         read_safetensors_header(path)
 

@@ -146,10 +146,14 @@ def _retire(old: Path, new: Path, produced: set[str], rel: str = "") -> list[str
     return kept
 
 
-def _write(path: Path, data: Any) -> None:
-    """Write JSON whole or not at all (a kill leaves the previous content)."""
-    path.with_name(path.name + ".part").write_text(json.dumps(data))
+def write_whole(path: Path, text: str) -> None:
+    """Write one file whole or not at all (a kill leaves the previous content and a `<name>.part`)."""
+    path.with_name(path.name + ".part").write_text(text, encoding="utf-8")
     os.replace(path.with_name(path.name + ".part"), path)
+
+
+def _write(path: Path, data: Any) -> None:
+    write_whole(path, json.dumps(data))
 
 
 def _manifest(folder: Path) -> set[str] | None:

@@ -12,7 +12,6 @@ matches the one the hypersolver was trained for (the error names both models).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -62,14 +61,6 @@ def model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _model_name(model: nn.Module) -> str:
-    return (
-        getattr(model, "name_or_path", "")
-        or getattr(getattr(model, "config", None), "_name_or_path", "")
-        or type(model).__name__
-    )
-
-
 def check_compatible(model: nn.Module, hypersolver: nn.Module) -> None:
     """Raise `HyperSolverError` unless `hypersolver` was trained for this model's weights."""
     want = hypersolver.config.model_fingerprint
@@ -78,7 +69,8 @@ def check_compatible(model: nn.Module, hypersolver: nn.Module) -> None:
         raise HyperSolverError(
             f"hypersolver trained for {hypersolver.config.model_id or '?'} "
             f"(fingerprint {want[:16] or 'none'}...) "
-            f"does not fit model {_model_name(model)} (fingerprint {have[:16]}...): it was trained against "
+            f"does not fit model {getattr(model, 'name_or_path', '') or type(model).__name__} "
+            f"(fingerprint {have[:16]}...): it was trained against "
             "other weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
             "set_hypersolver at your own risk"
         )
@@ -90,13 +82,14 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
     (`deqzoo.hub.saving.atomic_save`): other files there (a card) are kept. A directory that holds some other
     checkpoint (a config.json that is not a hypersolver's) is refused: its weights would be replaced."""
     from ..hub.saving import atomic_save
+    from ..hub.validation import read_json
 
     directory = Path(directory)
     existing = directory / CONFIG_NAME
     if existing.is_file():
         try:
-            kind = json.loads(existing.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
+            kind = read_json(existing, max_bytes=MAX_CONFIG_BYTES).get("model_type")
+        except CheckpointError:
             kind = None
         if kind != "hypersolver":
             raise HyperSolverError(
@@ -115,19 +108,16 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
 
 
 def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
-    """A local directory, an embedded hypersolver id ``deqzoo/hyperdeq-...`` (listed in the catalog), or a Hub
-    repository (`deqzoo.hub.resolve`: the HF cache, then the Hub, safe files only)."""
-    from ..hub.catalog import embedded_folder, load_hypersolver_catalog
+    """A local directory, an embedded hypersolver id ``deqzoo/hyperdeq-...`` (every file's sha256 checked
+    against the catalog) or a Hub repository: `deqzoo.hub.resolve`, whose errors this names as a
+    hypersolver's."""
     from ..hub.loading import resolve
 
-    embedded = load_hypersolver_catalog()  # the source tree's model_cards/ or a wheel's packaged copy
-    entry = embedded.get(str(name_or_path))
-    folder = embedded_folder(entry) if entry and not Path(name_or_path).expanduser().is_dir() else None
     try:
-        return folder or resolve(name_or_path, **hub_kwargs)
+        return resolve(name_or_path, **hub_kwargs)
     except CheckpointError as err:
         raise HyperSolverError(f"hypersolver {str(name_or_path)!r} is neither a directory nor an embedded "
-                               f"hypersolver ({sorted(embedded) or 'none'}) nor found on the Hub: "
+                               f"hypersolver nor found on the Hub, or its files fail their checks: "
                                f"{err}") from None
 
 

@@ -54,7 +54,8 @@ def test_from_none_with_config_and_state_dict(toy_checkpoint):
 
 def test_from_pretrained_under_the_meta_device_raises(toy_checkpoint):
     directory, model = toy_checkpoint
-    with torch.device("meta"), pytest.raises(RuntimeError, match="torch.device\\('meta'\\)"):
+    # transformers' own check (its wording), reached after deqzoo's checks, which allocate nothing
+    with torch.device("meta"), pytest.raises(RuntimeError, match="with a meta device context manager"):
         type(model).from_pretrained(directory)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from deqzoo.hub.catalog import load_catalog, load_hypersolver_catalog
+from deqzoo.hub.catalog import load_catalog
 from utils.catalog import REPO_ROOT
 
 # building the wheel and two environments, then the demo of every checkpoint: minutes on 2 cores
@@ -131,7 +131,7 @@ def test_wheel_carries_every_embedded_checkpoint(wheel_env):
 
     _, _, _, _, wheel = wheel_env
     names = set(zipfile.ZipFile(wheel).namelist())
-    for cid, entry in [*load_catalog().items(), *load_hypersolver_catalog().items()]:
+    for cid, entry in [*load_catalog().items(), *load_catalog(section="hypersolvers").items()]:
         folder = Path(entry["location"]).name
         for rel in entry["files"]:
             assert f"deqzoo/_model_cards/{folder}/{rel}" in names, (cid, rel)
