@@ -125,8 +125,7 @@ class HyperDEQ(_Capturing):
         hs: HyperSolver = self.__dict__["hypersolver"]
         injection = self._take_injection()
         tensors = [z0] if isinstance(z0, torch.Tensor) else list(z0)
-        shapes = [tuple(t.shape) for t in tensors]
-        hs.check_shapes(shapes)
+        shapes = [tuple(t.shape) for t in tensors]  # checked by h_φ and by bind
         if hs.mix1.weight.device != tensors[0].device:  # follow the model (model.to(device) does not see it)
             hs.to(tensors[0].device)
         # h_φ replaces the model's zero initial state; a caller's own z0 (e.g. fixed-point reuse) is kept

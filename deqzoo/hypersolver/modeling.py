@@ -18,6 +18,7 @@ layers that predict α̂ per window entry and β (from the newest entry, β = 2�
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -180,13 +181,9 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
         c = self.config
         g = self._own(g)
         if c.state_kind == "multires":
-            parts, start = [], 0
-            for s in shapes:
-                n = int(torch.Size(s[1:]).numel())
-                part = g[:, start : start + n].reshape(g.shape[0], *s[1:])
-                parts.append(F.adaptive_avg_pool2d(part, c.pool).flatten(1))
-                start += n
-            return torch.cat(parts, 1)
+            parts = zip(g.split([math.prod(s[1:]) for s in shapes], 1), shapes)  # one flat part per map
+            return torch.cat([F.adaptive_avg_pool2d(x.reshape(-1, *s[1:]), c.pool).flatten(1)
+                              for x, s in parts], 1)
         if c.state_kind == "sequence":
             d = shapes[0][2]
             return g[:, -d:]  # the last token's residual
