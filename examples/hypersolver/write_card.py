@@ -32,7 +32,9 @@ def _ships(use: str, acc: dict) -> str:
             "h_φ(input injection) and then solves with the model's own solver settings (`config.deq`: "
             "solver, budget, tolerance). The HyperAnderson network s_ξ is in the file and runs when asked "
             "for (`use=\"hyperanderson\"`), but it is not the default: it does not pay in wall time on this "
-            f"model. {measured}"
+            f"model. {measured} The training command below writes the default `use: hyperanderson` "
+            "(`--use initializer` writes this one); the published config.json sets the initializer, with "
+            "the weights of that training run unchanged."
         )
     return f"`use: hyperanderson`: h_φ's start and the learned HyperAnderson mixing. {measured}"
 
