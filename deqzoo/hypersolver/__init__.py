@@ -1,7 +1,9 @@
 """HyperDEQ: learned equilibrium solvers (Bai, Koltun & Kolter, ICLR 2022) trained on frozen zoo models.
 
 A hypersolver is a small artifact published next to the checkpoint it accelerates: an initializer h_φ over the
-model's input injection and a HyperAnderson network s_ξ (`deqzoo.core.hyper` holds the update itself).
+model's input injection and a HyperAnderson network s_ξ (`deqzoo.core.hyper` holds the update itself). Its
+config's ``use`` says which part attaching it runs: "initializer" (h_φ, then the model's own solver) or
+"hyperanderson" (h_φ and the learned mixing).
 
 Example:
     >>> import deqzoo  # doctest: +SKIP

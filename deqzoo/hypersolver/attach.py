@@ -1,5 +1,5 @@
-"""Attaching a hypersolver to a zoo model: every DEQ layer of the model solves with HyperAnderson, starting
-from h_φ(input injection).
+"""Attaching a hypersolver to a zoo model: every DEQ layer of the model starts from h_φ(input injection)
+and then solves with the model's own solver settings or with HyperAnderson (`HyperSolverConfig.use`).
 
 The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so
 every backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a
@@ -19,32 +19,31 @@ from torch import nn
 
 from ..core import DEQ
 from ..core.state import StatePacker
-from .configuration import HyperSolverConfig
+from .configuration import USES, HyperSolverConfig
 from .modeling import HyperSolver
 
 __all__ = [
     "HyperDEQ",
     "default_config",
     "deq_layers",
-    "family_of",
     "record_problems",
     "remove_hypersolver",
     "set_hypersolver",
+    "state_kind",
 ]
 
 
-def family_of(model: nn.Module) -> tuple[str, Callable[[nn.Module], nn.Module] | None]:
-    """(state kind, owner -> injection module or None) of a model: the kind its family declares ("vector" when
-    it declares none), the injection through the owner's `injection_module()` method."""
+def state_kind(model: nn.Module) -> str:
+    """The hypersolver state kind the model's family declares ("vector" when it declares none)."""
     from ..models.registry import declared_family
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = declared_family(model_type) if isinstance(model_type, str) else None
-    kind = (family.hypersolver_state if family is not None else None) or "vector"
-    return kind, _injection_of
+    return (family.hypersolver_state if family is not None else None) or "vector"
 
 
 def _injection_of(owner: nn.Module) -> nn.Module | None:
+    """The module whose output is the input injection, as the DEQ layer's owner names it (none: no h_φ)."""
     method = getattr(owner, "injection_module", None)
     return method() if callable(method) else None
 
@@ -63,7 +62,7 @@ def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverC
     """A hypersolver config sized for `model` (state kind, channels, injection width from its config)."""
     from .io import model_fingerprint
 
-    kind, _ = family_of(model)
+    kind = state_kind(model)
     cfg = model.config
     if kind == "multires":
         base = dict(
@@ -88,43 +87,55 @@ def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverC
     return HyperSolverConfig(**base)
 
 
-class HyperDEQ(DEQ):
-    """A DEQ layer that solves with a hypersolver (see the module docstring). `config` stays the model's."""
+class _Capturing(DEQ):
+    """A DEQ layer keeping the injection module's latest output (a forward hook) for its next solve."""
 
-    def __init__(self, config, hypersolver: HyperSolver, injection_module: nn.Module | None):
+    def __init__(self, config, injection_module: nn.Module | None):
         super().__init__(config)
-        self.__dict__["hypersolver"] = hypersolver  # not a submodule: the model's state dict is unchanged
         self._injection: torch.Tensor | None = None
         self._hook = None
-        if injection_module is not None and hypersolver.has_initializer:
+        if injection_module is not None:
             self._hook = injection_module.register_forward_hook(self._capture)
 
     def _capture(self, _module, _inputs, output) -> None:
         self._injection = output
+
+    def _take_injection(self) -> torch.Tensor | None:
+        injection, self._injection = self._injection, None
+        return injection
 
     def detach_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
 
+
+class HyperDEQ(_Capturing):
+    """A DEQ layer that solves with a hypersolver (see the module docstring). `config` stays the model's.
+
+    ``use`` is what the hypersolver does (`HyperSolverConfig.use`): "initializer", h_φ's start and then the
+    model's own solver settings; "hyperanderson", h_φ's start and the HyperAnderson solver."""
+
+    def __init__(self, config, hypersolver: HyperSolver, injection_module: nn.Module | None, use: str):
+        super().__init__(config, injection_module if hypersolver.has_initializer else None)
+        self.__dict__["hypersolver"] = hypersolver  # not a submodule: the model's state dict is unchanged
+        self.use = use
+
     def forward(self, f, z0):
         hs: HyperSolver = self.__dict__["hypersolver"]
-        injection, self._injection = self._injection, None
+        injection = self._take_injection()
         tensors = [z0] if isinstance(z0, torch.Tensor) else list(z0)
-        shapes = [tuple(t.shape) for t in tensors]
-        hs.check_shapes(shapes)
+        shapes = [tuple(t.shape) for t in tensors]  # checked by h_φ and by bind
         if hs.mix1.weight.device != tensors[0].device:  # follow the model (model.to(device) does not see it)
             hs.to(tensors[0].device)
         # h_φ replaces the model's zero initial state; a caller's own z0 (e.g. fixed-point reuse) is kept
-        if (
-            injection is not None
-            and hs.has_initializer
-            and injection.shape[0] == shapes[0][0]
-            and not any(bool(t.any()) for t in tensors)
-        ):
+        fresh = not any(bool(t.any()) for t in tensors)
+        if injection is not None and injection.shape[0] == shapes[0][0] and fresh:
             with torch.no_grad():
                 init = hs.initial_state(injection.detach(), shapes)
             z0 = init[0] if isinstance(z0, torch.Tensor) else type(z0)(init)
+        if self.use == "initializer":
+            return super().forward(f, z0)
         c = hs.config
         cfg = self.config.update(  # per call, never stored: self.config stays the model's (thread-safe)
             f_solver="hyperanderson",
@@ -133,14 +144,18 @@ class HyperDEQ(DEQ):
         return self.solve_with(cfg, f, z0)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", hypersolver={self.__dict__['hypersolver'].config.model_id or '?'}"
+        name = self.__dict__["hypersolver"].config.model_id or "?"
+        return super().extra_repr() + f", hypersolver={name}, use={self.use}"
 
 
-def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool = True) -> nn.Module:
+def set_hypersolver(
+    model: nn.Module, hypersolver: HyperSolver, *, check: bool = True, use: str | None = None
+) -> nn.Module:
     """Make every DEQ layer of `model` solve with `hypersolver` (replacing one attached before).
 
     With ``check`` the hypersolver's recorded model fingerprint must equal the model's
-    (`deqzoo.hypersolver.model_fingerprint`); a mismatch is an error naming both.
+    (`deqzoo.hypersolver.model_fingerprint`); a mismatch is an error naming both. ``use`` overrides the
+    hypersolver's own `HyperSolverConfig.use` ("initializer" or "hyperanderson").
     """
     from .io import check_compatible
 
@@ -149,21 +164,26 @@ def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool =
             f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
             f"got {type(hypersolver).__name__}"
         )
+    use = hypersolver.config.use if use is None else use
+    if use not in USES:
+        raise ValueError(f"hypersolver use must be one of {USES}, got {use!r}")
+    if use == "initializer" and not hypersolver.has_initializer:
+        raise ValueError(f"hypersolver {hypersolver.config.model_id or '?'} has no initializer (injection_"
+                         "channels = 0): use='initializer' would change nothing; attach it with "
+                         "use='hyperanderson'")
     if check:
         check_compatible(model, hypersolver)
-    kind, injection_of = family_of(model)
+    kind = state_kind(model)
     if kind != hypersolver.config.state_kind:
         raise ValueError(
             f"hypersolver {hypersolver.config.model_id or '?'} serves {hypersolver.config.state_kind!r}"
             f" states; model {type(model).__name__} has {kind!r} states"
         )
-    layers = deq_layers(model)
-    if not layers:
+    if not deq_layers(model):
         raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
     remove_hypersolver(model)
     for owner, name, layer in deq_layers(model):
-        inj = injection_of(owner)
-        setattr(owner, name, HyperDEQ(layer.config, hypersolver, inj))
+        setattr(owner, name, HyperDEQ(layer.config, hypersolver, _injection_of(owner), use))
     return model
 
 
@@ -201,33 +221,27 @@ def initial_flat(hs: HyperSolver, p: Problem) -> torch.Tensor:
     return p.packer.flatten(init[0] if p.packer.is_tensor else init)
 
 
-class _Recorder(DEQ):
+class _Recorder(_Capturing):
     def __init__(self, config, sink: list, injection_module: nn.Module | None, solve: Callable | None):
-        super().__init__(config)
+        super().__init__(config, injection_module)
         self.__dict__["sink"] = sink
         self.__dict__["solve_fn"] = solve
-        self._injection = None
-        self._hook = injection_module.register_forward_hook(self._capture) if injection_module else None
-
-    def _capture(self, _module, _inputs, output) -> None:
-        self._injection = output
 
     def forward(self, f, z0):
         packer = StatePacker(z0)
+        injection = self._take_injection()
         p = Problem(
             g=packer.wrap(f),
             packer=packer,
-            injection=None if self._injection is None else self._injection.detach(),
+            injection=None if injection is None else injection.detach(),
             x0=packer.flatten(z0).detach(),
         )
-        self._injection = None
-        solve = self.__dict__["solve_fn"]
-        if solve is not None:
-            p.x_star, p.stats = solve(p)
-            self.__dict__["sink"].append(p)
-            return packer.unflatten(p.x_star), p.stats
         self.__dict__["sink"].append(p)
-        return super().forward(f, z0)
+        solve = self.__dict__["solve_fn"]
+        if solve is None:
+            return super().forward(f, z0)
+        p.x_star, p.stats = solve(p)
+        return packer.unflatten(p.x_star), p.stats
 
 
 @contextlib.contextmanager
@@ -236,17 +250,14 @@ def record_problems(model: nn.Module, solve: Callable | None = None) -> Iterator
     `solve(problem) -> (x_star, stats)` the recorder solves it that way (e.g. a long classic solve for the
     ground truth) and the model continues from that answer (no gradient)."""
     sink: list[Problem] = []
-    _, injection_of = family_of(model)
     saved = []
     for owner, name, layer in deq_layers(model):
-        inj = injection_of(owner)
-        rec = _Recorder(layer.config, sink, inj, solve)
+        rec = _Recorder(layer.config, sink, _injection_of(owner), solve)
         saved.append((owner, name, layer, rec))
         setattr(owner, name, rec)
     try:
         yield sink
     finally:
         for owner, name, layer, rec in saved:
-            if rec._hook is not None:
-                rec._hook.remove()
+            rec.detach_hook()
             setattr(owner, name, layer)

@@ -1,6 +1,5 @@
 """HyperSolverConfig: what a hypersolver is (state kind, sizes, memory m, unroll K), which model it serves."""
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -8,6 +7,7 @@ from ..configuration_utils import ConfigError, ranged, strict_config
 
 MAX_CHANNELS = 65536  # no state or injection is wider; a larger value in a config.json is an error
 MAX_HIDDEN = 4096
+USES = ("initializer", "hyperanderson")
 
 
 class HyperSolverConfigError(ConfigError):
@@ -27,7 +27,10 @@ class HyperSolverConfig:
     (the paper: α̂ from the network alone) or "anderson" (α̂ = Anderson's least-squares α + the network's
     correction; see `deqzoo.core.hyper`). ``model_id`` and
     ``model_fingerprint`` name the model it was trained for (`deqzoo.hypersolver.model_fingerprint`).
-    ``training`` records how it was trained (free-form, shown in the card).
+    ``training`` records how it was trained (free-form, shown in the card). ``use`` is what attaching it does:
+    "hyperanderson" (h_φ's start, then HyperAnderson; the default, what a config without the key means) or
+    "initializer" (h_φ's start, then the model's own solver settings: the part that pays in wall time where
+    the learned mixing does not; a card says which its artifact ships and why).
 
     Example:
         >>> cfg = HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4)
@@ -47,6 +50,7 @@ class HyperSolverConfig:
     unroll_steps: int = ranged(1, 1000, default=8)
     form: Literal["anderson", "simplified"] = "anderson"
     alpha_base: Literal["none", "anderson"] = "none"
+    use: Literal["initializer", "hyperanderson"] = "hyperanderson"
     model_id: str = ""
     model_fingerprint: str = ""
     model_type: str = "hypersolver"
@@ -66,9 +70,6 @@ class HyperSolverConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "HyperSolverConfig":

@@ -17,18 +17,22 @@ layers that predict α̂ per window entry and β (from the newest entry, β = 2�
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from ..core.hyper import HyperNet
 from .configuration import HyperSolverConfig
 
-__all__ = ["BoundNet", "HyperSolver"]
+__all__ = ["HyperSolver"]
 
 _EPS = 1e-20
 
@@ -152,25 +156,34 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
                 f"channels, got shape {tuple(injection.shape)}"
             )
         if c.state_kind == "multires":
-            h = F.relu(self.init_conv(x))
-            out = [proj(F.adaptive_avg_pool2d(h, s[-2:])) for proj, s in zip(self.init_proj, shapes)]
+            out = self._multires_init(x, shapes)
         else:  # sequence: causal conv over positions (left padding), so no position sees a later token
             h = F.relu(self.init_conv(F.pad(x.transpose(1, 2), (2, 0))))
             out = [self.init_proj(h.transpose(1, 2))]
         return [o.to(injection.device, injection.dtype) for o in out]
+
+    def _multires_init(self, x: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """h_φ for image maps, in channels-last layout: torch's CPU depthwise and 1x1 convolutions are 10-50x
+        slower on (B, C, H, W) than the channels-last convolution and a matrix product, and h_φ must cost a
+        small part of one f evaluation to pay. Pooling is skipped where a resolution has the injection's size
+        (adaptive pooling to the same size is an identity that torch still computes)."""
+        h = F.relu(self.init_conv(x.contiguous(memory_format=torch.channels_last)))
+        out = []
+        for proj, s in zip(self.init_proj, shapes):
+            pooled = h if tuple(h.shape[-2:]) == tuple(s[-2:]) else F.adaptive_avg_pool2d(h, s[-2:])
+            # a 1x1 convolution is a linear map over channels: (B, H, W, C) @ Wᵀ, back to (B, C', H, W)
+            mapped = F.linear(pooled.permute(0, 2, 3, 1), proj.weight.flatten(1), proj.bias)
+            out.append(mapped.permute(0, 3, 1, 2))
+        return out
 
     def compress(self, g: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
         """Flat residuals (B, D) -> (B, feature_width()) features."""
         c = self.config
         g = self._own(g)
         if c.state_kind == "multires":
-            parts, start = [], 0
-            for s in shapes:
-                n = int(torch.Size(s[1:]).numel())
-                part = g[:, start : start + n].reshape(g.shape[0], *s[1:])
-                parts.append(F.adaptive_avg_pool2d(part, c.pool).flatten(1))
-                start += n
-            return torch.cat(parts, 1)
+            parts = zip(g.split([math.prod(s[1:]) for s in shapes], 1), shapes)  # one flat part per map
+            return torch.cat([F.adaptive_avg_pool2d(x.reshape(-1, *s[1:]), c.pool).flatten(1)
+                              for x, s in parts], 1)
         if c.state_kind == "sequence":
             d = shapes[0][2]
             return g[:, -d:]  # the last token's residual
@@ -197,23 +210,12 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
         beta = 2.0 * torch.sigmoid(out[:, 1, -1])
         return alpha_hat, beta
 
-    def bind(self, shapes: Sequence[tuple[int, ...]]) -> BoundNet:
-        """The engine's view (`deqzoo.core.hyper.HyperNet`) for states of these shapes (batch first)."""
+    def bind(self, shapes: Sequence[tuple[int, ...]]) -> HyperNet:
+        """The engine's view (`deqzoo.core.hyper.HyperNet`: ``compress(g)``, ``mix(C)``) for states of these
+        shapes (batch first): what `solve(..., solver="hyperanderson", net=...)` takes."""
         self.check_shapes(shapes)
-        return BoundNet(self, [tuple(s) for s in shapes])
-
-
-class BoundNet:
-    """A HyperSolver bound to one state layout: what `solve(..., solver="hyperanderson", net=...)` takes."""
-
-    def __init__(self, hs: HyperSolver, shapes: list[tuple[int, ...]]):
-        self.hs, self.shapes = hs, shapes
-
-    def compress(self, g: torch.Tensor) -> torch.Tensor:
-        return self.hs.compress(g, self.shapes)
-
-    def mix(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.hs.mix(C)
+        return SimpleNamespace(compress=functools.partial(self.compress, shapes=[tuple(s) for s in shapes]),
+                               mix=self.mix)
 
 
 def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:

@@ -236,7 +236,8 @@ def run_cli(args) -> int:
     )
     gt_seconds = time.perf_counter() - t0
     config = default_config(
-        model, args.model, m=args.memory, unroll_steps=args.unroll, form=args.form, alpha_base=args.alpha_base
+        model, args.model, m=args.memory, unroll_steps=args.unroll, form=args.form,
+        alpha_base=args.alpha_base, use=args.use,
     )
     result = train_hypersolver(
         problems,
@@ -282,6 +283,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--form", choices=["anderson", "simplified"], default="anderson")
     p.add_argument("--alpha-base", choices=["none", "anderson"], default="none",
                    help="none: the paper's HyperAnderson; anderson: learned correction to Anderson's weights")
+    p.add_argument("--use", choices=["hyperanderson", "initializer"], default="hyperanderson",
+                   help="what attaching it does (HyperSolverConfig.use): the learned mixing, or the "
+                        "initializer and the model's own solver (choose from `deqzoo bench hypersolver`)")
     p.add_argument("--batch-size", type=int, default=None, help="inputs per recorded problem")
     p.add_argument("--batches", type=int, default=None, help="recorded problems (training inputs)")
     p.add_argument("--gt-iter", type=int, default=60, help="ground truth: Anderson iterations")

@@ -15,6 +15,7 @@ from deqzoo.hypersolver import (
     load_hypersolver,
     model_fingerprint,
     save_hypersolver,
+    set_hypersolver,
 )
 from deqzoo.hypersolver.attach import HyperDEQ, default_config
 from deqzoo.hypersolver.io import resolve_hypersolver
@@ -33,8 +34,13 @@ def _pixels(n=4, size=28, seed=0):
     return pixels
 
 
+def _with_hyperanderson(model, hs_id):
+    """Attach a published hypersolver's HyperAnderson part (they ship `use="initializer"`)."""
+    return set_hypersolver(model, load_hypersolver(hs_id), use="hyperanderson")
+
+
 def test_attach_and_remove_keep_the_model():
-    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS).eval()
+    model = _with_hyperanderson(deqzoo.from_pretrained(MDEQ), MDEQ_HS).eval()
     keys = set(model.state_dict())
     assert model.hypersolver is not None and isinstance(model.mdeq.deq, HyperDEQ)
     pixels = _pixels()
@@ -50,7 +56,7 @@ def test_attach_and_remove_keep_the_model():
     # both answer the same equilibrium (to the tolerance): same predictions
     assert torch.equal(out.logits.argmax(-1), plain.logits.argmax(-1))
     # solver settings still apply: the budget is config.deq's
-    model.set_hypersolver(MDEQ_HS)
+    _with_hyperanderson(model, MDEQ_HS)
     model.set_deq(f_max_iter=3, on_nonconvergence="ignore")
     with torch.no_grad():
         short = model(pixels)
@@ -139,7 +145,7 @@ def test_save_refuses_a_model_checkpoint_folder(tmp_path):
 def test_solving_with_the_hypersolver_leaves_the_layer_config_alone():
     """The hypersolver's settings are per call: while f runs, the layer's config is still the model's own
     (another thread using the model at that moment sees the model's settings, not a half-swapped config)."""
-    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS).eval()
+    model = _with_hyperanderson(deqzoo.from_pretrained(MDEQ), MDEQ_HS).eval()
     layer = model.mdeq.deq
     seen = []
     hook = model.mdeq.register_forward_pre_hook(lambda *_: seen.append(layer.config.f_solver))
@@ -159,7 +165,7 @@ def test_solving_with_the_hypersolver_leaves_the_layer_config_alone():
 
 def test_larger_image_solves():
     """The compressors and initializer are shape-agnostic: a 40x40 image (trained on 28x28) solves."""
-    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS, deq={"f_max_iter": 40}).eval()
+    model = _with_hyperanderson(deqzoo.from_pretrained(MDEQ, deq={"f_max_iter": 40}), MDEQ_HS).eval()
     with torch.no_grad():
         out = model(_pixels(n=3, size=40))
     stats = out.deq_stats
@@ -169,7 +175,7 @@ def test_larger_image_solves():
 
 def test_longer_sequence_solves():
     """A 128-token input (trained on 64-token chunks) solves with the sequence hypersolver."""
-    model = deqzoo.from_pretrained(LM, hypersolver=LM_HS, deq={"f_max_iter": 60}).eval()
+    model = _with_hyperanderson(deqzoo.from_pretrained(LM, deq={"f_max_iter": 60}), LM_HS).eval()
     model.set_deq(on_nonconvergence="ignore")
     ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -187,7 +193,7 @@ def test_model_trains_with_the_hypersolver_float64():
     grads = {}
     for name in ("anderson", "hyper"):
         if name == "hyper":
-            model.set_hypersolver(MDEQ_HS)
+            _with_hyperanderson(model, MDEQ_HS)
         model.zero_grad()
         out = model(pixels, labels=labels)
         assert out.deq_stats.solver == ("hyperanderson" if name == "hyper" else "anderson")
@@ -214,3 +220,76 @@ def test_base_anderson_with_zero_correction_is_anderson():
     zh, sh = hyperanderson(f, x0, max_iter=12, tol=1e-14, m=5, net=net, base="anderson")
     torch.testing.assert_close(sh.trace, sa.trace, rtol=1e-7, atol=1e-13)
     torch.testing.assert_close(zh, za, rtol=1e-7, atol=1e-12)
+
+
+def test_published_hypersolvers_ship_the_initializer_with_the_models_own_solver():
+    """`use="initializer"` (what the published cards ship): the solve is the model's own DEQ solve (same
+    solver, budget and tolerance) started from h_φ(injection), step for step (reference: the engine's solver
+    called directly on the recorded problem from `initial_flat`)."""
+    from deqzoo.hypersolver.attach import initial_flat, record_problems
+
+    hs = load_hypersolver(MDEQ_HS)
+    assert hs.config.use == "initializer" and load_hypersolver(LM_HS).config.use == "initializer"
+    model = deqzoo.from_pretrained(MDEQ, hypersolver=MDEQ_HS).eval()
+    assert isinstance(model.mdeq.deq, HyperDEQ) and model.mdeq.deq.use == "initializer"
+    pixels = _pixels(n=6)
+    with torch.no_grad():
+        out = model(pixels)
+    cfg = model.config.deq_config
+    assert out.deq_stats.solver == cfg.f_solver == "anderson"
+    plain = deqzoo.from_pretrained(MDEQ).eval()
+    with torch.no_grad(), record_problems(plain) as problems:
+        ref_out = plain(pixels)
+    p = problems[0]
+    with torch.no_grad():
+        z, stats = anderson(p.g, initial_flat(hs, p), max_iter=cfg.f_max_iter, tol=cfg.f_tol, stop_mode="rel")
+    assert out.deq_stats.nfe == stats.nfe < ref_out.deq_stats.nfe  # it starts nearer: fewer evaluations
+    torch.testing.assert_close(out.deq_stats.trace, stats.trace, rtol=1e-4, atol=1e-7)
+    assert bool(out.deq_stats.converged.all())
+    assert torch.equal(out.logits.argmax(-1), ref_out.logits.argmax(-1))
+
+
+def test_use_override_and_old_configs(tmp_path):
+    """A config without ``use`` (saved before the key existed) loads as HyperAnderson, as it ran then;
+    ``use`` is validated, and an initializer-only use of a hypersolver without h_φ is refused."""
+    old = tmp_path / "old"
+    shutil.copytree(resolve_hypersolver(MDEQ_HS), old)
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["use"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    model = deqzoo.from_pretrained(MDEQ, hypersolver=old).eval()
+    assert model.mdeq.deq.use == "hyperanderson"
+    with torch.no_grad():
+        assert model(_pixels(n=2)).deq_stats.solver == "hyperanderson"
+    set_hypersolver(model, load_hypersolver(old), use="initializer")
+    assert model.mdeq.deq.use == "initializer"
+    with pytest.raises(ValueError, match="use must be one of"):
+        set_hypersolver(model, load_hypersolver(old), use="fast")
+    cfg["use"] = "fast"
+    (old / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HyperSolverError, match="use"):
+        load_hypersolver(old)
+    vector = HyperSolver(HyperSolverConfig(state_kind="vector", pool=4, use="initializer"))
+    with pytest.raises(ValueError, match="has no initializer"):
+        set_hypersolver(deqzoo.create_model("mdeq-mnist-tiny"), vector, check=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [28, 40, 17])
+def test_fast_image_initializer_equals_the_convolutions(dtype, size):
+    """h_φ for image maps (channels-last, pooling skipped at the injection's size, the 1x1 projection as a
+    matrix product) equals the plain NCHW formula: depthwise 3x3 conv, ReLU, adaptive pooling, 1x1 conv."""
+    import torch.nn.functional as F
+
+    hs = load_hypersolver(MDEQ_HS).to(dtype)
+    torch.manual_seed(0)
+    x = torch.randn(3, 16, size, size, dtype=dtype)
+    shapes = [(3, 16, size, size), (3, 16, (size + 1) // 2, (size + 1) // 2)]
+    got = hs.initial_state(x, shapes)
+    h = F.relu(F.conv2d(x, hs.init_conv.weight, hs.init_conv.bias, padding=1, groups=16))
+    want = [F.conv2d(F.adaptive_avg_pool2d(h, s[-2:]), proj.weight, proj.bias)
+            for proj, s in zip(hs.init_proj, shapes)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == dtype
+        torch.testing.assert_close(g, w, rtol=1e-5 if dtype == torch.float32 else 1e-12,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-13)
