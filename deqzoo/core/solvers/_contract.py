@@ -89,34 +89,30 @@ def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
     return fx
 
 
-def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
-    """f's output (already checked by `_check_output`) as a numpy array the fused kernels may read.
+def _readable(fx, x: torch.Tensor) -> np.ndarray:
+    """f's output as a numpy array the fused kernels may read (checked on every call).
 
-    An allow-list: a plain dense CPU tensor (exactly torch.Tensor, strided layout, C-contiguous, no negative
-    or conjugate bit, a real data pointer, a storage holding every element; `Tensor.numpy` refuses zero
-    tensors) is read in
-    place; anything else (expanded, strided, negated or conjugated views, zero tensors, subclasses) is first
-    copied into a fresh plain tensor by torch (`_check_output` has made sparse and mkldnn outputs dense and
-    refused meta tensors)."""
+    An allow-list, checked positively: a plain dense CPU tensor of the state's shape and dtype (exactly
+    torch.Tensor, strided, C-contiguous, a real data pointer, a storage holding every element; `Tensor.numpy`
+    refuses negated, conjugated, zero and grad-requiring tensors by raising) is read in place. Anything else
+    goes through `_check_output` (clear errors) and is copied into a fresh plain tensor by torch, which
+    resolves views, negation, conjugation, zero tensors, subclasses, sparse and mkldnn layouts."""
     try:
         if (
             type(fx) is torch.Tensor
-            and fx.layout is torch.strided
+            and fx.dtype is x.dtype
+            and fx.shape == x.shape
             and fx.is_cpu
-            and not fx.requires_grad
+            and fx.layout is torch.strided
             and fx.is_contiguous()
-            and not fx.is_neg()
-            and not fx.is_conj()
-            and fx.data_ptr() != 0
         ):
-            storage = fx.untyped_storage()
-            if storage.nbytes() >= (fx.storage_offset() + fx.numel()) * fx.element_size():
+            storage, need = fx.untyped_storage(), (fx.storage_offset() + fx.numel()) * fx.element_size()
+            if storage.data_ptr() != 0 and storage.nbytes() >= need:
                 return fx.numpy()
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
-        pass  # torch refused to describe it (e.g. a wrapper without storage): copy it below
-    src = fx.detach()
+        pass  # torch refused to describe or share it (e.g. a wrapper without storage): copy it below
     out = torch.empty(x.shape, dtype=x.dtype)
-    out.copy_(src)  # torch resolves views, negation, conjugation, zero tensors and subclasses
+    out.copy_(_check_output(fx, x).detach())
     return out.numpy()
 
 
@@ -276,34 +272,11 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     keep = sorted({int(k) for k in keep_steps})
     kept: dict[int, torch.Tensor] = {}
     trace: list[float] = []
-    shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
     for k in range(max_iter):
         arrays = hist(k)
-        fx = g(x)
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
-        # Python-level operation costs several times its warm price. The common case, checked positively:
-        # a plain dense CPU tensor of the state's shape and dtype, with a real data pointer and a storage
-        # holding it (Tensor.numpy refuses negated, conjugated, zero and grad-requiring tensors by raising)
-        fa = None
-        try:
-            if (
-                type(fx) is torch.Tensor
-                and fx.dtype is dtype
-                and fx.shape == shape
-                and fx.is_cpu
-                and fx.layout is torch.strided
-                and fx.is_contiguous()
-            ):
-                storage = fx.untyped_storage()
-                if (
-                    storage.data_ptr() != 0
-                    and storage.nbytes() >= need + fx.storage_offset() * fx.element_size()
-                ):
-                    fa = fx.numpy()
-        except RuntimeError:
-            pass
-        if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
-            fa = _readable(_check_output(fx, x), x)
+        # Python-level operation costs several times its warm price
+        fa = _readable(g(x), x)
         xna = iterates.take()  # never x's buffer: the solver holds x
         flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
         trace.append(t)
@@ -311,7 +284,7 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
             break  # steps in `keep` from here on keep the final best iterate
         if keep and k + 1 in keep:
             kept[k + 1] = best_x.clone()
-        del fx, fa  # f's output may be a view of x: dropped, so that only f's own references keep x
+        del fa  # f's output may be a view of x: dropped, so that only f's own references keep x
         x = torch.from_numpy(xna)  # the previous iterate's tensor goes now unless something else holds it
         xa = xna
     return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
