@@ -9,9 +9,8 @@ mixing or quasi-Newton system, and the next iterate, visiting each sample's hist
 One semantics on every path: `track` is the bookkeeping of a step (per-sample best residual and iterate,
 freezing of converged samples, the trace entry and the stop flags). The fused steps call it inside the
 kernel; the torch path (`deqzoo.core.solvers`) calls the same function on the per-sample norms it brings to
-the host. `mixing_weights` codes Anderson's small system as `deqzoo.core.hyper.least_squares_alpha` does on
-the torch path, and `broyden_step` sweeps the same stored steps that `solvers.broyden.InverseJacobian`
-applies. A converged sample is frozen at its
+the host, `mixing_weights` is Anderson's small system on both paths, and `broyden_step` sweeps the same
+stored steps that `solvers.broyden.InverseJacobian` applies. A converged sample is frozen at its
 best iterate: its history is no longer updated and its next iterate is its best one, so its result does not
 depend on the rest of its batch.
 
@@ -58,7 +57,7 @@ ENABLED = os.environ.get("DEQZOO_KERNELS", "1") != "0"
 
 __all__ = [
     "AVAILABLE", "CONVERGED", "DIVERGED", "ENABLED", "NONFINITE", "anderson_step", "broyden_step",
-    "host", "ready", "track", "usable", "warm_up",
+    "host", "mixing_weights", "ready", "track", "usable", "warm_up",
 ]  # fmt: skip
 
 logger = logging.getLogger("deqzoo")
@@ -176,8 +175,9 @@ def _settle(x, xn, best_x, active, improved):
 def mixing_weights(H, go, n_go, n, lam, W, ok):
     """Anderson's mixing weights, alpha = a / sum(a) with (H[b] + reg I) a = 1, reg = lam · max_j H[b]_jj,
     for the samples b = go[k] into W[:, k]; ok[k] is False where a Cholesky pivot is not positive or alpha is
-    not finite (the caller then takes a plain damped step). The numba coding of
-    `deqzoo.core.hyper.least_squares_alpha` (the torch path's and HyperAnderson's).
+    not finite (the caller then takes a plain damped step). Both paths of `anderson` use it;
+    `deqzoo.core.hyper.least_squares_alpha` is the same system in torch ops, for HyperAnderson's
+    differentiable unroll (tested equal).
 
     All samples at once, samples innermost: a 6x6 Cholesky is a chain of divisions and square roots, so one
     system at a time is latency-bound, while across samples every operation is a vector operation."""
@@ -499,6 +499,8 @@ def _signatures():
     g = np.ones(2)
     yield track, (g, g, np.full((2, 2), np.inf), np.ones(2, np.int64), np.zeros(2, np.bool_),
                   np.zeros(2, np.int64), True, 1e-5, 1e6)  # fmt: skip
+    yield mixing_weights, (np.eye(2)[None].repeat(2, 0), np.arange(2), 2, 2, 1e-5, np.empty((2, 2)),
+                           np.zeros(2, np.bool_))  # fmt: skip
 
 
 def _compile() -> None:

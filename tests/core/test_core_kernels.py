@@ -172,8 +172,8 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
 
 def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
     """The batched Cholesky (samples innermost) against numpy's solver, one sample at a time, and against
-    the torch path's coding of the same system (`least_squares_alpha`: the same weights, NaN where the
-    kernel flags a failure)."""
+    the same system in torch ops (`least_squares_alpha`, HyperAnderson's differentiable coding: the same
+    weights, NaN where the kernel flags a failure)."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(1)
     B, n, lam = 8, 5, 1e-5

@@ -22,7 +22,7 @@ On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one
 (`deqzoo.core.workspace`); elsewhere, with ``DEQZOO_KERNELS=0``, or while the kernels compile on first use,
 they run their torch path. Both paths
 are one algorithm over one representation: the same per-step bookkeeping (`_kernels.track`), the same
-mixing system (`hyper.least_squares_alpha`, coded in numba inside the kernel) and Broyden's same stored steps
+mixing system (`_kernels.mixing_weights`) and Broyden's same stored steps
 and step rule (`broyden.InverseJacobian`, which SHINE reuses whichever path ran); the tests check that they
 agree per sample to rounding.
 """

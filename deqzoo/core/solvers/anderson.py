@@ -1,6 +1,5 @@
 """Anderson acceleration: one method, a torch path and the fused CPU backend (`_kernels.anderson_step`) over
-the same histories and the same mixing system (`deqzoo.core.hyper.least_squares_alpha` on the device; the
-kernel's `_kernels.mixing_weights` is its numba coding)."""
+the same histories and the same mixing system (`_kernels.mixing_weights`)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..hyper import least_squares_alpha
 from ._contract import (
     _NUMPY_DTYPES,
     _check_output,
@@ -47,9 +45,8 @@ def anderson(
     recomputed. The regularization is relative, lam · max_j ||g_j||² over the window (so
     cond(H + reg I) <= m / lam), and keeps working when residuals become tiny (an absolute lam swamps the
     Gram matrix near convergence and stalls the method). The small mixing systems of all samples are solved
-    together in float64 (Cholesky: `deqzoo.core.hyper.least_squares_alpha` on the state's device, the same
-    system as the kernel's `_kernels.mixing_weights`); a sample whose system is singular or not finite takes
-    a plain damped fixed-point step; nothing here raises. On CPU the step is one fused kernel
+    together in float64 (`_kernels.mixing_weights`, Cholesky); a sample whose system is singular or not
+    finite takes a plain damped fixed-point step; nothing here raises. On CPU the step is one fused kernel
     (`_kernels.anderson_step`); elsewhere the torch path below runs the same method.
     """
     from .. import _kernels  # numba loads with the first solve, not with the model
@@ -84,36 +81,42 @@ def anderson(
         finally:
             hist.give_back()
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor)
+    mixing = _kernels.host(_kernels.mixing_weights)
     cap = min(m, 8)
     G = x0.new_empty(b, cap, d)  # g_j = f(x_j) - x_j; slots are read only once written
     Y = x0.new_empty(b, cap, d)  # f(x_j) - (1 - tau) g_j
-    H = torch.zeros(b, cap, cap, dtype=torch.float64, device=x0.device)  # Gram matrix of the g_j (float64)
+    H = np.zeros((b, cap, cap))  # Gram matrix of the g_j, on the host (float64)
     x, nfe = x0.clone(), 0
     for k in range(max_iter):
         if _grown(cap, k, m) != cap:
-            grow = _grown(cap, k, m) - cap
-            G, Y = (torch.cat((t, t.new_empty(b, grow, d)), 1) for t in (G, Y))
-            H = torch.nn.functional.pad(H, (0, grow, 0, grow))
-            cap += grow
+            cap = _grown(cap, k, m)
+            G = torch.cat((G, G.new_empty(b, cap - G.shape[1], d)), 1)
+            Y = torch.cat((Y, Y.new_empty(b, cap - Y.shape[1], d)), 1)
+            H2 = np.zeros((b, cap, cap))
+            H2[:, : H.shape[1], : H.shape[1]] = H
+            H = H2
         fx = g(x)
         fx = _check_output(fx, x)
         nfe += 1
         slot, n = k % cap, min(k + 1, cap)
         gi = torch.sub(fx, x, out=G[:, slot])
         torch.add(fx, gi, alpha=-(1.0 - tau), out=Y[:, slot])
-        sq = _sq_norms(gi, fx)
-        host = _to_host(sq)  # the step's one transfer: the stopping check
-        if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
+        row = torch.bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n)  # g_slot · g_j, filled slots
+        host = _to_host(torch.cat((row.double(), _sq_norms(gi, fx).T), 1))  # one transfer
+        if tracker.update_sq(x, host[:, n], host[:, n + 1]) or nfe == max_iter:
             break
-        row = torch.bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(b, n).double()  # g_slot · g_j
-        H[:, slot, :n] = row
-        H[:, :n, slot] = row
-        H[:, slot, slot] = sq[0]
-        # the weights on the device (the kernel's `_kernels.mixing_weights` is the same system); a failed
-        # system (or the first step) takes a plain damped step
-        alpha = least_squares_alpha(H[:, :n, :n], lam) if n > 1 else H.new_full((b, 1), float("nan"))
-        plain = torch.zeros_like(alpha)
-        plain[:, slot] = 1.0
-        alpha = torch.where(torch.isfinite(alpha).all(1, keepdim=True), alpha, plain)
-        x = tracker.next_iterate(torch.bmm(alpha.to(x.dtype).unsqueeze(1), Y[:, :n]).view(b, d))
+        H[:, slot, :n] = host[:, :n]
+        H[:, :n, slot] = host[:, :n]
+        H[:, slot, slot] = host[:, n]
+        alpha = np.zeros((b, n))
+        alpha[:, slot] = 1.0  # a failed system (or the first step): plain damped step
+        if n > 1:
+            go, n_go = tracker.go, tracker.n_go
+            W, ok = np.empty((n, n_go)), np.zeros(n_go, np.bool_)
+            mixing(H, go, n_go, n, lam, W, ok)
+            alpha[go[:n_go][ok]] = W[:, ok].T
+        alpha_t = torch.from_numpy(alpha).to(x0.device, x0.dtype, non_blocking=True).unsqueeze(1)
+        x = tracker.next_iterate(torch.bmm(alpha_t, Y[:, :n]).view(b, d))
     return tracker.result(), tracker.stats(nfe)
+
+
