@@ -116,14 +116,6 @@ def _readable(fx, x: torch.Tensor) -> np.ndarray:
     return out.numpy()
 
 
-def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: dict) -> dict:
-    """stats.extra: the copies kept for fixed-point correction (steps after the solve ended keep the final
-    best iterate) and the solver's own entries."""
-    if not keep_steps:
-        return extra
-    return {"kept": {k: kept.get(k, best_x) for k in keep_steps}, **extra}
-
-
 def _empty_result(
     x0: torch.Tensor, name: str, tol: float, stop_mode: str
 ) -> tuple[torch.Tensor, SolverStats]:
@@ -217,24 +209,24 @@ class _Tracker:
         return self.best_x
 
     def stats(self, nfe: int, **extra) -> SolverStats:
-        return _stats(self.best, self.trace, nfe, self.x0, self.name, self.stop_mode, self.tol, self.flags,
-                      _kept_extra(self.keep_steps, self.kept, self.best_x, extra))  # fmt: skip
+        """The statistics of the solve (both paths): the per-sample best residuals, the trace, the flags,
+        the copies kept for fixed-point correction (steps after the solve ended keep the final best
+        iterate) and the solver's own `extra` entries."""
+        from .. import _kernels  # numba loads with the first solve, not with the model
 
-
-def _stats(best: np.ndarray, trace: list, nfe: int, x0: torch.Tensor, name: str, stop_mode: str, tol: float,
-           flags: int, extra: dict) -> SolverStats:  # fmt: skip
-    """The statistics of a solve from its bookkeeping (both paths)."""
-    from .. import _kernels  # numba loads with the first solve, not with the model
-    r = best[1] if stop_mode == "rel" else best[0]
-    res = torch.from_numpy(best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
-    if x0.dtype not in _NUMPY_DTYPES:
-        res = res.to(x0.dtype)
-    return SolverStats(
-        nfe=nfe, abs_residual=res[0], rel_residual=res[1],
-        trace=torch.tensor(trace, dtype=torch.float64), converged=torch.from_numpy(r < tol),
-        solver=name, stop_mode=stop_mode, tol=tol, nonfinite=bool(flags & _kernels.NONFINITE),
-        diverged=bool(flags & _kernels.DIVERGED), extra=extra,
-    )  # fmt: skip
+        if self.keep_steps:
+            extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
+        x0 = self.x0
+        res = torch.from_numpy(self.best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
+        if x0.dtype not in _NUMPY_DTYPES:
+            res = res.to(x0.dtype)
+        return SolverStats(
+            nfe=nfe, abs_residual=res[0], rel_residual=res[1],
+            trace=torch.tensor(self.trace, dtype=torch.float64),
+            converged=torch.from_numpy(self.best[1 if self.rel else 0] < self.tol), solver=self.name,
+            stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.flags & _kernels.NONFINITE),
+            diverged=bool(self.flags & _kernels.DIVERGED), extra=extra,
+        )  # fmt: skip
 
 
 def _to_host(t: torch.Tensor) -> np.ndarray:
@@ -260,35 +252,29 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
     solver's history arrays with room for step k. Every iterate is a new tensor; its buffer is recycled for a
     later iterate only when nothing but the solver held it (`_Iterates`), so f may keep its input."""
-    b = x0.shape[0]
     iterates = _Iterates(tuple(x0.shape), _NUMPY_DTYPES[x0.dtype])
     xa = iterates.take()
     x = torch.from_numpy(xa)
     x.copy_(x0)
-    best_x = x.clone()  # the result; starts as x0
-    best_np = best_x.numpy()
-    best, active = np.full((2, b), np.inf), np.ones(b, np.int64)
-    rel = stop_mode == "rel"
-    keep = sorted({int(k) for k in keep_steps})
-    kept: dict[int, torch.Tensor] = {}
-    trace: list[float] = []
+    t = _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor)  # the kernel updates its state
+    best_np = t.best_x.numpy()
     for k in range(max_iter):
         arrays = hist(k)
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
         # Python-level operation costs several times its warm price
         fa = _readable(g(x), x)
         xna = iterates.take()  # never x's buffer: the solver holds x
-        flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
-        trace.append(t)
-        if flags:
-            break  # steps in `keep` from here on keep the final best iterate
-        if keep and k + 1 in keep:
-            kept[k + 1] = best_x.clone()
+        t.flags, entry, _ = step(k, fa, xa, xna, best_np, *arrays, t.best, t.active, *consts, t.rel, tol,
+                                 div_factor)  # fmt: skip
+        t.trace.append(entry)
+        if t.flags:
+            break  # steps in `keep_steps` from here on keep the final best iterate
+        if k + 1 in t.keep_steps:
+            t.kept[k + 1] = t.best_x.clone()
         del fa  # f's output may be a view of x: dropped, so that only f's own references keep x
         x = torch.from_numpy(xna)  # the previous iterate's tensor goes now unless something else holds it
         xa = xna
-    return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
-                          _kept_extra(keep, kept, best_x, {}))  # fmt: skip
+    return t.best_x, t.stats(k + 1)
 
 
 class _Iterates:
