@@ -9,7 +9,8 @@ mixing or quasi-Newton system, and the next iterate, visiting each sample's hist
 One semantics on every path: `track` is the bookkeeping of a step (per-sample best residual and iterate,
 freezing of converged samples, the trace entry and the stop flags). The fused steps call it inside the
 kernel; the torch path (`deqzoo.core.solvers`) calls the same function on the per-sample norms it brings to
-the host, and `mixing_weights` is Anderson's small system on both paths. A converged sample is frozen at its
+the host, `mixing_weights` is Anderson's small system on both paths, and `broyden_step` sweeps the same
+stored steps that `solvers.broyden.InverseJacobian` applies. A converged sample is frozen at its
 best iterate: its history is no longer updated and its next iterate is its best one, so its result does not
 depend on the rest of its batch.
 
@@ -174,7 +175,9 @@ def _settle(x, xn, best_x, active, improved):
 def mixing_weights(H, go, n_go, n, lam, W, ok):
     """Anderson's mixing weights, alpha = a / sum(a) with (H[b] + reg I) a = 1, reg = lam · max_j H[b]_jj,
     for the samples b = go[k] into W[:, k]; ok[k] is False where a Cholesky pivot is not positive or alpha is
-    not finite (the caller then takes a plain damped step). Both paths of `anderson` use it.
+    not finite (the caller then takes a plain damped step). Both paths of `anderson` use it;
+    `deqzoo.core.hyper.least_squares_alpha` is the same system in torch ops, for HyperAnderson's
+    differentiable unroll (tested equal).
 
     All samples at once, samples innermost: a 6x6 Cholesky is a chain of divisions and square roots, so one
     system at a time is latency-bound, while across samples every operation is a vector operation."""

@@ -171,7 +171,9 @@ def test_workspace_pools_lends_exclusively_and_respects_the_limit(monkeypatch):
 
 
 def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
-    """The batched Cholesky (samples innermost) against numpy's solver, one sample at a time."""
+    """The batched Cholesky (samples innermost) against numpy's solver, one sample at a time, and against
+    the same system in torch ops (`least_squares_alpha`, HyperAnderson's differentiable coding: the same
+    weights, NaN where the kernel flags a failure)."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(1)
     B, n, lam = 8, 5, 1e-5
@@ -190,6 +192,11 @@ def test_mixing_weights_solve_every_sample_and_flag_failed_ones():
             reg = lam * H[b].diagonal().max()
             a = np.linalg.solve(H[b] + reg * np.eye(n), np.ones(n))
             np.testing.assert_allclose(W[:, k], a / a.sum(), rtol=1e-9)
+    from deqzoo.core.hyper import least_squares_alpha
+
+    alpha = least_squares_alpha(torch.from_numpy(H[go]), lam).numpy()
+    assert (np.isfinite(alpha).all(1) == ok).all(), alpha
+    np.testing.assert_allclose(alpha[ok], W[:, ok].T, rtol=1e-9)
 
 
 def test_track_bookkeeping_flags_freezing_and_trace_entry():

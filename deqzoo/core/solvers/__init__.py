@@ -21,9 +21,10 @@ On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one
 (`deqzoo.core._kernels`, a backend of the same method), with their histories from a per-thread pool
 (`deqzoo.core.workspace`); elsewhere, with ``DEQZOO_KERNELS=0``, or while the kernels compile on first use,
 they run their torch path. Both paths
-are one algorithm: the same per-step bookkeeping (`_kernels.track`), the same mixing system
-(`_kernels.mixing_weights`) and the same Broyden step rule and product-form estimate; the tests check that
-they agree per sample to rounding.
+are one algorithm over one representation: the same per-step bookkeeping (`_kernels.track`), the same
+mixing system (`_kernels.mixing_weights`) and Broyden's same stored steps
+and step rule (`broyden.InverseJacobian`, which SHINE reuses whichever path ran); the tests check that they
+agree per sample to rounding.
 """
 
 import functools
@@ -35,7 +36,7 @@ from ..state import State, StatePacker
 from ..stats import SolverStats
 from ._contract import SOLVERS, _check_solve_args, final_step, get_solver, register_solver, solver_kwarg_names
 from .anderson import anderson
-from .broyden import InverseJacobian, LowRankInverse, StepProductInverse, broyden
+from .broyden import InverseJacobian, broyden
 from .fixed_point import fixed_point
 from .gmres import gmres
 from .hyperanderson import hyperanderson
@@ -43,8 +44,6 @@ from .hyperanderson import hyperanderson
 __all__ = [
     "SOLVERS",
     "InverseJacobian",
-    "LowRankInverse",
-    "StepProductInverse",
     "anderson",
     "broyden",
     "final_step",

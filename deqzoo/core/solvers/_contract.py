@@ -89,43 +89,31 @@ def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
     return fx
 
 
-def _readable(fx: torch.Tensor, x: torch.Tensor) -> np.ndarray:
-    """f's output (already checked by `_check_output`) as a numpy array the fused kernels may read.
+def _readable(fx, x: torch.Tensor) -> np.ndarray:
+    """f's output as a numpy array the fused kernels may read (checked on every call).
 
-    An allow-list: a plain dense CPU tensor (exactly torch.Tensor, strided layout, C-contiguous, no negative
-    or conjugate bit, a real data pointer, a storage holding every element; `Tensor.numpy` refuses zero
-    tensors) is read in
-    place; anything else (expanded, strided, negated or conjugated views, zero tensors, subclasses) is first
-    copied into a fresh plain tensor by torch (`_check_output` has made sparse and mkldnn outputs dense and
-    refused meta tensors)."""
+    An allow-list, checked positively: a plain dense CPU tensor of the state's shape and dtype (exactly
+    torch.Tensor, strided, C-contiguous, a real data pointer, a storage holding every element; `Tensor.numpy`
+    refuses negated, conjugated, zero and grad-requiring tensors by raising) is read in place. Anything else
+    goes through `_check_output` (clear errors) and is copied into a fresh plain tensor by torch, which
+    resolves views, negation, conjugation, zero tensors, subclasses, sparse and mkldnn layouts."""
     try:
         if (
             type(fx) is torch.Tensor
-            and fx.layout is torch.strided
+            and fx.dtype is x.dtype
+            and fx.shape == x.shape
             and fx.is_cpu
-            and not fx.requires_grad
+            and fx.layout is torch.strided
             and fx.is_contiguous()
-            and not fx.is_neg()
-            and not fx.is_conj()
-            and fx.data_ptr() != 0
         ):
-            storage = fx.untyped_storage()
-            if storage.nbytes() >= (fx.storage_offset() + fx.numel()) * fx.element_size():
+            storage, need = fx.untyped_storage(), (fx.storage_offset() + fx.numel()) * fx.element_size()
+            if storage.data_ptr() != 0 and storage.nbytes() >= need:
                 return fx.numpy()
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
-        pass  # torch refused to describe it (e.g. a wrapper without storage): copy it below
-    src = fx.detach()
+        pass  # torch refused to describe or share it (e.g. a wrapper without storage): copy it below
     out = torch.empty(x.shape, dtype=x.dtype)
-    out.copy_(src)  # torch resolves views, negation, conjugation, zero tensors and subclasses
+    out.copy_(_check_output(fx, x).detach())
     return out.numpy()
-
-
-def _kept_extra(keep_steps: list[int], kept: dict, best_x: torch.Tensor, extra: dict) -> dict:
-    """stats.extra: the copies kept for fixed-point correction (steps after the solve ended keep the final
-    best iterate) and the solver's own entries."""
-    if not keep_steps:
-        return extra
-    return {"kept": {k: kept.get(k, best_x) for k in keep_steps}, **extra}
 
 
 def _empty_result(
@@ -221,24 +209,24 @@ class _Tracker:
         return self.best_x
 
     def stats(self, nfe: int, **extra) -> SolverStats:
-        return _stats(self.best, self.trace, nfe, self.x0, self.name, self.stop_mode, self.tol, self.flags,
-                      _kept_extra(self.keep_steps, self.kept, self.best_x, extra))  # fmt: skip
+        """The statistics of the solve (both paths): the per-sample best residuals, the trace, the flags,
+        the copies kept for fixed-point correction (steps after the solve ended keep the final best
+        iterate) and the solver's own `extra` entries."""
+        from .. import _kernels  # numba loads with the first solve, not with the model
 
-
-def _stats(best: np.ndarray, trace: list, nfe: int, x0: torch.Tensor, name: str, stop_mode: str, tol: float,
-           flags: int, extra: dict) -> SolverStats:  # fmt: skip
-    """The statistics of a solve from its bookkeeping (both paths)."""
-    from .. import _kernels  # numba loads with the first solve, not with the model
-    r = best[1] if stop_mode == "rel" else best[0]
-    res = torch.from_numpy(best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
-    if x0.dtype not in _NUMPY_DTYPES:
-        res = res.to(x0.dtype)
-    return SolverStats(
-        nfe=nfe, abs_residual=res[0], rel_residual=res[1],
-        trace=torch.tensor(trace, dtype=torch.float64), converged=torch.from_numpy(r < tol),
-        solver=name, stop_mode=stop_mode, tol=tol, nonfinite=bool(flags & _kernels.NONFINITE),
-        diverged=bool(flags & _kernels.DIVERGED), extra=extra,
-    )  # fmt: skip
+        if self.keep_steps:
+            extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
+        x0 = self.x0
+        res = torch.from_numpy(self.best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
+        if x0.dtype not in _NUMPY_DTYPES:
+            res = res.to(x0.dtype)
+        return SolverStats(
+            nfe=nfe, abs_residual=res[0], rel_residual=res[1],
+            trace=torch.tensor(self.trace, dtype=torch.float64),
+            converged=torch.from_numpy(self.best[1 if self.rel else 0] < self.tol), solver=self.name,
+            stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.flags & _kernels.NONFINITE),
+            diverged=bool(self.flags & _kernels.DIVERGED), extra=extra,
+        )  # fmt: skip
 
 
 def _to_host(t: torch.Tensor) -> np.ndarray:
@@ -264,58 +252,29 @@ def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts
     div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
     solver's history arrays with room for step k. Every iterate is a new tensor; its buffer is recycled for a
     later iterate only when nothing but the solver held it (`_Iterates`), so f may keep its input."""
-    b = x0.shape[0]
     iterates = _Iterates(tuple(x0.shape), _NUMPY_DTYPES[x0.dtype])
     xa = iterates.take()
     x = torch.from_numpy(xa)
     x.copy_(x0)
-    best_x = x.clone()  # the result; starts as x0
-    best_np = best_x.numpy()
-    best, active = np.full((2, b), np.inf), np.ones(b, np.int64)
-    rel = stop_mode == "rel"
-    keep = sorted({int(k) for k in keep_steps})
-    kept: dict[int, torch.Tensor] = {}
-    trace: list[float] = []
-    shape, dtype, need = x.shape, x.dtype, x.numel() * x.element_size()
+    t = _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor)  # the kernel updates its state
+    best_np = t.best_x.numpy()
     for k in range(max_iter):
         arrays = hist(k)
-        fx = g(x)
         # between two calls of f as little as possible runs here: f evicts the caches, and then every
-        # Python-level operation costs several times its warm price. The common case, checked positively:
-        # a plain dense CPU tensor of the state's shape and dtype, with a real data pointer and a storage
-        # holding it (Tensor.numpy refuses negated, conjugated, zero and grad-requiring tensors by raising)
-        fa = None
-        try:
-            if (
-                type(fx) is torch.Tensor
-                and fx.dtype is dtype
-                and fx.shape == shape
-                and fx.is_cpu
-                and fx.layout is torch.strided
-                and fx.is_contiguous()
-            ):
-                storage = fx.untyped_storage()
-                if (
-                    storage.data_ptr() != 0
-                    and storage.nbytes() >= need + fx.storage_offset() * fx.element_size()
-                ):
-                    fa = fx.numpy()
-        except RuntimeError:
-            pass
-        if fa is None:  # everything else: checked (clear errors), copied into a plain tensor
-            fa = _readable(_check_output(fx, x), x)
+        # Python-level operation costs several times its warm price
+        fa = _readable(g(x), x)
         xna = iterates.take()  # never x's buffer: the solver holds x
-        flags, t, _ = step(k, fa, xa, xna, best_np, *arrays, best, active, *consts, rel, tol, div_factor)
-        trace.append(t)
-        if flags:
-            break  # steps in `keep` from here on keep the final best iterate
-        if keep and k + 1 in keep:
-            kept[k + 1] = best_x.clone()
-        del fx, fa  # f's output may be a view of x: dropped, so that only f's own references keep x
+        t.flags, entry, _ = step(k, fa, xa, xna, best_np, *arrays, t.best, t.active, *consts, t.rel, tol,
+                                 div_factor)  # fmt: skip
+        t.trace.append(entry)
+        if t.flags:
+            break  # steps in `keep_steps` from here on keep the final best iterate
+        if k + 1 in t.keep_steps:
+            t.kept[k + 1] = t.best_x.clone()
+        del fa  # f's output may be a view of x: dropped, so that only f's own references keep x
         x = torch.from_numpy(xna)  # the previous iterate's tensor goes now unless something else holds it
         xa = xna
-    return best_x, _stats(best, trace, k + 1, x0, name, stop_mode, tol, flags,
-                          _kept_extra(keep, kept, best_x, {}))  # fmt: skip
+    return t.best_x, t.stats(k + 1)
 
 
 class _Iterates:

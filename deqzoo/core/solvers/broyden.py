@@ -1,5 +1,6 @@
-"""Broyden's good method on the inverse Jacobian: a torch path and the fused CPU backend
-(`_kernels.broyden_step`), and the inverse estimates SHINE reuses."""
+"""Broyden's good method on the inverse Jacobian, in one representation: the steps it took. The torch path
+and the fused CPU backend (`_kernels.broyden_step`) store the same steps and apply the same estimate, and
+`InverseJacobian` (what SHINE reuses) is built from them whichever path ran."""
 
 from __future__ import annotations
 
@@ -24,89 +25,48 @@ from ._contract import (
 
 
 class InverseJacobian:
-    """Broyden's estimate B ≈ (J_f - I)^{-1} per sample (used by SHINE).
+    """Broyden's estimate B ≈ (J_f - I)^{-1} per sample, B = P_{L-1} ... P_1 (-I) with
+    P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² over the L stored steps s_0..s_{L-1} (Deuflhard's product form).
 
     `matvec(y)` returns B y and `rmatvec(y)` returns yᵀ B per sample, so the adjoint of implicit
     differentiation, w = (I - J_f)^{-T} g, is approximated by ``-rmatvec(g)``. `rank` is the number of stored
-    updates (the largest over the batch).
+    steps (the largest over the batch).
+
+    S (B, n, D): the steps (float64 values; a sample's rows past its count[b] are finite and not used);
+    M (B, n, n): their Gram matrix, computed here when not given. Applying B is the product's recursion
+    w_j = w_{j-1} + c_j s_j, c_j = s_{j-1}·w_{j-1} / |s_{j-1}|², written through the Gram matrix: the c_j
+    solve the lower-triangular system T c = -(s_k·y)_k, T = diag(|s_k|²) - (M[k, i+1])_{i<k}, and yᵀ B uses
+    Tᵀ. So an application is two batched products and one small triangular solve on the state's device,
+    whatever the number of steps (the fused kernel runs the recursion itself, one pass over the steps).
     """
 
-    rank: int
+    def __init__(self, S: torch.Tensor, count: torch.Tensor, M: torch.Tensor | None = None,
+                 n: int | None = None):  # fmt: skip
+        if n is None:  # the solver passes n (no host synchronisation per step); else the largest count
+            n = int(count.max()) if count.numel() else 0
+        self.S, self.count, self.rank = S[:, :n].double(), count, n
+        self.M = self.S @ self.S.mT if M is None else M[:, :n, :n]
+        live = torch.arange(max(n - 1, 0), device=S.device) < (count[:, None] - 1)  # rows k < L - 1
+        T = self.M.diagonal(dim1=1, dim2=2)[:, :-1].diag_embed() - self.M[:, :-1, 1:].tril(-1)
+        pair = live[:, :, None] & live[:, None, :]
+        self.T = torch.where(pair, T, torch.eye(max(n - 1, 0), dtype=T.dtype, device=T.device))
+        self.live = live.double()
 
     def matvec(self, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class LowRankInverse(InverseJacobian):
-    """B = -I + Σ_j u_j v_jᵀ, from the torch path of `broyden`."""
-
-    def __init__(self, W: torch.Tensor):
-        self.W = W  # (B, 2n, D): rows 2j = u_j, 2j+1 = v_j
-        self.rank = W.shape[1] // 2
-
-    def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
-        if self.rank == 0:
-            return -y
-        U, V = self.W[:, 0::2].double(), self.W[:, 1::2].double()  # products in float64, as the solver's
         y64 = y.double()
-        c = torch.bmm(y64.unsqueeze(1), U.transpose(1, 2))  # (B, 1, n): y · u_j
-        return (-y64 + torch.bmm(c, V)[:, 0]).to(y.dtype)
-
-    def matvec(self, y: torch.Tensor) -> torch.Tensor:
-        if self.rank == 0:
-            return -y
-        U, V = self.W[:, 0::2].double(), self.W[:, 1::2].double()
-        y64 = y.double()
-        c = torch.bmm(y64.unsqueeze(1), V.transpose(1, 2))
-        return (-y64 + torch.bmm(c, U)[:, 0]).to(y.dtype)
-
-
-def _step_product_inverse(S: np.ndarray, Q: np.ndarray, count: np.ndarray) -> StepProductInverse:
-    """The fused Broyden's final estimate from its stored steps (copied: the arrays go back to the pool);
-    slots past a sample's own count hold no step and get a zero step and unit norm."""
-    L = int(count.max())
-    live = np.arange(L) < count[:, None]
-    steps = np.where(live[:, :, None], S[:, :L], 0).astype(S.dtype)
-    sn = np.where(live, Q[0, :, :L], 1.0)
-    return StepProductInverse(torch.from_numpy(steps), torch.from_numpy(sn), torch.from_numpy(count.copy()))
-
-
-class StepProductInverse(InverseJacobian):
-    """B = P_k ... P_1 (-I) with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|², from the fused path of `broyden`.
-
-    S (B, L, D) holds the steps, sn (B, L) their squared norms and count (B,) how many are stored per sample.
-    """
-
-    def __init__(self, S: torch.Tensor, sn: torch.Tensor, count: torch.Tensor):
-        self.S, self.count = S, count
-        self.sn = sn[:, : S.shape[1]].clamp_min(1e-300)
-        self.rank = S.shape[1]
-
-    def _coef(self, a: torch.Tensor, j_norm: int, j_used: int) -> torch.Tensor:
-        # pairs beyond a sample's own count do not exist for it
-        live = (j_used < self.count).to(a.dtype)
-        return (a / self.sn[:, j_norm].to(a.dtype) * live)[:, None]
-
-    def matvec(self, y: torch.Tensor) -> torch.Tensor:
-        w = -y.to(torch.float64)
-        for j in range(1, self.rank):
-            w += (
-                self._coef(torch.linalg.vecdot(self.S[:, j - 1].double(), w), j - 1, j)
-                * self.S[:, j].double()
-            )
-        return w.to(y.dtype)
+        if self.rank < 2:
+            return -y64.to(y.dtype)
+        r = torch.bmm(self.S[:, :-1], y64[:, :, None]) * self.live[:, :, None]  # s_k · y
+        c = torch.linalg.solve_triangular(self.T, -r, upper=False)
+        return torch.baddbmm(y64[:, None], c.mT, self.S[:, 1:], beta=-1.0)[:, 0].to(y.dtype)
 
     def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
-        r = y.to(torch.float64, copy=True)  # updated in place below: never the caller's tensor
-        for j in range(self.rank - 1, 0, -1):
-            r += (
-                self._coef(torch.linalg.vecdot(self.S[:, j].double(), r), j - 1, j)
-                * self.S[:, j - 1].double()
-            )
-        return (-r).to(y.dtype)
+        y64 = y.double()
+        if self.rank < 2:
+            return -y64.to(y.dtype)
+        q = torch.bmm(self.S[:, 1:], y64[:, :, None]) * self.live[:, :, None]  # s_{k+1} · y
+        d = torch.linalg.solve_triangular(self.T.mT, q, upper=True)
+        return -torch.baddbmm(y64[:, None], d.mT, self.S[:, :-1])[:, 0].to(y.dtype)
 
 
 # `m=None` (full memory) stores at most this many steps, then restarts as limited memory does: the history
@@ -138,10 +98,11 @@ def broyden(
     diverge). A degenerate secant denominator restarts too. Steps are stored in the state's dtype; the
     history grows with the steps taken (never preallocated by max_iter).
     On CPU the step is one fused kernel (`_kernels.broyden_step`) that stores the steps and sweeps them;
-    the torch path keeps the same estimate as B = -I + Σ_j u_j v_jᵀ with u_j = s_j and
-    v_j = B_{j-1}ᵀ s_{j-1} / |s_{j-1}|² (four batched products a step). With ``return_inverse=True`` the
-    final estimate is exposed as ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`) for SHINE (the
-    DEQ module asks for it when b_mode is "shine").
+    the torch path stores the same steps (float64 values rounded to the state's dtype) with their Gram matrix
+    and applies B as `InverseJacobian` does (three batched products and a small triangular solve a step,
+    on the device). With ``return_inverse=True`` the final estimate is exposed as
+    ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian`, the same class whichever path ran) for SHINE
+    (the DEQ module asks for it when b_mode is "shine").
     """
     from .. import _kernels  # numba loads with the first solve, not with the model
     _check_solve_args(max_iter, tol, stop_mode)
@@ -152,7 +113,8 @@ def broyden(
     if b == 0:
         z, stats = _empty_result(x0, "broyden", tol, stop_mode)
         if return_inverse:  # B = -I, rank 0
-            stats.extra["inverse_jacobian"] = LowRankInverse(x0.new_zeros(0, 0, d))
+            no_steps = torch.zeros(0, dtype=torch.long)
+            stats.extra["inverse_jacobian"] = InverseJacobian(x0.new_zeros(0, 0, d), no_steps)
         return z, stats
     m = min(m, max_iter)  # a step's slot is at most the steps taken
     if _kernels.usable(x0):
@@ -179,25 +141,30 @@ def broyden(
                 stop_mode=stop_mode, keep_steps=keep_steps, div_factor=div_factor,
             )  # fmt: skip
             if return_inverse:
-                stats.extra["inverse_jacobian"] = _step_product_inverse(*hist.arrays[:3])
+                S, count = hist.arrays[0], hist.arrays[2]  # copied: the arrays go back to the pool
+                live = np.arange(int(count.max())) < count[:, None]  # unwritten rows are zero steps
+                steps = np.where(live[:, :, None], S[:, : live.shape[1]], 0.0)
+                inverse = InverseJacobian(torch.from_numpy(steps), torch.from_numpy(count.copy()))
+                stats.extra["inverse_jacobian"] = inverse
         finally:
             hist.give_back()
         return z, stats
     tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor)
     dev = x0.device
     cap = min(m, 8)
-    U = x0.new_zeros(b, cap, d)  # u_j = s_j
-    V = x0.new_zeros(b, cap, d)  # v_j = B_{j-1}ᵀ s_{j-1} / |s_{j-1}|² (slot 0 unused)
-    sn = torch.ones(b, cap, dtype=torch.float64, device=dev)  # |s_j|²
+    # the steps, float64 values rounded to the state's dtype (mixed precision, as the kernel: every product
+    # that decides a step is float64, issue 36); zero-filled, since rows past a sample's count are read as 0
+    S = torch.zeros(b, cap, d, dtype=torch.float64, device=dev)
+    M = torch.zeros(b, cap, cap, dtype=torch.float64, device=dev)  # their Gram matrix, one row per step
     count = torch.zeros(b, dtype=torch.long, device=dev)
     rows = torch.arange(b, device=dev)
     x, nfe = x0.clone(), 0
     for k in range(max_iter):
         if _grown(cap, k, m) != cap:
-            cap = _grown(cap, k, m)
-            U = torch.cat((U, U.new_zeros(b, cap - U.shape[1], d)), 1)
-            V = torch.cat((V, V.new_zeros(b, cap - V.shape[1], d)), 1)
-            sn = torch.cat((sn, sn.new_ones(b, cap - sn.shape[1])), 1)
+            grow = _grown(cap, k, m) - cap
+            S = torch.cat((S, S.new_zeros(b, grow, d)), 1)
+            M = torch.nn.functional.pad(M, (0, grow, 0, grow))
+            cap += grow
         fx = g(x)
         fx = _check_output(fx, x)
         nfe += 1
@@ -205,43 +172,23 @@ def broyden(
         host = _to_host(_sq_norms(gx, fx))
         if tracker.update_sq(x, host[0], host[1]) or nfe == max_iter:
             break
-        n = min(k, cap)  # slots that may hold steps
-        L = count
-        last = (L - 1).clamp_min(0)
-        p_last, sn_last = U[rows, last], sn[rows, last]
-        # mixed precision, as the fused kernel (`_kernels.broyden_step`): the stored u_j, v_j stay in the
-        # state's dtype, every product that decides the step is formed and summed in float64 (issue 36)
-        g64, p64 = gx.double(), p_last.double()
-        if n > 1:
-            live = ((torch.arange(n, device=dev) < L[:, None]) & (torch.arange(n, device=dev) >= 1)).double()
-            U64, V64 = U[:, :n].double(), V[:, :n].double()
-            c = torch.bmm(g64.unsqueeze(1), V64.transpose(1, 2)) * live[:, None]  # v_j · g
-            w = torch.baddbmm(g64.unsqueeze(1), c, U64, beta=-1.0).view(b, d)  # B g = -g + Σ u_j c_j
-            e = torch.bmm(p64.unsqueeze(1), U64.transpose(1, 2)) * live[:, None]  # u_j · s_last
-            bt = torch.baddbmm(p64.unsqueeze(1), e, V64, beta=-1.0).view(b, d)  # Bᵀ s_last
-        else:
-            w, bt = -g64, -p64
+        last = (count - 1).clamp_min(0)
+        g64 = gx.double()
+        w = InverseJacobian(S, count, M, n=min(k, cap)).matvec(g64)  # B g
         # `_kernels.broyden_update`, vectorised: restart with no step or a degenerate denominator
-        den = torch.linalg.vecdot(p64, w) + sn_last
-        restart = (L == 0) | ~(torch.isfinite(den) & (den.abs() > 1e-12 * sn_last))
+        sn_last = M[rows, last, last]
+        den = torch.linalg.vecdot(S[rows, last], w) + sn_last
+        restart = (count == 0) | ~(torch.isfinite(den) & (den.abs() > 1e-12 * sn_last))
         factor = torch.where(restart, -1.0, -sn_last / den)[:, None]
-        w = torch.where(restart[:, None], -g64, w)
-        slot = torch.where(restart | (L == m), 0, L)
-        s = (factor * w).to(x.dtype)  # rounded once to the state's dtype, as the kernel's step
-        bt = (bt / sn_last[:, None]).to(x.dtype)
+        s = (factor * torch.where(restart[:, None], -g64, w)).to(x.dtype)  # rounded once, as the kernel's
+        slot = torch.where(restart | (count == m), 0, count)
         stepping = tracker.stepping(dev)
-        keep_old = ~stepping[:, None]
-        U[rows, slot] = torch.where(keep_old, U[rows, slot], s)
-        V[rows, slot] = torch.where(keep_old, V[rows, slot], bt)
-        sn[rows, slot] = torch.where(stepping, torch.linalg.vector_norm(s, dim=1, dtype=torch.float64) ** 2,
-                                     sn[rows, slot])  # fmt: skip
+        S[rows, slot] = torch.where(stepping[:, None], s.double(), S[rows, slot])
+        row = torch.bmm(S, S[rows, slot][:, :, None])[:, :, 0]  # the new step's Gram row
+        M[rows, slot] = torch.where(stepping[:, None], row, M[rows, slot])
+        M[rows, :, slot] = M[rows, slot]
         count = torch.where(stepping, slot + 1, count)
         x = tracker.next_iterate(x + s)
     if not return_inverse:
         return tracker.result(), tracker.stats(nfe)
-    n = int(count.max()) if b else 0
-    live = ((torch.arange(n, device=dev) < count[:, None]) & (torch.arange(n, device=dev) >= 1)).to(x0.dtype)
-    W = torch.stack((U[:, :n], V[:, :n] * live[:, :, None]), 2).reshape(b, 2 * n, d)
-    return tracker.result(), tracker.stats(nfe, inverse_jacobian=LowRankInverse(W))
-
-
+    return tracker.result(), tracker.stats(nfe, inverse_jacobian=InverseJacobian(S, count, M))
