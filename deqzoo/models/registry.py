@@ -195,13 +195,8 @@ def family_for(model_type: str) -> Family:
 
 def available_families() -> dict[str, Family]:
     """{model_type: declaration} of the families whose extras are installed."""
-    found = {}
-    for model_type in declared_families():
-        try:
-            found[model_type] = family_for(model_type)
-        except MissingExtraError:
-            pass
-    return found
+    missing = unavailable_families()
+    return {t: family for t, family in declared_families().items() if t not in missing}
 
 
 def unavailable_families() -> dict[str, str]:

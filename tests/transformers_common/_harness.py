@@ -77,19 +77,7 @@ UNCONVERGED_AT_INIT = (
 
 # Defects outside this test folder's files, found by these tests; each test is a strict xfail until fixed
 # (an XPASS fails the run, so the marker must be removed with the fix).
-KNOWN_DEFECTS = {
-    "test_can_init_all_missing_weights": (
-        "weights drawn in __init__ but not by _init_weights come out differently when a model is "
-        "materialised "
-        "from the meta device (from_pretrained with missing weights, accelerate's empty-weight init): "
-        "DEQ-Flow's torchvision encoders (kaiming init in their constructors; DEQFlowPreTrainedModel."
-        "_init_weights does nothing), Implicit²'s filters and layers (their reset_parameters skip meta "
-        "tensors and _init_weights re-draws only the head), the DEQ-Transformer's attention biases "
-        "r_w_bias, r_r_bias and LM head (out_biases, out_weights, out_projs: parameter lists that "
-        "_init_weights meets as bare nn.ParameterList modules). Fix in modeling_*.py: _init_weights draws "
-        "them with transformers.initialization's guarded functions (this changes the random stream of seeded "
-        "models, which tests/models/deq_transformer's convergence cases depend on: re-seed those)"),
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 
 
 def known_defects(*names: str):

@@ -21,7 +21,6 @@ from ._harness import (  # noqa: E402
     ConfigTester,
     ModelTesterMixin,
     floats_tensor,
-    known_defects,
 )
 
 pytestmark = [pytest.mark.common,
@@ -50,7 +49,6 @@ class DEQFlowModelTester:
         return self.get_config(), {"image1": floats_tensor(shape), "image2": floats_tensor(shape)}
 
 
-@known_defects("test_can_init_all_missing_weights")
 class DEQFlowModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (DEQFlowModel, DEQFlowForOpticalFlow)
     # transformers exempts only its own pre-2023 models (found by a copyright year our files do not carry)

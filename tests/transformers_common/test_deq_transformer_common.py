@@ -17,7 +17,6 @@ from ._harness import (
     ConfigTester,
     ModelTesterMixin,
     ids_tensor,
-    known_defects,
 )
 
 pytestmark = [pytest.mark.common,
@@ -56,7 +55,6 @@ class DEQTransformerModelTester:
         return config, {"input_ids": input_ids}
 
 
-@known_defects("test_can_init_all_missing_weights")
 class DEQTransformerModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (DEQTransformerModel, DEQTransformerForCausalLM)
     # transformers exempts only its own pre-2023 models (found by a copyright year our files do not carry)

@@ -14,7 +14,7 @@ import torch
 from deqzoo.models.implicit2.configuration_implicit2 import Implicit2Config
 from deqzoo.models.implicit2.modeling_implicit2 import Implicit2ForSignalRepresentation, Implicit2Model
 
-from ._harness import NO_TOKEN_EMBEDDINGS, ConfigTester, ModelTesterMixin, known_defects
+from ._harness import NO_TOKEN_EMBEDDINGS, ConfigTester, ModelTesterMixin
 
 pytestmark = pytest.mark.common
 
@@ -43,7 +43,6 @@ class Implicit2ModelTester:
         return self.get_config(), {"coords": coords}
 
 
-@known_defects("test_can_init_all_missing_weights")
 class Implicit2ModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (Implicit2Model, Implicit2ForSignalRepresentation)
     # transformers exempts only its own pre-2023 models (found by a copyright year our files do not carry)

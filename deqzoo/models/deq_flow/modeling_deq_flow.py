@@ -24,11 +24,13 @@ import torch.utils.checkpoint
 from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
 from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
 from ...core.regularize import FP_WEIGHTS
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from ..initialization import default_init_
 from .configuration_deq_flow import DEQFlowConfig
 
 __all__ = [
@@ -385,7 +387,7 @@ class CheckpointedResidualBlock(GradientCheckpointingLayer, tv_raft.ResidualBloc
 
 
 class DEQFlowPreTrainedModel(DEQPreTrainedModel):
-    """Weights I/O for DEQ-Flow models (config class, prefix); torchvision's blocks initialise themselves."""
+    """Weights I/O for DEQ-Flow models (config class, prefix, torchvision's initialisation)."""
 
     config_class = DEQFlowConfig
     base_model_prefix = "deq_flow"
@@ -395,9 +397,24 @@ class DEQFlowPreTrainedModel(DEQPreTrainedModel):
     # DEQ-Flow and its explicit RAFT twin (the update iterations are not checkpointed)
     supports_gradient_checkpointing = True
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # torchvision's encoders use kaiming init on construction; transformers' generic init must not undo it
-        return
+        # torchvision's initialisation of its RAFT blocks: PyTorch's default for every conv, kaiming-normal
+        # (fan_out) weights in the encoders as FeatureEncoder does; norms at 1 / 0; GMA's gate at 0
+        if isinstance(module, nn.Conv2d):
+            default_init_(module)
+            if getattr(module, "encoder_conv", False):
+                init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
+            if module.weight is not None:
+                init.ones_(module.weight)
+                init.zeros_(module.bias)
+            if isinstance(module, nn.BatchNorm2d):
+                init.zeros_(module.running_mean)
+                init.ones_(module.running_var)
+                init.zeros_(module.num_batches_tracked)
+        elif isinstance(module, GlobalAggregate):
+            init.zeros_(module.gamma)
 
 
 class DEQFlowModel(DEQFlowPreTrainedModel):
@@ -430,6 +447,8 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             block=CheckpointedResidualBlock, layers=(*enc, c.context_dim),
             norm_layer=_norm_layer(c.context_norm),
         )
+        for conv in [*self.feature_encoder.modules(), *self.context_encoder.modules()]:
+            conv.encoder_conv = True  # read by _init_weights, which meets each conv alone
         self.corr_block = tv_raft.CorrBlock(num_levels=c.corr_levels, radius=c.corr_radius)
         motion = tv_raft.MotionEncoder(
             in_channels_corr=self.corr_block.out_channels,

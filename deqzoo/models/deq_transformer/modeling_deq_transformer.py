@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ...core import DEQ, SolverStats
 from ...core.norm import apply_norm, reset_norm
@@ -74,24 +76,18 @@ class DEQTransformerCache:
     def total_nfe(self) -> int:
         return sum(self.nfe)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # beam search (transformers' generate)
         for name in ("z_hist", "u_hist", "z_last"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for name in ("z_hist", "u_hist", "z_last"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
 
 # --------------------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------------------
 @dataclass
-class DEQTransformerModelOutput(DEQModelOutput):
+class DEQTransformerModelOutput(BaseModelOutputWithPast, DEQModelOutput):
     """Equilibrium states of one segment.
 
     Attributes:
@@ -105,16 +101,12 @@ class DEQTransformerModelOutput(DEQModelOutput):
         deq_stats: the forward solve's :class:`~deqzoo.core.SolverStats` (explicit models: nfe = layers).
     """
 
-    last_hidden_state: torch.Tensor | None = None
-    past_key_values: DEQTransformerCache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
     jac_loss: torch.Tensor | None = None
     deq_stats: SolverStats | None = None
 
 
 @dataclass
-class DEQTransformerCausalLMOutput(DEQModelOutput):
+class DEQTransformerCausalLMOutput(CausalLMOutputWithPast, DEQModelOutput):
     """Language-model output.
 
     Attributes:
@@ -125,11 +117,6 @@ class DEQTransformerCausalLMOutput(DEQModelOutput):
         deq_stats: solver statistics.
     """
 
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    past_key_values: DEQTransformerCache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
     jac_loss: torch.Tensor | None = None
     deq_stats: SolverStats | None = None
 
@@ -190,14 +177,15 @@ class DEQTransformerLMHead(nn.Module):
         bounds = _cluster_bounds(config)
         self.n_clusters = len(bounds) - 1
         if self.n_clusters:
-            self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
-            self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
+            self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, config.d_embed))
+            self.cluster_bias = nn.Parameter(torch.empty(self.n_clusters))
         sizes = [config.vocab_size] if config.div_val == 1 else [hi - lo for lo, hi in bounds]
         dims = [config.d_embed] if config.div_val == 1 else [config.d_embed // config.div_val ** i
                                                              for i in range(len(bounds))]
-        self.out_biases = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
+        # values are drawn by DEQTransformerPreTrainedModel._init_weights
+        self.out_biases = nn.ParameterList([nn.Parameter(torch.empty(n)) for n in sizes])
         if not config.tie_weights:
-            self.out_weights = nn.ParameterList([nn.Parameter(torch.randn(n, d) * 0.02)
+            self.out_weights = nn.ParameterList([nn.Parameter(torch.empty(n, d))
                                                  for n, d in zip(sizes, dims)])
         # projections d_model -> d_i, one per cluster when div_val > 1 (or d_embed != d_model)
         self.out_projs = nn.ParameterDict()
@@ -205,7 +193,7 @@ class DEQTransformerLMHead(nn.Module):
             if d == config.d_model and config.div_val == 1:
                 continue
             if not self._proj_tied(i):
-                self.out_projs[str(i)] = nn.Parameter(torch.randn(config.d_model, d) * 0.02)
+                self.out_projs[str(i)] = nn.Parameter(torch.empty(config.d_model, d))
 
     def _proj_tied(self, i: int) -> bool:
         tie = self.config.tie_projs[i] if i < len(self.config.tie_projs) else False
@@ -275,8 +263,8 @@ class DEQTransformerAttention(nn.Module):
         self.pre_ln = self.torchdeq or config.pre_lnorm
         self.qkv_net = nn.Linear(d, 3 * h * dh, bias=False)
         self.r_net = nn.Linear(d, h * dh, bias=False)
-        self.r_w_bias = nn.Parameter(torch.empty(h, dh).uniform_(-0.05, 0.05))
-        self.r_r_bias = nn.Parameter(torch.empty(h, dh).uniform_(-0.05, 0.05))
+        self.r_w_bias = nn.Parameter(torch.empty(h, dh))  # drawn by _init_weights
+        self.r_r_bias = nn.Parameter(torch.empty(h, dh))
         self.o_net = nn.Linear(h * dh, d)
         if self.torchdeq:
             self.ln1 = nn.LayerNorm(d)
@@ -401,22 +389,38 @@ class DEQTransformerPreTrainedModel(DEQPreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["DEQTransformerBlock"]
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Transformer-XL style small normal init (upstream: init_std 0.02, LayerNorm weight 1)
+        # Transformer-XL style small normal init (upstream: init_std 0.02, LayerNorm weight 1, attention
+        # biases U(±0.05)); every parameter and buffer is drawn here, so a model materialised from the meta
+        # device (missing weights) is initialised like one built directly
         if isinstance(module, PositionalEmbedding):  # not saved: rebuilt when loading materialises from meta
-            with torch.no_grad():
-                module.inv_freq.copy_(module.frequencies(module.inv_freq.device))
+            init.copy_(module.inv_freq, module.frequencies(module.inv_freq.device))
         elif isinstance(module, nn.Linear):
-            w = module.weight if "weight" in module._parameters else getattr(module, "weight_v", None)
-            if w is not None:
-                nn.init.normal_(w, 0.0, 0.02)
+            init.normal_(module._parameters.get("weight", module._parameters.get("weight_v")), 0.0, 0.02)
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                init.zeros_(module.bias)
+            if "weight_g" in module._parameters:
+                # weight norm is attached to a freshly built Linear: g starts at the row norms of PyTorch's
+                # default init, the direction v is the normal(0.02) draw above
+                default = nn.init.kaiming_uniform_(torch.empty_like(module.weight_v), a=5**0.5)
+                init.copy_(module.weight_g, default.norm(dim=1, keepdim=True))
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, 0.02)
+            init.normal_(module.weight, 0.0, 0.02)
         elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, DEQTransformerAttention):
+            init.uniform_(module.r_w_bias, -0.05, 0.05)
+            init.uniform_(module.r_r_bias, -0.05, 0.05)
+        elif isinstance(module, (nn.ParameterList, nn.ParameterDict)):
+            # the LM head's lists (met alone: the head itself holds no parameter without clusters): output
+            # biases (1-D) start at zero, output weights and projections (2-D) at normal(0.02)
+            for p in module.parameters(recurse=False):
+                init.zeros_(p) if p.dim() == 1 else init.normal_(p, 0.0, 0.02)
+        elif isinstance(module, DEQTransformerLMHead) and module.n_clusters:
+            init.zeros_(module.cluster_weight)
+            init.zeros_(module.cluster_bias)
 
 
 class DEQTransformerModel(DEQTransformerPreTrainedModel):
@@ -728,7 +732,3 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
             input_ids = input_ids[:, past_key_values.seen:]
         return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
                 "attention_mask": attention_mask, "logits_to_keep": 1}
-
-    def _reorder_cache(self, past_key_values, beam_idx):
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithNoAttention
 
 from ...core import DEQ, SolverStats
 from ...core.norm import apply_norm, reset_norm
@@ -129,10 +130,10 @@ def augmented_normalized_adjacency(
     device = edge_index.device
     if edge_weight is None:
         edge_weight = torch.ones(edge_index.shape[1], dtype=dtype, device=device)
-    elif edge_weight.dim() != 1 or edge_weight.shape[0] != edge_index.shape[1]:
+    elif not isinstance(edge_weight, torch.Tensor) or edge_weight.shape != (edge_index.shape[1],):
         raise ValueError(
-            f"edge_weight must have shape ({edge_index.shape[1]},) (one per edge of edge_index), "
-            f"got {tuple(edge_weight.shape)}"
+            f"edge_weight must be a 1-D tensor of shape ({edge_index.shape[1]},) (one weight per edge of "
+            f"edge_index), got {getattr(edge_weight, 'shape', type(edge_weight))}"
         )
     # sum duplicate edges first, in a canonical order, so that an edge list and the equivalent sparse
     # adjacency go through bit-identical arithmetic
@@ -175,7 +176,7 @@ def perron_frobenius_radius(operator: torch.Tensor, tol: float = 1e-6, max_iter:
         1.0
     """
     n = operator.shape[0]
-    a = _abs_sparse(operator.to(torch.float64))
+    a = operator.to(torch.float64).abs()  # sparse (CSR or COO) or dense
     x = torch.ones(n, 1, dtype=torch.float64, device=operator.device)
     best = math.inf
     for _ in range(max_iter):
@@ -189,16 +190,6 @@ def perron_frobenius_radius(operator: torch.Tensor, tol: float = 1e-6, max_iter:
         # a floor keeps x positive (the bound needs it) when some component decays faster than the rest
         x = (y / y.max()).clamp_min(1e-200)
     return float(best)
-
-
-def _abs_sparse(op: torch.Tensor) -> torch.Tensor:
-    if op.layout == torch.sparse_csr:
-        return torch.sparse_csr_tensor(
-            op.crow_indices(), op.col_indices(), op.values().abs(), op.shape, check_invariants=False
-        )
-    return torch.sparse_coo_tensor(
-        op.indices(), op.values().abs(), op.shape, check_invariants=False
-    ).coalesce()
 
 
 def project_rows_l1(weight: torch.Tensor, radius: float, slack: float = 1e-6) -> torch.Tensor:
@@ -262,7 +253,7 @@ class IGNNImplicitLayer(nn.Module):
 
 
 @dataclass
-class IGNNModelOutput(DEQModelOutput):
+class IGNNModelOutput(BaseModelOutputWithNoAttention, DEQModelOutput):
     """Node states at equilibrium (of the last implicit layer) and the forward solve's statistics.
 
     Attributes:
@@ -272,8 +263,6 @@ class IGNNModelOutput(DEQModelOutput):
         graph: the :class:`IGNNGraph` used, reusable as ``graph=`` in the next call.
     """
 
-    last_hidden_state: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
     all_deq_stats: tuple[SolverStats, ...] | None = None
     graph: IGNNGraph | None = None
     deq_stats: SolverStats | None = None
@@ -395,12 +384,6 @@ class IGNNModel(IGNNPreTrainedModel):
             edge_index, edge_weight = _adjacency_to_edges(adjacency, num_nodes)
         elif edge_index is None:
             raise ValueError("a graph needs edge_index of shape (2, num_edges) or a sparse adjacency")
-        if edge_weight is not None:
-            if not isinstance(edge_weight, torch.Tensor) or edge_weight.dim() != 1:
-                raise ValueError(
-                    f"edge_weight must be a 1-D tensor with one weight per edge, got "
-                    f"{getattr(edge_weight, 'shape', type(edge_weight))}"
-                )
         operator = augmented_normalized_adjacency(edge_index, num_nodes, edge_weight, dtype=dtype)
         num_graphs = 1
         if batch is not None:

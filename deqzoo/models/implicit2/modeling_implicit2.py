@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from ...core import DEQ, FixedPointCache, SolverStats
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from ..initialization import default_init_
 from .configuration_implicit2 import Implicit2Config
 
 __all__ = [
@@ -78,22 +80,10 @@ class Implicit2Filter(nn.Module):
         super().__init__()
         self.kind, self.scale, self.alpha = kind, float(scale), float(alpha)
         self.x_map = nn.Linear(in_features, hidden_size)
+        self.x_map.frequency_scale = self.scale  # read by Implicit2PreTrainedModel._init_weights
         if kind == "gabor":
             self.mu = nn.Parameter(torch.empty(hidden_size, in_features))
             self.gamma = nn.Parameter(torch.empty(hidden_size))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        if self.x_map.weight.is_meta:  # built on the meta device (parameter counting): nothing to draw
-            return
-        self.x_map.reset_parameters()
-        self.x_map.weight.mul_(self.scale)
-        if self.kind == "gabor":
-            self.mu.uniform_(-1.0, 1.0)
-            self.gamma.copy_(torch.distributions.Gamma(self.alpha, 1.0).sample(self.gamma.shape))
-            self.x_map.weight.mul_(self.gamma.sqrt()[:, None])
-        self.x_map.bias.uniform_(-math.pi, math.pi)
 
     def response(self, x: torch.Tensor) -> torch.Tensor:
         """U x + c (siren) or g(x) (MFNs), shape (..., N, D)."""
@@ -129,22 +119,12 @@ class Implicit2Filter(nn.Module):
 
 
 class Implicit2Layer(nn.Module):
-    """One layer z -> filter(W z + b, x); W initialised U(±sqrt(1/D)) as the original."""
+    """One layer z -> filter(W z + b, x); W initialised U(±sqrt(1/D)) as the original (PyTorch's default)."""
 
     def __init__(self, kind: str, in_features: int, hidden_size: int, scale: float, alpha: float):
         super().__init__()
         self.z_map = nn.Linear(hidden_size, hidden_size)
         self.filter = Implicit2Filter(kind, in_features, hidden_size, scale, alpha)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        if self.z_map.weight.is_meta:
-            return
-        self.z_map.reset_parameters()
-        bound = math.sqrt(1.0 / self.z_map.in_features)
-        self.z_map.weight.uniform_(-bound, bound)
-        self.filter.reset_parameters()
 
 
 @dataclass
@@ -177,11 +157,22 @@ class Implicit2PreTrainedModel(DEQPreTrainedModel):
     base_model_prefix = "implicit2"
     main_input_name = "coords"
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Filters and layers initialise themselves (the original's scheme) when built; transformers' generic
-        # init (normal(0.02) for every Linear) must not overwrite that. Only the head is a plain Linear.
-        if module is getattr(self, "head", None):
-            module.reset_parameters()
+        # the original's scheme: PyTorch's default for every Linear (W, the head); a filter's map U x + c
+        # draws U at that init times the filter's scale, c ~ U(-π, π); Gabor filters (met after their map)
+        # draw μ ~ U(-1, 1), γ ~ Gamma(alpha, 1) and scale each row of U by sqrt(γ)
+        if isinstance(module, nn.Linear):
+            default_init_(module)
+            scale = getattr(module, "frequency_scale", None)
+            if scale is not None:
+                bound = scale / math.sqrt(module.in_features)
+                init.uniform_(module.weight, -bound, bound)
+                init.uniform_(module.bias, -math.pi, math.pi)
+        elif isinstance(module, Implicit2Filter) and module.kind == "gabor":
+            init.uniform_(module.mu, -1.0, 1.0)
+            init.copy_(module.gamma, torch.distributions.Gamma(module.alpha, 1.0).sample(module.gamma.shape))
+            init.copy_(module.x_map.weight, module.x_map.weight * module.gamma.sqrt()[:, None])
 
 
 class Implicit2Model(Implicit2PreTrainedModel):

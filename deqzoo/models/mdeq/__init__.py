@@ -6,21 +6,17 @@ Example:
     0.9
 """
 
-from .configuration_mdeq import ARCHITECTURES, ORIGINAL_PARAMETER_COUNTS, MDEQConfig
+from .configuration_mdeq import ARCHITECTURES, MDEQConfig
 from .lipschitz import LipschitzProjectionCallback, conv_operator_norm, lipschitz_bound, project_lipschitz
 from .modeling_mdeq import (
-    ORIGINAL_KEY_MAP,
     MDEQForImageClassification,
     MDEQForSemanticSegmentation,
     MDEQModel,
     MDEQPreTrainedModel,
-    convert_original_state_dict,
 )
 
 __all__ = [
     "ARCHITECTURES",
-    "ORIGINAL_KEY_MAP",
-    "ORIGINAL_PARAMETER_COUNTS",
     "LipschitzProjectionCallback",
     "MDEQConfig",
     "MDEQForImageClassification",
@@ -28,7 +24,6 @@ __all__ = [
     "MDEQModel",
     "MDEQPreTrainedModel",
     "conv_operator_norm",
-    "convert_original_state_dict",
     "lipschitz_bound",
     "project_lipschitz",
 ]

@@ -36,7 +36,7 @@ from typing import Any
 
 from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
-__all__ = ["ARCHITECTURES", "MDEQConfig", "ORIGINAL_PARAMETER_COUNTS"]
+__all__ = ["ARCHITECTURES", "MDEQConfig"]
 
 _Numbers = float | int | list[float | int] | tuple[float | int, ...] | None
 _Ints = list[int] | tuple[int, ...]
@@ -248,28 +248,4 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "lipschitz-mdeq-mnist-tiny": _preset("Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
                                          "deqzoo/lipschitz-mdeq-tiny-mnist", **_MNIST_TINY,
                                          **_LIPSCHITZ_SWITCHES),
-}
-
-# Trainable parameter counts of the original implementations, obtained by building the upstream model classes
-# (locuslab/deq MDEQ-Vision/lib/models/mdeq.py: MDEQClsNet / MDEQSegNet, commit of the deqzoo mirror) from the
-# yaml files named above and summing p.numel() over parameters with requires_grad (weight norm counted as the
-# original's weight_g + weight_v). For reference, the paper (Bai et al. 2020, Tables 1-3) rounds these as
-# 170K / 10M (CIFAR), 18M / 63M / 81M (ImageNet), 7.8M / 53M / 70M (Cityscapes).
-ORIGINAL_PARAMETER_COUNTS: dict[str, int] = {
-    "mdeq-cifar-tiny": 158_890,
-    "mdeq-cifar-large": 11_097_438,
-    "mdeq-imagenet-small": 16_808_936,
-    "mdeq-imagenet-large": 67_063_624,
-    "mdeq-imagenet-xl": 90_463_280,
-    "mdeq-cityscapes-small": 8_968_467,
-    "mdeq-cityscapes-large": 55_955_859,
-    "mdeq-cityscapes-xl": 79_551_755,
-}
-# locuslab/mdeq (the 2020 release) differs only where its yaml differs: CIFAR uses affine post-fusion
-# GroupNorms (TINY 158_986, LARGE 11_098_398 = MDEQ-Vision + 2·Σ channels), and its
-# imagenet/cls_mdeq_LARGE.yaml repeats the XL widths (90_463_280). Its models additionally hold a frozen copy
-# of f_θ (`fullstage_copy`), not counted.
-ORIGINAL_PARAMETER_COUNTS_LOCUSLAB_MDEQ: dict[str, int] = {
-    "mdeq-cifar-tiny": 158_986,
-    "mdeq-cifar-large": 11_098_398,
 }

@@ -44,6 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import TrainerCallback
 
 __all__ = [
     "IsometricUpsample",
@@ -226,12 +227,6 @@ def project_lipschitz(
         if isinstance(mod, MeanOnlyGroupNorm) and mod.affine and mod.weight.device.type != "meta":
             mod.weight.clamp_(-g, g)
     return {"max_conv_norm_before": before, "max_conv_norm_after": after, "projected": float(projected)}
-
-
-try:  # the Trainer callback is optional sugar; the projection itself needs only torch
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover
-    TrainerCallback = object  # type: ignore[misc,assignment]
 
 
 class LipschitzProjectionCallback(TrainerCallback):

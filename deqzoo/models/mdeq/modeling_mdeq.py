@@ -12,7 +12,8 @@ Structure (as locuslab/mdeq ``lib/models/mdeq_core.py`` and locuslab/deq ``MDEQ-
   pooling, linear); segmentation upsamples every resolution to the highest, concatenates, and applies two
   convs.
 
-State-dict keys equal the originals' with the backbone under ``mdeq.`` (see ``ORIGINAL_KEY_MAP`` below).
+State-dict keys equal the originals' with the backbone under ``mdeq.`` (the converter's ``KEY_MAP``,
+conversion/mdeq_locuslab.py).
 
 Example:
     >>> import torch, deqzoo
@@ -31,16 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithNoAttention, ImageClassifierOutputWithNoAttention
 
 from ...core import DEQ, SolverStats
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from ..initialization import default_init_
 from .configuration_mdeq import MDEQConfig
 from .lipschitz import IsometricUpsample, MeanOnlyGroupNorm, ScaledReLU, lipschitz_bound, project_lipschitz
 
 __all__ = [
-    "ORIGINAL_KEY_MAP",
     "MDEQForImageClassification",
     "MDEQForSemanticSegmentation",
     "MDEQModel",
@@ -48,25 +50,6 @@ __all__ = [
     "MDEQPreTrainedModel",
     "MDEQImageClassifierOutput",
     "MDEQSemanticSegmenterOutput",
-    "convert_original_state_dict",
-]
-
-# How an original (locuslab/mdeq, locuslab/deq MDEQ-Vision, TorchDEQ deq-zoo) state dict maps onto ours:
-# (original key prefix, our key prefix), applied to the first matching prefix; keys of `fullstage_copy.`
-# (the 2020 release's frozen copy of f_θ) are dropped; everything else keeps its name. TorchDEQ's deq-zoo
-# names the stage `full_stage`.
-ORIGINAL_KEY_MAP: list[tuple[str, str | None]] = [
-    ("fullstage_copy.", None),
-    ("module.", ""),  # DataParallel checkpoints
-    ("downsample.", "mdeq.downsample."),
-    ("stage0.", "mdeq.stage0."),
-    ("fullstage.", "mdeq.fullstage."),
-    ("full_stage.", "mdeq.fullstage."),
-    ("incre_modules.", "incre_modules."),
-    ("downsamp_modules.", "downsamp_modules."),
-    ("final_layer.", "final_layer."),
-    ("classifier.", "classifier."),
-    ("last_layer.", "last_layer."),
 ]
 
 # Documented input limit, checked before any work: pixels per image (4096 x 4096; Cityscapes is 1024 x 2048).
@@ -84,37 +67,6 @@ def check_image_size(pixel_values: torch.Tensor) -> None:
                          f"{MAX_IMAGE_PIXELS:,} (deqzoo.models.mdeq.modeling_mdeq.MAX_IMAGE_PIXELS); "
                          "resize first")
 
-
-
-def convert_original_state_dict(
-    state_dict: dict[str, torch.Tensor], base_only: bool = False
-) -> dict[str, torch.Tensor]:
-    """Rename an original MDEQ state dict to deqzoo keys (``base_only``: keys for ``MDEQModel``).
-
-    Example:
-        >>> import torch
-        >>> convert_original_state_dict({"fullstage.branches.0.blocks.0.gn1.weight": torch.ones(1)})
-        {'mdeq.fullstage.branches.0.blocks.0.gn1.weight': tensor([1.])}
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        while key.startswith("module."):
-            key = key[len("module.") :]
-        for old, new in ORIGINAL_KEY_MAP:
-            if key.startswith(old):
-                if new is None:
-                    key = None
-                else:
-                    key = new + key[len(old) :]
-                break
-        if key is None:
-            continue
-        if base_only:
-            if not key.startswith("mdeq."):
-                continue
-            key = key[len("mdeq.") :]
-        out[key] = value
-    return out
 
 
 def _conv(in_c: int, out_c: int, kernel: int = 3, stride: int = 1, bias: bool = False) -> nn.Conv2d:
@@ -334,20 +286,15 @@ class MDEQModule(nn.Module):
 
 
 @dataclass
-class MDEQModelOutput(DEQModelOutput):
+class MDEQModelOutput(BaseModelOutputWithNoAttention, DEQModelOutput):
     """`last_hidden_state`: the highest resolution's equilibrium; `hidden_states` (with
     ``output_hidden_states=True``): the equilibrium state of every resolution, highest first."""
 
-    last_hidden_state: torch.FloatTensor | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
     deq_stats: SolverStats | None = None
 
 
 @dataclass
-class MDEQImageClassifierOutput(DEQModelOutput):
-    loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+class MDEQImageClassifierOutput(ImageClassifierOutputWithNoAttention, DEQModelOutput):
     deq_stats: SolverStats | None = None
 
 
@@ -380,14 +327,7 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
         std = self.config.init_std
         if isinstance(module, nn.Conv2d):
             if getattr(module, "_deqzoo_lipschitz_conv", False) or "weight_v" in module._parameters:
-                # f_θ convs keep PyTorch's default (Kaiming-uniform) init, as the originals do
-                w = module._parameters.get("weight_v", module._parameters.get("weight"))
-                init.kaiming_uniform_(w, a=5**0.5)
-                if "weight_g" in module._parameters:
-                    dims = tuple(range(1, w.dim()))
-                    init.copy_(
-                        module._parameters["weight_g"], torch.linalg.vector_norm(w, dim=dims, keepdim=True)
-                    )
+                default_init_(module)  # f_θ convs keep PyTorch's default init, as the originals do
             elif isinstance(module._parameters.get("weight"), nn.Parameter):
                 init.normal_(module.weight, 0.0, std)
             if module.bias is not None:

@@ -102,6 +102,21 @@ def test_generate_equals_full_recompute():
     assert torch.equal(gen, seq)
 
 
+def test_beam_search_scores_equal_full_recompute():
+    """Beam search reorders the memory of equilibria with its beams (transformers calls the cache's
+    reorder_cache): each returned score is the sum of its new tokens' log-probabilities recomputed from
+    scratch over the whole sequence (length_penalty=0)."""
+    model = _tiny()
+    ids = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(7))
+    out = model.generate(ids, max_new_tokens=4, num_beams=3, num_return_sequences=3, do_sample=False,
+                         length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        logp = model(out.sequences).logits.log_softmax(-1)
+    new = out.sequences[:, 4:]
+    ref = logp[:, 3:-1].gather(-1, new[..., None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores.to(ref.dtype), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_save_load_roundtrip_and_bad_input(tmp_path):
     from transformers import AutoModelForCausalLM
 
