@@ -92,7 +92,15 @@ class _Norm:
         raise NotImplementedError
 
     def reset(self, module: nn.Module) -> None:
-        setattr(module, self.name, self.compute(module, update=module.training))
+        sources = self._sources(module)
+        if sources[0].is_meta:
+            # a skeleton (transformers builds every model on the meta device before loading): there are no
+            # values to normalize, and tracing the formula through meta kernels costs ~1/3 of a tiny
+            # model's load; the stamp then differs from the loaded weights', so the first forward recomputes
+            weight = torch.empty_like(sources[0]).requires_grad_(sources[0].requires_grad)
+        else:
+            weight = self.compute(module, update=module.training)
+        setattr(module, self.name, weight)
         self.n_resets += 1
         self._stamp = self._current_stamp(module)
 

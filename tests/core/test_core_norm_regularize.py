@@ -241,3 +241,26 @@ def test_weight_norm_checked_once_per_solve(monkeypatch):
         net[0].weight_v.mul_(2.0)  # a parameter change between solves (as an optimizer step)
         layer(f, torch.zeros(3, 8))
     assert fn.n_resets == before + 1
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_meta_skeleton_computes_nothing_and_the_loaded_weights_are_normalized_at_first_forward(kind):
+    """transformers builds every model on the meta device, then loads: the normalized weight of the skeleton
+    is a placeholder (nothing to compute), and the first forward after loading uses the loaded parameters."""
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3)
+    apply_norm(reference, kind)
+    with torch.device("meta"):
+        skeleton = nn.Linear(4, 3)
+        apply_norm(skeleton, kind)
+    assert skeleton.weight.is_meta and skeleton.weight.shape == (3, 4)
+    skeleton.to_empty(device="cpu")
+    skeleton.load_state_dict(reference.state_dict())
+    reference.eval(), skeleton.eval()  # no power-iteration step: both use the same (loaded) u, v
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(skeleton(x), reference(x), rtol=0, atol=0)
+    # and the formula itself: w = g · v / ||v|| per output row (an independent computation)
+    if kind == "weight_norm":
+        v, g = reference.weight_v.detach(), reference.weight_g.detach()
+        torch.testing.assert_close(skeleton(x), x @ (g * v / v.norm(dim=1, keepdim=True)).T + reference.bias,
+                                   rtol=1e-6, atol=1e-6)
