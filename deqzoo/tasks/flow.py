@@ -427,12 +427,6 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
 
 
-#
-#
-#
-#
-#
-#
 # ------------------------------------------------------------------------------------------------------------
 # evaluation, baselines, demo, predict
 
