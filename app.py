@@ -6,7 +6,7 @@ Locally: `python app.py` (or `deqzoo app`) serves on 127.0.0.1:7860. On a Space,
 
 import os
 
-from deqzoo.app import DEFAULT_HOST, launch
+from deqzoo_app import DEFAULT_HOST, launch
 
 if __name__ == "__main__":
     launch(host=os.environ.get("GRADIO_SERVER_NAME", DEFAULT_HOST),

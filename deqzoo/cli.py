@@ -225,6 +225,13 @@ def _clone_root() -> Path | None:
     return None
 
 
+def _import_from_clone(root: Path | None, module: str):
+    """A module of the clone at `root` (benchmarks, examples, the app): repository code, not installed."""
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(module)
+
+
 def _benchmarks_folder() -> Path | None:
     root = _clone_root()
     return None if root is None else root / "benchmarks"
@@ -250,9 +257,7 @@ def cmd_bench(args, rest: list[str]) -> int:
                            "root of a clone (git clone ... && pip install -e \".[bench]\")")
         raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
     folder = _benchmarks_folder()
-    if folder is not None and str(folder.parent) not in sys.path:
-        sys.path.insert(0, str(folder.parent))
-    module = importlib.import_module(f"benchmarks.{args.name}")
+    module = _import_from_clone(None if folder is None else folder.parent, f"benchmarks.{args.name}")
     return int(module.main(rest) or 0)
 
 
@@ -263,9 +268,7 @@ def cmd_train_hypersolver(rest: list[str]) -> int:
     if root is None or not (root / "examples" / "hypersolver" / "train.py").is_file():
         raise CLIError("train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it from "
                        "the root of a clone (git clone ... && pip install -e .)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    train = importlib.import_module("examples.hypersolver.train")
+    train = _import_from_clone(root, "examples.hypersolver.train")
     return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
 
 
@@ -444,11 +447,16 @@ def _wrap_note(text: str, width: int = DEMO_WIDTH) -> str:
 
 
 def cmd_app(args) -> int:
-    from deqzoo.app import gradio_missing_message, launch
-
+    """`deqzoo app`: the clone's Gradio app (deqzoo_app/, beside the Space entry point app.py)."""
+    root = _clone_root()
+    if root is None or not (root / "deqzoo_app" / "__init__.py").is_file():
+        raise CLIError("the app ships with the deqzoo repository (deqzoo_app/ and app.py), not with the "
+                       "installed package; run it from the root of a clone: git clone ... && cd deqzoo && "
+                       "pip install -e \".[app]\" && deqzoo app (or python app.py)")
+    app = _import_from_clone(root, "deqzoo_app")
     if importlib.util.find_spec("gradio") is None:
-        raise CLIError(gradio_missing_message())
-    launch(port=args.port, warm_up=not args.no_warm_up)
+        raise CLIError(app.gradio_missing_message())
+    app.launch(port=args.port, warm_up=not args.no_warm_up)
     return 0
 
 
@@ -501,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("app", help="the Gradio app: a tab per family on 127.0.0.1 (needs the `app` extra)")
+    p = sub.add_parser("app", help="the Gradio app: a tab per family on 127.0.0.1 (from a clone, with the "
+                       "`app` extra)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--no-warm-up", action="store_true", help="start at once; the first click loads models")
     sub.add_parser("train-hypersolver", help="train a HyperDEQ hypersolver for a frozen checkpoint (from "

@@ -14,6 +14,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ._demo import residual_figure  # public: `deqzoo demo`'s residual plot, which the app draws too
+from ._files import open_image  # public: an image file checked before decoding (`predict`, the app)
+
+__all__ = ["TASKS", "open_image", "register_task", "residual_figure", "task_module", "task_name"]
+
 # name -> module; the only modules a checkpoint's card can select
 TASKS: dict[str, str] = {
     "mnist": "deqzoo.tasks.mnist",

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
-from ._files import free_path
+from ._files import free_path, open_image
 
 __all__ = [
     "HELD_OUT_IMAGES",
@@ -427,12 +427,6 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
     return float(err[valid.bool()].mean()) if bool(valid.any()) else float("nan")
 
 
-#
-#
-#
-#
-#
-#
 # ------------------------------------------------------------------------------------------------------------
 # evaluation, baselines, demo, predict
 
@@ -639,19 +633,12 @@ def demo(model, output_dir: str | Path = "demo_output"):
 
 
 def _read_image(path: str) -> torch.Tensor:
-    from PIL import Image
-
-    p = Path(path)
-    if not p.is_file():
+    """An image file as a uint8 (C, H, W) tensor (RGB, or RGBA where it has transparency), checked before
+    decoding (pixels against _MAX_PREDICT_PIXELS, decompression bombs, unreadable files)."""
+    if not Path(path).is_file():
         raise FileNotFoundError(f"predict: image {path!r} does not exist")
-    with Image.open(p) as img:
-        w, h = img.size
-        if w * h > _MAX_PREDICT_PIXELS:
-            raise ValueError(
-                f"predict: {path} is {w}x{h}; at most {_MAX_PREDICT_PIXELS} pixels (the all-pairs "
-                "correlation grows with the square of the pixel count): resize it first"
-            )
-        arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
+    img = open_image(path, f"predict: {path}", max_pixels=_MAX_PREDICT_PIXELS)
+    arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 
 

@@ -176,7 +176,6 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
     Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
 
 
-
 def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStats]:
     """Render the representation at twice its fitted resolution into `output_dir` (the demo's own folder; its
     render is replaced on every run) and report the PSNR at the fitted resolution; returns (summary line, the
@@ -185,8 +184,8 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     size = int(s["size"])
     data = image_data(s["image"], size, s["split"])
     values, stats = model.eval().values_at(data.test_coords)
-    render_values, render_stats = model.values_at(_render_coords(model, 2 * size, 2 * size))
-    image = ((render_values + 1) / 2).clamp(0, 1).reshape(2 * size, 2 * size, -1)
+    render_values, render_stats = model.sample((2 * size, 2 * size))  # the grid over coordinate_range
+    image = ((render_values + 1) / 2).clamp(0, 1)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(getattr(model, "name_or_path", "") or "implicit2").name
@@ -204,13 +203,6 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     if st is None:  # explicit networks have no solve
         st = SolverStats.no_solve()
     return summary, st
-
-
-def _render_coords(model, height: int, width: int) -> torch.Tensor:
-    from ..models.implicit2 import coordinate_grid
-
-    low, high = model.config.coordinate_range
-    return coordinate_grid((height, width), low, high)
 
 
 def predict(model, input: str) -> str:

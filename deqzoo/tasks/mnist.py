@@ -23,7 +23,8 @@ import torch
 
 from ..core import SolverStats
 
-__all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "load_split", "predict", "sample_images", "to_pixel_values"]
+__all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "interleaved_test_split", "load_split", "predict",
+           "sample_images", "to_pixel_values"]
 
 EVAL_BATCH_SIZE = 100
 _PER_CLASS, _TRAIN_PER_CLASS = 500, 400
@@ -51,6 +52,19 @@ def load_split(split: str) -> tuple[np.ndarray, np.ndarray]:
     within = np.arange(len(y)) % _PER_CLASS
     mask = within < _TRAIN_PER_CLASS if split == "train" else within >= _TRAIN_PER_CLASS
     return x[mask], y[mask]
+
+
+def interleaved_test_split(limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out split ordered by digit in turn (0, 1, ..., 9, 0, 1, ...), its first `limit` images (all
+    when None): every prefix is as balanced across digits as it can be (`evaluate(limit=...)` scores it).
+
+    Example:
+        >>> interleaved_test_split(12)[1].tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+    """
+    x, y = load_split("test")
+    order = np.argsort(np.arange(len(y)) % (_PER_CLASS - _TRAIN_PER_CLASS), kind="stable")
+    return x[order][:limit], y[order][:limit]
 
 
 def _processor(model):
@@ -85,10 +99,7 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     """
     from tqdm.auto import tqdm
 
-    x, y = load_split("test")
-    if limit is not None:
-        order = np.argsort(np.arange(len(y)) % 100, kind="stable")  # interleave classes: 0,1,...,9,0,1,...
-        x, y = x[order][:limit], y[order][:limit]
+    x, y = load_split("test") if limit is None else interleaved_test_split(limit)
     model.eval()
     correct, converged, nfes = 0, 0, []
     starts = range(0, len(y), EVAL_BATCH_SIZE)
@@ -113,9 +124,7 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
 
 def sample_images() -> tuple[np.ndarray, np.ndarray]:
     """The demo's inputs: the first held-out image of each digit (10 images, labels 0..9)."""
-    x, y = load_split("test")
-    idx = np.array([np.flatnonzero(y == d)[0] for d in range(10)])
-    return x[idx], y[idx]
+    return interleaved_test_split(10)
 
 
 @torch.no_grad()

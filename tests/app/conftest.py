@@ -17,7 +17,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def app_url():
-    from deqzoo.app import launch
+    from deqzoo_app import launch
 
     port = _free_port()
     demo = launch(port=port, block=False)  # warm-up included: loads every checkpoint, runs every tab once

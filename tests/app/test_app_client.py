@@ -42,7 +42,7 @@ def test_classify_uploaded_dark_on_light_digit(client, tmp_path):
     # a digit drawn dark on white paper, larger than MNIST: the app inverts and centres it as MNIST was made
     from gradio_client import handle_file
 
-    from deqzoo.app.families import sample_digit
+    from deqzoo_app.families import sample_digit
 
     big = Image.fromarray(255 - sample_digit(7)).resize((200, 200), Image.BICUBIC)
     path = tmp_path / "seven.png"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deqzoo.app import families as F
+from deqzoo_app import families as F
 
 
 def test_app_without_gradio_names_the_extra(monkeypatch, capsys):
@@ -19,6 +19,16 @@ def test_app_without_gradio_names_the_extra(monkeypatch, capsys):
                         lambda name, *a: None if name == "gradio" else real(name, *a))
     assert main(["app"]) == 2
     assert 'pip install "deqzoo[app]"' in capsys.readouterr().err
+
+
+def test_app_outside_a_clone_says_it_ships_with_the_repository(monkeypatch, tmp_path, capsys):
+    # what an installed wheel gives (deqzoo_app/ is not in it; tests/hub/test_wheel.py runs the wheel's)
+    from deqzoo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["app"]) == 2
+    err = capsys.readouterr().err
+    assert "ships with the deqzoo repository" in err and 'pip install -e ".[app]"' in err
 
 
 def test_drawn_digit_becomes_mnist_like():
@@ -53,14 +63,3 @@ def test_read_image_checks_before_decoding(tmp_path):
         F.read_image(big)
     with pytest.raises(ValueError, match="no frames"):
         F.flow_frames([])
-
-
-def test_color_wheel_matches_torchvision_flow_colours():
-    import torch
-    from torchvision.utils import flow_to_image
-
-    wheel = F.color_wheel(65)
-    # the rim pixel straight to the right is a flow of (1, 0) at full magnitude
-    right = flow_to_image(torch.tensor([[[1.0]], [[0.0]]]))[:, 0, 0].numpy()
-    assert np.abs(wheel[32, 64].astype(int) - right.astype(int)).max() <= 8
-    assert (wheel[0, 0] == 255).all()  # outside the disc is white

