@@ -93,10 +93,11 @@ class DEQPreTrainedModel(PreTrainedModel):
                 module._deqzoo_warned = False
         return new
 
-    def set_hypersolver(self, hypersolver, *, check: bool = True) -> DEQPreTrainedModel:
+    def set_hypersolver(self, hypersolver, *, check: bool = True, use: str | None = None) -> DEQPreTrainedModel:
         """Solve every DEQ layer with a HyperDEQ hypersolver (`deqzoo.hypersolver`): an embedded id, a
         directory or a `HyperSolver`. It must have been trained for this model's weights (fingerprint; the
-        error names both); ``check=False`` skips that. Backward modes, `on_nonconvergence` and `deq_stats`
+        error names both); ``check=False`` skips that. ``use`` overrides the hypersolver config's ``use``
+        ("initializer": its h_φ start, then ``config.deq``'s solver; "hyperanderson"). Backward modes, `on_nonconvergence` and `deq_stats`
         work as with any solver; the budget and tolerance stay ``config.deq``'s. Returns the model.
 
         Example:
@@ -110,7 +111,7 @@ class DEQPreTrainedModel(PreTrainedModel):
         from .hypersolver import HyperSolver, load_hypersolver, set_hypersolver
 
         hs = hypersolver if isinstance(hypersolver, HyperSolver) else load_hypersolver(hypersolver)
-        return set_hypersolver(self, hs, check=check)
+        return set_hypersolver(self, hs, check=check, use=use)
 
     def remove_hypersolver(self) -> DEQPreTrainedModel:
         """Back to the solver in ``config.deq`` (a no-op without a hypersolver). Returns the model."""

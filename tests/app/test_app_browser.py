@@ -20,7 +20,7 @@ TABS = [
     ("Implicit²", "Render", "implicit2-summary", "f-evaluations"),
     ("DEQ-DDIM", "Sample with both", "ddim-summary", "sequential depth"),
     ("IGNN", "Classify every node", "ignn-summary", "chains of length"),
-    ("Hypersolver", "Race", "hyper-summary", "hyperanderson"),
+    ("Hypersolver", "Race", "hyper-summary", "learned initializer"),
 ]
 
 

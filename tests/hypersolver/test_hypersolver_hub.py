@@ -293,3 +293,13 @@ def test_fast_image_initializer_equals_the_convolutions(dtype, size):
         assert g.shape == w.shape and g.dtype == dtype
         torch.testing.assert_close(g, w, rtol=1e-5 if dtype == torch.float32 else 1e-12,
                                    atol=1e-6 if dtype == torch.float32 else 1e-13)
+
+
+def test_the_model_method_passes_use_through():
+    model = deqzoo.from_pretrained(MDEQ).eval()
+    assert model.set_hypersolver(MDEQ_HS).mdeq.deq.use == "initializer"  # what the published config ships
+    with torch.no_grad():
+        assert model(_pixels(n=2)).deq_stats.solver == "anderson"
+    assert model.set_hypersolver(MDEQ_HS, use="hyperanderson").mdeq.deq.use == "hyperanderson"
+    with torch.no_grad():
+        assert model(_pixels(n=2)).deq_stats.solver == "hyperanderson"
