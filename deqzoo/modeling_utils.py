@@ -93,12 +93,14 @@ class DEQPreTrainedModel(PreTrainedModel):
                 module._deqzoo_warned = False
         return new
 
-    def set_hypersolver(self, hypersolver, *, check: bool = True, use: str | None = None) -> DEQPreTrainedModel:
+    def set_hypersolver(self, hypersolver, *, check: bool = True,
+                        use: str | None = None) -> DEQPreTrainedModel:
         """Solve every DEQ layer with a HyperDEQ hypersolver (`deqzoo.hypersolver`): an embedded id, a
         directory or a `HyperSolver`. It must have been trained for this model's weights (fingerprint; the
         error names both); ``check=False`` skips that. ``use`` overrides the hypersolver config's ``use``
-        ("initializer": its h_φ start, then ``config.deq``'s solver; "hyperanderson"). Backward modes, `on_nonconvergence` and `deq_stats`
-        work as with any solver; the budget and tolerance stay ``config.deq``'s. Returns the model.
+        ("initializer": its h_φ start, then ``config.deq``'s solver; "hyperanderson"). Backward modes,
+        `on_nonconvergence` and `deq_stats` work as with any solver; the budget and tolerance stay
+        ``config.deq``'s. Returns the model.
 
         Example:
             >>> import deqzoo

@@ -628,8 +628,8 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     table = (
         "| solver | NFE | converged | accuracy | wall time |\n|---|---|---|---|---|\n"
         + "\n".join(results)
-        + f"\n\nThe hypersolver ({hyper_name}) ships its learned initializer (its card's `use: initializer`): "
-        "the same Anderson starts from h_φ(input injection) instead of zeros. It pays only if it reaches the "
+        + f"\n\nThe hypersolver ({hyper_name}) ships its learned initializer (`use: initializer`): the same "
+        "Anderson starts from h_φ(input injection) instead of zeros. It pays only if it reaches the "
         "tolerance in less wall time; its card reports 0.68× Anderson-default's on held-out digits."
     )
     return fig, table

@@ -103,7 +103,8 @@ def test_ignn_chains_needs_the_budget_to_reach_the_far_end(client):
 
 def test_hypersolver_race(client):
     _, table = client.predict(30, 1e-4, 50, api_name="/hyper_vs_anderson")
-    assert "| Anderson (anderson) |" in table and "| hypersolver (anderson) |" in table and "learned initializer" in table
+    assert "| Anderson (anderson) |" in table and "| hypersolver (anderson) |" in table
+    assert "learned initializer" in table
 
 
 def test_bad_inputs_get_clear_errors(client, tmp_path):
