@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from huggingface_hub import EvalResult, ModelCardData
 
 from .saving import write_whole
 from .validation import confined, load_yaml
@@ -21,6 +20,13 @@ MAX_CARD_BYTES = 16 * 1024 * 1024
 # tasks with a transformers pipeline that the zoo's heads serve (card snippets use it); others use AutoModel
 TRANSFORMERS_PIPELINES = frozenset({"image-classification", "image-segmentation", "text-generation"})
 _FRONT = "---"
+
+_TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
+               "text-generation": "Text Generation", "image-classification": "Image Classification"}
+
+
+def _pretty(name: str) -> str:
+    return _TASK_NAMES.get(name) or name.replace("-", " ").replace("_", " ").title()
 
 
 def build_metadata(
@@ -45,14 +51,29 @@ def build_metadata(
         raise ValueError(f"task_module must be a dotted module name (deqzoo.tasks.<name>), "
                          f"got {task_module!r}")
     all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
-    # huggingface_hub writes the Hub's model-index from EvalResults (one result: one task, one data set)
-    results = [EvalResult(task_type=pipeline_tag, dataset_type=datasets[0] if datasets else dataset_name,
-                          dataset_name=dataset_name, metric_type=m["type"], metric_name=m["name"],
-                          metric_value=m["value"]) for m in metrics]
-    return ModelCardData(license=license, library_name="deqzoo", tags=all_tags, datasets=list(datasets),
-                         metrics=sorted({m["type"] for m in metrics}), base_model=base_model or None,
-                         pipeline_tag=pipeline_tag, deqzoo_task=task_module, model_name=model_id,
-                         eval_results=results or None).to_dict()
+    # written by hand, not with huggingface_hub's ModelCardData: its to_dict() reorders the keys and drops
+    # the task's display name, so the embedded cards would no longer regenerate byte for byte from their
+    # writers (tests/examples pin that); the fields are the Hub's model-index schema either way
+    meta: dict[str, Any] = {
+        "license": license,
+        "library_name": "deqzoo",
+        "tags": all_tags,
+        "datasets": list(datasets),
+        "metrics": sorted({m["type"] for m in metrics}),
+    }
+    if base_model:
+        meta["base_model"] = base_model
+    meta["pipeline_tag"] = pipeline_tag
+    meta["deqzoo_task"] = task_module
+    meta["model-index"] = [{
+        "name": model_id,
+        "results": [{
+            "task": {"type": pipeline_tag, "name": _pretty(pipeline_tag)},
+            "dataset": {"type": datasets[0] if datasets else dataset_name, "name": dataset_name},
+            "metrics": [{"type": m["type"], "name": m["name"], "value": m["value"]} for m in metrics],
+        }],
+    }]
+    return meta
 
 
 def render_model_card(metadata: dict[str, Any], body: str) -> str:

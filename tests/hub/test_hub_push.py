@@ -425,7 +425,8 @@ def test_hypersolver_repo_with_only_a_pickle_is_refused_unread(fake_hub, tmp_pat
     hub, _ = fake_hub
     config = HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4)
     hub.repos["me/hs-pickle"] = {}
-    hub.commit("me/hs-pickle", {"config.json": config.to_json().encode(), "pytorch_model.bin": b"PK pickle"})
+    files = {"config.json": json.dumps(config.to_dict()).encode(), "pytorch_model.bin": b"PK pickle"}
+    hub.commit("me/hs-pickle", files)
     with pytest.raises(HyperSolverError, match="model.safetensors"):
         HyperSolver.from_pretrained("me/hs-pickle", cache_dir=tmp_path / "cache")
     assert not any("pytorch_model.bin" in c for c in hub.calls)
