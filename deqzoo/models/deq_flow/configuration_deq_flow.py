@@ -122,7 +122,7 @@ def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
 
 
 def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
-    return {"task": "optical-flow", "auto": "AutoModel", "config": config, "description": what}
+    return {"task": "optical-flow", "config": config, "description": what}
 
 
 # A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.

@@ -89,7 +89,6 @@ class Implicit2Config(DEQPretrainedConfig):
 def _preset(filter_type: str, layers: int, width: int, implicit: bool, what: str) -> dict[str, Any]:
     return {
         "task": "implicit-representation",
-        "auto": "AutoModel",
         "config": {
             "filter_type": filter_type,
             "num_layers": layers,

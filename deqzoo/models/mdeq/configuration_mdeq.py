@@ -185,9 +185,7 @@ def _deq(f_solver: str, f_thres: int, b_thres: int, stop_mode: str) -> dict[str,
 
 
 def _preset(description: str, task: str = "image-classification", **config: Any) -> dict[str, Any]:
-    auto = {"image-classification": "AutoModelForImageClassification",
-            "image-segmentation": "AutoModelForSemanticSegmentation"}[task]
-    return {"task": task, "auto": auto, "description": description, "config": config}
+    return {"task": task, "description": description, "config": config}
 
 
 _IMAGENET_STATS = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
