@@ -179,3 +179,23 @@ def test_hypersolver_config_is_strict_too():
         config.m = True
     with pytest.raises(HyperSolverConfigError, match="unknown hypersolver config key"):
         HyperSolverConfig.from_dict({"pools": 2})
+
+
+def test_a_presets_model_class_follows_its_task():
+    """create_model builds the class of the Auto class a preset's task implies (`deqzoo.factory`): every
+    family declares it, and the heads come out as the presets' tasks say."""
+    from deqzoo.factory import _architectures, _model_class
+    from deqzoo.models.registry import available_families
+
+    classes = {}
+    for family in available_families().values():
+        for name, preset in _architectures(family).items():
+            assert preset["auto"] in family.models, (name, preset["task"], preset["auto"])
+            cls = _model_class(family, preset["auto"], preset["config"].get("architectures"))
+            classes[name] = cls.__name__
+    assert classes["mdeq-cifar-tiny"] == "MDEQForImageClassification"
+    assert classes["mdeq-cityscapes-small"] == "MDEQForSemanticSegmentation"
+    assert classes["deq-transformer-tiny"] == "DEQTransformerForCausalLM"
+    assert classes["ignn-chains"] == "IGNNForNodeClassification"
+    assert classes["deq-flow-cpu"] == "DEQFlowForOpticalFlow"
+    assert classes["implicit2-isiren-1l256d"] == "Implicit2ForSignalRepresentation"
