@@ -3,6 +3,7 @@ assignment, ``validate_*`` methods), raising :class:`ConfigError`; the base conf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -28,10 +29,12 @@ class ConfigError(DeqzooError, ValueError):
     """A config value has the wrong type or is out of range; the message names the class and the key."""
 
 
-def ranged(low: float | None = None, high: float | None = None, **field_options: Any) -> Any:
+def ranged(low: float | None = None, high: float | None = None, *, as_float: bool = False,
+           **field_options: Any) -> Any:
     """A strict dataclass field (huggingface_hub's ``validated_field``) whose number, or each number of whose
     list, is finite and lies in [low, high] (None: open); a list holds at most MAX_LIST_LENGTH entries.
-    Messages hold ``{key}``, filled in with the field's name when the error is raised (`_config_error`)."""
+    Messages hold ``{key}``, filled in with the field's name when the error is raised (`_config_error`).
+    ``as_float``: the built config holds the number (each entry) as a float, an int given (5) too (5.0)."""
 
     def check(value: Any) -> None:
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -46,7 +49,7 @@ def ranged(low: float | None = None, high: float | None = None, **field_options:
             if (low is not None and item < low) or (high is not None and item > high):
                 raise ValueError(f"{where} is {item!r}, outside the allowed range [{low}, {high}]")
 
-    return validated_field(check, **field_options)
+    return validated_field(check, metadata={"as_float": as_float}, **field_options)
 
 
 def _type_name(hint: Any) -> str:
@@ -130,6 +133,11 @@ class DEQPretrainedConfig(PretrainedConfig):
             if getattr(self, key) is not None and (not isinstance(getattr(self, key), dict)
                                                    or len(getattr(self, key)) > MAX_LABELS):
                 raise ConfigError(f"key {key!r} must be a mapping of at most {MAX_LABELS:,} labels")
+        for field in dataclasses.fields(self):  # `ranged(as_float=True)`; values were checked as int or float
+            value = getattr(self, field.name)
+            if field.metadata.get("as_float") and value is not None:
+                setattr(self, field.name, [float(v) for v in value] if isinstance(value, (list, tuple))
+                        else float(value))
         deq = self.deq.to_dict() if isinstance(self.deq, DEQConfig) else self.deq
         if deq is not None and not isinstance(deq, dict):
             raise ConfigError(f"key 'deq' must be a mapping of solver settings, got {type(deq).__name__}")

@@ -36,8 +36,15 @@ class ModelInfo:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# A preset's transformers Auto class follows its task (AutoModel for other tasks, or the preset's "auto")
+_AUTO_CLASSES = {"image-classification": "AutoModelForImageClassification",
+                 "image-segmentation": "AutoModelForSemanticSegmentation",
+                 "text-generation": "AutoModelForCausalLM"}
+
+
 def _architectures(family) -> dict[str, dict[str, Any]]:
-    return family.load(family.architectures)
+    return {name: {"auto": _AUTO_CLASSES.get(preset.get("task"), "AutoModel"), **preset}
+            for name, preset in family.load(family.architectures).items()}
 
 
 def _model_class(family, auto_name: str | None = None, architectures: list[str] | None = None):

@@ -93,6 +93,16 @@ class DEQPreTrainedModel(PreTrainedModel):
                 module._deqzoo_warned = False
         return new
 
+    def _add_jac_loss(self, loss: torch.Tensor | None, stats: SolverStats | None,
+                      weight: float | None = None) -> torch.Tensor | None:
+        """loss + weight · stats.jac_loss, the Jacobian regularizer the engine estimated in the solve
+        (``deq={"jac_reg_samples": k}``; Bai et al., 2021); ``weight`` defaults to ``config.jac_loss_weight``.
+        The loss as given when there is none, no estimate, or the weight is 0."""
+        weight = self.config.jac_loss_weight if weight is None else weight
+        if loss is None or weight == 0 or getattr(stats, "jac_loss", None) is None:
+            return loss
+        return loss + weight * stats.jac_loss
+
     def set_hypersolver(self, hypersolver, *, check: bool = True,
                         use: str | None = None) -> DEQPreTrainedModel:
         """Solve every DEQ layer with a HyperDEQ hypersolver (`deqzoo.hypersolver`): an embedded id, a

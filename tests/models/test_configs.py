@@ -46,6 +46,26 @@ def test_every_embedded_config_loads_to_the_values_it_holds(path):
     assert json.loads(type(config).from_dict(values).to_json_string(use_diff=False)) == values
 
 
+@pytest.mark.parametrize("cls,floats,kept", [
+    (MDEQConfig, {"dropout": 0, "bn_momentum": 1, "residual_alpha": 1, "fusion_alpha": 0, "conv_norm": 2,
+                  "gamma_bound": 1, "relu_slope": 1, "init_std": 0, "jac_loss_weight": 2},
+     {"expansion_factor": 5}),
+    (DEQFlowConfig, {"jac_loss_weight": 1, "residual_loss_weight": 2, "flow_residual_weight": 3}, {}),
+    (Implicit2Config, {"input_scale": 30, "gabor_alpha": 2, "spectral_max_norm": 1,
+                       "coordinate_range": [-2, 3]}, {"spectral_max_norm": None}),
+])
+def test_float_fields_given_ints_are_stored_and_saved_as_floats(cls, floats, kept):
+    """The embedded cards and presets hold these fields as floats (JSON 2.0, not 2) whatever number type was
+    given, while the other number fields keep what they were given."""
+    saved = json.loads(cls(**floats).to_json_string(use_diff=False))
+    for key, value in floats.items():
+        numbers = saved[key] if isinstance(value, list) else [saved[key]]
+        assert saved[key] == value and {type(v) for v in numbers} == {float}, (key, saved[key])
+    saved = json.loads(cls(**kept).to_json_string(use_diff=False))  # ints stay ints there, None stays None
+    for key, value in kept.items():
+        assert saved[key] == value and type(saved[key]) is type(value), (key, saved[key])
+
+
 @pytest.mark.parametrize("cls,key,value,message", [
     (MDEQConfig, "num_groups", "2", "MDEQConfig: key 'num_groups' must be int, got '2' (str)"),
     (MDEQConfig, "num_groups", 2.0, "key 'num_groups' must be int, got 2.0 (float)"),
@@ -159,3 +179,23 @@ def test_hypersolver_config_is_strict_too():
         config.m = True
     with pytest.raises(HyperSolverConfigError, match="unknown hypersolver config key"):
         HyperSolverConfig.from_dict({"pools": 2})
+
+
+def test_a_presets_model_class_follows_its_task():
+    """create_model builds the class of the Auto class a preset's task implies (`deqzoo.factory`): every
+    family declares it, and the heads come out as the presets' tasks say."""
+    from deqzoo.factory import _architectures, _model_class
+    from deqzoo.models.registry import available_families
+
+    classes = {}
+    for family in available_families().values():
+        for name, preset in _architectures(family).items():
+            assert preset["auto"] in family.models, (name, preset["task"], preset["auto"])
+            cls = _model_class(family, preset["auto"], preset["config"].get("architectures"))
+            classes[name] = cls.__name__
+    assert classes["mdeq-cifar-tiny"] == "MDEQForImageClassification"
+    assert classes["mdeq-cityscapes-small"] == "MDEQForSemanticSegmentation"
+    assert classes["deq-transformer-tiny"] == "DEQTransformerForCausalLM"
+    assert classes["ignn-chains"] == "IGNNForNodeClassification"
+    assert classes["deq-flow-cpu"] == "DEQFlowForOpticalFlow"
+    assert classes["implicit2-isiren-1l256d"] == "Implicit2ForSignalRepresentation"

@@ -83,15 +83,13 @@ class DEQFlowConfig(DEQPretrainedConfig):
     detach_flow_input: bool = True
     implicit: bool = True
     num_flow_updates: int = ranged(1, 1000, default=12)
-    jac_loss_weight: float | int = ranged(0.0, None, default=0.0)
-    residual_loss_weight: float | int = ranged(0.0, None, default=0.0)
-    flow_residual_weight: float | int = ranged(0.0, None, default=0.0)
+    jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
+    residual_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
+    flow_residual_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
 
     def __post_init__(self, **kwargs: Any) -> None:
         for key in ("encoder_layers", "motion_corr_layers", "motion_flow_layers"):
             setattr(self, key, list(getattr(self, key)))
-        for key in ("jac_loss_weight", "residual_loss_weight", "flow_residual_weight"):
-            setattr(self, key, float(getattr(self, key)))
         super().__post_init__(**kwargs)
 
     def validate_layers(self) -> None:
@@ -124,7 +122,7 @@ def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
 
 
 def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
-    return {"task": "optical-flow", "auto": "AutoModel", "config": config, "description": what}
+    return {"task": "optical-flow", "config": config, "description": what}
 
 
 # A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.

@@ -653,9 +653,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             flow = unpad(flow, pad)
             supervised = [unpad(p, pad) for p in supervised] or [flow]
             loss = sequence_loss(supervised, flow_gt, valid) if flow_gt is not None else None
-            jac = getattr(stats, "jac_loss", None)
-            if loss is not None and jac is not None and c.jac_loss_weight:
-                loss = loss + c.jac_loss_weight * jac
+            loss = self._add_jac_loss(loss, stats)
             residual = None
             equilibrium = c.residual_loss_weight or c.flow_residual_weight
             if loss is not None and c.implicit and train and equilibrium:

@@ -107,19 +107,16 @@ _DEQ = {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3, "b_mode": "ift"
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-transformer-tiny": {
         "task": "text-generation",
-        "auto": "AutoModelForCausalLM",
         "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
         "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
     },
     "deq-transformer-torchdeq-tiny": {
         "task": "text-generation",
-        "auto": "AutoModelForCausalLM",
         "config": {**_TINY, "d_inner": 256, "variant": "torchdeq", "n_block": 2, "deq": _DEQ},
         "description": "TorchDEQ's redesigned DEQ-Transformer (pre-LN, post-attention LN), two blocks in f",
     },
     "deq-transformer-wt103": {
         "task": "text-generation",
-        "auto": "AutoModelForCausalLM",
         "config": {"vocab_size": 267735, "d_model": 700, "n_head": 10, "d_head": 70, "d_inner": 48000,
                    "variant": "bai2019", "cutoffs": [20000, 40000, 200000], "div_val": 4, "tgt_len": 150,
                    "mem_len": 150, "weight_norm": True, "tie_projs": [False, True, True, True],

@@ -718,8 +718,7 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
                                  f"{tuple(input_ids.shape)}")
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        if loss is not None and out.jac_loss is not None and self.config.jac_reg_weight > 0:
-            loss = loss + self.config.jac_reg_weight * out.jac_loss
+        loss = self._add_jac_loss(loss, out.deq_stats, self.config.jac_reg_weight)
         result = DEQTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                               hidden_states=out.hidden_states, attentions=out.attentions,
                                               jac_loss=out.jac_loss, deq_stats=out.deq_stats)

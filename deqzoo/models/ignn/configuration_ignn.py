@@ -79,7 +79,6 @@ class IGNNConfig(DEQPretrainedConfig):
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "ignn-chains": {
         "task": "graph-ml",
-        "auto": "AutoModel",
         "config": {
             "in_features": 100,
             "hidden_size": 16,
@@ -93,7 +92,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
     "ignn-graph": {
         "task": "graph-ml",
-        "auto": "AutoModel",
         "config": {
             "in_features": 7,
             "hidden_size": 64,

@@ -69,18 +69,11 @@ class Implicit2Config(DEQPretrainedConfig):
     num_layers: int = ranged(1, 64, default=1)
     filter_type: Literal["siren", "fourier", "gabor"] = "siren"
     implicit: bool = True
-    input_scale: float | int = ranged(0.0, None, default=256.0)
-    gabor_alpha: float | int = ranged(0.0, None, default=3.0)
-    spectral_max_norm: float | int | None = ranged(0.0, None, default=0.97)
-    coordinate_range: list[float | int] | tuple[float | int, ...] = ranged(default=(-1.0, 1.0))
+    input_scale: float | int = ranged(0.0, None, default=256.0, as_float=True)
+    gabor_alpha: float | int = ranged(0.0, None, default=3.0, as_float=True)
+    spectral_max_norm: float | int | None = ranged(0.0, None, default=0.97, as_float=True)
+    coordinate_range: list[float | int] | tuple[float | int, ...] = ranged(default=(-1.0, 1.0), as_float=True)
     out_of_range: Literal["raise", "allow"] = "raise"
-
-    def __post_init__(self, **kwargs: Any) -> None:
-        for key in ("input_scale", "gabor_alpha", "spectral_max_norm"):
-            if getattr(self, key) is not None:
-                setattr(self, key, float(getattr(self, key)))
-        self.coordinate_range = [float(v) for v in self.coordinate_range]
-        super().__post_init__(**kwargs)
 
     def validate_positive(self) -> None:
         """Scales and the spectral bound are > 0; the coordinate range is two numbers, low < high."""
@@ -96,7 +89,6 @@ class Implicit2Config(DEQPretrainedConfig):
 def _preset(filter_type: str, layers: int, width: int, implicit: bool, what: str) -> dict[str, Any]:
     return {
         "task": "implicit-representation",
-        "auto": "AutoModel",
         "config": {
             "filter_type": filter_type,
             "num_layers": layers,

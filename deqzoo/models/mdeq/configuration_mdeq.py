@@ -90,7 +90,7 @@ class MDEQConfig(DEQPretrainedConfig):
     big_kernels: _Ints | None = ranged(0, 2, default=None)
     expansion_factor: float | int = ranged(1e-3, 64, default=5)
     num_groups: int = ranged(1, 4096, default=8)
-    dropout: float | int = ranged(0.0, 1.0, default=0.0)
+    dropout: float | int = ranged(0.0, 1.0, default=0.0, as_float=True)
     wnorm: bool = True
     downsample_times: int = ranged(0, 8, default=0)
     block_gn_affine: bool = True
@@ -99,20 +99,20 @@ class MDEQConfig(DEQPretrainedConfig):
     head_channels: _Ints | None = ranged(1, 65536, default=None)
     final_chansize: int = ranged(1, 65536, default=200)
     final_conv_kernel: int = ranged(1, 3, default=1)
-    bn_momentum: float | int = ranged(0.0, 1.0, default=0.1)
+    bn_momentum: float | int = ranged(0.0, 1.0, default=0.1, as_float=True)
     num_layers: int = ranged(0, 1024, default=10)
     image_size: _Ints = ranged(1, 65536, default=(32, 32))
     image_mean: _Numbers = ranged(default=None)
     image_std: _Numbers = ranged(default=None)
     lipschitz: bool = False
-    residual_alpha: float | int = ranged(default=0.5)
-    fusion_alpha: float | int = ranged(default=0.3)
-    conv_norm: float | int = ranged(default=2.0)
-    gamma_bound: float | int = ranged(default=1.0)
-    relu_slope: float | int = ranged(default=0.35)
+    residual_alpha: float | int = ranged(default=0.5, as_float=True)
+    fusion_alpha: float | int = ranged(default=0.3, as_float=True)
+    conv_norm: float | int = ranged(default=2.0, as_float=True)
+    gamma_bound: float | int = ranged(default=1.0, as_float=True)
+    relu_slope: float | int = ranged(default=0.35, as_float=True)
     spectral_fft_size: int = ranged(1, 8192, default=64)
-    init_std: float | int = ranged(0.0, None, default=0.01)
-    jac_loss_weight: float | int = ranged(0.0, None, default=0.0)
+    init_std: float | int = ranged(0.0, None, default=0.01, as_float=True)
+    jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
 
     def __post_init__(self, **kwargs: Any) -> None:
         channels = self.branch_channels = list(self.branch_channels)
@@ -124,9 +124,6 @@ class MDEQConfig(DEQPretrainedConfig):
         # one number applies to every channel, as in transformers' image processors
         self.image_mean = _per_channel(self.image_mean, self.in_channels)
         self.image_std = _per_channel(self.image_std, self.in_channels)
-        for key in ("dropout", "bn_momentum", "residual_alpha", "fusion_alpha", "conv_norm", "gamma_bound",
-                    "relu_slope", "init_std", "jac_loss_weight"):
-            setattr(self, key, float(getattr(self, key)))
         super().__post_init__(**kwargs)
 
     @property
@@ -188,9 +185,7 @@ def _deq(f_solver: str, f_thres: int, b_thres: int, stop_mode: str) -> dict[str,
 
 
 def _preset(description: str, task: str = "image-classification", **config: Any) -> dict[str, Any]:
-    auto = {"image-classification": "AutoModelForImageClassification",
-            "image-segmentation": "AutoModelForSemanticSegmentation"}[task]
-    return {"task": task, "auto": auto, "description": description, "config": config}
+    return {"task": task, "description": description, "config": config}
 
 
 _IMAGENET_STATS = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}

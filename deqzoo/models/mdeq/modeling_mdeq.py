@@ -347,13 +347,6 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
         elif isinstance(module, MDEQModule) and module.lipschitz and module.fuse_logits is not None:
             init.zeros_(module.fuse_logits)
 
-    def _add_jac_loss(self, loss: torch.Tensor | None, stats) -> torch.Tensor | None:
-        """loss + jac_loss_weight · stats.jac_loss when the engine computed the Jacobian regularizer."""
-        weight = self.config.jac_loss_weight
-        if loss is None or weight == 0 or stats is None or getattr(stats, "jac_loss", None) is None:
-            return loss
-        return loss + weight * stats.jac_loss
-
     def lipschitz_bound(self) -> float:
         """The :func:`~deqzoo.models.mdeq.lipschitz_bound` of this model's f_θ (Lipschitz configs only).
 
