@@ -34,8 +34,8 @@ TIGHT = {"f_solver": "anderson", "f_max_iter": 200, "f_tol": 1e-12, "b_solver": 
 # cosine similarity with the implicit gradient: the lowest measured over train/eval on these tiny models
 # (mdeq 0.874 / 0.718, deq_transformer 0.742 / 0.554, ignn 0.9996 / 0.987, implicit2 0.994 / 0.921 for
 # phantom / jacobian_free), rounded down: a regression guard; neither mode promises more than a descent
-# direction (cosine > 0) for a contractive f. implicit2's jacobian_free bound covers the spread over seeds, not
-# one draw: seeds 0-4 gave 0.854-0.944 with the parameters drawn in __init__ and 0.893-0.912 once
+# direction (cosine > 0) for a contractive f. implicit2's jacobian_free bound covers the spread over seeds,
+# not one draw: seeds 0-4 gave 0.854-0.944 with the parameters drawn in __init__ and 0.893-0.912 once
 # _init_weights draws them (same distributions, another order; seed 0 went from 0.921 to 0.897)
 COSINE_BOUNDS = {
     "phantom": {"mdeq": 0.85, "deq_transformer": 0.7, "ignn": 0.99, "implicit2": 0.99},
