@@ -30,7 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
 from ...core.regularize import FP_WEIGHTS
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
-from ..initialization import default_init_
+from ..initialization import default_init_, norm_init_
 from .configuration_deq_flow import DEQFlowConfig
 
 __all__ = [
@@ -406,13 +406,7 @@ class DEQFlowPreTrainedModel(DEQPreTrainedModel):
             if getattr(module, "encoder_conv", False):
                 init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
-            if module.weight is not None:
-                init.ones_(module.weight)
-                init.zeros_(module.bias)
-            if isinstance(module, nn.BatchNorm2d):
-                init.zeros_(module.running_mean)
-                init.ones_(module.running_var)
-                init.zeros_(module.num_batches_tracked)
+            norm_init_(module)
         elif isinstance(module, GlobalAggregate):
             init.zeros_(module.gamma)
 

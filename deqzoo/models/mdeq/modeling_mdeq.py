@@ -38,7 +38,7 @@ from ...core import DEQ, SolverStats
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
-from ..initialization import default_init_
+from ..initialization import default_init_, norm_init_
 from .configuration_mdeq import MDEQConfig
 from .lipschitz import IsometricUpsample, MeanOnlyGroupNorm, ScaledReLU, lipschitz_bound, project_lipschitz
 
@@ -337,13 +337,7 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm, MeanOnlyGroupNorm)):
-            if getattr(module, "weight", None) is not None:
-                init.ones_(module.weight)
-                init.zeros_(module.bias)
-            if isinstance(module, nn.BatchNorm2d):
-                init.zeros_(module.running_mean)
-                init.ones_(module.running_var)
-                init.zeros_(module.num_batches_tracked)
+            norm_init_(module)
         elif isinstance(module, MDEQModule) and module.lipschitz and module.fuse_logits is not None:
             init.zeros_(module.fuse_logits)
 
