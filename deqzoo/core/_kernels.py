@@ -10,15 +10,12 @@ One semantics on every path: `track` is the bookkeeping of a step (per-sample be
 freezing of converged samples, the trace entry and the stop flags). The fused steps call it inside the
 kernel; the torch path (`deqzoo.core.solvers`) calls the same function on the per-sample norms it brings to
 the host, `mixing_weights` is Anderson's small system on both paths, and `broyden_step` sweeps the same
-stored steps that `solvers.broyden.InverseJacobian` applies. A converged sample is frozen at its
-best iterate: its history is no longer updated and its next iterate is its best one, so its result does not
-depend on the rest of its batch.
+stored steps that `solvers.broyden.InverseJacobian` applies.
 
 Kernels receive numpy arrays only (never raw addresses): the solvers check f's output positively before
 they hand a view of it over (`deqzoo.core.solvers._contract._readable`), and numba checks every array's type,
 dimension and layout when it unboxes it. The iterate f is called on (``x``) is never the array the kernel
-writes the next one into (``xn``); the solver recycles an iterate's array only once nothing but the solver
-holds it, so f may keep its inputs.
+writes the next one into (``xn``; see `_contract._Iterates`).
 
 Anderson's norms and Gram rows accumulate in the state's dtype over many vector lanes (float32: ~1e-7
 relative, as a BLAS dot), in float64 when that overflows; its small systems are solved in float64. Broyden
@@ -314,12 +311,8 @@ def _sweep(Sb, cb, L, v, d):
     """v <- P_{L-1} ... P_1 v with P_j = I + s_j s_{j-1}ᵀ / |s_{j-1}|² for one sample (L >= 1), where row
     Sb[j] is s_j, cb[j] = 1 / |s_{j-1}|² and d = Sb[0]·v on entry. Returns Sb[L-1]·v (the step's
     denominator needs it). A chain: each coefficient needs the previous update, so the pass that adds row j
-    to v also takes row j's dot product with the updated v.
-
-    Mixed precision: the stored steps are in the state's dtype, while v (float64 scratch), the coefficients
-    and the dot products are float64. In float32 the chain's products otherwise carry ~1e-7 relative errors
-    that depend on how the reduction is split over vector lanes (so on the CPU's vector width), and on
-    ill-conditioned systems float32 Broyden then sits on the edge of stalling (issue 36)."""
+    to v also takes row j's dot product with the updated v. v, the coefficients and the dot products are
+    float64 (mixed precision: see `broyden_step`)."""
     e = d
     for j in range(1, L):
         c = e * cb[j]
@@ -411,21 +404,18 @@ def _broyden_store(b, v, dL, x, fx, xn, S, Q, count, m):
 @_jit
 def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode, tol, div_factor):
     """Step k of Broyden's good method for every active sample, in the product form of its inverse
-    estimate: f(x) = fx, the next iterates into xn.
-
-    With unit steps and B_0 = -I the inverse estimate after steps s_0..s_k is
-    B_k = (I + s_k s_{k-1}ᵀ / |s_{k-1}|²) ... (I + s_1 s_0ᵀ / |s_0|²) B_0 (Deuflhard's recursion), so only
-    the steps are stored, one vector per iteration, and w = B_k g is one sweep over them:
-    w = -g; w += s_j (s_{j-1}·w) / |s_{j-1}|² for j = 1..k. The next step is
-    s_{k+1} = -w |s_k|² / (s_k·w + |s_k|²) (`broyden_update`, which also says when to restart).
-    S[b, :count[b]] holds the steps in the state's dtype (the caller grows S's capacity with the steps
-    taken, up to the memory m); Q = (sn, coef): their squared norms and the sweep's factors
-    coef[b, j] = 1 / sn[b, j-1]; V (B, D) is float64 scratch for w. Returns `track`'s (flags, trace entry,
-    n_go).
+    estimate (`solvers.broyden.InverseJacobian`): f(x) = fx, the next iterates into xn. Only the steps are
+    stored, and w = B_k g is one sweep over them: w = -g; w += s_j (s_{j-1}·w) / |s_{j-1}|² for j = 1..k;
+    the next step follows `broyden_update`. S[b, :count[b]] holds the steps in the state's dtype (the
+    caller grows S's capacity with the steps taken, up to the memory m); Q = (sn, coef): their squared norms
+    and the sweep's factors coef[b, j] = 1 / sn[b, j-1]; V (B, D) is float64 scratch for w. Returns
+    `track`'s (flags, trace entry, n_go).
 
     Mixed precision (issue 36): the stored steps and iterates are in the state's dtype; every product that
     decides the update (the norms, w, the sweep's dot products and coefficients) is formed and summed in
-    float64, so float32 Broyden does not depend on the CPU's vector width and matches the torch path.
+    float64. In float32 the chain's products otherwise carry ~1e-7 relative errors that depend on how the
+    reduction is split over vector lanes (so on the CPU's vector width), and on ill-conditioned systems
+    float32 Broyden then sits on the edge of stalling; so it matches the torch path on any CPU.
     """
     B, d = fx.shape
     if k == 0:  # a solve starts with no stored step

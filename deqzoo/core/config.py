@@ -78,6 +78,7 @@ class DEQConfig:
             raise TypeError(f"DEQConfig.f_final_step must be a bool, got {self.f_final_step!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS
         from .solvers import SOLVERS, solver_kwarg_names
+        from .solvers._contract import _check_tau
 
         _check_name("f_solver", self.f_solver, SOLVERS)
         _check_name("b_solver", self.b_solver, SOLVERS)
@@ -97,7 +98,7 @@ class DEQConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"DEQConfig.{name} must be a finite number > 0, got {value!r}")
-        _check_tau("correction_tau", self.correction_tau)
+        _check_tau(self.correction_tau, "DEQConfig.correction_tau (damping tau)")
         if self.state_indices is not None:
             self.state_indices = list(self.state_indices)
             for i in self.state_indices:
@@ -107,23 +108,13 @@ class DEQConfig:
         for prefix, solver in (("f", self.f_solver), ("b", self.b_solver)):
             kwargs = getattr(self, f"{prefix}_solver_kwargs")
             accepted = solver_kwarg_names(solver)
-            unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
-            if unknown:
-                raise ValueError(
-                    f"DEQConfig.{prefix}_solver_kwargs has option(s) {unknown} that solver "
-                    f"{solver!r} does not accept; it accepts {sorted(accepted)}"
-                )
+            _check_options(f"{prefix}_solver_kwargs", kwargs, f"solver {solver!r}", accepted)
             if "tau" in kwargs:
-                _check_tau(f"{prefix}_solver_kwargs['tau']", kwargs["tau"])
+                _check_tau(kwargs["tau"], f"DEQConfig.{prefix}_solver_kwargs['tau'] (damping tau)")
         accepted = MODE_KWARGS.get(self.b_mode)
-        unknown = sorted(set(self.b_mode_kwargs) - accepted) if accepted is not None else []
-        if unknown:
-            raise ValueError(
-                f"DEQConfig.b_mode_kwargs has option(s) {unknown} that b_mode {self.b_mode!r} "
-                f"does not accept; it accepts {sorted(accepted)}"
-            )
+        _check_options("b_mode_kwargs", self.b_mode_kwargs, f"b_mode {self.b_mode!r}", accepted)
         if "tau" in self.b_mode_kwargs:
-            _check_tau("b_mode_kwargs['tau']", self.b_mode_kwargs["tau"])
+            _check_tau(self.b_mode_kwargs["tau"], "DEQConfig.b_mode_kwargs['tau'] (damping tau)")
         if "k" in self.b_mode_kwargs:
             _check_int("b_mode_kwargs['k']", self.b_mode_kwargs["k"], 1)
         if self.b_mode_kwargs.get("variant", "upg") not in ("upg", "npg"):
@@ -150,10 +141,7 @@ class DEQConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> DEQConfig:
         data = dict(data or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown DEQConfig key(s) {unknown}; known keys: {sorted(known)}")
+        _check_known(data)
         return cls(**data)
 
     @classmethod
@@ -162,10 +150,7 @@ class DEQConfig:
 
     def update(self, **changes: Any) -> DEQConfig:
         """A validated copy with `changes` applied."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ValueError(f"Unknown DEQConfig key(s) {unknown}; known keys: {sorted(known)}")
+        _check_known(changes)
         return replace(self, **changes)
 
     def state_steps(self, max_iter: int | None = None) -> list[int]:
@@ -188,6 +173,16 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"DEQConfig.{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _check_tau(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"DEQConfig.{name} (damping tau) must be in (0, 1], got {value!r}")
+def _check_known(keys) -> None:
+    known = {f.name for f in fields(DEQConfig)}
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise ValueError(f"Unknown DEQConfig key(s) {unknown}; known keys: {sorted(known)}")
+
+
+def _check_options(field_name: str, options: dict, owner: str, accepted: set[str] | None) -> None:
+    """The options of a solver or backward mode (`accepted` None: it takes any)."""
+    unknown = sorted(set(options) - accepted) if accepted is not None else []
+    if unknown:
+        raise ValueError(f"DEQConfig.{field_name} has option(s) {unknown} that {owner} does not accept; "
+                         f"it accepts {sorted(accepted)}")

@@ -6,8 +6,8 @@ The engine knows nothing about the network except two calls (`HyperNet`): ``comp
 first (B, n, c) with n <= m + 1, to raw weights α̂ (B, n) and steps β (B,). Family-specific compressors and the
 trained networks live in `deqzoo.hypersolver`, so core still imports no model.
 
-One step, shared by the registered solver (`deqzoo.core.solvers.hyperanderson`: no autograd, preallocated ring
-buffers) and by the differentiable unroll that trains the network (`unroll`):
+One step (`step`), shared by the registered solver (`deqzoo.core.solvers.hyperanderson`: no autograd,
+preallocated ring buffers) and by the differentiable unroll that trains the network (`unroll`):
 
 * α = α̂ + (1 - 1ᵀα̂) / n  (`normalize_alpha`: the weights sum to one, as Anderson's do);
 * ``form="anderson"``: z⁺ = Σ_i α_i (z_i + β g_i), the Anderson-consistent update: with α from Anderson's
@@ -47,6 +47,7 @@ __all__ = [
     "UnrollStep",
     "hyper_update",
     "normalize_alpha",
+    "step",
     "unroll",
 ]
 
@@ -126,12 +127,17 @@ def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full_like(alpha, float("nan")), alpha)
 
 
-def _weights(
-    net: HyperNet, C: torch.Tensor, dtype: torch.dtype, H: torch.Tensor | None = None
+def step(
+    net: HyperNet, X: torch.Tensor, G: torch.Tensor, C: torch.Tensor, order: torch.Tensor,
+    form: str = "anderson", H: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(α normalized, β, ok): the network's weights in the state's dtype (plus Anderson's least-squares
-    weights from the Gram matrix H when given: ``base="anderson"``); ok is False for a sample whose α or β
-    is not finite (it then takes a plain fixed-point step, like Anderson on a failed system)."""
+    """One HyperAnderson step, the solver's and the unroll's: the next iterate from the window's iterates X
+    and residuals G = f(X) - X (B, n, D), their compressed residuals C (B, n, c) and, for ``base="anderson"``,
+    their Gram matrix H (B, n, n), all stored in slot order; `order` (n,) lists the slots oldest first.
+    Returns (next iterate, α (B, n) oldest first, β (B,)). α and β are the network's (plus Anderson's
+    least-squares weights from H when given), in the state's dtype and on its device; a sample whose α or β is
+    not finite takes a plain fixed-point step from the newest iterate, as Anderson does on a failed system."""
+    C = C.index_select(1, order)
     alpha_hat, beta = net.mix(C)
     b, n = C.shape[:2]
     if tuple(alpha_hat.shape) != (b, n) or tuple(beta.shape) != (b,):
@@ -139,14 +145,17 @@ def _weights(
             f"hypersolver network returned alpha {tuple(alpha_hat.shape)} and beta "
             f"{tuple(beta.shape)}, expected ({b}, {n}) and ({b},)"
         )
-    device = C.device if H is None else H.device  # the state's device (the network may live elsewhere)
-    alpha_hat, beta = alpha_hat.to(device), beta.to(device)
+    alpha_hat, beta = alpha_hat.to(X.device), beta.to(X.device, X.dtype)  # the network may live elsewhere
     if H is not None:
-        alpha_hat = least_squares_alpha(H).to(alpha_hat.dtype) + alpha_hat
-    alpha = normalize_alpha(alpha_hat.to(dtype))
-    beta = beta.to(dtype)
+        alpha_hat = least_squares_alpha(H[:, order][:, :, order]).to(alpha_hat.dtype) + alpha_hat
+    alpha = normalize_alpha(alpha_hat.to(X.dtype))
     ok = torch.isfinite(alpha).all(1) & torch.isfinite(beta)
-    return alpha, beta, ok
+    if not bool(ok.all()):
+        newest = torch.zeros_like(alpha)
+        newest[:, -1] = 1.0
+        alpha = torch.where(ok[:, None], alpha, newest)
+        beta = torch.where(ok, beta, torch.ones_like(beta))
+    return hyper_update(X, G, alpha.index_select(1, torch.argsort(order)), beta, form), alpha, beta
 
 
 @dataclass
@@ -181,8 +190,6 @@ def unroll(
         >>> len(recs), x.shape
         (3, torch.Size([2, 3]))
     """
-    if form not in FORMS:
-        raise ValueError(f"HyperAnderson form must be one of {FORMS}, got {form!r}")
     xs: list[torch.Tensor] = []
     gs: list[torch.Tensor] = []
     cs: list[torch.Tensor] = []
@@ -193,10 +200,8 @@ def unroll(
         xs, gs, cs = (xs + [x])[-(m + 1) :], (gs + [gx])[-(m + 1) :], (cs + [net.compress(gx)])[-(m + 1) :]
         X, G = torch.stack(xs, 1), torch.stack(gs, 1)
         H = torch.bmm(G, G.transpose(1, 2)) if base == "anderson" else None
-        alpha, beta, ok = _weights(net, torch.stack(cs, 1), x.dtype, H)
-        if base == "anderson" and not bool(ok.all()):  # a failed system: the network's weights alone
-            alpha2, beta2, _ = _weights(net, torch.stack(cs, 1), x.dtype)
-            alpha, beta = torch.where(ok[:, None], alpha, alpha2), torch.where(ok, beta, beta2)
+        order = torch.arange(len(xs), device=x.device)  # the lists are oldest first
+        x_next, alpha, beta = step(net, X, G, torch.stack(cs, 1), order, form, H)
         records.append(UnrollStep(x=x, g=gx, alpha=alpha, beta=beta, G=G))
-        x = hyper_update(X, G, alpha, beta, form)
+        x = x_next
     return records, x

@@ -50,24 +50,34 @@ _TARGETS: dict[type, tuple[str, int]] = {
 }
 
 
-def _per_output_norm(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """||w|| over every dimension except `dim`, shaped to broadcast against w."""
-    moved = w.transpose(0, dim) if dim != 0 else w
-    n = moved.reshape(moved.shape[0], -1).norm(dim=1)
-    shape = [1] * w.dim()
-    shape[dim] = w.shape[dim]
-    return n.reshape(shape)
-
-
 def _as_matrix(w: torch.Tensor, dim: int) -> torch.Tensor:
     moved = w.transpose(0, dim) if dim != 0 else w
     return moved.reshape(moved.shape[0], -1)
 
 
+def power_iteration(mat: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, eps: float = 1e-12) -> None:
+    """n steps of power iteration towards mat's top singular vectors, updating the unit vectors u and v in
+    place (spectral norm here, `deqzoo.core.projection`); σ(mat) ≈ u · (mat v) afterwards."""
+    for _ in range(n):
+        v.copy_(F.normalize(mat.t() @ u, dim=0, eps=eps))
+        u.copy_(F.normalize(mat @ v, dim=0, eps=eps))
+
+
+def _per_output_norm(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """||w|| over every dimension except `dim`, shaped to broadcast against w."""
+    shape = [1] * w.dim()
+    shape[dim] = w.shape[dim]
+    return _as_matrix(w, dim).norm(dim=1).reshape(shape)
+
+
 class _Norm:
-    """One reparametrization of one parameter of one module (state lives on the module itself)."""
+    """One reparametrization of one parameter of one module (state lives on the module itself): a subclass
+    stores the weight's source as ``{name}{source}`` (with ``{name}_g`` when the scale is learned) and its
+    other tensors under the suffixes in `owned`."""
 
     kind = ""
+    source = ""
+    owned: tuple[str, ...] = ()
 
     def __init__(
         self, name: str, dim: int, learn_scale: bool, target_norm: float, clip: bool, clip_value: float
@@ -86,7 +96,8 @@ class _Norm:
         return factor
 
     def _sources(self, module: nn.Module) -> list[torch.Tensor]:
-        raise NotImplementedError
+        src = [getattr(module, self.name + self.source)]
+        return src + ([getattr(module, self.name + "_g")] if self.learn_scale else [])
 
     def compute(self, module: nn.Module, update: bool) -> torch.Tensor:
         raise NotImplementedError
@@ -128,13 +139,16 @@ class _Norm:
         module.register_parameter(self.name, nn.Parameter(w))
 
     def _delete(self, module: nn.Module) -> None:
-        raise NotImplementedError
+        for suffix in (self.source, *self.owned, *(["_g"] if self.learn_scale else [])):
+            if module._parameters.pop(self.name + suffix, None) is None:
+                del module._buffers[self.name + suffix]
 
 
 class WeightNorm(_Norm):
     """w = v · g / ||v|| per output (Salimans & Kingma), g learnable or fixed; factor optionally clipped."""
 
     kind = "weight_norm"
+    source = "_v"
 
     @classmethod
     def attach(cls, module: nn.Module, name: str, dim: int, **kw) -> WeightNorm:
@@ -145,24 +159,17 @@ class WeightNorm(_Norm):
         module.register_parameter(name + "_v", nn.Parameter(w.data))
         return fn
 
-    def _sources(self, module):
-        src = [getattr(module, self.name + "_v")]
-        return src + ([getattr(module, self.name + "_g")] if self.learn_scale else [])
-
     def compute(self, module, update):
         v = getattr(module, self.name + "_v")
         return v * self._factor(module, _per_output_norm(v, self.dim))
-
-    def _delete(self, module):
-        del module._parameters[self.name + "_v"]
-        if self.learn_scale:
-            del module._parameters[self.name + "_g"]
 
 
 class SpectralNorm(_Norm):
     """w = w_orig · g / σ(w_orig), σ by power iteration (one step per forward in training), g per output."""
 
     kind = "spectral_norm"
+    source = "_orig"
+    owned = ("_u", "_v")  # the power iteration's buffers
 
     def __init__(self, *args, n_power_iterations: int = 1, eps: float = 1e-12, **kw):
         super().__init__(*args, **kw)
@@ -191,17 +198,8 @@ class SpectralNorm(_Norm):
         module.register_buffer(name + "_v", v)
         # start from a converged estimate of σ so the first forward is already normalized
         with torch.no_grad():
-            for _ in range(15):
-                fn._power_step(mat, u, v)
+            power_iteration(mat, u, v, 15, eps)
         return fn
-
-    def _power_step(self, mat: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
-        v.copy_(F.normalize(mat.t() @ u, dim=0, eps=self.eps))
-        u.copy_(F.normalize(mat @ v, dim=0, eps=self.eps))
-
-    def _sources(self, module):
-        src = [getattr(module, self.name + "_orig")]
-        return src + ([getattr(module, self.name + "_g")] if self.learn_scale else [])
 
     def compute(self, module, update):
         w = getattr(module, self.name + "_orig")
@@ -209,24 +207,16 @@ class SpectralNorm(_Norm):
         mat = _as_matrix(w, self.dim)
         if update:
             with torch.no_grad():
-                for _ in range(self.n_power_iterations):
-                    self._power_step(mat.detach(), u, v)
+                power_iteration(mat.detach(), u, v, self.n_power_iterations, self.eps)
         sigma = torch.dot(u.clone(), mat @ v.clone())
         return w * self._factor(module, sigma)
-
-    def _delete(self, module):
-        del module._parameters[self.name + "_orig"]
-        del module._buffers[self.name + "_u"]
-        del module._buffers[self.name + "_v"]
-        if self.learn_scale:
-            del module._parameters[self.name + "_g"]
 
 
 NORMS: dict[str, type[_Norm]] = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm}
 
 
 def register_norm(name: str, cls: type[_Norm], targets: dict[type, tuple[str, int]] | None = None) -> None:
-    """Register a normalization class (a `_Norm` subclass with `attach`, `compute`, `_delete`, `_sources`)."""
+    """Register a normalization class (a `_Norm` subclass with `attach`, `compute`, `source`, `owned`)."""
     NORMS[name] = cls
     _TARGETS.update(targets or {})
 

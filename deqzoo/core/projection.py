@@ -27,6 +27,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from .norm import power_iteration
+
 __all__ = ["SpectralProjector", "spectral_norm_estimate"]
 
 
@@ -40,10 +42,8 @@ def spectral_norm_estimate(
         if u is None:
             gen = torch.Generator(device="cpu").manual_seed(0)
             u = torch.randn(w.shape[0], generator=gen, dtype=w.dtype).to(w.device)
-        u = F.normalize(u, dim=0, eps=eps)
-        for _ in range(n_iter):
-            v = F.normalize(w.t() @ u, dim=0, eps=eps)
-            u = F.normalize(w @ v, dim=0, eps=eps)
+        u, v = F.normalize(u, dim=0, eps=eps), w.new_empty(w.shape[1])
+        power_iteration(w, u, v, n_iter, eps)
         return torch.dot(u, w @ v), u
 
 

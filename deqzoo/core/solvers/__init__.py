@@ -17,14 +17,10 @@ Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``
 the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
 affine maps such as the adjoint system of implicit differentiation), ``hyperanderson`` (learned weights).
 
-On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel
-(`deqzoo.core._kernels`, a backend of the same method), with their histories from a per-thread pool
-(`deqzoo.core.workspace`); elsewhere, with ``DEQZOO_KERNELS=0``, or while the kernels compile on first use,
-they run their torch path. Both paths
-are one algorithm over one representation: the same per-step bookkeeping (`_kernels.track`), the same
-mixing system (`_kernels.mixing_weights`) and Broyden's same stored steps
-and step rule (`broyden.InverseJacobian`, which SHINE reuses whichever path ran); the tests check that they
-agree per sample to rounding.
+On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel, a
+backend of the same method over the same representation (`deqzoo.core._kernels` says what the two paths
+share), with their histories from a per-thread pool (`deqzoo.core.workspace`); the tests check that both
+paths agree per sample to rounding.
 """
 
 import functools

@@ -132,6 +132,13 @@ def _grown(cap: int, k: int, m: int) -> int:
     return cap if k < cap or cap >= m else min(m, 2 * cap)
 
 
+def _into(new, old):
+    """`new` (a history grown to a larger capacity: an array or tensor, each axis at least as long as old's)
+    holding `old` in its leading corner; both paths grow their histories through it."""
+    new[tuple(slice(0, n) for n in old.shape)] = old
+    return new
+
+
 class _Tracker:
     """The torch path's per-step bookkeeping: per-sample best iterate and residuals, freezing, trace, stop.
 
@@ -237,9 +244,10 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy().astype(np.float64, copy=False)
 
 
-def _check_tau(tau: float) -> None:
-    if not 0.0 < tau <= 1.0:
-        raise ValueError(f"damping tau must be in (0, 1], got {tau}")
+def _check_tau(tau: float, what: str = "damping tau") -> None:
+    """A damping factor in (0, 1] (solvers, and DEQConfig's fields, which name themselves in `what`)."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating)) or not 0 < tau <= 1:
+        raise ValueError(f"{what} must be in (0, 1], got {tau!r}")
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
@@ -309,16 +317,18 @@ class _Pooled:
     """A solver's history arrays lent by the workspace pool for one solve and grown in place as steps are
     taken (capacity min(m, steps), doubling), then given back with their capacity."""
 
-    def __init__(self, key: tuple, make: Callable[[int], tuple], grow: Callable[[tuple, int], tuple],
-                 m: int, first: int = 8):  # fmt: skip
-        self.key, self.make, self.grow_fn, self.m = key, make, grow, m
+    def __init__(self, key: tuple, make: Callable[[int], tuple], m: int, first: int = 8):
+        self.key, self.make, self.m = key, make, m
         got = workspace.take(key)
         self.arrays, self.cap = got if got is not None else (make(min(m, first)), min(m, first))
 
     def __call__(self, k: int) -> tuple:
+        """The arrays with room for step k: grown (`make` at the new capacity, each holding its old
+        contents in its leading corner) when the steps taken outgrow them."""
         cap = _grown(self.cap, k, self.m)
         if cap != self.cap:
-            self.arrays, self.cap = self.grow_fn(self.arrays, cap), cap
+            self.arrays = tuple(_into(new, old) for new, old in zip(self.make(cap), self.arrays))
+            self.cap = cap
         return self.arrays
 
     def give_back(self) -> None:

@@ -16,6 +16,7 @@ from ._contract import (
     _empty_result,
     _fused_solve,
     _grown,
+    _into,
     _Pooled,
     _sq_norms,
     _to_host,
@@ -66,13 +67,7 @@ def anderson(
         def make(cap):  # no zero fill: the kernel reads a slot of G, Y or H only once written
             return np.empty((b, cap, d), dt), np.empty((b, cap, d), dt), np.empty((b, cap, cap))
 
-        def grow(arrays, cap):
-            new = make(cap)
-            old = arrays[0].shape[1]
-            new[0][:, :old], new[1][:, :old], new[2][:, :old, :old] = arrays[0], arrays[1], arrays[2]
-            return new
-
-        hist = _Pooled(("anderson", b, d, m, x0.dtype), make, grow, m)
+        hist = _Pooled(("anderson", b, d, m, x0.dtype), make, m)
         try:
             return _fused_solve(
                 _kernels.anderson_step, g, x0, hist, (float(lam), float(tau)), name="anderson",
@@ -90,11 +85,8 @@ def anderson(
     for k in range(max_iter):
         if _grown(cap, k, m) != cap:
             cap = _grown(cap, k, m)
-            G = torch.cat((G, G.new_empty(b, cap - G.shape[1], d)), 1)
-            Y = torch.cat((Y, Y.new_empty(b, cap - Y.shape[1], d)), 1)
-            H2 = np.zeros((b, cap, cap))
-            H2[:, : H.shape[1], : H.shape[1]] = H
-            H = H2
+            G, Y = _into(G.new_empty(b, cap, d), G), _into(Y.new_empty(b, cap, d), Y)
+            H = _into(np.zeros((b, cap, cap)), H)
         fx = g(x)
         fx = _check_output(fx, x)
         nfe += 1

@@ -16,6 +16,7 @@ from ._contract import (
     _empty_result,
     _fused_solve,
     _grown,
+    _into,
     _Pooled,
     _sq_norms,
     _to_host,
@@ -128,13 +129,7 @@ def broyden(
                 np.empty((b, d)),  # w, float64 scratch (mixed precision, `_kernels._sweep`)
             )
 
-        def grow(arrays, cap):  # the steps, their norms and factors, the counts (V is scratch)
-            new = make(cap)
-            old = arrays[0].shape[1]
-            new[0][:, :old], new[1][:, :, :old], new[2][:] = arrays[0], arrays[1], arrays[2]
-            return new
-
-        hist = _Pooled(("broyden", b, d, m, x0.dtype), make, grow, m)
+        hist = _Pooled(("broyden", b, d, m, x0.dtype), make, m)
         try:
             z, stats = _fused_solve(
                 _kernels.broyden_step, g, x0, hist, (m,), name="broyden", max_iter=max_iter, tol=tol,
@@ -161,10 +156,8 @@ def broyden(
     x, nfe = x0.clone(), 0
     for k in range(max_iter):
         if _grown(cap, k, m) != cap:
-            grow = _grown(cap, k, m) - cap
-            S = torch.cat((S, S.new_zeros(b, grow, d)), 1)
-            M = torch.nn.functional.pad(M, (0, grow, 0, grow))
-            cap += grow
+            cap = _grown(cap, k, m)
+            S, M = _into(S.new_zeros(b, cap, d), S), _into(M.new_zeros(b, cap, cap), M)
         fx = g(x)
         fx = _check_output(fx, x)
         nfe += 1

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..hyper import BASES, FORMS, HyperNet, _weights, hyper_update
+from ..hyper import BASES, FORMS, HyperNet, step
 from ._contract import _check_output, _empty_result, _sq_norms, _to_host, _Tracker, register_solver
 
 
@@ -74,16 +74,9 @@ def hyperanderson(
             C = feat.new_empty(b, cap, feat.shape[-1])
         C[:, slot] = feat
         order = torch.tensor([(k - n + 1 + i) % cap for i in range(n)], device=x.device)
-        Hc = None if H is None else H[:, order][:, :, order]
-        alpha_c, beta, ok = _weights(net, C.index_select(1, order), x.dtype, Hc)
-        if not bool(ok.all()):  # fall back per sample: plain fixed-point step from the newest iterate
-            newest = torch.zeros_like(alpha_c)
-            newest[:, -1] = 1.0
-            alpha_c = torch.where(ok[:, None], alpha_c, newest)
-            beta = torch.where(ok, beta, torch.ones_like(beta))
-        alpha = torch.zeros(b, cap, dtype=x.dtype, device=x.device)
-        alpha[:, order] = alpha_c
+        Hn = None if H is None else H[:, :n, :n]
+        x_next, _, beta = step(net, X[:, :n], G[:, :n], C[:, :n], order, form, Hn)
         betas.append(beta.mean())
-        x = tracker.next_iterate(hyper_update(X[:, :n], G[:, :n], alpha[:, :n], beta, form))
+        x = tracker.next_iterate(x_next)
     extra = {"beta": torch.stack(betas).double().cpu() if betas else torch.zeros(0, dtype=torch.float64)}
     return tracker.result(), tracker.stats(nfe, **extra)
