@@ -327,40 +327,6 @@ def _sweep(Sb, cb, L, v, d):
     return e
 
 
-@_jit
-def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
-    """`_sweep` for two samples at once: each chain waits on its own dot product at every row; side by side,
-    one chain's arithmetic fills the other's wait. Returns (da, db) as `_sweep` does."""
-    ea = da
-    eb = db
-    for j in range(1, min(La, Lb)):
-        xa = ea * ca[j]
-        xb = eb * cb[j]
-        ra = Sa[j]
-        rb = Sb[j]
-        sa = 0.0
-        sb = 0.0
-        for i in range(va.shape[0]):
-            r = np.float64(ra[i])
-            t = va[i] + xa * r
-            va[i] = t
-            sa += r * t
-            q = np.float64(rb[i])
-            u = vb[i] + xb * q
-            vb[i] = u
-            sb += q * u
-        ea = sa
-        eb = sb
-    da = ea
-    db = eb
-    n = max(min(La, Lb), 1)
-    if La > n:
-        da = _sweep(Sa[n - 1 :], ca[n - 1 :], La - n + 1, va, da)
-    if Lb > n:
-        db = _sweep(Sb[n - 1 :], cb[n - 1 :], Lb - n + 1, vb, db)
-    return da, db
-
-
 @_jit(inline="always")
 def broyden_update(L, m, dL, sn_last):
     """The step rule of Broyden's product form, shared by both paths: with L stored steps, the last one of
@@ -446,21 +412,10 @@ def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode
     _settle(x, xn, best_x, active, improved)
     if flags & NONFINITE:
         return flags, trace, n_go
-    held = -1  # a sample whose w waits for a partner: two are swept side by side (`_sweep_pair`)
     for q in range(n_go):
         b = go[q]
-        if held < 0:
-            held = b
-            continue
-        da, db = _sweep_pair(
-            S[held], Q[1, held], count[held], V[held], d0[held], S[b], Q[1, b], count[b], V[b], d0[b]
-        )
-        _broyden_store(held, V[held], da, x, fx, xn, S, Q, count, m)
-        _broyden_store(b, V[b], db, x, fx, xn, S, Q, count, m)
-        held = -1
-    if held >= 0:  # an odd one out
-        dL = _sweep(S[held], Q[1, held], count[held], V[held], d0[held])
-        _broyden_store(held, V[held], dL, x, fx, xn, S, Q, count, m)
+        dL = _sweep(S[b], Q[1, b], count[b], V[b], d0[b])
+        _broyden_store(b, V[b], dL, x, fx, xn, S, Q, count, m)
     return flags, trace, n_go
 
 
@@ -511,7 +466,7 @@ def _compile_elsewhere() -> None:
     for the GIL when it returns); the child runs at the lowest priority, on the cores the solves leave idle.
     If the child fails (no writable cache, for one), compile in this thread after all.
 
-    The child (`_compile_child`) compiles only under the cache folder's lock, so processes started together
+    The child (`_compile_locked`) compiles only under the cache folder's lock, so processes started together
     compile once between them; while it waits for the lock it exits as soon as this process is gone, and
     once it holds the lock it finishes the shared cache even if this process exits (the next one loads it)."""
     import subprocess
@@ -525,7 +480,7 @@ def _compile_elsewhere() -> None:
         "hasattr(os, 'nice') and os.nice(19); "
         f"spec = importlib.util.spec_from_file_location({__name__!r}, {__file__!r}); "
         f"mod = importlib.util.module_from_spec(spec); sys.modules[{__name__!r}] = mod; "
-        f"spec.loader.exec_module(mod); sys.exit(mod._compile_child({os.getpid()}))"
+        f"spec.loader.exec_module(mod); sys.exit(mod._compile_locked({os.getpid()}))"
     )
     try:
         run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=1800)
@@ -597,36 +552,24 @@ def _cache_lock(parent: int | None = None):
         os.close(fd)
 
 
-def _compile_locked() -> None:
-    """`_compile` under the cache folder's lock; marks the cache ready when it succeeded."""
-    with _cache_lock():
-        _compile()
-        if _error is None:
-            _mark_ready()
-
-
-def _mark_ready() -> None:
-    try:
-        _marker().touch()
-    except OSError:  # a read-only cache: the next process checks again, no harm
-        pass
-
-
-def _compile_child(parent: int) -> int:
-    """The compile child's work (see `_compile_elsewhere`): wait for the cache lock while `parent` lives,
-    then compile unless another process finished the cache meanwhile. Exit status 0 on success, 1 if
-    compiling failed, 3 if the parent was gone before the lock came free (nothing compiled)."""
+def _compile_locked(parent: int | None = None) -> int:
+    """`_compile` under the cache folder's lock; marks the cache ready when it succeeded. As the compile
+    child's work (`parent` given, see `_compile_elsewhere`): wait for the lock only while `parent` lives,
+    compile unless another process finished the cache meanwhile, and print which. Exit status 0 on success,
+    1 if compiling failed, 3 if the parent was gone before the lock came free (nothing compiled)."""
     with _cache_lock(parent) as held:
         if not held:
             return 3
-        if _cache_is_warm():
+        if parent is not None and _cache_is_warm():
             print("loaded")
             return 0
         _compile()
         if _error is not None:
             return 1
-        _mark_ready()
-        print("compiled")
+        with contextlib.suppress(OSError):  # a read-only cache: the next process checks again, no harm
+            _marker().touch()
+        if parent is not None:
+            print("compiled")
         return 0
 
 

@@ -7,7 +7,8 @@ first (B, n, c) with n <= m + 1, to raw weights α̂ (B, n) and steps β (B,). F
 trained networks live in `deqzoo.hypersolver`, so core still imports no model.
 
 One step (`step`), shared by the registered solver (`deqzoo.core.solvers.hyperanderson`: no autograd,
-preallocated ring buffers) and by the differentiable unroll that trains the network (`unroll`):
+preallocated ring buffers) and by the differentiable unroll that trains the network (`unroll` in the
+repository's examples/hypersolver/problems.py):
 
 * α = α̂ + (1 - 1ᵀα̂) / n  (`normalize_alpha`: the weights sum to one, as Anderson's do);
 * ``form="anderson"``: z⁺ = Σ_i α_i (z_i + β g_i), the Anderson-consistent update: with α from Anderson's
@@ -32,8 +33,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -44,11 +43,9 @@ __all__ = [
     "HyperNet",
     "least_squares_alpha",
     "MeanPoolNet",
-    "UnrollStep",
     "hyper_update",
     "normalize_alpha",
     "step",
-    "unroll",
 ]
 
 FORMS = ("anderson", "simplified")
@@ -156,52 +153,3 @@ def step(
         alpha = torch.where(ok[:, None], alpha, newest)
         beta = torch.where(ok, beta, torch.ones_like(beta))
     return hyper_update(X, G, alpha.index_select(1, torch.argsort(order)), beta, form), alpha, beta
-
-
-@dataclass
-class UnrollStep:
-    """One differentiable step of `unroll`: the iterate x_k, its residual g_k = f(x_k) - x_k, and the
-    normalized weights α (B, n) and window residuals G (B, n, D) that produced x_{k+1}."""
-
-    x: torch.Tensor
-    g: torch.Tensor
-    alpha: torch.Tensor
-    beta: torch.Tensor
-    G: torch.Tensor
-
-
-def unroll(
-    g: Callable[[torch.Tensor], torch.Tensor],
-    x0: torch.Tensor,
-    net: HyperNet,
-    steps: int,
-    *,
-    m: int = 5,
-    form: str = "anderson",
-    base: str = "none",
-) -> tuple[list[UnrollStep], torch.Tensor]:
-    """`steps` HyperAnderson steps with autograd (for training the network by backpropagation through the
-    unrolled solve): the same update as the solver, on plain lists. Returns the per-step records and the
-    final iterate x_steps (x_0 = x0; f is evaluated at x_0 .. x_{steps-1}).
-
-    Example:
-        >>> import torch
-        >>> recs, x = unroll(lambda z: 0.5 * z + 1, torch.zeros(2, 3), MeanPoolNet(), 3, m=1)
-        >>> len(recs), x.shape
-        (3, torch.Size([2, 3]))
-    """
-    xs: list[torch.Tensor] = []
-    gs: list[torch.Tensor] = []
-    cs: list[torch.Tensor] = []
-    records: list[UnrollStep] = []
-    x = x0
-    for _ in range(steps):
-        gx = g(x) - x
-        xs, gs, cs = (xs + [x])[-(m + 1) :], (gs + [gx])[-(m + 1) :], (cs + [net.compress(gx)])[-(m + 1) :]
-        X, G = torch.stack(xs, 1), torch.stack(gs, 1)
-        H = torch.bmm(G, G.transpose(1, 2)) if base == "anderson" else None
-        order = torch.arange(len(xs), device=x.device)  # the lists are oldest first
-        x_next, alpha, beta = step(net, X, G, torch.stack(cs, 1), order, form, H)
-        records.append(UnrollStep(x=x, g=gx, alpha=alpha, beta=beta, G=G))
-        x = x_next
-    return records, x

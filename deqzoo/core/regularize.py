@@ -141,22 +141,11 @@ def reset_dropout(model: nn.Module) -> None:
             m.reset_mask()
 
 
-def _weight_exp(n: int, k: int, gamma: float = 0.8) -> float:
-    return gamma ** (n - k - 1)
-
-
-def _weight_linear(n: int, k: int, gamma: float = 0.9) -> float:
-    return 1.0 - (n - k - 1) / n * gamma
-
-
-def _weight_const(n: int, k: int, c: float = 1.0) -> float:
-    return c
-
-
+# the weight w(n, k) of state k of n in `fp_correction`
 FP_WEIGHTS: dict[str, Callable[..., float]] = {
-    "exp": _weight_exp,
-    "linear": _weight_linear,
-    "const": _weight_const,
+    "exp": lambda n, k, gamma=0.8: gamma ** (n - k - 1),
+    "linear": lambda n, k, gamma=0.9: 1.0 - (n - k - 1) / n * gamma,
+    "const": lambda n, k, c=1.0: c,
 }
 
 

@@ -12,13 +12,7 @@ Example:
     >>> model.remove_hypersolver()  # doctest: +SKIP
 """
 
-from .attach import (
-    HyperDEQ,
-    attached_hypersolver,
-    record_problems,
-    remove_hypersolver,
-    set_hypersolver,
-)
+from .attach import HyperDEQ, attached_hypersolver, remove_hypersolver, set_hypersolver
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 from .io import (
     HyperSolverError,
@@ -39,7 +33,6 @@ __all__ = [
     "check_compatible",
     "load_hypersolver",
     "model_fingerprint",
-    "record_problems",
     "remove_hypersolver",
     "resolve_hypersolver",
     "save_hypersolver",

@@ -10,23 +10,19 @@ tree, so the model's state dict, saving and parameter count do not change.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..core import DEQ
-from ..core.state import StatePacker
-from .configuration import USES, HyperSolverConfig
+from .configuration import USES
 from .modeling import HyperSolver
 
 __all__ = [
+    "CapturingDEQ",
     "HyperDEQ",
-    "default_config",
+    "attached_hypersolver",
     "deq_layers",
-    "record_problems",
+    "injection_of",
     "remove_hypersolver",
     "set_hypersolver",
     "state_kind",
@@ -42,7 +38,7 @@ def state_kind(model: nn.Module) -> str:
     return (family.hypersolver_state if family is not None else None) or "vector"
 
 
-def _injection_of(owner: nn.Module) -> nn.Module | None:
+def injection_of(owner: nn.Module) -> nn.Module | None:
     """The module whose output is the input injection, as the DEQ layer's owner names it (none: no h_φ)."""
     method = getattr(owner, "injection_module", None)
     return method() if callable(method) else None
@@ -58,36 +54,7 @@ def deq_layers(model: nn.Module) -> list[tuple[nn.Module, str, DEQ]]:
     return found
 
 
-def default_config(model: nn.Module, model_id: str, **overrides) -> HyperSolverConfig:
-    """A hypersolver config sized for `model` (state kind, channels, injection width from its config)."""
-    from .io import model_fingerprint
-
-    kind = state_kind(model)
-    cfg = model.config
-    if kind == "multires":
-        base = dict(
-            state_kind=kind,
-            state_channels=list(cfg.branch_channels),
-            injection_channels=int(cfg.branch_channels[0]),
-            pool=1,
-            mix_hidden=8,
-        )
-    elif kind == "sequence":
-        base = dict(
-            state_kind=kind,
-            state_channels=[int(cfg.d_model)],
-            injection_channels=3 * int(cfg.n_head) * int(cfg.d_head),
-            init_hidden=6,
-            mix_hidden=8,
-        )
-    else:
-        raise ValueError(f"no default hypersolver for model type {getattr(cfg, 'model_type', '?')!r}")
-    base.update(model_id=model_id, model_fingerprint=model_fingerprint(model))
-    base.update(overrides)
-    return HyperSolverConfig(**base)
-
-
-class _Capturing(DEQ):
+class CapturingDEQ(DEQ):
     """A DEQ layer keeping the injection module's latest output (a forward hook) for its next solve."""
 
     def __init__(self, config, injection_module: nn.Module | None):
@@ -110,7 +77,7 @@ class _Capturing(DEQ):
             self._hook = None
 
 
-class HyperDEQ(_Capturing):
+class HyperDEQ(CapturingDEQ):
     """A DEQ layer that solves with a hypersolver (see the module docstring). `config` stays the model's.
 
     ``use`` is what the hypersolver does (`HyperSolverConfig.use`): "initializer", h_φ's start and then the
@@ -183,7 +150,7 @@ def set_hypersolver(
         raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
     remove_hypersolver(model)
     for owner, name, layer in deq_layers(model):
-        setattr(owner, name, HyperDEQ(layer.config, hypersolver, _injection_of(owner), use))
+        setattr(owner, name, HyperDEQ(layer.config, hypersolver, injection_of(owner), use))
     return model
 
 
@@ -201,63 +168,3 @@ def attached_hypersolver(model: nn.Module) -> HyperSolver | None:
         if isinstance(layer, HyperDEQ):
             return layer.__dict__["hypersolver"]
     return None
-
-
-@dataclass
-class Problem:
-    """One captured fixed-point problem: f on flat states, the packer, the injection and the model's z0."""
-
-    g: Callable[[torch.Tensor], torch.Tensor]
-    packer: StatePacker
-    injection: torch.Tensor | None
-    x0: torch.Tensor
-    x_star: torch.Tensor | None = None
-    stats: object | None = None
-
-
-def initial_flat(hs: HyperSolver, p: Problem) -> torch.Tensor:
-    """h_φ(injection) for a recorded problem, flat (B, D) like its x0."""
-    init = hs.initial_state(p.injection, p.packer.shapes)
-    return p.packer.flatten(init[0] if p.packer.is_tensor else init)
-
-
-class _Recorder(_Capturing):
-    def __init__(self, config, sink: list, injection_module: nn.Module | None, solve: Callable | None):
-        super().__init__(config, injection_module)
-        self.__dict__["sink"] = sink
-        self.__dict__["solve_fn"] = solve
-
-    def forward(self, f, z0):
-        packer = StatePacker(z0)
-        injection = self._take_injection()
-        p = Problem(
-            g=packer.wrap(f),
-            packer=packer,
-            injection=None if injection is None else injection.detach(),
-            x0=packer.flatten(z0).detach(),
-        )
-        self.__dict__["sink"].append(p)
-        solve = self.__dict__["solve_fn"]
-        if solve is None:
-            return super().forward(f, z0)
-        p.x_star, p.stats = solve(p)
-        return packer.unflatten(p.x_star), p.stats
-
-
-@contextlib.contextmanager
-def record_problems(model: nn.Module, solve: Callable | None = None) -> Iterator[list[Problem]]:
-    """Within the block, every DEQ solve of `model` is recorded as a `Problem` into the yielded list. With
-    `solve(problem) -> (x_star, stats)` the recorder solves it that way (e.g. a long classic solve for the
-    ground truth) and the model continues from that answer (no gradient)."""
-    sink: list[Problem] = []
-    saved = []
-    for owner, name, layer in deq_layers(model):
-        rec = _Recorder(layer.config, sink, _injection_of(owner), solve)
-        saved.append((owner, name, layer, rec))
-        setattr(owner, name, rec)
-    try:
-        yield sink
-    finally:
-        for owner, name, layer, rec in saved:
-            rec.detach_hook()
-            setattr(owner, name, layer)

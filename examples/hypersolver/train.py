@@ -2,7 +2,7 @@
 
 1. Capture: run the model on its own training inputs; every DEQ solve is recorded (`record_problems`) and
    answered by a long classic solve (Anderson, `gt_iter` steps, `gt_tol`): the cached ground truth z*.
-2. Train h_φ and s_ξ by backpropagation through K unrolled HyperAnderson steps (`deqzoo.core.hyper.unroll`)
+2. Train h_φ and s_ξ by backpropagation through K unrolled HyperAnderson steps (`problems.unroll`)
    on the recorded problems, f_θ frozen, with three losses:
    L_conv = Σ_k w_k |z_k - z*| / |z*| (w_k ∝ k, increasing in k), L_init = |z_0 - z*| / |z*| (the
    initializer alone) and L_α = Σ_k |G_k α_k| / |g_k| (Anderson's least-squares objective for the predicted
@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deqzoo.core.hyper import unroll
 from deqzoo.core.solvers import get_solver
-from deqzoo.hypersolver.attach import Problem, default_config, initial_flat, record_problems
 from deqzoo.hypersolver.configuration import HyperSolverConfig
 from deqzoo.hypersolver.modeling import HyperSolver
+from examples.hypersolver.problems import Problem, default_config, initial_flat, record_problems, unroll
 
 __all__ = ["TrainResult", "collect_problems", "default_config", "model_batches", "train_hypersolver"]
 

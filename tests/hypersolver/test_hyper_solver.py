@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from deqzoo.core import DEQ, DEQConfig, solve
-from deqzoo.core.hyper import MeanPoolNet, hyper_update, normalize_alpha, unroll
+from deqzoo.core.hyper import MeanPoolNet, hyper_update, normalize_alpha
 from deqzoo.core.solvers import anderson, hyperanderson
 from deqzoo.hypersolver import HyperSolver, HyperSolverConfig
+from examples.hypersolver.problems import unroll
 
 LAM = 1e-5
 

@@ -323,8 +323,7 @@ class _Pooled:
         self.arrays, self.cap = got if got is not None else (make(min(m, first)), min(m, first))
 
     def __call__(self, k: int) -> tuple:
-        """The arrays with room for step k: grown (`make` at the new capacity, each holding its old
-        contents in its leading corner) when the steps taken outgrow them."""
+        """The arrays with room for step k (grown through `_into` when the steps taken outgrow them)."""
         cap = _grown(self.cap, k, self.m)
         if cap != self.cap:
             self.arrays = tuple(_into(new, old) for new, old in zip(self.make(cap), self.arrays))

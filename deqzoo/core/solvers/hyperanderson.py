@@ -1,5 +1,5 @@
-"""The HyperAnderson solver: Anderson's update with weights from a learned network (the step itself and the
-training unroll are `deqzoo.core.hyper`)."""
+"""The HyperAnderson solver: Anderson's update with weights from a learned network (its step, which the
+training unroll shares, is `deqzoo.core.hyper.step`)."""
 
 from __future__ import annotations
 
