@@ -293,6 +293,7 @@ def apply_norm(
         raise ValueError(f"unknown norm {kind!r}; registered norms: {sorted(NORMS)} or 'none'")
     targets = {**_TARGETS, **(names or {})}
     filter_out = [filter_out] if isinstance(filter_out, str) else list(filter_out)
+    options = dict(learn_scale=learn_scale, target_norm=target_norm, clip=clip, clip_value=clip_value)
     for qual, mod in model.named_modules():
         target = targets.get(type(mod))
         if target is None or any(s in qual for s in filter_out):
@@ -300,16 +301,7 @@ def apply_norm(
         pname, dim = target
         if pname not in mod._parameters or mod._parameters[pname] is None:
             continue  # already normalized, or no such weight
-        fn = NORMS[kind].attach(
-            mod,
-            pname,
-            dim,
-            learn_scale=learn_scale,
-            target_norm=target_norm,
-            clip=clip,
-            clip_value=clip_value,
-            **kind_kwargs,
-        )
+        fn = NORMS[kind].attach(mod, pname, dim, **options, **kind_kwargs)
         if not _norms_of(mod):
             mod.register_forward_pre_hook(_pre_hook)
         mod.__dict__.setdefault("_deqzoo_norms", []).append(fn)
