@@ -327,6 +327,40 @@ def _sweep(Sb, cb, L, v, d):
     return e
 
 
+@_jit
+def _sweep_pair(Sa, ca, La, va, da, Sb, cb, Lb, vb, db):
+    """`_sweep` for two samples at once: each chain waits on its own dot product at every row; side by side,
+    one chain's arithmetic fills the other's wait. Returns (da, db) as `_sweep` does."""
+    ea = da
+    eb = db
+    for j in range(1, min(La, Lb)):
+        xa = ea * ca[j]
+        xb = eb * cb[j]
+        ra = Sa[j]
+        rb = Sb[j]
+        sa = 0.0
+        sb = 0.0
+        for i in range(va.shape[0]):
+            r = np.float64(ra[i])
+            t = va[i] + xa * r
+            va[i] = t
+            sa += r * t
+            q = np.float64(rb[i])
+            u = vb[i] + xb * q
+            vb[i] = u
+            sb += q * u
+        ea = sa
+        eb = sb
+    da = ea
+    db = eb
+    n = max(min(La, Lb), 1)
+    if La > n:
+        da = _sweep(Sa[n - 1 :], ca[n - 1 :], La - n + 1, va, da)
+    if Lb > n:
+        db = _sweep(Sb[n - 1 :], cb[n - 1 :], Lb - n + 1, vb, db)
+    return da, db
+
+
 @_jit(inline="always")
 def broyden_update(L, m, dL, sn_last):
     """The step rule of Broyden's product form, shared by both paths: with L stored steps, the last one of
@@ -412,10 +446,21 @@ def broyden_step(k, fx, x, xn, best_x, S, Q, count, V, best, active, m, rel_mode
     _settle(x, xn, best_x, active, improved)
     if flags & NONFINITE:
         return flags, trace, n_go
+    held = -1  # a sample whose w waits for a partner: two are swept side by side (`_sweep_pair`)
     for q in range(n_go):
         b = go[q]
-        dL = _sweep(S[b], Q[1, b], count[b], V[b], d0[b])
-        _broyden_store(b, V[b], dL, x, fx, xn, S, Q, count, m)
+        if held < 0:
+            held = b
+            continue
+        da, db = _sweep_pair(
+            S[held], Q[1, held], count[held], V[held], d0[held], S[b], Q[1, b], count[b], V[b], d0[b]
+        )
+        _broyden_store(held, V[held], da, x, fx, xn, S, Q, count, m)
+        _broyden_store(b, V[b], db, x, fx, xn, S, Q, count, m)
+        held = -1
+    if held >= 0:  # an odd one out
+        dL = _sweep(S[held], Q[1, held], count[held], V[held], d0[held])
+        _broyden_store(held, V[held], dL, x, fx, xn, S, Q, count, m)
     return flags, trace, n_go
 
 
