@@ -34,19 +34,9 @@ from ..initialization import default_init_, norm_init_
 from .configuration_deq_flow import DEQFlowConfig
 
 __all__ = [
-    "DEQFlowForOpticalFlow",
-    "DEQFlowModel",
-    "DEQFlowOutput",
-    "DEQFlowPreTrainedModel",
-    "FlowFeatures",
-    "GMAUpdateBlock",
-    "GlobalAggregate",
-    "GlobalAttention",
-    "REUSE_MODES",
-    "forward_interpolate",
-    "prepare_images",
-    "sequence_loss",
-    "warp",
+    "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput", "DEQFlowPreTrainedModel", "FlowFeatures",
+    "GMAUpdateBlock", "GlobalAggregate", "GlobalAttention", "REUSE_MODES", "forward_interpolate",
+    "prepare_images", "sequence_loss", "warp",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting

@@ -40,14 +40,8 @@ from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_ignn import IGNNConfig
 
 __all__ = [
-    "IGNNForGraphClassification",
-    "IGNNForNodeClassification",
-    "IGNNGraph",
-    "IGNNModel",
-    "IGNNPreTrainedModel",
-    "augmented_normalized_adjacency",
-    "perron_frobenius_radius",
-    "project_rows_l1",
+    "IGNNForGraphClassification", "IGNNForNodeClassification", "IGNNGraph", "IGNNModel",
+    "IGNNPreTrainedModel", "augmented_normalized_adjacency", "perron_frobenius_radius", "project_rows_l1",
 ]
 
 _ACTIVATIONS = {"relu": F.relu, "tanh": torch.tanh, "identity": lambda t: t}

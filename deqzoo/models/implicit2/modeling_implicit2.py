@@ -28,14 +28,8 @@ from ..initialization import default_init_
 from .configuration_implicit2 import Implicit2Config
 
 __all__ = [
-    "Implicit2Filter",
-    "Implicit2ForSignalRepresentation",
-    "Implicit2Layer",
-    "Implicit2Model",
-    "Implicit2ModelOutput",
-    "Implicit2Output",
-    "Implicit2PreTrainedModel",
-    "coordinate_grid",
+    "Implicit2Filter", "Implicit2ForSignalRepresentation", "Implicit2Layer", "Implicit2Model",
+    "Implicit2ModelOutput", "Implicit2Output", "Implicit2PreTrainedModel", "coordinate_grid",
 ]
 
 # a coordinate may sit this far outside coordinate_range (float rounding of a grid's end points)

@@ -43,13 +43,8 @@ from .configuration_mdeq import MDEQConfig
 from .lipschitz import IsometricUpsample, MeanOnlyGroupNorm, ScaledReLU, lipschitz_bound, project_lipschitz
 
 __all__ = [
-    "MDEQForImageClassification",
-    "MDEQForSemanticSegmentation",
-    "MDEQModel",
-    "MDEQModelOutput",
-    "MDEQPreTrainedModel",
-    "MDEQImageClassifierOutput",
-    "MDEQSemanticSegmenterOutput",
+    "MDEQForImageClassification", "MDEQForSemanticSegmentation", "MDEQModel", "MDEQModelOutput",
+    "MDEQPreTrainedModel", "MDEQImageClassifierOutput", "MDEQSemanticSegmenterOutput",
 ]
 
 # Documented input limit, checked before any work: pixels per image (4096 x 4096; Cityscapes is 1024 x 2048).

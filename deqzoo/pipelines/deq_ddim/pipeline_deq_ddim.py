@@ -43,14 +43,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from ...core import DEQ, DEQConfig, SolverStats, solve
 
 __all__ = [
-    "DDIMChain",
-    "DEQDDIMInversionOutput",
-    "DEQDDIMPipeline",
-    "DEQDDIMPipelineOutput",
-    "check_components",
-    "ddim_invert",
-    "load_repository",
-    "sequential_ddim",
+    "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
+    "ddim_invert", "load_repository", "sequential_ddim",
 ]
 
 
