@@ -369,10 +369,6 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
             cfg.dropout,
         )
 
-    def project_lipschitz(self) -> dict[str, float]:
-        """Project onto the Lipschitz constraints after each optimizer step (:func:`project_lipschitz`)."""
-        return project_lipschitz(self)
-
 
 class MDEQModel(MDEQPreTrainedModel):
     """The MDEQ backbone: stem, input injection, and the multiscale equilibrium (one state per resolution).

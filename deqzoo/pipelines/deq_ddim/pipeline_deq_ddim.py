@@ -44,7 +44,7 @@ from ...core import DEQ, DEQConfig, SolverStats, solve
 
 __all__ = [
     "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
-    "ddim_invert", "load_repository", "sequential_ddim",
+    "load_repository",
 ]
 
 
@@ -228,7 +228,8 @@ class DDIMChain:
         return g
 
     def sequential(self, x_T: torch.Tensor) -> torch.Tensor:
-        """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls)."""
+        """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls;
+        differentiable: the backprop baseline)."""
         states, x = [], x_T
         for i in range(self.T):
             x = self.step(x, torch.full((len(x),), i, dtype=torch.long))
@@ -273,17 +274,6 @@ class DEQDDIMInversionOutput(BaseOutput):
     mse: torch.Tensor
     init_mse: torch.Tensor
     history: list = field(default_factory=list)
-
-
-def sequential_ddim(chain: DDIMChain, x_T: torch.Tensor) -> torch.Tensor:
-    """The last state X_T of the chain computed step after step (differentiable; the backprop baseline)."""
-    return chain.sequential(x_T)[:, -1]
-
-
-def ddim_invert(chain: DDIMChain, images01: torch.Tensor) -> torch.Tensor:
-    """DDIM ODE inversion of images in [0, 1] (B, C, H, W) -> x_T (no gradient)."""
-    with torch.no_grad():
-        return chain.invert_ode(images01 * 2.0 - 1.0)
 
 
 class DEQDDIMPipeline(DiffusionPipeline):
