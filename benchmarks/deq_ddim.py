@@ -117,7 +117,7 @@ def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
 
 def _sequential_backprop(pipe, chain, x_start, target, budget: float, lr: float, t_offset: float) -> list:
     """Adam on x_T through the T-step sequential chain for `budget` seconds: [(seconds, mean mse)]."""
-    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01, sequential_ddim
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01
 
     param = torch.nn.Parameter(x_start.clone())
     opt = torch.optim.Adam([param], lr=lr)
@@ -125,7 +125,7 @@ def _sequential_backprop(pipe, chain, x_start, target, budget: float, lr: float,
     hist, t0 = [], time.perf_counter()
     try:
         while time.perf_counter() - t0 < budget:
-            out = sequential_ddim(chain, param)
+            out = chain.sequential(param)[:, -1]
             loss = ((out - target) ** 2).mean()
             opt.zero_grad()
             loss.backward()
@@ -151,7 +151,7 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> di
     with phantom gradients through the fixed point; sequential backprop from the ODE inversion (the baseline)
     and from the same equilibrium start (so the two gradient phases compare from one point). Each method is
     reported at its best learning rate (lowest final MSE); every run is kept."""
-    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01, sequential_ddim
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01
     from deqzoo.tasks.ddim_digits import load_split
 
     x, _ = load_split("inversion")
@@ -161,7 +161,7 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> di
     t0 = time.perf_counter()
     with torch.no_grad():
         x_ode = chain.invert_ode(target)
-        rec = sequential_ddim(chain, x_ode)
+        rec = chain.sequential(x_ode)[:, -1]
     t_ode = time.perf_counter() - t0
     ode = {"seconds": t_ode, "mse": float(_mse01(rec, target).mean())}
     runs: dict[str, dict[str, dict]] = {key: {} for key in INVERSION_METHODS}

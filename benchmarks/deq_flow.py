@@ -494,7 +494,6 @@ def reuse_start_residual(
     from deqzoo.models.deq_flow.modeling_deq_flow import (
         _next_start,
         forward_interpolate,
-        prepare_images,
         warp,
     )
     from deqzoo.tasks.flow import synthetic_video
@@ -514,10 +513,10 @@ def reuse_start_residual(
                 start = None if previous is None else _next_start(previous, "warp")
                 out = model(video[t][None], video[t + 1][None], initial_state=start, return_dict=True)
                 if previous is not None:
-                    a, b, _ = prepare_images(video[t][None], video[t + 1][None], model.config.min_image_size)
-                    context = model.encode(a, b)
-                    bsz, _, h8, w8 = context.shape
-                    f = model.update_fn(context, make_coords_grid(bsz, h8, w8).to(context))
+                    feats = model.features(video[t][None], video[t + 1][None])
+                    bsz, _, h8, w8 = feats.context.shape
+                    coords0 = make_coords_grid(bsz, h8, w8).to(feats.context)
+                    f = model.update_fn(feats.context, coords0, feats.pyramid)
                     moved = forward_interpolate(F.avg_pool2d(flows[t - 1][None], 8) / 8)  # true motion
                     hidden = warp(previous[0], -moved)
                     rows["warp"].append(residual(f, start))

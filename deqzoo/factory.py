@@ -168,11 +168,7 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
     if deq:
         kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
     config = config_cls(**kwargs)  # values checked (types, ranges) before __init__ runs
-    model_cls = _model_class(family, preset.get("auto"), getattr(config, "architectures", None))
-    import torch
-
-    with torch.device("meta"):  # size first: nothing is allocated on the meta device
-        meta = model_cls(config)
+    model_cls, meta = _on_meta(family, config, preset.get("auto"))  # size first
     tensors = [*meta.parameters(), *meta.buffers()]
     check_budget(sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors),
                  f"create_model({name!r})", max_parameters)
@@ -237,13 +233,18 @@ def _load_pipeline(directory: Path, **kwargs: Any):
     return getattr(importlib.import_module(module), attr)(directory, **kwargs)
 
 
-def _meta_parameter_count(family, config_kwargs: dict[str, Any], auto_name: str | None = None) -> int:
-    """Trainable parameters (buffers excluded) of a model built on the meta device: nothing is allocated."""
+def _on_meta(family, config, auto_name: str | None = None):
+    """(model class, the model built on the meta device): nothing is allocated."""
     import torch
 
+    model_cls = _model_class(family, auto_name, getattr(config, "architectures", None))
     with torch.device("meta"):
-        config = family.load(family.config)(**config_kwargs)
-        model = _model_class(family, auto_name, getattr(config, "architectures", None))(config)
+        return model_cls, model_cls(config)
+
+
+def _meta_parameter_count(family, config_kwargs: dict[str, Any], auto_name: str | None = None) -> int:
+    """Trainable parameters (buffers excluded) of a model built on the meta device."""
+    _, model = _on_meta(family, family.load(family.config)(**config_kwargs), auto_name)
     return sum(p.numel() for p in model.parameters())
 
 

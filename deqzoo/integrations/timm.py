@@ -121,17 +121,7 @@ class MDEQTimm(nn.Module):
         MDEQConfig fields of a randomly initialized model.
         """
         deq = overrides.pop("deq", None) or {}
-        if load_weights and weights_file is not None:  # pretrained_cfg_overlay=dict(file=...): the preset's
-            from ..hub.loading import load_weights_file  # architecture with that file's weights (checked)
-
-            config = MDEQConfig(**{**ARCHITECTURES[preset]["config"], **overrides,
-                                   "deq": {**ARCHITECTURES[preset]["config"].get("deq", {}), **deq}})
-            net = cls(load_weights_file(MDEQForImageClassification(config), weights_file,
-                                        strip_prefix="model.").eval())
-            if num_classes is not None and num_classes != net.num_classes:
-                net.reset_classifier(num_classes)
-            return net
-        if load_weights:
+        if load_weights and weights_file is None:
             if checkpoint is None:
                 raise RuntimeError(
                     f"no deqzoo checkpoint is published for preset {preset!r}; convert an original "
@@ -146,22 +136,25 @@ class MDEQTimm(nn.Module):
             model = from_pretrained(checkpoint, deq=deq or None)
             if in_chans is not None and in_chans != model.config.in_channels:
                 raise ValueError(f"{checkpoint} expects in_chans={model.config.in_channels}, got {in_chans}")
-            net = cls(model)
-            if num_classes is not None and num_classes != net.num_classes:
-                net.reset_classifier(num_classes)
-            return net
-        kwargs = dict(ARCHITECTURES[preset]["config"])
-        if num_classes is not None:
-            kwargs["num_labels"] = max(num_classes, 1)
-        if in_chans is not None and in_chans != kwargs.get("in_channels", 3):
-            kwargs["in_channels"] = in_chans
-            kwargs["image_mean"] = [0.5] * in_chans
-            kwargs["image_std"] = [0.5] * in_chans
-        kwargs.update(overrides)
-        kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
-        net = cls(MDEQForImageClassification(MDEQConfig(**kwargs)))
-        if num_classes == 0:
-            net.reset_classifier(0)
+        else:
+            kwargs = dict(ARCHITECTURES[preset]["config"])
+            if not load_weights:  # a file's weights (pretrained_cfg_overlay) keep the preset's architecture
+                if num_classes is not None:
+                    kwargs["num_labels"] = max(num_classes, 1)
+                if in_chans is not None and in_chans != kwargs.get("in_channels", 3):
+                    kwargs["in_channels"] = in_chans
+                    kwargs["image_mean"] = [0.5] * in_chans
+                    kwargs["image_std"] = [0.5] * in_chans
+            kwargs.update(overrides)
+            kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
+            model = MDEQForImageClassification(MDEQConfig(**kwargs))
+            if load_weights:  # pretrained_cfg_overlay=dict(file=...): that file's weights (checked)
+                from ..hub.loading import load_weights_file
+
+                model = load_weights_file(model, weights_file, strip_prefix="model.").eval()
+        net = cls(model)
+        if num_classes is not None and num_classes != net.num_classes:
+            net.reset_classifier(num_classes)  # a new head (0: none, timm's features-only convention)
         return net
 
     # --- timm classification API ---

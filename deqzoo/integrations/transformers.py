@@ -97,11 +97,6 @@ def unregister_family(model_type: str) -> None:
     forget_family(model_type)
 
 
-def registered_families() -> dict[str, Family]:
-    """{model_type: family} of every available family, registered with the Auto classes first."""
-    return register_all()
-
-
 def unavailable_families() -> dict[str, str]:
     """{model_type: reason} for declared families that could not be registered (e.g. a missing extra)."""
     register_all()

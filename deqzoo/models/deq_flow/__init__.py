@@ -16,17 +16,7 @@ from .modeling_deq_flow import (
 from .training import two_stage_backward
 
 __all__ = [
-    "ARCHITECTURES",
-    "DEQFlowConfig",
-    "DEQFlowForOpticalFlow",
-    "DEQFlowModel",
-    "DEQFlowOutput",
-    "DEQFlowPreTrainedModel",
-    "REUSE_MODES",
-    "forward_interpolate",
-    "prepare_images",
-    "sequence_loss",
-    "two_stage_backward",
-    "unpad",
-    "warp",
+    "ARCHITECTURES", "DEQFlowConfig", "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput",
+    "DEQFlowPreTrainedModel", "REUSE_MODES", "forward_interpolate", "prepare_images", "sequence_loss",
+    "two_stage_backward", "unpad", "warp",
 ]

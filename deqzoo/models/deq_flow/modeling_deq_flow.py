@@ -14,7 +14,6 @@ replication and the flow is cropped back, as RAFT's InputPadder does.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,19 +33,9 @@ from ..initialization import default_init_, norm_init_
 from .configuration_deq_flow import DEQFlowConfig
 
 __all__ = [
-    "DEQFlowForOpticalFlow",
-    "DEQFlowModel",
-    "DEQFlowOutput",
-    "DEQFlowPreTrainedModel",
-    "FlowFeatures",
-    "GMAUpdateBlock",
-    "GlobalAggregate",
-    "GlobalAttention",
-    "REUSE_MODES",
-    "forward_interpolate",
-    "prepare_images",
-    "sequence_loss",
-    "warp",
+    "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput", "DEQFlowPreTrainedModel", "FlowFeatures",
+    "GMAUpdateBlock", "GlobalAggregate", "GlobalAttention", "REUSE_MODES", "forward_interpolate",
+    "prepare_images", "sequence_loss", "warp",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
@@ -344,23 +333,6 @@ class DEQFlowOutput(DEQModelOutput):
     loss_terms: list[Callable[[], torch.Tensor]] | None = None
 
 
-# encode()'s pyramids by the id of the context tensor they belong to, dropped when that tensor is freed: the
-# two-step API (encode, then update_fn(context, coords0)) without per-call state on the model. (Tensors
-# compare elementwise, so they cannot key a WeakKeyDictionary.)
-_PYRAMIDS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
-
-
-def _remember_pyramid(context: torch.Tensor, pyramid: list[torch.Tensor]) -> None:
-    key = id(context)
-    _PYRAMIDS[key] = (weakref.ref(context), pyramid)
-    weakref.finalize(context, _PYRAMIDS.pop, key, None)
-
-
-def _recall_pyramid(context: torch.Tensor) -> list[torch.Tensor] | None:
-    ref, pyramid = _PYRAMIDS.get(id(context), (None, None))
-    return pyramid if ref is not None and ref() is context else None
-
-
 @dataclass
 class FlowFeatures:
     """What the encoders compute once per pair, the part of the training graph every supervised state shares:
@@ -497,18 +469,11 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         corr.corr_pyramid = list(pyramid)
         return corr.index_pyramid(centroids_coords=coords)
 
-    def update_fn(self, context: torch.Tensor, coords0: torch.Tensor,
-                  pyramid: Sequence[torch.Tensor] | None = None):
+    def update_fn(self, context: torch.Tensor, coords0: torch.Tensor, pyramid: Sequence[torch.Tensor]):
         """f_θ(h, flow) over the state (hidden state, 1/8-resolution flow), a closure over the context (and
-        its GMA attention) and the correlation pyramid built for this pair (`pyramid`; None: the one
-        `encode` built for this `context`)."""
+        its GMA attention) and the correlation pyramid built for this pair (both from `features`)."""
         detach = self.config.detach_flow_input
         extra = () if self.attention is None else (self.attention(context),)
-        if pyramid is None:
-            pyramid = _recall_pyramid(context)
-            if pyramid is None:
-                raise ValueError("update_fn needs the correlation pyramid of this context: pass pyramid= "
-                                 "(features(...).pyramid) or a context returned by encode()")
         pyramid = list(pyramid)
 
         def f(state):
@@ -541,13 +506,6 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         fmap1, fmap2 = torch.chunk(fmaps, 2, dim=0)
         pyramid = self.build_pyramid(fmap1, fmap2)
         return FlowFeatures(F.relu(self._encoder(self.context_encoder, 2 * image1 - 1)), pyramid)
-
-    def encode(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
-        """The context (ReLU) of frame 1 for padded images; its correlation pyramid is remembered for this
-        context tensor (weakly, outside the model), so ``update_fn(context, coords0)`` finds it."""
-        features = self._features(image1, image2)
-        _remember_pyramid(features.context, features.pyramid)
-        return features.context
 
     def features(self, image1: torch.Tensor, image2: torch.Tensor) -> FlowFeatures:
         """The encoders' outputs for a pair of image batches (validated and padded as in `forward`).

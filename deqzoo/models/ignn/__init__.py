@@ -13,14 +13,7 @@ from .modeling_ignn import (
 )
 
 __all__ = [
-    "ARCHITECTURES",
-    "IGNNConfig",
-    "IGNNForGraphClassification",
-    "IGNNForNodeClassification",
-    "IGNNGraph",
-    "IGNNModel",
-    "IGNNPreTrainedModel",
-    "augmented_normalized_adjacency",
-    "perron_frobenius_radius",
+    "ARCHITECTURES", "IGNNConfig", "IGNNForGraphClassification", "IGNNForNodeClassification", "IGNNGraph",
+    "IGNNModel", "IGNNPreTrainedModel", "augmented_normalized_adjacency", "perron_frobenius_radius",
     "project_rows_l1",
 ]

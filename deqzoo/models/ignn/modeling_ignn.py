@@ -40,14 +40,8 @@ from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_ignn import IGNNConfig
 
 __all__ = [
-    "IGNNForGraphClassification",
-    "IGNNForNodeClassification",
-    "IGNNGraph",
-    "IGNNModel",
-    "IGNNPreTrainedModel",
-    "augmented_normalized_adjacency",
-    "perron_frobenius_radius",
-    "project_rows_l1",
+    "IGNNForGraphClassification", "IGNNForNodeClassification", "IGNNGraph", "IGNNModel",
+    "IGNNPreTrainedModel", "augmented_normalized_adjacency", "perron_frobenius_radius", "project_rows_l1",
 ]
 
 _ACTIVATIONS = {"relu": F.relu, "tanh": torch.tanh, "identity": lambda t: t}
@@ -631,18 +625,8 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
                     f"got {tuple(labels.shape)}"
                 )
             loss = F.cross_entropy(logits, labels, ignore_index=-100)
-        return self._output(
-            IGNNNodeClassifierOutput(
-                loss=loss,
-                logits=logits,
-                last_hidden_state=out.last_hidden_state,
-                hidden_states=out.hidden_states,
-                deq_stats=out.deq_stats,
-                all_deq_stats=out.all_deq_stats,
-                graph=out.graph,
-            ),
-            return_dict,
-        )
+        # the backbone's fields (states, stats, graph) carried over as they are
+        return self._output(IGNNNodeClassifierOutput(loss=loss, logits=logits, **out), return_dict)
 
 
 class IGNNForGraphClassification(IGNNPreTrainedModel):
@@ -697,16 +681,5 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
                     f"labels must have shape ({logits.shape[0]},) (one per graph), got {tuple(labels.shape)}"
                 )
             loss = F.cross_entropy(logits, labels)
-        return self._output(
-            IGNNGraphClassifierOutput(
-                loss=loss,
-                logits=logits,
-                pooled_output=pooled,
-                last_hidden_state=out.last_hidden_state,
-                hidden_states=out.hidden_states,
-                deq_stats=out.deq_stats,
-                all_deq_stats=out.all_deq_stats,
-                graph=g,
-            ),
-            return_dict,
-        )
+        output = IGNNGraphClassifierOutput(loss=loss, logits=logits, pooled_output=pooled, **out)
+        return self._output(output, return_dict)

@@ -13,14 +13,7 @@ from .modeling_implicit2 import (
 )
 
 __all__ = [
-    "ARCHITECTURES",
-    "Implicit2Config",
-    "Implicit2Filter",
-    "Implicit2ForSignalRepresentation",
-    "Implicit2Layer",
-    "Implicit2Model",
-    "Implicit2ModelOutput",
-    "Implicit2Output",
-    "Implicit2PreTrainedModel",
+    "ARCHITECTURES", "Implicit2Config", "Implicit2Filter", "Implicit2ForSignalRepresentation",
+    "Implicit2Layer", "Implicit2Model", "Implicit2ModelOutput", "Implicit2Output", "Implicit2PreTrainedModel",
     "coordinate_grid",
 ]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithNoAttention
 
 from ...core import DEQ, FixedPointCache, SolverStats
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
@@ -27,14 +28,8 @@ from ..initialization import default_init_
 from .configuration_implicit2 import Implicit2Config
 
 __all__ = [
-    "Implicit2Filter",
-    "Implicit2ForSignalRepresentation",
-    "Implicit2Layer",
-    "Implicit2Model",
-    "Implicit2ModelOutput",
-    "Implicit2Output",
-    "Implicit2PreTrainedModel",
-    "coordinate_grid",
+    "Implicit2Filter", "Implicit2ForSignalRepresentation", "Implicit2Layer", "Implicit2Model",
+    "Implicit2ModelOutput", "Implicit2Output", "Implicit2PreTrainedModel", "coordinate_grid",
 ]
 
 # a coordinate may sit this far outside coordinate_range (float rounding of a grid's end points)
@@ -128,13 +123,11 @@ class Implicit2Layer(nn.Module):
 
 
 @dataclass
-class Implicit2ModelOutput(DEQModelOutput):
+class Implicit2ModelOutput(BaseModelOutputWithNoAttention, DEQModelOutput):
     """last_hidden_state: (B, N, D) equilibrium (or explicit) state; hidden_states: (the input injection
     g₀(x), the state) with ``output_hidden_states=True``; deq_stats: the solve's statistics (None for
     explicit networks)."""
 
-    last_hidden_state: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
 
 
@@ -353,9 +346,7 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
             if labels.shape != values.shape:
                 raise ValueError(f"labels have shape {tuple(labels.shape)}, the values {tuple(values.shape)}")
             loss = F.mse_loss(values, labels)
-        return self._output(Implicit2Output(
-            loss=loss, values=values, last_hidden_state=out.last_hidden_state,
-            hidden_states=out.hidden_states, deq_stats=out.deq_stats), return_dict)
+        return self._output(Implicit2Output(loss=loss, values=values, **out), return_dict)  # out: its fields
 
     def get_input_embeddings(self) -> nn.Module:
         return self.implicit2.get_input_embeddings()

@@ -16,14 +16,7 @@ from .modeling_mdeq import (
 )
 
 __all__ = [
-    "ARCHITECTURES",
-    "LipschitzProjectionCallback",
-    "MDEQConfig",
-    "MDEQForImageClassification",
-    "MDEQForSemanticSegmentation",
-    "MDEQModel",
-    "MDEQPreTrainedModel",
-    "conv_operator_norm",
-    "lipschitz_bound",
-    "project_lipschitz",
+    "ARCHITECTURES", "LipschitzProjectionCallback", "MDEQConfig", "MDEQForImageClassification",
+    "MDEQForSemanticSegmentation", "MDEQModel", "MDEQPreTrainedModel", "conv_operator_norm",
+    "lipschitz_bound", "project_lipschitz",
 ]

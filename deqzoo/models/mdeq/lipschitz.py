@@ -47,13 +47,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 __all__ = [
-    "IsometricUpsample",
-    "LipschitzProjectionCallback",
-    "MeanOnlyGroupNorm",
-    "ScaledReLU",
-    "conv_operator_norm",
-    "lipschitz_bound",
-    "project_lipschitz",
+    "IsometricUpsample", "LipschitzProjectionCallback", "MeanOnlyGroupNorm", "ScaledReLU",
+    "conv_operator_norm", "lipschitz_bound", "project_lipschitz",
 ]
 
 

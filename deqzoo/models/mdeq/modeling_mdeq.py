@@ -43,13 +43,8 @@ from .configuration_mdeq import MDEQConfig
 from .lipschitz import IsometricUpsample, MeanOnlyGroupNorm, ScaledReLU, lipschitz_bound, project_lipschitz
 
 __all__ = [
-    "MDEQForImageClassification",
-    "MDEQForSemanticSegmentation",
-    "MDEQModel",
-    "MDEQModelOutput",
-    "MDEQPreTrainedModel",
-    "MDEQImageClassifierOutput",
-    "MDEQSemanticSegmenterOutput",
+    "MDEQForImageClassification", "MDEQForSemanticSegmentation", "MDEQModel", "MDEQModelOutput",
+    "MDEQPreTrainedModel", "MDEQImageClassifierOutput", "MDEQSemanticSegmenterOutput",
 ]
 
 # Documented input limit, checked before any work: pixels per image (4096 x 4096; Cityscapes is 1024 x 2048).
@@ -341,6 +336,15 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
         elif isinstance(module, MDEQModule) and module.lipschitz and module.fuse_logits is not None:
             init.zeros_(module.fuse_logits)
 
+    def _head_output(self, output_cls: type, out: MDEQModelOutput, logits: torch.Tensor,
+                     loss: torch.Tensor | None, output_hidden_states: bool | None, return_dict: bool | None):
+        """A head's output: its logits and loss (plus the Jacobian regularizer), the backbone's stats and,
+        when asked for, its equilibrium states."""
+        hidden = out.hidden_states if self._flag(output_hidden_states, "output_hidden_states") else None
+        loss = self._add_jac_loss(loss, out.deq_stats)
+        output = output_cls(deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=hidden)
+        return self._output(output, return_dict)
+
     def lipschitz_bound(self) -> float:
         """The :func:`~deqzoo.models.mdeq.lipschitz_bound` of this model's f_θ (Lipschitz configs only).
 
@@ -364,10 +368,6 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
             cfg.num_branches,
             cfg.dropout,
         )
-
-    def project_lipschitz(self) -> dict[str, float]:
-        """Project onto the Lipschitz constraints after each optimizer step (:func:`project_lipschitz`)."""
-        return project_lipschitz(self)
 
 
 class MDEQModel(MDEQPreTrainedModel):
@@ -548,14 +548,8 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
                 loss = F.mse_loss(logits.squeeze(-1), labels.float())
             else:
                 loss = F.cross_entropy(logits, labels)
-            loss = self._add_jac_loss(loss, out.deq_stats)
-        hidden = out.hidden_states if self._flag(output_hidden_states, "output_hidden_states") else None
-        return self._output(
-            MDEQImageClassifierOutput(
-                deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=hidden
-            ),
-            return_dict,
-        )
+        return self._head_output(MDEQImageClassifierOutput, out, logits, loss, output_hidden_states,
+                                 return_dict)
 
 
 class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
@@ -603,11 +597,6 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         if labels is not None:
             up = F.interpolate(logits, size=labels.shape[-2:], mode="bilinear", align_corners=False)
             ignore = getattr(self.config, "semantic_loss_ignore_index", 255)
-            loss = self._add_jac_loss(F.cross_entropy(up, labels.long(), ignore_index=ignore), out.deq_stats)
-        hidden = out.hidden_states if self._flag(output_hidden_states, "output_hidden_states") else None
-        return self._output(
-            MDEQSemanticSegmenterOutput(
-                deq_stats=out.deq_stats, loss=loss, logits=logits, hidden_states=hidden
-            ),
-            return_dict,
-        )
+            loss = F.cross_entropy(up, labels.long(), ignore_index=ignore)
+        return self._head_output(MDEQSemanticSegmenterOutput, out, logits, loss, output_hidden_states,
+                                 return_dict)

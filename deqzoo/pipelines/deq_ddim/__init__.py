@@ -6,10 +6,8 @@ from .pipeline_deq_ddim import (
     DEQDDIMPipeline,
     DEQDDIMPipelineOutput,
     check_components,
-    ddim_invert,
     load_repository,
-    sequential_ddim,
 )
 
 __all__ = ["DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput",
-           "check_components", "ddim_invert", "load_repository", "sequential_ddim"]
+           "check_components", "load_repository"]

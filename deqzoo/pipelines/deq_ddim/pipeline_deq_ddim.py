@@ -36,20 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...core import DEQ, DEQConfig, SolverStats, solve
 
 __all__ = [
-    "DDIMChain",
-    "DEQDDIMInversionOutput",
-    "DEQDDIMPipeline",
-    "DEQDDIMPipelineOutput",
-    "check_components",
-    "ddim_invert",
+    "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
     "load_repository",
-    "sequential_ddim",
 ]
 
 
@@ -233,7 +228,8 @@ class DDIMChain:
         return g
 
     def sequential(self, x_T: torch.Tensor) -> torch.Tensor:
-        """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls)."""
+        """All states X_1..X_T (B, T, C, H, W) by running the chain step after step (T batched calls;
+        differentiable: the backprop baseline)."""
         states, x = [], x_T
         for i in range(self.T):
             x = self.step(x, torch.full((len(x),), i, dtype=torch.long))
@@ -278,17 +274,6 @@ class DEQDDIMInversionOutput(BaseOutput):
     mse: torch.Tensor
     init_mse: torch.Tensor
     history: list = field(default_factory=list)
-
-
-def sequential_ddim(chain: DDIMChain, x_T: torch.Tensor) -> torch.Tensor:
-    """The last state X_T of the chain computed step after step (differentiable; the backprop baseline)."""
-    return chain.sequential(x_T)[:, -1]
-
-
-def ddim_invert(chain: DDIMChain, images01: torch.Tensor) -> torch.Tensor:
-    """DDIM ODE inversion of images in [0, 1] (B, C, H, W) -> x_T (no gradient)."""
-    with torch.no_grad():
-        return chain.invert_ode(images01 * 2.0 - 1.0)
 
 
 class DEQDDIMPipeline(DiffusionPipeline):
@@ -478,11 +463,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
             safeguard=safeguard,
             **solver_kwargs,
         )
-        image = (Z[:, -1] / 2 + 0.5).clamp(0, 1)
-        if output_type != "pt":
-            image = image.cpu().permute(0, 2, 3, 1).numpy()
-            if output_type == "pil":
-                image = self.numpy_to_pil(image)
+        image = VaeImageProcessor(do_resize=False).postprocess(Z[:, -1], output_type)  # [-1, 1] -> [0, 1]
         if not return_dict:
             return (image,)
         return DEQDDIMPipelineOutput(

@@ -121,9 +121,9 @@ def test_deq_output_is_the_fixed_point_of_the_update_operator():
     with torch.no_grad():
         out = model(a, b)
         assert bool(out.deq_stats.converged.all())
-        context = model.encode(*prepare_images(a, b, model.config.min_image_size)[:2])
+        features = model.features(a, b)
         coords0 = torch.stack(torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="xy"))[None]
-        h, flow = model.update_fn(context, coords0)(out.fixed_point)
+        h, flow = model.update_fn(features.context, coords0, features.pyramid)(out.fixed_point)
     rel = torch.linalg.vector_norm(
         torch.cat([(h - out.hidden_state).flatten(), (flow - out.flow_low).flatten()])
     )
@@ -428,9 +428,9 @@ def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
     plain = model(a, b, flow_gt=gt)
     h, flow = out.fixed_point
     with torch.no_grad():
-        pa, pb, _ = prepare_images(a, b, model.config.min_image_size)
-        context = model.encode(pa, pb)
-        f = model.update_fn(context, make_coords_grid(2, *context.shape[-2:]))
+        features = model.features(a, b)
+        coords0 = make_coords_grid(2, *features.context.shape[-2:])
+        f = model.update_fn(features.context, coords0, features.pyramid)
         fh, fflow = f((h, flow))
         num = ((fh - h).flatten(1).pow(2).sum(1) + (fflow - flow).flatten(1).pow(2).sum(1)).sqrt()
         den = (h.flatten(1).pow(2).sum(1) + flow.flatten(1).pow(2).sum(1)).sqrt()
