@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
+from ._demo import DemoSummary, save_figure
 from ._files import free_path, open_image
 
 __all__ = [
@@ -564,8 +565,6 @@ def demo(model, output_dir: str | Path = "demo_output"):
     line with the EPEs as its metric, the motorcycle solve's statistics: `SolverStats.no_solve()` for the
     explicit RAFT twin)."""
     from ..core import SolverStats
-    from ._demo import DemoSummary, save_figure
-
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = synthetic_pair(0, EVAL_SIZE, "held-out")
