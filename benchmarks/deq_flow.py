@@ -303,7 +303,8 @@ def reuse_along_video(
     import torch
 
     from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, REUSE_MODES
-    from deqzoo.tasks.flow import epe, synthetic_video
+    from deqzoo.tasks.flow import epe
+    from examples.deq_flow.video import synthetic_video
 
     runs: dict = {mode: [] for mode in (False, *REUSE_MODES)}
     for seed in seeds:
@@ -393,7 +394,7 @@ def reuse_at_equal_accuracy(
     ``at_target`` is the cheapest budget whose EPE reaches the target (pooled and in every video), with
     ``nfe_ratio`` = its NFE / the reference's and ``nfe_ratio_vs_cold_at_target`` = its NFE / that of the
     cheapest budget at which the solve without reuse itself reaches the target."""
-    from deqzoo.tasks.flow import synthetic_video
+    from examples.deq_flow.video import synthetic_video
 
     videos = [synthetic_video(frames, size, seed) for seed in seeds]
     reference = _stream_point(model, videos, False, None)
@@ -457,7 +458,7 @@ def reuse_budget_held_out(
     """The equal-accuracy budgets, chosen on some videos (`reuse_at_equal_accuracy`), checked on videos that
     did not choose them: for each mode its budget's mean NFE and EPE against no reuse at the model's own
     settings on the same fresh videos (``nfe_ratio``, ``epe_change``, pooled and per video)."""
-    from deqzoo.tasks.flow import synthetic_video
+    from examples.deq_flow.video import synthetic_video
 
     videos = [synthetic_video(frames, size, seed) for seed in seeds]
     reference = _stream_point(model, videos, False, None)
@@ -496,7 +497,7 @@ def reuse_start_residual(
         forward_interpolate,
         warp,
     )
-    from deqzoo.tasks.flow import synthetic_video
+    from examples.deq_flow.video import synthetic_video
 
     def residual(f, state) -> list[float]:
         fz = f(state)

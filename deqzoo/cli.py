@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,6 @@ def _table(rows: list[list[str]], header: list[str], width: int | None = None,
     """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
     -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
     onto continuation lines until the table fits; no cell's text is lost."""
-    import textwrap
-
     cells = [header, *rows]
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
     gap = 2
@@ -103,23 +102,22 @@ def cmd_list(args) -> int:
     from deqzoo.hub.catalog import load_catalog
     from deqzoo.models.registry import unavailable_families
 
+    models = deqzoo.list_models(args.kind)
+    if args.json:
+        print(json.dumps([vars(m) for m in models], indent=2))
+        return 0
     headlines = {cid: entry.get("headline") for cid, entry in load_catalog().items()}
     rows = [[m.name, m.kind, m.model_type or "?", m.task or "?", _fmt_params(m.parameters),
              (headlines.get(m.name) or _fmt_metrics(m.metrics)) if m.kind == "checkpoint" else m.description]
-            for m in deqzoo.list_models(args.kind)]
-    if args.json:
-        print(json.dumps([vars(m) for m in deqzoo.list_models(args.kind)], indent=2))
-        return 0
+            for m in models]
     header = ["name", "kind", "model_type", "task", "params", "headline result (data set) / description"]
-    print(_table(rows, header)
-          if rows else "no models registered")
+    print(_table(rows, header) if rows else "no models registered")
     for model_type, reason in unavailable_families().items():
         print(f"(family {model_type} unavailable: {reason})")
     return 0
 
 
 def cmd_info(args) -> int:
-    import deqzoo
     from deqzoo.factory import _find_preset, checkpoint_card
     from deqzoo.hub.loading import embedded_entry
     from deqzoo.hub.validation import confined, read_json
@@ -139,7 +137,6 @@ def cmd_info(args) -> int:
             "datasets": meta.get("datasets"), "license": meta.get("license"), "deq": config.get("deq"),
             "files": entry.get("files") or sorted(p.name for p in directory.iterdir())}
     print(json.dumps(info, indent=2, default=str))
-    del deqzoo
     return 0
 
 
@@ -232,6 +229,14 @@ def _import_from_clone(root: Path | None, module: str):
     return importlib.import_module(module)
 
 
+def _clone_program(marker: str, module: str, refusal: str):
+    """`module` of the clone the command runs in, which must hold the file `marker`; else CLIError."""
+    root = _clone_root()
+    if root is None or not (root / marker).is_file():
+        raise CLIError(refusal)
+    return _import_from_clone(root, module)
+
+
 def _benchmarks_folder() -> Path | None:
     root = _clone_root()
     return None if root is None else root / "benchmarks"
@@ -264,18 +269,10 @@ def cmd_bench(args, rest: list[str]) -> int:
 def cmd_train_hypersolver(rest: list[str]) -> int:
     """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
     code, not part of the installed package)."""
-    root = _clone_root()
-    if root is None or not (root / "examples" / "hypersolver" / "train.py").is_file():
-        raise CLIError("train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it from "
-                       "the root of a clone (git clone ... && pip install -e .)")
-    train = _import_from_clone(root, "examples.hypersolver.train")
+    train = _clone_program("examples/hypersolver/train.py", "examples.hypersolver.train",
+                           "train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it "
+                           "from the root of a clone (git clone ... && pip install -e .)")
     return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
-
-
-def _solver_names() -> list[str]:
-    from deqzoo.core import SOLVERS
-
-    return [s for s in DEMO_SOLVERS if s in SOLVERS]
 
 
 def _task_demo(task, model, output_dir: Path):
@@ -292,8 +289,6 @@ def _task_demo(task, model, output_dir: Path):
 DEMO_HEADER = ["model", "solver", "metric", "NFE", "residual", "converged", "time"]
 DEMO_WIDTH = 100
 _NO_SOLVE = "no solve"
-
-
 
 
 def _converged(stats) -> str:
@@ -354,12 +349,13 @@ def run_demo(
 
     from tqdm.auto import tqdm
 
+    from deqzoo.core import SOLVERS
     from deqzoo.tasks._demo import has_solve, residual_figure, save_figure, write_index
 
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     images: dict[str, list[Path]] = {}
-    solvers = _solver_names()
+    solvers = [s for s in DEMO_SOLVERS if s in SOLVERS]
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in tqdm(names, desc="demo", unit="model", disable=not progress):
         try:
@@ -431,7 +427,7 @@ def cmd_demo(args) -> int:
     output_dir = Path(args.output_dir)
     rows, failures = run_demo(names, output_dir, progress=not args.no_progress)
     print(demo_table(rows))
-    print(_wrap_note(_DEMO_NOTE))
+    print(textwrap.fill(_DEMO_NOTE, DEMO_WIDTH))
     print("the plots and the full table (open in a browser):")
     print(f"  {output_dir / 'index.html'}")  # the only line as long as the user's path
     (output_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -440,20 +436,12 @@ def cmd_demo(args) -> int:
     return 1 if failures else 0
 
 
-def _wrap_note(text: str, width: int = DEMO_WIDTH) -> str:
-    import textwrap
-
-    return textwrap.fill(text, width)
-
-
 def cmd_app(args) -> int:
     """`deqzoo app`: the clone's Gradio app (deqzoo_app/, beside the Space entry point app.py)."""
-    root = _clone_root()
-    if root is None or not (root / "deqzoo_app" / "__init__.py").is_file():
-        raise CLIError("the app ships with the deqzoo repository (deqzoo_app/ and app.py), not with the "
-                       "installed package; run it from the root of a clone: git clone ... && cd deqzoo && "
-                       "pip install -e \".[app]\" && deqzoo app (or python app.py)")
-    app = _import_from_clone(root, "deqzoo_app")
+    app = _clone_program("deqzoo_app/__init__.py", "deqzoo_app",
+                         "the app ships with the deqzoo repository (deqzoo_app/ and app.py), not with the "
+                         "installed package; run it from the root of a clone: git clone ... && cd deqzoo && "
+                         "pip install -e \".[app]\" && deqzoo app (or python app.py)")
     if importlib.util.find_spec("gradio") is None:
         raise CLIError(app.gradio_missing_message())
     app.launch(port=args.port, warm_up=not args.no_warm_up)
@@ -539,12 +527,6 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _network_error(err: BaseException) -> bool:
-    from deqzoo.hub.validation import is_network_error
-
-    return is_network_error(err)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run a `deqzoo` command; expected failures print one line naming what is at fault and return 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -587,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deqzoo {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
         return 2
     except Exception as err:
-        if debug or not (isinstance(err, _expected_errors()) or _network_error(err)):
+        from deqzoo.hub.validation import is_network_error
+
+        if debug or not (isinstance(err, _expected_errors()) or is_network_error(err)):
             raise
         print(f"deqzoo {command}: error: {_one_line(err)} (run with --debug for the traceback)",
               file=sys.stderr)

@@ -165,37 +165,47 @@ def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) ->
     return model
 
 
-class _ImageClassifier(nn.Module):
+class _Head(nn.Module):
+    """A tensor-in, tensor-out head of an exportable model. `inputs`: each argument's name (the ONNX input
+    name) -> its dynamic axes (axis -> name: one ``torch.export.Dim`` per name, shared between inputs);
+    `output`: the output's name; `onnx_refused`: why ONNX export is refused, when it is."""
+
+    inputs: dict[str, dict[int, str]] = {"pixel_values": {0: "batch"}}
+    output = "logits"
+    onnx_refused = ""
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
+
+class _ImageClassifier(_Head):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.model(pixel_values, return_dict=True).logits
 
 
-class _SignalRepresenter(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+class _SignalRepresenter(_Head):
+    inputs = {"coords": {0: "points"}}  # (N, d) coordinates: the number of points
+    output = "values"
 
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
         return self.model(coords, return_dict=True).values
 
 
-class _LanguageModel(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+class _LanguageModel(_Head):
+    inputs = {"input_ids": {0: "batch"}}  # (batch, length) token ids at the example's length
+    # measured; see the module docstring
+    onnx_refused = ("the DEQ-Transformer's fixed-point map is not contractive, so its fixed-iteration output "
+                    "amplifies rounding differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 "
+                    "from eager at batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above "
+                    "1e-4. Use export_program (torch.export) or trace, which run torch's kernels")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, use_cache=False, return_dict=True).logits
 
 
-class _GraphClassifier(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+class _GraphClassifier(_Head):
+    inputs = {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}}
 
     def forward(self, x: torch.Tensor, operator: torch.Tensor) -> torch.Tensor:
         from .models.ignn.modeling_ignn import IGNNGraph
@@ -244,6 +254,13 @@ def _prepare_ignn(model: nn.Module, graph) -> None:
             module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
 
 
+# the heads export serves per family (a subclass of one is served too) and the module wrapping them
+_HEADS: dict[str, tuple[tuple[str, ...], type[_Head]]] = {
+    "mdeq": (("MDEQForImageClassification", "LipschitzMDEQForImageClassification"), _ImageClassifier),
+    "ignn": (("IGNNForNodeClassification",), _GraphClassifier),
+    "implicit2": (("Implicit2ForSignalRepresentation",), _SignalRepresenter),
+    "deq_transformer": (("DEQTransformerForCausalLM",), _LanguageModel),
+}
 # why the other families are not exported (the reason ExportError gives)
 _NOT_EXPORTABLE = {
     "deq_flow": "its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
@@ -269,36 +286,23 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
         torch.Size([4, 2])
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    heads = {"mdeq": ("MDEQForImageClassification", "LipschitzMDEQForImageClassification"),
-             "ignn": ("IGNNForNodeClassification", "IGNNForGraphClassification"),
-             "implicit2": ("Implicit2ForSignalRepresentation",),
-             "deq_transformer": ("DEQTransformerForCausalLM",)}
     name = type(model).__name__
-    if model_type not in heads:
+    if model_type not in _HEADS:
         why = _NOT_EXPORTABLE.get(model_type, "its forward has not been checked for tracing")
         raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {why} (export is "
-                          f"implemented for {sorted(heads)})")
+                          f"implemented for {sorted(_HEADS)})")
+    heads, wrapper = _HEADS[model_type]
+    if name == "IGNNForGraphClassification":
+        raise ExportError("IGNNForGraphClassification: graph pooling takes the number of graphs from the "
+                          "batch vector's values; export supports IGNNForNodeClassification")
+    if not any(cls.__name__ in heads for cls in type(model).__mro__):  # the head's class or a subclass
+        raise ExportError(f"{name}: export is implemented for {', '.join(heads)} ({wrapper.output} out)")
     if not any(isinstance(m, DEQ) for m in model.modules()):
         raise ExportError(f"{name} has no DEQ layer to run at a fixed iteration budget")
     copy_ = _fixed_iteration_copy(model, max_iter, tau)
     if model_type == "ignn":
-        if name == "IGNNForGraphClassification":
-            raise ExportError("IGNNForGraphClassification: graph pooling takes the number of graphs from the "
-                              "batch vector's values; export supports IGNNForNodeClassification")
         _prepare_ignn(copy_, graph)
-        return _GraphClassifier(copy_).eval()
-    if model_type == "deq_transformer":
-        if name not in heads["deq_transformer"]:
-            raise ExportError(f"{name}: export is implemented for DEQTransformerForCausalLM (logits out)")
-        return _LanguageModel(copy_).eval()
-    if model_type == "implicit2":
-        if name not in heads["implicit2"]:
-            raise ExportError(f"{name}: export is implemented for Implicit2ForSignalRepresentation "
-                              "(values out)")
-        return _SignalRepresenter(copy_).eval()
-    if not hasattr(copy_, "classifier") and "Classification" not in name:
-        raise ExportError(f"{name}: export is implemented for image classification heads (logits out)")
-    return _ImageClassifier(copy_).eval()
+    return wrapper(copy_).eval()
 
 
 def _as_tuple(inputs) -> tuple:
@@ -317,22 +321,14 @@ def batch_dynamic_shapes(module: nn.Module):
         [[0], [0, 1]]
     """
     _check_module(module)
-    if isinstance(module, _GraphClassifier):
-        nodes = torch.export.Dim("nodes", min=1, max=2**31 - 2)
-        return ({0: nodes}, {0: nodes, 1: nodes})
-    if isinstance(module, _LanguageModel):  # (batch, length) token ids at the example's length
-        return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
-    if isinstance(module, _SignalRepresenter):  # (N, d) coordinates: the number of points
-        return ({0: torch.export.Dim("points", min=1, max=2**31 - 2)},)
-    return ({0: torch.export.Dim("batch", min=1, max=2**31 - 2)},)
+    dims: dict[str, torch.export.Dim] = {}  # one Dim per name: x's rows and the operator's sides agree
+    return tuple({axis: dims.setdefault(name, torch.export.Dim(name, min=1, max=2**31 - 2))
+                  for axis, name in axes.items()} for axes in module.inputs.values())
 
 
-def _onnx_dynamic_axes(module: nn.Module) -> dict[str, dict[int, str]]:
-    if isinstance(module, _SignalRepresenter):
-        return {"coords": {0: "points"}, "values": {0: "points"}}
-    if isinstance(module, _GraphClassifier):
-        return {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}, "logits": {0: "nodes"}}
-    return {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
+def _onnx_dynamic_axes(module: _Head) -> dict[str, dict[int, str]]:
+    first = next(iter(module.inputs.values()))
+    return {**module.inputs, module.output: {0: first[0]}}  # the output's rows follow the first input's
 
 
 def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = True,
@@ -351,15 +347,6 @@ def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = T
                           f"{str(err).splitlines()[0] if str(err) else ''}") from err
 
 
-# heads whose ONNX export is refused, and why (measured; see the module docstring)
-_ONNX_REFUSED = {
-    _LanguageModel: "the DEQ-Transformer's fixed-point map is not contractive, so its fixed-iteration output "
-                    "amplifies rounding differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 "
-                    "from eager at batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above "
-                    "1e-4. Use export_program (torch.export) or trace, which run torch's kernels",
-}
-
-
 def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, dynamic_batch: bool = True,
                 **kwargs) -> Path:
     """Write an ONNX file of an :func:`exportable` module (torch's exporter; needs the ``onnx`` extra).
@@ -368,14 +355,13 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
     ``torch.export``-based exporter (``dynamo=True``, torch's default), ``dynamic_axes`` for the TorchScript
     one (``dynamo=False``, several times faster to export a long unrolled solve)."""
     _check_module(module)
-    refused = _ONNX_REFUSED.get(type(module))
-    if refused:
-        raise ExportError(f"ONNX export of {type(module).__name__} is refused: {refused}")
+    if module.onnx_refused:
+        raise ExportError(f"ONNX export of {type(module).__name__} is refused: {module.onnx_refused}")
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new path (an existing file is never overwritten)")
-    kwargs.setdefault("input_names", _input_names(module))
-    kwargs.setdefault("output_names", ["values"] if isinstance(module, _SignalRepresenter) else ["logits"])
+    kwargs.setdefault("input_names", list(module.inputs))
+    kwargs.setdefault("output_names", [module.output])
     if dynamic_batch and "dynamic_shapes" not in kwargs and "dynamic_axes" not in kwargs:
         if kwargs.get("dynamo", True):
             kwargs["dynamic_shapes"] = batch_dynamic_shapes(module)
@@ -397,13 +383,7 @@ def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
         return torch.jit.trace(module, _as_tuple(example_inputs), check_trace=False)
 
 
-def _input_names(module: nn.Module) -> list[str]:
-    if isinstance(module, _SignalRepresenter):
-        return ["coords"]
-    return ["x", "operator"] if isinstance(module, _GraphClassifier) else ["pixel_values"]
-
-
 def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, (_ImageClassifier, _GraphClassifier, _SignalRepresenter, _LanguageModel)):
+    if not isinstance(module, _Head):
         raise ExportError(f"{type(module).__name__}: pass the module deqzoo.export.exportable(model) returns "
                           "(a DEQ's adaptive solve cannot be traced: its stopping test reads tensor values)")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..core import SolverStats
+from ._demo import DemoSummary
 
 __all__ = ["ChainsDataset", "chains_settings", "demo", "evaluate", "make_chains", "predict"]
 
@@ -172,8 +173,6 @@ def demo(model) -> tuple[str, SolverStats]:
         f"{correct.float().mean().item():.4f}, accuracy at the last chain position {last:.4f}; "
         f"solve: {stats.nfe} f-evals, final residual {stats.abs_residual.max().item():.2e}"
     )
-    from ._demo import DemoSummary
-
     return DemoSummary(line, f"accuracy {correct.float().mean().item():.3f} (last {last:.3f})"), stats
 
 

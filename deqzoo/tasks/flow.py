@@ -1,5 +1,6 @@
-"""Optical-flow task: FlyingChairs-like pairs rendered from real photographs, the motorcycle stereo pair, and
-a synthetic video, all generated offline and deterministically from scikit-image's bundled images.
+"""Optical-flow task: FlyingChairs-like pairs rendered from real photographs and the motorcycle stereo pair,
+generated offline and deterministically from scikit-image's bundled images (the synthetic video the
+benchmarks stream is `examples/deq_flow/video.py`, built from the same layers).
 
 A scene is a stack of layers (a background and "chairs": elliptical pieces of other photographs), each with a
 per-frame map from frame pixels to its texture's pixels and the inverse. A pixel of frame t belongs to the top
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
+from ._demo import DemoSummary, save_figure
 from ._files import free_path, open_image
 
 __all__ = [
@@ -52,7 +54,6 @@ __all__ = [
     "predict",
     "synthetic_batch",
     "synthetic_pair",
-    "synthetic_video",
     "warp",
 ]
 
@@ -351,49 +352,6 @@ def synthetic_batch(
     return tuple(torch.stack([getattr(p, k) for p in pairs]) for k in ("image1", "image2", "flow", "valid"))
 
 
-def synthetic_video(
-    num_frames: int = 12, size: tuple[int, int] = (96, 128), seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A held-out video: the camera pans (and slowly zooms/rotates) over `chelsea` while a face from the
-    held-out lfw faces moves across. Returns frames (T, 3, H, W), flows (T-1, 2, H, W) and valid
-    (T-1, H, W)."""
-    if num_frames < 2:
-        raise ValueError(f"num_frames must be >= 2, got {num_frames}")
-    h, w = size
-    rng = np.random.default_rng([seed, 7, h, w])
-    bg = _texture("chelsea")
-    ht, wt = bg.shape[-2:]
-    center = ((w - 1) / 2, (h - 1) / 2)
-    start = np.array([wt * 0.3, ht * 0.4])
-    velocity = rng.uniform(2.0, 4.0, size=2) * np.array([1.0, 0.5])
-    face = _faces()[_LFW_TRAIN + int(rng.integers(200 - _LFW_TRAIN))]
-    fw = face.shape[-1]
-    f_start, f_velocity = np.array([w * 0.25, h * 0.3]), rng.uniform(2.5, 4.0, size=2) * np.array([1.0, 0.6])
-    bg_maps, face_maps = [], []
-    for t in range(num_frames):
-        cam = _affine(
-            1.0 / (1.0 + 0.01 * t), 0.005 * t, tuple(start + velocity * t - np.array(center)), center
-        )
-        bg_maps.append(cam)
-        # face: frame -> face texture; 40 px wide on screen, drifting and turning slowly
-        pos = f_start + f_velocity * t
-        fm = _affine(fw / 40.0, 0.03 * t, (0.0, 0.0), (0.0, 0.0))
-        fm[:2, 2] = np.array([(fw - 1) / 2, (fw - 1) / 2]) - fm[:2, :2] @ pos
-        face_maps.append(fm)
-    layers = [
-        _Layer(bg, *_maps(bg_maps), None),
-        _Layer(face, *_maps(face_maps), ((fw - 1) / 2, (fw - 1) / 2, fw * 0.42, fw * 0.5, 0.0)),
-    ]
-    frames = torch.stack([_render(layers, t, h, w) for t in range(num_frames)])
-    flows, valid = zip(*[_flow(layers, t, h, w) for t in range(num_frames - 1)])
-    return frames, torch.stack(flows), torch.stack(valid)
-
-
-def _maps(ms: list[np.ndarray]) -> tuple[list[Map], list[Map]]:
-    pairs = [_inverse_map(m) for m in ms]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def motorcycle_pair(scale: float = 0.25) -> FlowPair:
     """scikit-image's Middlebury `motorcycle` stereo pair, resized by `scale`: flow from the left to the right
     image is (-disparity, 0); valid where the ground-truth disparity is finite."""
@@ -607,8 +565,6 @@ def demo(model, output_dir: str | Path = "demo_output"):
     line with the EPEs as its metric, the motorcycle solve's statistics: `SolverStats.no_solve()` for the
     explicit RAFT twin)."""
     from ..core import SolverStats
-    from ._demo import DemoSummary, save_figure
-
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = synthetic_pair(0, EVAL_SIZE, "held-out")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..core import SolverStats
+from ._demo import DemoSummary
 from ._files import free_path
 
 __all__ = [
@@ -101,7 +102,6 @@ class ImageData:
     train_values: torch.Tensor
     test_coords: torch.Tensor
     test_values: torch.Tensor
-    train_shape: tuple[int, int] = field(default=(0, 0))
 
 
 def image_data(name: str, size: int, split: str = "full") -> ImageData:
@@ -117,7 +117,7 @@ def image_data(name: str, size: int, split: str = "full") -> ImageData:
     values = img * 2 - 1
     if split == "full":
         tc, tv = grid.reshape(-1, 2), values.reshape(-1, c)
-        return ImageData(name, size, split, img, tc, tv, tc, tv, (size, size))
+        return ImageData(name, size, split, img, tc, tv, tc, tv)
     tr, te = (slice(0, None, 2), slice(0, None, 2)), (slice(1, None, 2), slice(1, None, 2))
     return ImageData(
         name,
@@ -128,7 +128,6 @@ def image_data(name: str, size: int, split: str = "full") -> ImageData:
         values[tr].reshape(-1, c),
         grid[te].reshape(-1, 2),
         values[te].reshape(-1, c),
-        tuple(grid[tr].shape[:2]),
     )
 
 
@@ -191,8 +190,6 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     name = Path(getattr(model, "name_or_path", "") or "implicit2").name
     path = out_dir / f"{name}_{2 * size}x{2 * size}.png"
     _save_png(image, path)
-    from ._demo import DemoSummary
-
     score = psnr(values, data.test_values)
     summary = DemoSummary(
         f"{s['image']} ({s['split']}, {size}x{size}): PSNR {score:.2f} dB; "

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..core import SolverStats
+from ._demo import DemoSummary
 
 __all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "interleaved_test_split", "load_split", "predict",
            "sample_images", "to_pixel_values"]
@@ -137,8 +138,6 @@ def demo(model) -> tuple[str, SolverStats]:
     names = _labels(model)
     shown = " ".join(names.get(p, str(p)) for p in pred)
     right = sum(int(p == t) for p, t in zip(pred, y.tolist()))
-    from ._demo import DemoSummary
-
     summary = DemoSummary(f"digits 0-9 -> predicted {shown} ({right}/10 correct)", f"{right}/10 correct")
     return summary, out.deq_stats
 

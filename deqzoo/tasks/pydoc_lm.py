@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..core import SolverStats
+from ._demo import DemoSummary
 
 DEMO_PROMPT = "The for statement is used to"
 # The card's recommended decoding: greedy decoding of a model this small loops ("the in the in ..."); sampling
@@ -125,15 +126,6 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     return {"perplexity": round(math.exp(nll / count), 4), "mean_nfe": round(sum(nfes) / len(nfes), 4)}
 
 
-def unigram_perplexity(tokenizer) -> float:
-    """Baseline: unigram model of the training tokens (add-one smoothing) on the same held-out predictions."""
-    train = token_stream(tokenizer, "train")
-    held = token_stream(tokenizer, "held_out")[1:]  # the tokens evaluate() predicts
-    counts = torch.bincount(train, minlength=len(tokenizer)).double() + 1.0
-    logp = (counts / counts.sum()).log()
-    return round(math.exp(-float(logp[held].mean())), 4)
-
-
 # Documented limit of `deqzoo predict` for the language model (a few pages of text).
 MAX_PROMPT_CHARS = 20_000
 
@@ -169,8 +161,6 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     with torch.no_grad():
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
-    from ._demo import DemoSummary
-
     text, _ = _generate(model, DEMO_PROMPT)
     words = " ".join(text.split())
     metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'  # no score: a sample of it

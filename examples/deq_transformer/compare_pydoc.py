@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 from deqzoo.tasks import pydoc_lm
+
+
+def unigram_perplexity(tokenizer) -> float:
+    """Baseline: unigram model of the training tokens (add-one smoothing) on the same held-out predictions."""
+    train = pydoc_lm.token_stream(tokenizer, "train")
+    held = pydoc_lm.token_stream(tokenizer, "held_out")[1:]  # the tokens pydoc_lm.evaluate() predicts
+    counts = torch.bincount(train, minlength=len(tokenizer)).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return round(math.exp(-float(logp[held].mean())), 4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                    "b_mode": model.config.deq["b_mode"], "f_solver": model.config.deq["f_solver"],
                    "f_max_iter": model.config.deq["f_max_iter"]}
         tok = pydoc_lm.load_tokenizer(model)
-    rows["unigram"] = {"perplexity": pydoc_lm.unigram_perplexity(tok)}
+    rows["unigram"] = {"perplexity": unigram_perplexity(tok)}
     print(f"{'model':50s} {'perplexity':>12s} {'mean_nfe':>9s}")
     for name, r in rows.items():
         print(f"{name:50s} {r['perplexity']:12.4f} {r.get('mean_nfe', float('nan')):9.4f}")

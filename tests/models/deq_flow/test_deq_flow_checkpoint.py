@@ -13,6 +13,7 @@ import deqzoo
 from deqzoo.hub.cards import read_model_card
 from deqzoo.hub.loading import resolve
 from deqzoo.tasks import flow
+from examples.deq_flow.video import synthetic_video
 
 NAMES = ["deqzoo/deq-flow-cpu-synth", "deqzoo/deq-flow-cpu-raft-baseline"]
 
@@ -75,7 +76,7 @@ def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monke
     from torchvision.utils import flow_to_image
 
     model = deqzoo.from_pretrained(NAMES[0])
-    video, _, _ = flow.synthetic_video(4, (48, 64), 2)
+    video, _, _ = synthetic_video(4, (48, 64), 2)
     frames = (video * 255).round().to(torch.uint8)
     folder = tmp_path / "clip"
     folder.mkdir()
@@ -134,7 +135,7 @@ def test_reuse_along_a_video_saves_solver_steps_at_the_same_accuracy():
     bench, 4 videos of 12 frames of 96x128, reports ratios 0.73-0.78; this shorter, smaller video saves
     less)."""
     model = deqzoo.from_pretrained(NAMES[0])
-    video, flows, valid = flow.synthetic_video(8, (64, 96), 0)
+    video, flows, valid = synthetic_video(8, (64, 96), 0)
     result = {}
     for reuse in (False, "fixed_point", "forward_interpolate", "warm_start", "warp"):
         preds, stats = model.estimate_sequence(video, reuse=reuse)

@@ -10,6 +10,7 @@ import deqzoo  # noqa: F401 - registers the family with the Auto classes
 from deqzoo.hub.cards import card_metrics, read_model_card
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 from deqzoo.tasks import pydoc_lm
+from examples.deq_transformer.compare_pydoc import unigram_perplexity
 
 CKPT = Path(__file__).resolve().parents[3] / "model_cards" / "deq-transformer-tiny-pydoc"
 
@@ -40,7 +41,7 @@ def test_card_numbers_reproduce_on_a_subset(model):
     sub = pydoc_lm.evaluate(model, limit=8, progress=False)
     assert f"limit=8: perplexity {sub['perplexity']:.4f}, mean NFE {sub['mean_nfe']:.4f}" in body
     # far below the unigram baseline reported on the card
-    assert metrics["perplexity"] < 0.5 * pydoc_lm.unigram_perplexity(pydoc_lm.load_tokenizer(model))
+    assert metrics["perplexity"] < 0.5 * unigram_perplexity(pydoc_lm.load_tokenizer(model))
 
 
 def test_fixed_point_reuse_keeps_greedy_tokens(model):
