@@ -1,7 +1,8 @@
 """Repository tooling: write a published checkpoint's model card (`model_cards/<name>/README.md`).
 
-The family card writers in `examples/<family>/` call :func:`write_model_card` when they publish a checkpoint;
-the library only reads cards back (`deqzoo.hub.cards.read_model_card`), for the catalog and `deqzoo list`.
+The family card writers in `examples/<family>/` call :func:`write_model_card` when they publish a checkpoint:
+the library's metadata and front matter (`deqzoo.hub.cards`) plus the usage, training and evaluation sections
+of a zoo card.
 """
 
 from __future__ import annotations
@@ -10,73 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from deqzoo.hub.cards import CARD_NAME, FRONT
+from deqzoo.hub.cards import CARD_NAME, build_metadata, render_model_card
 from deqzoo.hub.saving import write_whole
 
 # tasks with a transformers pipeline that the zoo's heads serve (card snippets use it); others use AutoModel
 TRANSFORMERS_PIPELINES = frozenset({"image-classification", "image-segmentation", "text-generation"})
-
-_TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
-               "text-generation": "Text Generation", "image-classification": "Image Classification"}
-
-
-def _pretty(name: str) -> str:
-    return _TASK_NAMES.get(name) or name.replace("-", " ").replace("_", " ").title()
-
-
-def build_metadata(
-    *,
-    model_id: str,
-    pipeline_tag: str,
-    task_module: str,
-    datasets: list[str],
-    dataset_name: str,
-    metrics: list[dict[str, Any]],
-    tags: list[str],
-    base_model: str | None = None,
-    license: str = "apache-2.0",
-) -> dict[str, Any]:
-    """The card's YAML metadata as a dict (Hub keys plus `deqzoo_task`)."""
-    for i, metric in enumerate(metrics):
-        missing = {"type", "name", "value"} - set(metric)
-        if missing:
-            raise ValueError(f"metrics[{i}]={metric!r} lacks key(s) {sorted(missing)}; "
-                             "each needs type, name, value")
-    if not task_module or not all(part.isidentifier() for part in task_module.split(".")):
-        raise ValueError(f"task_module must be a dotted module name (deqzoo.tasks.<name>), "
-                         f"got {task_module!r}")
-    all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
-    # written by hand, not with huggingface_hub's ModelCardData: its to_dict() reorders the keys and drops
-    # the task's display name, so the embedded cards would no longer regenerate byte for byte from their
-    # writers (tests/examples pin that); the fields are the Hub's model-index schema either way
-    meta: dict[str, Any] = {
-        "license": license,
-        "library_name": "deqzoo",
-        "tags": all_tags,
-        "datasets": list(datasets),
-        "metrics": sorted({m["type"] for m in metrics}),
-    }
-    if base_model:
-        meta["base_model"] = base_model
-    meta["pipeline_tag"] = pipeline_tag
-    meta["deqzoo_task"] = task_module
-    meta["model-index"] = [{
-        "name": model_id,
-        "results": [{
-            "task": {"type": pipeline_tag, "name": _pretty(pipeline_tag)},
-            "dataset": {"type": datasets[0] if datasets else dataset_name, "name": dataset_name},
-            "metrics": [{"type": m["type"], "name": m["name"], "value": m["value"]} for m in metrics],
-        }],
-    }]
-    return meta
-
-
-def render_model_card(metadata: dict[str, Any], body: str) -> str:
-    """Front matter + body, as the Hub expects in README.md."""
-    front = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
-    return f"{FRONT}\n{front}{FRONT}\n\n{body.strip()}\n"
 
 
 def write_model_card(

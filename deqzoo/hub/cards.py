@@ -1,7 +1,8 @@
 """Model cards: a Hub README.md with YAML metadata (front matter) and a body saying how to use and reproduce.
 
-The catalog and `deqzoo list` read the metadata with :func:`read_model_card` (size-limited, no YAML aliases);
-cards are written by repository tooling when a checkpoint is published (`utils.cards.write_model_card`).
+:func:`render_model_card` writes one (`deqzoo convert` cards its converted checkpoints; the zoo's published
+cards add usage and reproduction sections, `utils.cards.write_model_card`); the catalog and `deqzoo list`
+read the metadata back with :func:`read_model_card` (size-limited, no YAML aliases).
 """
 
 from __future__ import annotations
@@ -10,11 +11,74 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .validation import confined, load_yaml
 
 CARD_NAME = "README.md"
 MAX_CARD_BYTES = 16 * 1024 * 1024
-FRONT = "---"
+_FRONT = "---"
+
+_TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
+               "text-generation": "Text Generation", "image-classification": "Image Classification"}
+
+
+def _pretty(name: str) -> str:
+    return _TASK_NAMES.get(name) or name.replace("-", " ").replace("_", " ").title()
+
+
+def build_metadata(
+    *,
+    model_id: str,
+    pipeline_tag: str,
+    task_module: str,
+    datasets: list[str],
+    dataset_name: str,
+    metrics: list[dict[str, Any]],
+    tags: list[str],
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+) -> dict[str, Any]:
+    """The card's YAML metadata as a dict (Hub keys plus `deqzoo_task`)."""
+    for i, metric in enumerate(metrics):
+        missing = {"type", "name", "value"} - set(metric)
+        if missing:
+            raise ValueError(f"metrics[{i}]={metric!r} lacks key(s) {sorted(missing)}; "
+                             "each needs type, name, value")
+    if not task_module or not all(part.isidentifier() for part in task_module.split(".")):
+        raise ValueError(f"task_module must be a dotted module name (deqzoo.tasks.<name>), "
+                         f"got {task_module!r}")
+    all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
+    # written by hand, not with huggingface_hub's ModelCardData: its to_dict() reorders the keys and drops
+    # the task's display name, so the embedded cards would no longer regenerate byte for byte from their
+    # writers (tests/examples pin that); the fields are the Hub's model-index schema either way
+    meta: dict[str, Any] = {
+        "license": license,
+        "library_name": "deqzoo",
+        "tags": all_tags,
+        "datasets": list(datasets),
+        "metrics": sorted({m["type"] for m in metrics}),
+    }
+    if base_model:
+        meta["base_model"] = base_model
+    meta["pipeline_tag"] = pipeline_tag
+    meta["deqzoo_task"] = task_module
+    meta["model-index"] = [{
+        "name": model_id,
+        "results": [{
+            "task": {"type": pipeline_tag, "name": _pretty(pipeline_tag)},
+            "dataset": {"type": datasets[0] if datasets else dataset_name, "name": dataset_name},
+            "metrics": [{"type": m["type"], "name": m["name"], "value": m["value"]} for m in metrics],
+        }],
+    }]
+    return meta
+
+
+def render_model_card(metadata: dict[str, Any], body: str) -> str:
+    """Front matter + body, as the Hub expects in README.md."""
+    front = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+    return f"{_FRONT}\n{front}{_FRONT}\n\n{body.strip()}\n"
+
 
 
 def read_model_card(directory: str | os.PathLike) -> tuple[dict[str, Any], str]:
@@ -33,10 +97,10 @@ def read_model_card(directory: str | os.PathLike) -> tuple[dict[str, Any], str]:
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: a model card must be UTF-8 text ({err})") from err
     lines = text.splitlines(keepends=True)
-    if not lines or lines[0].strip() != FRONT:
+    if not lines or lines[0].strip() != _FRONT:
         return {}, text
     for end in range(1, len(lines)):
-        if lines[end].strip() == FRONT:
+        if lines[end].strip() == _FRONT:
             meta = load_yaml("".join(lines[1:end]), path) or {}
             if not isinstance(meta, dict):
                 raise ValueError(f"{path}: YAML front matter must be a mapping, got {type(meta).__name__}")
