@@ -143,7 +143,7 @@ def write_converted(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out:
     """Build the model from `config_kwargs`, load the converted weights strictly (an error lists missing,
     unexpected and mis-shaped keys, naming `src`), save it and write its card."""
     import deqzoo  # noqa: F401 - registers the family
-    from deqzoo.hub.cards import write_model_card
+    from deqzoo.hub.cards import build_metadata, render_model_card
     from deqzoo.hub.loading import check_state_dict
     from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
 
@@ -152,14 +152,14 @@ def write_converted(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out:
     model.load_state_dict(model_sd, strict=True)
     out = Path(out)
     model.save_pretrained(out)
-    write_model_card(
-        out, model_id=f"converted/{out.name}", title=f"DEQ-Transformer converted from {source}",
-        pipeline_tag="text-generation", task_module="pydoc_lm", datasets=["wikitext-103"],
-        dataset_name="WikiText-103", metrics=[], tags=["deq-transformer", *tags, "converted"],
-        train_command=f"# trained by the original authors ({source}); converted with deqzoo convert",
-        eval_command="# evaluate with the original WikiText-103 pipeline (no tokenizer is shipped)",
-        body_markdown=(f"Weights converted from a {source} checkpoint (`conversion/deq_transformer_*.py`). "
-                       "Parity with the original code is tested on a small fixture."))
+    meta = build_metadata(model_id=f"converted/{out.name}", pipeline_tag="text-generation",
+                          task_module="pydoc_lm", datasets=["wikitext-103"], dataset_name="WikiText-103",
+                          metrics=[], tags=["deq-transformer", *tags, "converted"])
+    body = (f"# DEQ-Transformer converted from {source}\n\nWeights converted from a {source} checkpoint "
+            "(`conversion/deq_transformer_*.py`), trained by the original authors and converted with "
+            "`deqzoo convert`. Parity with the original code is tested on a small fixture. Evaluate with the "
+            "original WikiText-103 pipeline (no tokenizer is shipped).")
+    (out / "README.md").write_text(render_model_card(meta, body), encoding="utf-8")
     return out
 
 

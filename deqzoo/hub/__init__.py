@@ -1,6 +1,6 @@
 """Hub: resolution (local -> embedded -> HF cache -> Hub), catalog, safe loading, push, model cards."""
 
-from .cards import read_model_card, write_model_card
+from .cards import read_model_card
 from .catalog import load_catalog
 from .loading import is_offline, load_state_dict, resolve
 from .push import push_folder
@@ -26,4 +26,4 @@ def save(model, directory, processor=None):
 
 
 __all__ = ["CheckpointError", "atomic_save", "is_offline", "load_catalog", "load_state_dict", "push_folder",
-           "read_model_card", "resolve", "save", "write_model_card"]
+           "read_model_card", "resolve", "save"]

@@ -291,7 +291,7 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
     if unknown:
         raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
                         f"{unknown[0]!r}")
-    if hasattr(config, "check_overrides"):  # a deqzoo config checks overrides like its __init__ does
+    if overrides and hasattr(config, "check_overrides"):  # a deqzoo config checks them like its __init__
         config.check_overrides(overrides)
     for key, value in overrides.items():
         setattr(config, key, value)

@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,29 +95,27 @@ def _replaced(rel: str, produced: set[str]) -> bool:
     return rel in produced or ("/" not in rel and WEIGHT_FILE.fullmatch(rel) is not None)
 
 
-def _link_tree(src: Path, dst: Path, produced: set[str], rel: str = "") -> bool:
-    """Carry every entry of `src` the save does not replace into `dst` as a hard link (folders rebuilt, links
-    copied); False when one cannot be (then the folder is updated in place instead)."""
-    for entry in os.scandir(src):
-        name, out = f"{rel}{entry.name}", dst / entry.name
-        if _replaced(name, produced) or out.exists() or out.is_symlink():
-            if entry.is_dir(follow_symlinks=False) and out.is_dir() and not out.is_symlink():
-                if not _link_tree(Path(entry.path), out, produced, f"{name}/"):
-                    return False
-            continue  # produced where the old folder had an entry: the old one stays in the swapped-out copy
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry.path), out)
-        elif entry.is_dir():
-            out.mkdir()
-            shutil.copystat(entry.path, out, follow_symlinks=False)
-            if not _link_tree(Path(entry.path), out, produced, f"{name}/"):
-                return False
-        else:
-            try:
-                os.link(entry.path, out)
-            except OSError as err:
-                logger.info("%s: updating in place (cannot hard-link %s: %s)", dst, entry.path, err.strerror)
-                return False
+def _real_dir(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+def _link_tree(target: Path, tmp: Path, produced: set[str]) -> bool:
+    """Carry every entry of `target` the save does not replace into `tmp` as a hard link (folders rebuilt,
+    links copied as links, the folder's mode kept); False when one cannot be (then it is updated in place).
+    Where the save produced an entry of the same name, the old one stays in the swapped-out copy."""
+
+    def not_carried(folder: str, names: list[str]) -> set[str]:
+        rel = Path(folder).relative_to(target)
+        return {name for name in names if _replaced((rel / name).as_posix(), produced) or (
+            os.path.lexists(tmp / rel / name) and not (_real_dir(tmp / rel / name)
+                                                       and _real_dir(os.path.join(folder, name))))}
+
+    try:
+        shutil.copytree(target, tmp, symlinks=True, ignore=not_carried, copy_function=os.link,
+                        dirs_exist_ok=True)
+    except shutil.Error as err:
+        logger.info("%s: updating in place (cannot hard-link: %s)", target, err.args[0][0])
+        return False
     return True
 
 
@@ -129,7 +126,7 @@ def _retire(old: Path, new: Path, produced: set[str], rel: str = "") -> list[str
     for entry in list(os.scandir(old)):
         name, counterpart = f"{rel}{entry.name}", new / entry.name
         is_dir = entry.is_dir(follow_symlinks=False)
-        if is_dir and counterpart.is_dir() and not counterpart.is_symlink():
+        if is_dir and _real_dir(counterpart):
             kept += _retire(Path(entry.path), counterpart, produced, f"{name}/")
         elif not is_dir and _replaced(name, produced):
             os.unlink(entry.path)
@@ -262,11 +259,9 @@ def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, l
             _write(tmp / PRODUCED, sorted(produced))
             umask = os.umask(0)
             os.umask(umask)  # mkdtemp (and transformers' writer) make owner-only entries: the usual modes
-            for path in [*tmp.rglob("*"), tmp]:  # before any user file is linked in
-                if not path.is_symlink():
+            for path in [*tmp.rglob("*"), tmp]:  # before any user file is linked in (the folder then takes
+                if not path.is_symlink():  # the mode of the one it replaces, `_link_tree`)
                     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-            if target.exists():
-                tmp.chmod(stat.S_IMODE(target.stat().st_mode))
             _stage("written")
             _swap_in(tmp, target, produced)
         except BaseException:

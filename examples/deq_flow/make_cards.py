@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import deqzoo
-    from deqzoo.hub.cards import write_model_card
     from deqzoo.tasks.flow import evaluate
+    from utils.cards import write_model_card
 
     deq_dir = _copy(args.deq_run, DEQ_NAME, INFERENCE_DEQ)
     raft_dir = _copy(args.raft_run, RAFT_NAME, None)

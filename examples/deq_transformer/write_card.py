@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from deqzoo.hub.cards import write_model_card
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 from deqzoo.tasks import pydoc_lm
+from utils.cards import write_model_card
 
 # measured after training (the run did not record its time); see the HyperDEQ hypersolver's card
 TRAINING_TIME = (

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from deqzoo.hub.cards import write_model_card
+from utils.cards import write_model_card
 
 
 def curve_table(rows: list[dict]) -> str:

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deqzoo.hub.cards import write_model_card
 from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
 from deqzoo.tasks.implicit2 import evaluate
+from utils.cards import write_model_card
 
 FORMULA = {
     "siren": "f(z; x) = sin(W(z + sin(Vx)) + Ux + b)",

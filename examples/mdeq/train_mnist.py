@@ -256,7 +256,7 @@ def _row(label: str, m: dict, solver: str, tol: str) -> str:
 def write_card_reversible(out: Path, summary: dict) -> None:
     """The reversible checkpoint's card: its held-out numbers beside the IFT checkpoint's (same data, seed,
     architecture), training time, and measurements.json (examples/mdeq/measure_reversible.py) when present."""
-    from deqzoo.hub.cards import write_model_card
+    from utils.cards import write_model_card
 
     m = summary["metrics"]
     model = deqzoo.from_pretrained(out)
@@ -361,8 +361,8 @@ def write_card_reversible(out: Path, summary: dict) -> None:
 
 
 def write_card(variant: str, out: Path, summary: dict, other: dict | None = None) -> None:
-    """Model card via deqzoo.hub.cards.write_model_card; each card also reports its twin's numbers."""
-    from deqzoo.hub.cards import write_model_card
+    """Model card via utils.cards.write_model_card; each card also reports its twin's numbers."""
+    from utils.cards import write_model_card
 
     if variant == "reversible":
         write_card_reversible(out, summary)

@@ -134,7 +134,8 @@ def toy_family():
 
 def make_toy_checkpoint(directory, *, seed: int = 0, card: bool = True):
     """Save a toy model (+ processor, + card) to `directory`; returns the model."""
-    from deqzoo.hub import save, write_model_card
+    from deqzoo.hub import save
+    from utils.cards import write_model_card
 
     torch.manual_seed(seed)
     model = ToyDEQForImageClassification(ToyDEQConfig(deq={"f_solver": "anderson", "f_max_iter": 40,

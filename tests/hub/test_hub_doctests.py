@@ -9,7 +9,7 @@ MODULES = ["deqzoo", "deqzoo.factory", "deqzoo.modeling_utils", "deqzoo.hub.card
            "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers",
            "deqzoo.hub.saving", "deqzoo.hub.validation", "deqzoo.tasks", "deqzoo.hub.push",
            "deqzoo.export", "deqzoo.models.registry", "deqzoo.tasks._files", "deqzoo.core.hyper",
-           "deqzoo.core.deq", "deqzoo.core.stats", "deqzoo.hub.converters"]
+           "deqzoo.core.deq", "deqzoo.core.stats", "deqzoo.hub.converters", "utils.cards"]
 
 
 @pytest.mark.parametrize("name", MODULES)
