@@ -261,3 +261,19 @@ def test_config_validation():
         IGNNConfig(injection="nope")
     with pytest.raises(ValueError, match="hidden_size"):
         IGNNConfig(hidden_size=0)
+
+
+def test_implicit_layer_init():
+    """What a model built from a config starts from (the comment in IGNNImplicitLayer.reset_parameters says
+    why): W ~ U(±1/sqrt(hidden)) as the original; Ω₁ ~ U(±1/sqrt(in_features)), PyTorch's Linear draw,
+    narrower than the original's U(±1/sqrt(hidden)) here (200 features, hidden 16: 0.071 vs 0.25)."""
+    hidden, features = 16, 200
+    torch.manual_seed(0)
+    layer = IGNNForNodeClassification(IGNNConfig(in_features=features, hidden_size=hidden, num_labels=2)
+                                      ).ignn.layers[0]
+    for w, bound in ((layer.W.weight, hidden**-0.5), (layer.Omega_1.weight, features**-0.5)):
+        w = w.detach().double().flatten()
+        assert float(w.abs().max()) <= bound
+        # U(-b, b) with >= 256 draws: max |w| near b, std within 10% of b / sqrt(3)
+        assert float(w.abs().max()) > 0.95 * bound
+        assert abs(float(w.std()) - bound / 3**0.5) < 0.1 * bound / 3**0.5
