@@ -62,7 +62,7 @@ class _Timed:
 
 def _solve(method: str, p, hs, budget: int, deq_cfg, keep: list[int], extra: dict | None = None):
     from deqzoo.core.solvers import get_solver
-    from examples.hypersolver.problems import initial_flat
+    from examples.hypersolver._problems import initial_flat
 
     if method in (extra or {}):  # another hypersolver for the same model, e.g. the paper's form
         hs, method = extra[method], "hyperanderson"
@@ -94,7 +94,7 @@ def _solve(method: str, p, hs, budget: int, deq_cfg, keep: list[int], extra: dic
 
 def _forward_all(model, runs, answers: list[torch.Tensor]):
     """Run the recorded forward passes again, each DEQ solve answered by the next state in `answers`."""
-    from examples.hypersolver.problems import record_problems
+    from examples.hypersolver._problems import record_problems
 
     queue = list(answers)
 
@@ -189,7 +189,7 @@ def bench_model(
     from deqzoo.hub.cards import read_model_card
     from deqzoo.hypersolver import load_hypersolver
     from deqzoo.hypersolver.io import check_compatible
-    from examples.hypersolver.problems import record_problems
+    from examples.hypersolver._problems import record_problems
 
     model_id, hs_id = MODELS[key]
     hs_id = hypersolver or hs_id

@@ -8,7 +8,7 @@ trained networks live in `deqzoo.hypersolver`, so core still imports no model.
 
 One step (`step`), shared by the registered solver (`deqzoo.core.solvers.hyperanderson`: no autograd,
 preallocated ring buffers) and by the differentiable unroll that trains the network (`unroll` in the
-repository's examples/hypersolver/problems.py):
+repository's examples/hypersolver/_problems.py):
 
 * α = α̂ + (1 - 1ᵀα̂) / n  (`normalize_alpha`: the weights sum to one, as Anderson's do);
 * ``form="anderson"``: z⁺ = Σ_i α_i (z_i + β g_i), the Anderson-consistent update: with α from Anderson's

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     import deqzoo
     from deqzoo.core.solvers import get_solver
     from deqzoo.hypersolver import load_hypersolver
-    from examples.hypersolver.problems import initial_flat
+    from examples.hypersolver._problems import initial_flat
 
     model_id = MODELS[args.model]
     model = deqzoo.from_pretrained(model_id).eval()

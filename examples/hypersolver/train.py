@@ -29,7 +29,7 @@ from torch import nn
 from deqzoo.core.solvers import get_solver
 from deqzoo.hypersolver.configuration import HyperSolverConfig
 from deqzoo.hypersolver.modeling import HyperSolver
-from examples.hypersolver.problems import Problem, default_config, initial_flat, record_problems, unroll
+from examples.hypersolver._problems import Problem, default_config, initial_flat, record_problems, unroll
 
 __all__ = ["TrainResult", "collect_problems", "default_config", "model_batches", "train_hypersolver"]
 

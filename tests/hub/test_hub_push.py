@@ -394,7 +394,7 @@ def test_hypersolver_push_to_hub_and_from_pretrained(fake_hub, tmp_path, monkeyp
     from huggingface_hub import HfApi, hub_mixin
 
     from deqzoo.hypersolver import HyperSolver, HyperSolverError, model_fingerprint
-    from examples.hypersolver.problems import default_config
+    from examples.hypersolver._problems import default_config
 
     hub, endpoint = fake_hub
     # the mixin's HfApi() takes $HF_ENDPOINT as read at import time; the fixture sets it later

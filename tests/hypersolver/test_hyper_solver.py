@@ -8,7 +8,7 @@ from deqzoo.core import DEQ, DEQConfig, solve
 from deqzoo.core.hyper import MeanPoolNet, hyper_update, normalize_alpha
 from deqzoo.core.solvers import anderson, hyperanderson
 from deqzoo.hypersolver import HyperSolver, HyperSolverConfig
-from examples.hypersolver.problems import unroll
+from examples.hypersolver._problems import unroll
 
 LAM = 1e-5
 

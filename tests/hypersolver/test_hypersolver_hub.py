@@ -19,7 +19,7 @@ from deqzoo.hypersolver import (
 )
 from deqzoo.hypersolver.attach import HyperDEQ
 from deqzoo.hypersolver.io import resolve_hypersolver
-from examples.hypersolver.problems import default_config
+from examples.hypersolver._problems import default_config
 
 MDEQ, MDEQ_HS = "deqzoo/mdeq-tiny-mnist", "deqzoo/hyperdeq-mdeq-tiny-mnist"
 LM, LM_HS = "deqzoo/deq-transformer-tiny-pydoc", "deqzoo/hyperdeq-deq-transformer-tiny-pydoc"
@@ -227,7 +227,7 @@ def test_published_hypersolvers_ship_the_initializer_with_the_models_own_solver(
     """`use="initializer"` (what the published cards ship): the solve is the model's own DEQ solve (same
     solver, budget and tolerance) started from h_φ(injection), step for step (reference: the engine's solver
     called directly on the recorded problem from `initial_flat`)."""
-    from examples.hypersolver.problems import initial_flat, record_problems
+    from examples.hypersolver._problems import initial_flat, record_problems
 
     hs = load_hypersolver(MDEQ_HS)
     assert hs.config.use == "initializer" and load_hypersolver(LM_HS).config.use == "initializer"

@@ -7,7 +7,7 @@ import torch
 import deqzoo
 from deqzoo.core.solvers import anderson
 from deqzoo.hypersolver import HyperSolver, load_hypersolver
-from examples.hypersolver.problems import default_config, initial_flat
+from examples.hypersolver._problems import default_config, initial_flat
 from examples.hypersolver.train import collect_problems, model_batches, train_hypersolver
 
 
@@ -74,7 +74,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
     # residual curves are the solvers' own: Anderson's best residual after 4 evaluations is what a solve
     # with max_iter=4 returns (mean over the 100 images)
-    from examples.hypersolver.problems import record_problems
+    from examples.hypersolver._problems import record_problems
 
     model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").eval()
     model.set_deq(on_nonconvergence="ignore")
