@@ -282,8 +282,10 @@ def _check_convergence(model: DEQPreTrainedModel, _inputs: Any, output: Any) -> 
         return
     for stats in _solver_stats(output):
         # "no_solve" (DEQ.solve_with(max_iter=0), Implicit²'s reuse): no solve was asked for, so no tolerance
-        # was missed; its residual is only reported
-        if stats.all_converged or stats.solver == "no_solve":
+        # was missed; "reversible" runs its fixed number of coupled steps by design (f_tol never stops it and
+        # the model was trained for that budget, so "raise f_max_iter" would be wrong advice). Either way the
+        # residual and per-sample flags are only reported, in deq_stats
+        if stats.all_converged or stats.solver in ("no_solve", "reversible"):
             continue
         model._deqzoo_warned = True
         deq = model.config.deq

@@ -146,10 +146,10 @@ def step(
     if H is not None:
         alpha_hat = least_squares_alpha(H[:, order][:, :, order]).to(alpha_hat.dtype) + alpha_hat
     alpha = normalize_alpha(alpha_hat.to(X.dtype))
+    # unconditional torch.where: no host sync per step on an accelerator to ask whether any sample failed
     ok = torch.isfinite(alpha).all(1) & torch.isfinite(beta)
-    if not bool(ok.all()):
-        newest = torch.zeros_like(alpha)
-        newest[:, -1] = 1.0
-        alpha = torch.where(ok[:, None], alpha, newest)
-        beta = torch.where(ok, beta, torch.ones_like(beta))
+    newest = torch.zeros_like(alpha)
+    newest[:, -1] = 1.0
+    alpha = torch.where(ok[:, None], alpha, newest)
+    beta = torch.where(ok, beta, torch.ones_like(beta))
     return hyper_update(X, G, alpha.index_select(1, torch.argsort(order)), beta, form), alpha, beta

@@ -184,6 +184,26 @@ def test_nonconvergence_warns_once_per_model_by_default():
             other(x)
 
 
+def test_a_reversible_deq_reports_its_residual_without_warning():
+    """The reversible iteration runs its trained number of coupled steps whatever f_tol says: its residual is
+    reported in deq_stats, not warned about; the same model under an adaptive solver with too small a
+    budget still warns (so the exemption is the solver's, not the model's)."""
+    import deqzoo
+    from deqzoo.tasks import mnist
+
+    model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist-reversible")
+    x = mnist.to_pixel_values(mnist.sample_images()[0][:4], model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DEQNonConvergenceWarning)
+        with torch.no_grad():
+            stats = model(x).deq_stats
+    assert stats.solver == "reversible" and not bool(stats.converged.all())  # above f_tol, and silent
+    model.set_deq(b_mode="ift", b_mode_kwargs={}, f_solver="anderson", f_max_iter=2)
+    with pytest.warns(DEQNonConvergenceWarning, match="anderson"):
+        with torch.no_grad():
+            model(x)
+
+
 def test_converged_solves_do_not_warn_and_policies_apply():
     import deqzoo
     from deqzoo.tasks import mnist
