@@ -17,24 +17,25 @@ inference setting this module turns on:
   ONNX dynamic axes) and nothing in the fixed-iteration solve turns a size into a Python ``int``, so one
   exported program, ONNX file or traced module serves every batch size (every number of nodes for IGNN).
 
-Supported heads and their tensor signatures (:func:`exportable` builds the module to export):
+Wrapper kinds and their tensor signatures (:func:`exportable` builds the module to export; each family's
+declaration in :mod:`deqzoo.models.registry` names the kind serving each of its heads, or why not):
 
-* MDEQ image classification: ``(pixel_values,) -> logits``;
-* Implicit² signal representation: ``(coords,) -> values``, coordinates (N, d), any number of points N
-  (the value checks of the eager model, finite and within ``coordinate_range``, are not in the program);
-* DEQ-Transformer language model: ``(input_ids,) -> logits`` without the memory cache, any batch size at
-  the example's sequence length (re-export for another length: the relative-position shift's sizes are
-  specialised to it), through ``torch.export`` and ``torch.jit.trace`` only: ONNX export raises
-  :class:`ExportError`. This checkpoint's fixed-point map is not contractive (the relative residual of plain
-  iteration stays near 0.3 over 60 steps), so the fixed-iteration output amplifies rounding: the eager module
-  in float32 and in float64 differs by 8e-3 / 0.19 / 5.5 at batch 1 / 7 / 64. The torch programs run torch's
-  own kernels (0 difference to eager on the same machine and torch build); ONNX Runtime's kernels round
-  differently and its logits differ from eager by 2.0e-3 / 0.17 / 3.5 (card budget, 30 steps), and by
-  4e-6 / 4.5e-4 / 0.38 damped (tau 0.3, 100 steps, and a 22-minute export);
-* IGNN node and graph classification: ``(x, operator) -> logits``, ``operator`` the dense normalized
-  adjacency Â of the graph (:func:`graph_operator`). The projection of W onto ``||W||∞ <= κ/λ_pf(|Â|)`` is
-  a constraint on the weights: it is applied once, for the graph given to :func:`exportable`, and the
-  exported program keeps those weights (re-export for a graph with a smaller λ_pf).
+* image classifier (MDEQ): ``(pixel_values,) -> logits``;
+* signal (Implicit²): ``(coords,) -> values``, coordinates (N, d), any number of points N (the value checks
+  of the eager model, finite and within ``coordinate_range``, are not in the program);
+* causal LM (DEQ-Transformer): ``(input_ids,) -> logits`` without the memory cache, any batch size at the
+  example's sequence length (re-export for another length: the relative-position shift's sizes are
+  specialised to it), through ``torch.export`` and ``torch.jit.trace`` only (torch's own kernels: 0
+  difference to eager on the same machine and torch build). The family's declaration refuses ONNX with the
+  measured reason: the checkpoint's fixed-point map is not contractive (plain iteration's relative residual
+  stays near 0.3 over 60 steps), so fixed iteration amplifies ONNX Runtime's different rounding; even damped
+  (tau 0.3, 100 steps, a 22-minute export) its logits differ from eager by 4e-6 / 4.5e-4 / 0.38 at batch
+  1 / 7 / 64;
+* graph node classifier (IGNN node classification): ``(x, operator) -> logits``, ``operator`` the dense
+  normalized adjacency Â of the graph (:func:`graph_operator`). The projection of W onto
+  ``||W||∞ <= κ/λ_pf(|Â|)`` is a constraint on the weights: it is applied once, for the graph given to
+  :func:`exportable`, and the exported program keeps those weights (re-export for a graph with a smaller
+  λ_pf).
 
 Example:
     >>> import torch, deqzoo
@@ -168,15 +169,15 @@ def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) ->
 class _Head(nn.Module):
     """A tensor-in, tensor-out head of an exportable model. `inputs`: each argument's name (the ONNX input
     name) -> its dynamic axes (axis -> name: one ``torch.export.Dim`` per name, shared between inputs);
-    `output`: the output's name; `onnx_refused`: why ONNX export is refused, when it is."""
+    `output`: the output's name; `onnx_refused`: why ONNX export is refused, when it is; `graph_of`: a graph
+    head's map from the dense operator to the model's ``graph`` argument (both the family's declaration's)."""
 
     inputs: dict[str, dict[int, str]] = {"pixel_values": {0: "batch"}}
     output = "logits"
-    onnx_refused = ""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, onnx_refused: str = "", graph_of: Any = None):
         super().__init__()
-        self.model = model
+        self.model, self.onnx_refused, self.graph_of = model, onnx_refused, graph_of
 
 
 class _ImageClassifier(_Head):
@@ -194,29 +195,27 @@ class _SignalRepresenter(_Head):
 
 class _LanguageModel(_Head):
     inputs = {"input_ids": {0: "batch"}}  # (batch, length) token ids at the example's length
-    # measured; see the module docstring
-    onnx_refused = ("the DEQ-Transformer's fixed-point map is not contractive, so its fixed-iteration output "
-                    "amplifies rounding differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 "
-                    "from eager at batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above "
-                    "1e-4. Use export_program (torch.export) or trace, which run torch's kernels")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, use_cache=False, return_dict=True).logits
 
 
-class _GraphClassifier(_Head):
+class _GraphNodeClassifier(_Head):
     inputs = {"x": {0: "nodes"}, "operator": {0: "nodes", 1: "nodes"}}
 
     def forward(self, x: torch.Tensor, operator: torch.Tensor) -> torch.Tensor:
-        from .models.ignn.modeling_ignn import IGNNGraph
+        return self.model(x, graph=self.graph_of(operator), return_dict=True).logits
 
-        graph = IGNNGraph(operator=operator, num_nodes=x.shape[0], batch=None, num_graphs=1, nonnegative=True)
-        return self.model(x, graph=graph, return_dict=True).logits
+
+# the wrapper kinds a family's declaration (deqzoo.models.registry.Family.export) names for its heads
+_WRAPPERS: dict[str, type[_Head]] = {"image classifier": _ImageClassifier, "signal": _SignalRepresenter,
+                                     "causal LM": _LanguageModel,
+                                     "graph node classifier": _GraphNodeClassifier}
 
 
 def graph_operator(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor,
                    edge_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense normalized adjacency Â an exported IGNN takes beside ``x`` (validated as the model does).
+    """The dense normalized adjacency Â an exported graph model takes beside ``x`` (validated by the model).
 
     Example:
         >>> import torch
@@ -225,54 +224,40 @@ def graph_operator(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor,
         >>> graph_operator(model, torch.randn(4, 3), torch.tensor([[0, 1, 2], [1, 2, 3]])).shape
         torch.Size([4, 4])
     """
-    ignn = _ignn_base(model)
-    return ignn.prepare_graph(x, edge_index, edge_weight).operator.to_dense()
+    base = getattr(model, "base_model", model)
+    if not hasattr(base, "prepare_graph"):
+        raise ExportError(f"{type(model).__name__} is not a graph model (it has no prepare_graph)")
+    return base.prepare_graph(x, edge_index, edge_weight).operator.to_dense()
 
 
-def _ignn_base(model: nn.Module):
-    ignn = getattr(model, "ignn", model)
-    model_type = getattr(getattr(ignn, "config", None), "model_type", None)
-    if model_type != "ignn" or not hasattr(ignn, "prepare_graph"):
-        raise ExportError(f"{type(model).__name__} is not an IGNN model")
-    return ignn
+def _served_as(model: nn.Module):
+    """The wrapper serving `model` and its family's declaration; ExportError says why not."""
+    from .models.registry import declared_families
 
-
-def _prepare_ignn(model: nn.Module, graph) -> None:
-    """Apply the weight projection for `graph` once, then turn the per-forward projection off (it takes
-    decisions on tensor values: power iteration for λ_pf, a branch on which rows exceed the radius)."""
-    ignn = _ignn_base(model)
-    if ignn.config.kappa:
-        if graph is None and not ignn.config.spectral_radius:
-            raise ExportError("IGNN with kappa set projects W for the graph's λ_pf(|Â|): pass the graph "
-                              "(exportable(model, graph=model.ignn.prepare_graph(x, edge_index))) or set "
-                              "config.spectral_radius")
-        ignn.project_weights(graph, radius=ignn.projection_radius(graph) if graph is not None else
-                             ignn.config.kappa / ignn.config.spectral_radius)
-    for module in model.modules():
-        if getattr(getattr(module, "config", None), "model_type", None) == "ignn":
-            module.config.kappa = None
-            module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
-
-
-# the heads export serves per family (a subclass of one is served too) and the module wrapping them
-_HEADS: dict[str, tuple[tuple[str, ...], type[_Head]]] = {
-    "mdeq": (("MDEQForImageClassification", "LipschitzMDEQForImageClassification"), _ImageClassifier),
-    "ignn": (("IGNNForNodeClassification",), _GraphClassifier),
-    "implicit2": (("Implicit2ForSignalRepresentation",), _SignalRepresenter),
-    "deq_transformer": (("DEQTransformerForCausalLM",), _LanguageModel),
-}
-# why the other families are not exported (the reason ExportError gives)
-_NOT_EXPORTABLE = {
-    "deq_flow": "its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
-                "upsampling are not checked for a dynamic image size or batch",
-}
+    families, name = declared_families(), type(model).__name__
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = families.get(model_type)
+    heads = family.export if family is not None else "it is not a declared deqzoo family"
+    if isinstance(heads, str):
+        served = sorted(t for t, f in families.items() if not isinstance(f.export, str))
+        raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {heads} (export is "
+                          f"implemented for {served})")
+    mro = [cls.__name__ for cls in type(model).__mro__]  # the head's class or a subclass
+    kind = next((heads[c] for c in mro if c in heads), None)
+    if kind not in _WRAPPERS:
+        why = next((family.export_refused[c] for c in mro if c in family.export_refused),
+                   "it is not a head export serves" if kind is None else
+                   f"its declared wrapper kind {kind!r} is not one of {sorted(_WRAPPERS)}")
+        raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {why}; export supports "
+                          f"{', '.join(f'{head} ({k})' for head, k in heads.items())}")
+    return _WRAPPERS[kind], family
 
 
 def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
                ) -> nn.Module:
     """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
     ``torch.onnx.export`` and ``torch.jit.trace`` (see the module docstring for signatures). The model
-    itself is not modified.
+    itself is not modified; the family's declaration (``deqzoo.models.registry``) says how.
 
     `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the weight projection.
 
@@ -285,24 +270,16 @@ def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.
         >>> module(x, graph_operator(model, x, edges)).shape
         torch.Size([4, 2])
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    name = type(model).__name__
-    if model_type not in _HEADS:
-        why = _NOT_EXPORTABLE.get(model_type, "its forward has not been checked for tracing")
-        raise ExportError(f"{name} (model_type {model_type!r}) cannot be exported: {why} (export is "
-                          f"implemented for {sorted(_HEADS)})")
-    heads, wrapper = _HEADS[model_type]
-    if name == "IGNNForGraphClassification":
-        raise ExportError("IGNNForGraphClassification: graph pooling takes the number of graphs from the "
-                          "batch vector's values; export supports IGNNForNodeClassification")
-    if not any(cls.__name__ in heads for cls in type(model).__mro__):  # the head's class or a subclass
-        raise ExportError(f"{name}: export is implemented for {', '.join(heads)} ({wrapper.output} out)")
+    wrapper, family = _served_as(model)
     if not any(isinstance(m, DEQ) for m in model.modules()):
-        raise ExportError(f"{name} has no DEQ layer to run at a fixed iteration budget")
+        raise ExportError(f"{type(model).__name__} has no DEQ layer to run at a fixed iteration budget")
     copy_ = _fixed_iteration_copy(model, max_iter, tau)
-    if model_type == "ignn":
-        _prepare_ignn(copy_, graph)
-    return wrapper(copy_).eval()
+    prepare = family.export_prepare  # the family's own (IGNN: the weight projection; returns Â -> its graph)
+    try:
+        graph_of = family.load(prepare)(copy_, graph) if prepare else None
+    except ValueError as err:
+        raise ExportError(f"{type(model).__name__}: {err}") from err
+    return wrapper(copy_, family.onnx_refused, graph_of).eval()
 
 
 def _as_tuple(inputs) -> tuple:
@@ -324,11 +301,6 @@ def batch_dynamic_shapes(module: nn.Module):
     dims: dict[str, torch.export.Dim] = {}  # one Dim per name: x's rows and the operator's sides agree
     return tuple({axis: dims.setdefault(name, torch.export.Dim(name, min=1, max=2**31 - 2))
                   for axis, name in axes.items()} for axes in module.inputs.values())
-
-
-def _onnx_dynamic_axes(module: _Head) -> dict[str, dict[int, str]]:
-    first = next(iter(module.inputs.values()))
-    return {**module.inputs, module.output: {0: first[0]}}  # the output's rows follow the first input's
 
 
 def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = True,
@@ -356,7 +328,7 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
     one (``dynamo=False``, several times faster to export a long unrolled solve)."""
     _check_module(module)
     if module.onnx_refused:
-        raise ExportError(f"ONNX export of {type(module).__name__} is refused: {module.onnx_refused}")
+        raise ExportError(f"ONNX export of {type(module.model).__name__} is refused: {module.onnx_refused}")
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new path (an existing file is never overwritten)")
@@ -365,8 +337,9 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
     if dynamic_batch and "dynamic_shapes" not in kwargs and "dynamic_axes" not in kwargs:
         if kwargs.get("dynamo", True):
             kwargs["dynamic_shapes"] = batch_dynamic_shapes(module)
-        else:
-            kwargs["dynamic_axes"] = _onnx_dynamic_axes(module)
+        else:  # the output's rows follow the first input's
+            first = next(iter(module.inputs.values()))
+            kwargs["dynamic_axes"] = {**module.inputs, module.output: {0: first[0]}}
     try:
         torch.onnx.export(module, _as_tuple(example_inputs), str(path), **kwargs)
     except Exception as err:

@@ -3,13 +3,14 @@
 A family is its two files (``configuration_<family>.py``, ``modeling_<family>.py``) and one `Family` entry
 here (or one :func:`deqzoo.integrations.transformers.register_family` call for a family shipped elsewhere).
 The name table (`deqzoo.factory.model_names`), timm's entries (`deqzoo.integrations.timm`), the hypersolver's
-state kinds (`deqzoo.hypersolver.attach`) and the Auto registrations are all read from the declarations. This
-module imports nothing heavy: classes are "module:attribute" strings imported on demand.
+state kinds (`deqzoo.hypersolver.attach`), the heads `deqzoo.export` serves and the Auto registrations are all
+read from the declarations. This module imports nothing heavy: classes are "module:attribute" strings imported
+on demand.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 from dataclasses import dataclass, field
 
 from ..errors import DeqzooError
@@ -27,7 +28,11 @@ class Family:
     Python identifiers); `hypersolver_state`: the state kind a HyperDEQ hypersolver serves ("multires",
     "sequence"; None: "vector"); `task`: the `deqzoo.tasks` name that evaluates its checkpoints; `extra`: the
     pip extra the family needs beyond deqzoo's own dependencies (None: none), with `requires`, the modules
-    that extra provides.
+    that extra provides. :mod:`deqzoo.export` reads `export`: head class name (its subclasses too) -> the
+    wrapper kind serving it, or why no head is exported; `export_refused`: head class name -> why it is not;
+    `export_prepare`: "module:function" run as ``prepare(model, graph)`` on the fixed-iteration copy (a graph
+    head's returns the map from the dense operator to its ``graph`` argument); `onnx_refused`: why ONNX export
+    is refused.
     """
 
     model_type: str
@@ -44,6 +49,10 @@ class Family:
     task: str | None = None
     extra: str | None = None
     requires: tuple[str, ...] = ()
+    export: dict[str, str] | str = "its forward has not been checked for tracing"
+    export_refused: dict[str, str] = field(default_factory=dict)
+    export_prepare: str | None = None
+    onnx_refused: str = ""
 
     def load(self, path: str):
         module, _, attr = path.partition(":")
@@ -97,6 +106,7 @@ FAMILIES: list[Family] = [
         },
         hypersolver_state="multires",
         task="mnist",
+        export={"MDEQForImageClassification": "image classifier"},
     ),
     Family(
         model_type="deq_transformer",
@@ -109,6 +119,12 @@ FAMILIES: list[Family] = [
         names={"deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ())},
         hypersolver_state="sequence",
         task="pydoc_lm",
+        export={"DEQTransformerForCausalLM": "causal LM"},
+        # measured (deqzoo.export's docstring, tests/test_export.py)
+        onnx_refused="its fixed-point map is not contractive, so fixed iteration amplifies rounding "
+                     "differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 from eager at "
+                     "batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above 1e-4. Use "
+                     "export_program (torch.export) or trace, which run torch's kernels",
     ),
     Family(
         model_type="ignn",
@@ -122,6 +138,10 @@ FAMILIES: list[Family] = [
         architectures=f"{_M}.ignn.configuration_ignn:ARCHITECTURES",
         names={"ignn-chains": ("ignn-chains", ())},
         task="chains",
+        export={"IGNNForNodeClassification": "graph node classifier"},
+        export_refused={"IGNNForGraphClassification": "graph pooling takes the number of graphs from the "
+                                                      "batch vector's values"},
+        export_prepare=f"{_M}.ignn.modeling_ignn:prepare_export",
     ),
     Family(
         model_type="implicit2",
@@ -134,6 +154,7 @@ FAMILIES: list[Family] = [
         names={"implicit2-isiren-camera": ("implicit2-isiren-1l256d", ()),
                "implicit2-igabor-mfn-camera": ("implicit2-igabor-mfn-1l256d", ())},
         task="implicit2",
+        export={"Implicit2ForSignalRepresentation": "signal"},
     ),
     Family(
         model_type="deq_flow",
@@ -146,6 +167,8 @@ FAMILIES: list[Family] = [
         task="flow",
         extra="vision",  # torchvision's RAFT blocks
         requires=("torchvision",),
+        export="its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
+               "upsampling are not checked for a dynamic image size or batch",
     ),
 ]
 
@@ -241,8 +264,6 @@ def missing_extra_message(err: ModuleNotFoundError) -> str | None:
 
 def require(extra: str | None, modules: tuple[str, ...], what: str) -> None:
     """Raise MissingExtraError naming ``pip install "deqzoo[<extra>]"`` when one of `modules` is missing."""
-    import importlib.util
-
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingExtraError(f"{what} needs {', '.join(missing)}, which is not installed: "

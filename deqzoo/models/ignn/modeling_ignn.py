@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -689,3 +690,24 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
             loss = F.cross_entropy(logits, labels)
         output = IGNNGraphClassifierOutput(loss=loss, logits=logits, pooled_output=pooled, **out)
         return self._output(output, return_dict)
+
+
+def prepare_export(model: IGNNPreTrainedModel, graph: IGNNGraph | None = None
+                   ) -> Callable[[torch.Tensor], IGNNGraph]:
+    """deqzoo.export's preparation of a fixed-iteration copy (the family's declaration names it): apply the
+    weight projection for `graph` once, then turn the per-forward projection off (it takes decisions on
+    tensor values: power iteration for λ_pf, a branch on which rows exceed the radius). Returns the map from
+    the dense operator Â an exported program takes to the model's ``graph`` argument."""
+    config = model.config
+    if config.kappa:
+        if graph is None and not config.spectral_radius:
+            raise ValueError("IGNN with kappa set projects W for the graph's λ_pf(|Â|): pass the graph "
+                             "(exportable(model, graph=model.ignn.prepare_graph(x, edge_index))) or set "
+                             "config.spectral_radius")
+        radius = None if graph is not None else config.kappa / config.spectral_radius  # None: the graph's
+        model.base_model.project_weights(graph, radius)
+    for module in model.modules():
+        if isinstance(module, IGNNPreTrainedModel):
+            module.config.kappa = None
+            module.config.norm_type = "none"  # the norms were folded into W (remove_norm)
+    return lambda operator: IGNNGraph(operator=operator, num_nodes=operator.shape[0])
