@@ -169,9 +169,7 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
         kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
     config = config_cls(**kwargs)  # values checked (types, ranges) before __init__ runs
     model_cls, meta = _on_meta(family, config, preset.get("auto"))  # size first
-    tensors = [*meta.parameters(), *meta.buffers()]
-    check_budget(sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors),
-                 f"create_model({name!r})", max_parameters)
+    check_budget([*meta.parameters(), *meta.buffers()], f"create_model({name!r})", max_parameters)
     return model_cls(config)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -163,12 +164,13 @@ def max_parameters(value: int | None = None) -> int:
     return DEFAULT_MAX_PARAMETERS
 
 
-def check_budget(count: int, nbytes: int, source: str, budget: int | None = None) -> None:
-    """Refuse a model whose parameters and buffers exceed the budget, stating both numbers."""
-    limit = max_parameters(budget)
-    if count > limit:
+def check_budget(tensors: Iterable[Any], source: str, budget: int | None = None) -> None:
+    """Refuse a model whose parameters and buffers (`tensors`, meta tensors will do) exceed the budget,
+    stating both numbers."""
+    tensors, limit = list(tensors), max_parameters(budget)
+    if (count := sum(t.numel() for t in tensors)) > limit:
         raise CheckpointError(
             f"{source}: this config would allocate {count:,} parameters and buffers "
-            f"({nbytes / 2**30:.2f} GiB), "
+            f"({sum(t.numel() * t.element_size() for t in tensors) / 2**30:.2f} GiB), "
             f"above the budget of {limit:,}; if that is intended, pass max_parameters= or set "
             "DEQZOO_MAX_PARAMETERS")

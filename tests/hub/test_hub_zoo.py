@@ -102,6 +102,67 @@ def test_embedded_checkpoint_loads_offline_and_verifies_sha256(embedded):
         deqzoo.from_pretrained("deqzoo/toy-deq-tiny")
 
 
+def test_shipped_checkpoint_skips_only_the_meta_precheck(embedded, tmp_path, monkeypatch):
+    """A verified embedded checkpoint loaded as shipped skips `precheck` (its meta-device build); every other
+    load runs it: overrides, a copy in a user folder, the embedded folder once a file differs from the
+    catalog. The budget is checked either way."""
+    import shutil
+
+    from deqzoo.hub import loading
+
+    directory, model, _ = embedded
+    calls = []
+    real_precheck = loading.precheck
+    monkeypatch.setattr(loading, "precheck", lambda *a, **k: calls.append(a[2]) or real_precheck(*a, **k))
+    for name in ("deqzoo/toy-deq-tiny", directory):
+        loaded = deqzoo.from_pretrained(name)
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert calls == []
+    count = sum(t.numel() for t in model.state_dict().values())
+    with pytest.raises(CheckpointError, match=f"allocate {count:,} parameters and buffers .* budget of 10"):
+        deqzoo.from_pretrained("deqzoo/toy-deq-tiny", max_parameters=10)
+    monkeypatch.setenv("DEQZOO_MAX_PARAMETERS", "10")
+    with pytest.raises(CheckpointError, match="budget of 10"):
+        deqzoo.from_pretrained("deqzoo/toy-deq-tiny")
+    monkeypatch.delenv("DEQZOO_MAX_PARAMETERS")
+    assert calls == []
+
+    overridden = deqzoo.from_pretrained("deqzoo/toy-deq-tiny", output_hidden_states=True)
+    assert overridden.config.output_hidden_states
+    shutil.copytree(directory, tmp_path / "copy")
+    deqzoo.from_pretrained(tmp_path / "copy")
+    (directory / "README.md").write_text("edited\n")  # not shipped any more: loads by path, prechecked
+    deqzoo.from_pretrained(directory)
+    assert calls == [directory, tmp_path / "copy", directory]
+
+
+def test_every_shipped_checkpoint_passes_the_precheck():
+    """What lets a shipped checkpoint skip `precheck` at load time: for each one, the model its config builds
+    on the meta device matches the weights' headers exactly (no missing, unexpected, mis-shaped or mistyped
+    key), under the class its config names, and the budget holds."""
+    from deqzoo.factory import _model_class
+    from deqzoo.hub.catalog import embedded_folder, load_catalog
+    from deqzoo.hub.loading import check_state_dict, header_state, is_shipped, load_config, precheck
+    from deqzoo.models.registry import family_for
+
+    checked = []
+    for cid, entry in sorted(load_catalog().items()):
+        folder = embedded_folder(entry)
+        if folder is None or not (folder / "config.json").is_file():  # a diffusers pipeline folder
+            continue
+        assert is_shipped(folder), cid
+        raw = json.loads((folder / "config.json").read_text())
+        cls = _model_class(family_for(raw["model_type"]), architectures=raw["architectures"])
+        assert cls.__name__ in raw["architectures"], cid
+        config = load_config(cls.config_class, folder)
+        assert precheck(cls, config, folder) is None, cid  # no base-model bridging
+        with torch.device("meta"):
+            meta = cls(config)
+        check_state_dict(meta, header_state(folder)[0], cid, strict=True)
+        checked.append(cid)
+    assert "deqzoo/mdeq-tiny-mnist" in checked and len(checked) >= 5
+
+
 def test_model_card_metadata(toy_checkpoint):
     directory, _ = toy_checkpoint
     meta, body = read_model_card(directory)

@@ -6,8 +6,9 @@ Example:
     0.9
 """
 
+from . import lipschitz
 from .configuration_mdeq import ARCHITECTURES, MDEQConfig
-from .lipschitz import LipschitzProjectionCallback, conv_operator_norm, lipschitz_bound, project_lipschitz
+from .lipschitz import conv_operator_norm, lipschitz_bound, project_lipschitz
 from .modeling_mdeq import (
     MDEQForImageClassification,
     MDEQForSemanticSegmentation,
@@ -20,3 +21,9 @@ __all__ = [
     "MDEQForSemanticSegmentation", "MDEQModel", "MDEQPreTrainedModel", "conv_operator_norm",
     "lipschitz_bound", "project_lipschitz",
 ]
+
+
+def __getattr__(name: str):  # the Trainer callback is defined on first use (`lipschitz.__getattr__`)
+    if name == "LipschitzProjectionCallback":
+        return lipschitz.LipschitzProjectionCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,9 +44,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import TrainerCallback
 
-__all__ = [
+__all__ = [  # noqa: F822 - LipschitzProjectionCallback comes from the module __getattr__
     "IsometricUpsample", "LipschitzProjectionCallback", "MeanOnlyGroupNorm", "ScaledReLU",
     "conv_operator_norm", "lipschitz_bound", "project_lipschitz",
 ]
@@ -224,17 +223,27 @@ def project_lipschitz(
     return {"max_conv_norm_before": before, "max_conv_norm_after": after, "projected": float(projected)}
 
 
-class LipschitzProjectionCallback(TrainerCallback):
-    """transformers Trainer callback running :func:`project_lipschitz` after every optimizer step.
+def __getattr__(name: str) -> type:
+    """LipschitzProjectionCallback, defined on first use: its base class imports transformers' Trainer
+    machinery (trainer_callback, training_args), which loading or running a model never needs."""
+    if name != "LipschitzProjectionCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from transformers import TrainerCallback
 
-    Example:
-        >>> from transformers import Trainer  # doctest: +SKIP
-        >>> Trainer(model=model, args=args, train_dataset=ds,
-        ...         callbacks=[LipschitzProjectionCallback()])  # doctest: +SKIP
-    """
+    class LipschitzProjectionCallback(TrainerCallback):
+        """transformers Trainer callback running :func:`project_lipschitz` after every optimizer step.
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: D102 - Trainer hook
-        if model is not None:
-            target = model.module if hasattr(model, "module") else model
-            project_lipschitz(target)
-        return control
+        Example:
+            >>> from transformers import Trainer  # doctest: +SKIP
+            >>> Trainer(model=model, args=args, train_dataset=ds,
+            ...         callbacks=[LipschitzProjectionCallback()])  # doctest: +SKIP
+        """
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: D102 - Trainer hook
+            if model is not None:
+                target = model.module if hasattr(model, "module") else model
+                project_lipschitz(target)
+            return control
+
+    LipschitzProjectionCallback.__qualname__ = name  # as if defined at module level: it pickles
+    return globals().setdefault(name, LipschitzProjectionCallback)  # one class, even when threads race here
