@@ -65,3 +65,17 @@ def test_fixed_point_reuse_keeps_greedy_tokens(model):
     assert torch.equal(runs[True][0], runs[False][0])
     assert max(runs[True][1] + runs[False][1]) < 100  # every solve converged
     assert runs[True][1][0] == runs[False][1][0]  # the prompt's solve starts from zeros either way
+
+
+def test_card_states_how_often_generation_solves_stop_at_the_cap(model):
+    """The card's statement about generation-time solves is the measurement, re-run here (the demo's
+    decoding is seeded, so the count is deterministic); the count is not zero, so the card must not claim
+    convergence."""
+    from examples.deq_transformer.write_card import generation_sentence, generation_solves
+
+    _, body = read_model_card(CKPT)
+    stats = generation_solves(model)
+    assert stats["solves"] == 24 * stats["prompts"] and 0 < stats["at_cap"] < stats["solves"]
+    assert generation_sentence(stats) in " ".join(body.split())
+    assert "solves converge" not in body
+    assert model.config.on_nonconvergence == "warn"  # the measurement restores the policy
