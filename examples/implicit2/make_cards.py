@@ -158,7 +158,8 @@ def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str
         f"initial state on every pixel. {target:g} dB reached: implicit {first(implicit)}, explicit "
         f"{first(explicit)}. Training time (one thread of a shared CPU, nice 19): implicit "
         f"{sum(implicit['step_time']) / 60:.0f} min for {implicit['steps']} steps, explicit "
-        f"{sum(explicit['step_time']) / 60:.0f} min for {explicit['steps']} steps.\n\n"
+        f"{sum(explicit['step_time']) / 60:.0f} min for {explicit['steps']} steps. Training memory and "
+        "time per step of the same two networks, side by side: examples/implicit2/README.md, section 1.\n\n"
         + "\n".join(rows) + "\n"
     )
 
