@@ -13,7 +13,10 @@ adds its table to the card.
 
 Long fits (`train_long.py`, issue #32): ``make_cards.py --long RUNS`` takes each card's network from
 RUNS/<network> (its latest state) and its explicit 4L twin's curve from RUNS/<twin> for the side-by-side
-PSNR-vs-step table.
+PSNR-vs-step table. The records the embedded cards were written from (each run's run.json and the trainer.json
+of the state used) are committed in results/long/records/; ``--records`` rebuilds RUNS from them and the
+embedded checkpoints (the training states themselves, with Adam's moments, stay out of the repository), so
+``make_cards.py --records`` rewrites the embedded cards byte for byte.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ LONG_TRAIN = (
     "--eval-every 25 --out RUNS/{network}\n"
     "python -m examples.implicit2.train_long train {twin} --steps {steps} --save-every 25 "
     "--eval-every 25 --out RUNS/{twin}\n"
-    "python examples/implicit2/make_cards.py --long RUNS"
+    "python examples/implicit2/make_cards.py --long RUNS\n"
+    "python examples/implicit2/make_cards.py --records  # the same card from the committed records"
 )
 TRAIN = (
     "python -m deqzoo.cli bench implicit2 --size 256 --steps 110 --t-steps 40 --filters gabor,siren "
@@ -138,6 +142,26 @@ def long_record(folder: Path) -> tuple[Path, dict]:
     return state, rec
 
 
+RECORDS = ROOT / "examples" / "implicit2" / "results" / "long" / "records"
+
+
+def runs_from_records(out: Path, records: Path = RECORDS, cards: Path = ROOT / "model_cards") -> Path:
+    """A RUNS folder for ``--long`` rebuilt from committed records: per network its run.json, a
+    state-NNNNNN/ with the trainer.json used and, for a card's own network, the card's checkpoint files."""
+    for setting, (name, *_) in CARDS.items():
+        for network in (setting.removeprefix("rep-"), LONG_TWINS[setting]):
+            meta = json.loads((records / network / "trainer.json").read_text())
+            state = out / network / f"state-{meta['step']:06d}"
+            state.mkdir(parents=True)
+            shutil.copyfile(records / network / "run.json", out / network / "run.json")
+            shutil.copyfile(records / network / "trainer.json", state / "trainer.json")
+            if network == setting.removeprefix("rep-"):
+                for f in ("config.json", "model.safetensors"):
+                    shutil.copyfile(cards / name / f, state / f)
+            (out / network / "latest").write_text(state.name)
+    return out
+
+
 def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str:
     """Markdown: the PSNR-vs-step curves of a long implicit fit and its explicit twin at their common
     evaluated steps, and the first step each reached `target` dB."""
@@ -174,9 +198,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("compare", type=Path, nargs="?", help="a second bench folder (side-by-side table)")
     parser.add_argument("--long", type=Path,
                         help="a folder of train_long.py run folders (instead of a bench)")
+    parser.add_argument("--records", action="store_true",
+                        help="--long from the committed records and embedded checkpoints "
+                             "(results/long/records)")
     parser.add_argument("--cards-dir", type=Path, default=ROOT / "model_cards", help="where the cards go")
     args = parser.parse_args(argv)
     bench, compare = args.bench, args.compare
+    if args.records:
+        import tempfile
+
+        args.long = runs_from_records(Path(tempfile.mkdtemp(prefix="i2records-")))
     if (bench is None) == (args.long is None):
         parser.error("give a bench folder or --long RUNS (one of them)")
     for setting, (name, title, filt) in CARDS.items():

@@ -140,20 +140,14 @@ def test_make_cards_long_mode_writes_the_card_from_the_latest_state_with_the_twi
 
 
 @pytest.mark.extended  # two evaluations at 256² (~10 s on a free core, 35 s on the shared machine)
-def test_make_cards_bench_mode_still_writes_the_embedded_cards_byte_for_byte(tmp_path):
-    """The --long refactor leaves the bench path as it was: the embedded cards regenerate unchanged from
-    their checkpoints and the committed bench records."""
-    import shutil
-
+def test_make_cards_rewrites_the_embedded_cards_byte_for_byte_from_the_committed_records(tmp_path):
+    """The embedded cards come from long fits (--long); rebuilt from the committed records (run.json and the
+    trainer.json of the state used) and the embedded checkpoints, they regenerate unchanged, evaluation
+    included (a card's numbers are what `deqzoo eval` prints)."""
     from examples.implicit2 import make_cards
 
-    names = ("implicit2-isiren-camera", "implicit2-igabor-mfn-camera")
-    for name in names:
-        (tmp_path / name).mkdir()
-        for f in ("config.json", "model.safetensors"):
-            shutil.copyfile(make_cards.ROOT / "model_cards" / name / f, tmp_path / name / f)
-    bench = make_cards.ROOT / "examples" / "implicit2" / "results" / "bench256"
-    assert make_cards.main([str(bench), str(bench), "--cards-dir", str(tmp_path)]) == 0
+    names = [name for name, *_ in make_cards.CARDS.values()]
+    assert make_cards.main(["--records", "--cards-dir", str(tmp_path)]) == 0
     for name in names:
         want = (make_cards.ROOT / "model_cards" / name / "README.md").read_text()
         assert (tmp_path / name / "README.md").read_text() == want
