@@ -64,8 +64,10 @@ def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
 def is_shipped(directory: Path) -> bool:
     """Whether `directory` is an embedded checkpoint's folder holding exactly the catalog's files (sha256)."""
     entry = next((e for e in load_catalog().values() if embedded_folder(e) == directory), None)
-    return entry is not None and all((directory / rel).is_file() and sha256_file(directory / rel) == digest
-                                     for rel, digest in entry["files"].items())
+    try:
+        return entry is not None and verify_embedded(entry, directory) is None
+    except CheckpointError:  # an edited embedded folder loads as any user folder: with the precheck
+        return False
 
 
 def resolve(

@@ -207,7 +207,8 @@ def main(argv: list[str]) -> int:
     if args.records:
         import tempfile
 
-        args.long = runs_from_records(Path(tempfile.mkdtemp(prefix="i2records-")))
+        scratch = tempfile.TemporaryDirectory(prefix="i2records-")  # removed when main returns
+        args.long = runs_from_records(Path(scratch.name))
     if (bench is None) == (args.long is None):
         parser.error("give a bench folder or --long RUNS (one of them)")
     for setting, (name, title, filt) in CARDS.items():
