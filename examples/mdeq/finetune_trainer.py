@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
 
 import deqzoo
-from deqzoo.models.mdeq.lipschitz import LipschitzProjectionCallback
+from deqzoo.models.mdeq import LipschitzProjectionCallback
 from deqzoo.tasks import mnist
 
 

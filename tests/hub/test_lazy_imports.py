@@ -102,10 +102,10 @@ def test_loading_one_checkpoint_imports_only_its_family_and_costs_little_cpu():
     assert result["cpu"] < 1.0, result
 
 
-def test_lipschitz_callback_is_defined_on_first_use_and_projects():
-    """Importing the MDEQ family does not import transformers' Trainer machinery; the Trainer callback still
-    imports from both its modules as one class, pickles, and runs `project_lipschitz` on the model (the same
-    result as calling it directly on a copy)."""
+def test_lipschitz_callback_is_imported_on_first_use_and_projects():
+    """Importing the MDEQ family does not import transformers' Trainer machinery; the Trainer callback is
+    one class from the package and from its own module, pickles, and runs `project_lipschitz` on the model
+    (the same result as calling it directly on a copy)."""
     code = ("import sys, deqzoo.models.mdeq\n"
             "print(sorted(m for m in sys.modules if m.startswith(('transformers.trainer', "
             "'transformers.training_args'))))\n")
@@ -118,9 +118,9 @@ def test_lipschitz_callback_is_defined_on_first_use_and_projects():
 
     import deqzoo
     from deqzoo.models.mdeq import LipschitzProjectionCallback, conv_operator_norm, project_lipschitz
-    from deqzoo.models.mdeq import lipschitz as lipschitz_module
+    from deqzoo.models.mdeq import lipschitz_callback as callback_module
 
-    assert LipschitzProjectionCallback is lipschitz_module.LipschitzProjectionCallback
+    assert LipschitzProjectionCallback is callback_module.LipschitzProjectionCallback
     assert issubclass(LipschitzProjectionCallback, TrainerCallback)
     assert type(pickle.loads(pickle.dumps(LipschitzProjectionCallback()))) is LipschitzProjectionCallback
     model = deqzoo.create_model("lipschitz-mdeq-mnist-tiny")

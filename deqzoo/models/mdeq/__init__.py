@@ -6,7 +6,6 @@ Example:
     0.9
 """
 
-from . import lipschitz
 from .configuration_mdeq import ARCHITECTURES, MDEQConfig
 from .lipschitz import conv_operator_norm, lipschitz_bound, project_lipschitz
 from .modeling_mdeq import (
@@ -23,7 +22,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the Trainer callback is defined on first use (`lipschitz.__getattr__`)
+def __getattr__(name: str):  # the Trainer callback's module imports transformers' Trainer: only on first use
     if name == "LipschitzProjectionCallback":
-        return lipschitz.LipschitzProjectionCallback
+        from .lipschitz_callback import LipschitzProjectionCallback
+
+        return LipschitzProjectionCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

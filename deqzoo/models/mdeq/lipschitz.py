@@ -8,11 +8,11 @@ Pieces (all used by ``MDEQConfig(lipschitz=True)``):
   the per-channel scale adds at most γ̄, so its Lipschitz constant is <= γ̄.
 * :class:`ScaledReLU`: ``a · ReLU(x)``, Lipschitz constant a.
 * convolutions whose operator norm (as maps between feature maps, not the norm of the reshaped kernel) is at
-  most c, kept so by :func:`project_lipschitz` after each optimizer step
-  (:class:`LipschitzProjectionCallback` for the transformers Trainer). The norm is computed exactly for the
-  circular convolution on an N x N torus by FFT (max over frequencies of the largest singular value of the
-  kernel's transfer matrix). A zero-padded convolution on an H x W map with H, W <= N - kernel + 1 is that
-  circular convolution applied to a zero-padded embedding and then cropped (both of norm <= 1), and a
+  most c, kept so by :func:`project_lipschitz` after each optimizer step (for the transformers Trainer,
+  ``deqzoo.models.mdeq.LipschitzProjectionCallback``). The norm is computed exactly for the circular
+  convolution on an N x N torus by FFT (max over frequencies of the largest singular value of the kernel's
+  transfer matrix). A zero-padded convolution on an H x W map with H, W <= N - kernel + 1 is that circular
+  convolution applied to a zero-padded embedding and then cropped (both of norm <= 1), and a
   stride-2 convolution is the stride-1 one followed by
   subsampling (norm <= 1), so the FFT value bounds all of them.
 * variational dropout with rate p: the fixed mask scales kept channels by 1/(1-p), Lipschitz <= 1/(1-p) (1 in
@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [  # noqa: F822 - LipschitzProjectionCallback comes from the module __getattr__
-    "IsometricUpsample", "LipschitzProjectionCallback", "MeanOnlyGroupNorm", "ScaledReLU",
+__all__ = [
+    "IsometricUpsample", "MeanOnlyGroupNorm", "ScaledReLU",
     "conv_operator_norm", "lipschitz_bound", "project_lipschitz",
 ]
 
@@ -221,29 +221,3 @@ def project_lipschitz(
         if isinstance(mod, MeanOnlyGroupNorm) and mod.affine and mod.weight.device.type != "meta":
             mod.weight.clamp_(-g, g)
     return {"max_conv_norm_before": before, "max_conv_norm_after": after, "projected": float(projected)}
-
-
-def __getattr__(name: str) -> type:
-    """LipschitzProjectionCallback, defined on first use: its base class imports transformers' Trainer
-    machinery (trainer_callback, training_args), which loading or running a model never needs."""
-    if name != "LipschitzProjectionCallback":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from transformers import TrainerCallback
-
-    class LipschitzProjectionCallback(TrainerCallback):
-        """transformers Trainer callback running :func:`project_lipschitz` after every optimizer step.
-
-        Example:
-            >>> from transformers import Trainer  # doctest: +SKIP
-            >>> Trainer(model=model, args=args, train_dataset=ds,
-            ...         callbacks=[LipschitzProjectionCallback()])  # doctest: +SKIP
-        """
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: D102 - Trainer hook
-            if model is not None:
-                target = model.module if hasattr(model, "module") else model
-                project_lipschitz(target)
-            return control
-
-    LipschitzProjectionCallback.__qualname__ = name  # as if defined at module level: it pickles
-    return globals().setdefault(name, LipschitzProjectionCallback)  # one class, even when threads race here
