@@ -1,10 +1,11 @@
 """Language modelling on Python's own text: the pydoc help topics plus the standard library's source.
 
 Corpus (deterministic; everything ships with CPython, so it is always offline): every help topic of
-``pydoc_data.topics`` (named by its topic name) and every ``.py`` file under ``sysconfig.get_paths()["stdlib"]``
-(named by its path relative to that folder, "/"-separated), except files under a folder named ``test`` or
-``tests``, ``idlelib/``, ``site-packages/``, ``pydoc_data/`` (the topics again) and ``encodings/`` (generated
-codec tables), and files that are not UTF-8. The split is `pydoc_lm.is_held_out` applied to the name (first
+``pydoc_data.topics`` (named by its topic name) and every ``.py`` file under
+``sysconfig.get_paths()["stdlib"]`` (named by its path relative to that folder, "/"-separated), except
+files under a folder named ``test`` or ``tests``, ``idlelib/``, ``site-packages/``, ``pydoc_data/`` (the
+topics again) and ``encodings/`` (generated codec tables), and files that are not UTF-8. The split is
+`pydoc_lm.is_held_out` applied to the name (first
 byte of sha256(name) below 26, about 10%): whole topics and whole files are held out. The stdlib differs
 between Python versions, so `corpus_fingerprint` (the sha256 of the held-out text) names the data a number
 was measured on.
@@ -40,7 +41,7 @@ from . import pydoc_lm
 from ._demo import DemoSummary
 
 EOS = "<|endoftext|>"
-EVAL_WINDOW = 256  # tokens per held-out document scored for perplexity
+EVAL_WINDOW = 128  # tokens per held-out document scored for perplexity
 PROMPT_LINES = 4  # a prompt is the first lines of a held-out top-level function (def line first)
 MIN_FUNCTION_LINES = 8  # functions shorter than this give no prompt
 PROMPTS_PER_FILE = 2
@@ -161,15 +162,19 @@ def truncate_completion(completion: str) -> str:
 
 
 def compiles(prompt: str, completion: str) -> bool:
-    """True when the truncated completion has a non-blank line and prompt + it is accepted by `compile`."""
-    body = truncate_completion(completion)
-    if not body.strip():
-        return False
-    try:
-        compile(prompt + body, "<sample>", "exec")
-    except (SyntaxError, ValueError):  # ValueError: NUL bytes in a sampled string
-        return False
-    return True
+    """True when some prefix of the truncated completion's lines (`truncate_completion`), longest first, holds
+    a line of code (not blank, not only a comment) and `compile(prompt + prefix, "<sample>", "exec")` accepts
+    it: the completion cut at its last syntactic boundary is valid Python."""
+    lines = truncate_completion(completion).splitlines(keepends=True)
+    for k in range(len(lines), 0, -1):
+        if not any(line.strip() and not line.lstrip().startswith("#") for line in lines[:k]):
+            return False
+        try:
+            compile(prompt + "".join(lines[:k]), "<sample>", "exec")
+        except (SyntaxError, ValueError):  # ValueError: NUL bytes in a sampled string
+            continue
+        return True
+    return False
 
 
 def complete(model, tokenizer, prompt: str, *, decoding: dict | None = None, new_tokens: int = NEW_TOKENS,
@@ -179,7 +184,8 @@ def complete(model, tokenizer, prompt: str, *, decoding: dict | None = None, new
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=tokenizer.eos_token_id, **(DECODING if decoding is None else decoding))
+                             pad_token_id=tokenizer.eos_token_id,
+                             **(DECODING if decoding is None else decoding))
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
 
 
@@ -190,7 +196,8 @@ def real_completion(tokenizer, continuation: str, new_tokens: int = NEW_TOKENS) 
 
 def compile_share(completions: list[str], prompts: list[tuple[str, str]]) -> float:
     """Share of (prompt, completion) that `compiles`."""
-    return round(sum(compiles(p, c) for (p, _), c in zip(prompts, completions, strict=True)) / len(prompts), 4)
+    ok = sum(compiles(p, c) for (p, _), c in zip(prompts, completions, strict=True))
+    return round(ok / len(prompts), 4)
 
 
 def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict:
@@ -214,7 +221,7 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     with torch.no_grad():
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
-    text = truncate_completion(complete(model, tok, DEMO_PROMPT, new_tokens=24)) or "(no complete line)"
+    text = truncate_completion(complete(model, tok, DEMO_PROMPT)) or "(no complete line)"
     words = " ".join(text.split())
     metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'
     return DemoSummary(" ".join((DEMO_PROMPT + text).split()), metric), stats

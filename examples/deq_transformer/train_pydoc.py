@@ -71,8 +71,9 @@ def build_config(args, tokenizer) -> DEQTransformerConfig:
                   architectures=["DEQTransformerForCausalLM"])
     if args.explicit:
         # 2 untied blocks; d_inner chosen so the parameter count matches the DEQ (see the card)
-        return DEQTransformerConfig(**common, d_inner=args.explicit_d_inner, explicit_layers=args.explicit_layers,
-                                    pre_lnorm=args.pre_lnorm, deq=TRAIN_DEQ)
+        return DEQTransformerConfig(**common, d_inner=args.explicit_d_inner,
+                                    explicit_layers=args.explicit_layers, pre_lnorm=args.pre_lnorm,
+                                    deq=TRAIN_DEQ)
     deq = {**TRAIN_DEQ, "f_max_iter": args.train_f_iter, "jac_reg_samples": 1 if args.jac_reg > 0 else 0}
     if args.b_mode == "phantom":  # phantom gradient (Geng et al. 2021): k damped unrolled steps from z*
         deq.update(b_mode="phantom", b_mode_kwargs={"k": args.phantom_k, "tau": args.phantom_tau})
@@ -80,7 +81,8 @@ def build_config(args, tokenizer) -> DEQTransformerConfig:
         deq.update(b_mode="jacobian_free")
     if args.b_mode == "unrolled":  # TorchDEQ deq-lm's recipe: backprop through the fixed-point iterations
         deq.update(f_solver="fixed_point", b_mode="unrolled")
-    return DEQTransformerConfig(**common, d_inner=args.d_inner, variant=args.variant, pre_lnorm=args.pre_lnorm,
+    return DEQTransformerConfig(**common, d_inner=args.d_inner, variant=args.variant,
+                                pre_lnorm=args.pre_lnorm,
                                 jac_reg_weight=args.jac_reg, deq=deq)
 
 
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from --state-dir's state")
     p.add_argument("--jac-reg", type=float, default=0.0, help="Jacobian regularization weight (0 = off)")
-    p.add_argument("--b-mode", choices=("ift", "phantom", "unrolled", "jacobian_free"), default="ift", help="backward mode")
+    p.add_argument("--b-mode", choices=("ift", "phantom", "unrolled", "jacobian_free"), default="ift",
+                   help="backward mode")
     p.add_argument("--variant", choices=("bai2019", "torchdeq"), default="bai2019")
     p.add_argument("--pre-lnorm", action="store_true", help="bai2019 with LayerNorm before each sublayer")
     p.add_argument("--phantom-k", type=int, default=5)
