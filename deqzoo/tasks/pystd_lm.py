@@ -50,7 +50,9 @@ NEW_TOKENS = 48
 # The card's decoding, for code and for the demo: seeded sampling; no repetition penalty (code repeats tokens)
 DECODING: dict = {"do_sample": True, "temperature": 0.7, "top_k": 20}
 DECODING_SEED = 0
-DEMO_PROMPT = 'def is_even(n):\n    """Return True if n is even."""\n'
+# Prompts end without their last newline: byte-level BPE merges a newline with the next line's indentation
+# ("\n    " is one token), so a prompt ending in a bare "\n" token would tell the model "column 0 follows".
+DEMO_PROMPT = 'def is_even(n):\n    """Return True if n is even."""'
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "pydoc_data", "encodings", "__pycache__"}
 
 
@@ -126,7 +128,7 @@ def compile_prompts(limit: int | None = None) -> list[tuple[str, str]]:
     """(prompt, real continuation) pairs: held-out stdlib files in held-out order, their top-level functions
     of at least `MIN_FUNCTION_LINES` lines in source order, at most `PROMPTS_PER_FILE` per file, first
     `NUM_PROMPTS` (or `limit`); prompt = the function's first `PROMPT_LINES` lines (from the def line,
-    decorators excluded), continuation = the rest of the file."""
+    decorators excluded) without its last newline, continuation = the rest of the file from that newline."""
     docs = documents()
     pairs = []
     for name in split_names()[1]:
@@ -142,7 +144,8 @@ def compile_prompts(limit: int | None = None) -> list[tuple[str, str]]:
                  and n.end_lineno - n.lineno + 1 >= MIN_FUNCTION_LINES]
         for node in funcs[:PROMPTS_PER_FILE]:
             cut = node.lineno - 1 + PROMPT_LINES
-            pairs.append(("".join(lines[node.lineno - 1:cut]), "".join(lines[cut:])))
+            prompt = "".join(lines[node.lineno - 1:cut])
+            pairs.append((prompt[:-1], "\n" + "".join(lines[cut:])))
     return pairs[:NUM_PROMPTS if limit is None else min(limit, NUM_PROMPTS)]
 
 
@@ -162,15 +165,21 @@ def truncate_completion(completion: str) -> str:
 
 
 def compiles(prompt: str, completion: str) -> bool:
-    """True when some prefix of the truncated completion's lines (`truncate_completion`), longest first, holds
-    a line of code (not blank, not only a comment) and `compile(prompt + prefix, "<sample>", "exec")` accepts
-    it: the completion cut at its last syntactic boundary is valid Python."""
-    lines = truncate_completion(completion).splitlines(keepends=True)
+    """True when the completion ends the prompt's last line and some prefix of the lines after it, cut by
+    `truncate_completion`, longest first, holds a line of code (not blank, not only a comment) and
+    `compile(head + prefix, "<sample>", "exec")` accepts it (head: the prompt's lines, its last one as the
+    completion ends it): the completion cut at its last syntactic boundary is valid Python."""
+    n = prompt.count("\n") + 1
+    all_lines = (prompt + completion).splitlines(keepends=True)
+    head = "".join(all_lines[:n])
+    if not head.endswith("\n"):
+        return False
+    lines = truncate_completion("".join(all_lines[n:])).splitlines(keepends=True)
     for k in range(len(lines), 0, -1):
         if not any(line.strip() and not line.lstrip().startswith("#") for line in lines[:k]):
             return False
         try:
-            compile(prompt + "".join(lines[:k]), "<sample>", "exec")
+            compile(head + "".join(lines[:k]), "<sample>", "exec")
         except (SyntaxError, ValueError):  # ValueError: NUL bytes in a sampled string
             continue
         return True
