@@ -225,12 +225,15 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict:
 
 def demo(model) -> tuple[str, SolverStats]:
     """The card's decoding after a fixed function header: (prompt + completion on one line, the prompt's
-    stats)."""
+    stats; `SolverStats.no_solve()` for the explicit twin, which solves nothing)."""
     tok = pydoc_lm.load_tokenizer(model)
     model.eval()
     with torch.no_grad():
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
-    text = truncate_completion(complete(model, tok, DEMO_PROMPT)) or "(no complete line)"
+    if model.config.explicit_layers > 0:
+        stats = SolverStats.no_solve()
+    text = truncate_completion(complete(model, tok, DEMO_PROMPT))
+    text = text if text.strip() else " (no complete line)"
     words = " ".join(text.split())
     metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'
     return DemoSummary(" ".join((DEMO_PROMPT + text).split()), metric), stats

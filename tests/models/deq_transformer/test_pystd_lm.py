@@ -203,3 +203,12 @@ def test_card_states_the_measured_generation_solves_at_the_cap(deq):
     sentence = (f"{g['at_cap']} of {g['solves']} forward solves ({share:.1f}%) stop at the "
                 f"{g['cap']}-iteration cap")
     assert sentence in " ".join(body.split())
+
+
+def test_demo_runs_the_explicit_twin_without_a_solve(tmp_path):
+    """The twin solves nothing: `deqzoo demo` shows its sample in one row, with no solver rows or plot."""
+    from deqzoo.cli import run_demo
+
+    rows, failures = run_demo(["deqzoo/deq-transformer-small-pystd-explicit"], tmp_path, progress=False)
+    assert not failures and len(rows) == 1 and rows[0]["solver"] == "no solve"
+    assert rows[0]["prediction"].startswith(" ".join(pystd_lm.DEMO_PROMPT.split()))
