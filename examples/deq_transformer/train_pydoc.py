@@ -110,7 +110,9 @@ def save_state(state_dir: Path, model, opt, sched, step: int, log: list, tokeniz
     tensors["rng"] = torch.get_rng_state()
     tmp = state_dir / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
+    # the optimizer's current learning rates too: the scheduler sets them only at its next step
     (state_dir / "state.json.tmp").write_text(json.dumps({"step": step, "sched": sched.state_dict(),
+                                                          "lrs": [g["lr"] for g in opt.param_groups],
                                                           "log": log}))
     tmp.replace(state_dir / "state.safetensors")
     (state_dir / "state.json.tmp").replace(state_dir / "state.json")
@@ -131,6 +133,8 @@ def load_state(state_dir: Path, model, opt, sched) -> tuple[int, list]:
             st["step"] = st["step"].reshape(())
             opt.state[p] = st
     sched.load_state_dict(meta["sched"])
+    for group, lr in zip(opt.param_groups, meta["lrs"], strict=True):
+        group["lr"] = lr
     torch.set_rng_state(tensors["rng"])
     return meta["step"] + 1, meta["log"]
 
