@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{a['phantom_tau']}"),
             "jacobian_free": "the Jacobian-free gradient (one f step at the solver's answer)"}[a["b_mode"]]
     results = f"""
-| Model | Parameters | Held-out perplexity | Compile share | Mean NFE per chunk |
+| Model | Parameters | Held-out perplexity | Compile share | Mean NFE per chunk (explicit: its layers) |
 |---|---|---|---|---|
 {model_row(f"DEQ-Transformer (`{IDS[0]}`)", metas[0], evals[0])}
 {model_row(f"Explicit twin (`{IDS[1]}`)", metas[1], evals[1])}
