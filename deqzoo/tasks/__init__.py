@@ -23,6 +23,7 @@ __all__ = ["TASKS", "open_image", "register_task", "residual_figure", "task_modu
 TASKS: dict[str, str] = {
     "mnist": "deqzoo.tasks.mnist",
     "pydoc_lm": "deqzoo.tasks.pydoc_lm",
+    "pystd_lm": "deqzoo.tasks.pystd_lm",
     "chains": "deqzoo.tasks.chains",
     "ddim_digits": "deqzoo.tasks.ddim_digits",
     "implicit2": "deqzoo.tasks.implicit2",

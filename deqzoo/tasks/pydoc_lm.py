@@ -167,7 +167,7 @@ def demo(model) -> tuple[str, SolverStats]:
     return DemoSummary((DEMO_PROMPT + text).replace("\n", " "), metric), stats
 
 
-def predict(model, input: str) -> str:
+def predict(model, input: str, decoding: dict | None = None) -> str:
     """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path), then
     the model's own probability of each sampled token (geometric mean and minimum), on the next line.
 
@@ -189,7 +189,7 @@ def predict(model, input: str) -> str:
                          f"{MAX_PROMPT_CHARS:,} (MAX_PROMPT_CHARS)")
     if not text.strip():
         raise ValueError("the prompt is empty")
-    continuation, _, probs = _generate(model, text, scores=True)
+    continuation, _, probs = _generate(model, text, decoding=decoding, scores=True)
     if probs.numel() == 0:
         return continuation
     return (f"{continuation}\n[{probs.numel()} tokens; model probability per token: geometric mean "

@@ -101,6 +101,7 @@ class DEQTransformerConfig(DEQPretrainedConfig):
 
 
 _TINY = dict(vocab_size=1024, d_model=128, n_head=4, d_head=32, tgt_len=64, mem_len=64)
+_SMALL = dict(vocab_size=4096, d_model=192, n_head=6, d_head=32, tgt_len=64, mem_len=64)
 _DEQ = {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3, "b_mode": "ift", "b_max_iter": 12,
         "b_tol": 1e-4}
 
@@ -109,6 +110,16 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "task": "text-generation",
         "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
         "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
+    },
+    "deq-transformer-small": {
+        "task": "text-generation",
+        "config": {**_SMALL, "d_inner": 768, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
+        "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 192 (pystd)",
+    },
+    "deq-transformer-small-explicit": {
+        "task": "text-generation",
+        "config": {**_SMALL, "d_inner": 144, "pre_lnorm": True, "explicit_layers": 2, "deq": _DEQ},
+        "description": "The small DEQ-Transformer's explicit twin: 2 untied pre-LN blocks, equal parameters",
     },
     "deq-transformer-torchdeq-tiny": {
         "task": "text-generation",
