@@ -39,7 +39,7 @@ __all__ = [
 
 CHECKPOINTS = {
     "mdeq": ["deqzoo/mdeq-tiny-mnist", "deqzoo/lipschitz-mdeq-tiny-mnist"],
-    "deq_transformer": ["deqzoo/deq-transformer-tiny-pydoc"],
+    "deq_transformer": ["deqzoo/deq-transformer-small-pystd", "deqzoo/deq-transformer-tiny-pydoc"],
     "deq_flow": ["deqzoo/deq-flow-cpu-synth"],
     "implicit2": ["deqzoo/implicit2-isiren-camera", "deqzoo/implicit2-igabor-mfn-camera"],
     "ddim": ["deqzoo/ddim-digits-16"],

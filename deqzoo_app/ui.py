@@ -9,6 +9,8 @@ from typing import Any
 
 import gradio as gr
 
+from deqzoo.tasks.pystd_lm import DEMO_PROMPT
+
 from . import families as F
 
 _SOLVER_HELP = "the fixed-point solver the model's equilibrium is found with"
@@ -105,11 +107,12 @@ def _transformer_tab() -> None:
     gr.Markdown(
         "**DEQ-Transformer** is a language model whose layers are one equilibrium. Each new token's "
         "solve starts from the cached fixed point; the colours show how many f-evaluations each "
-        "generated token took (trained on Python's documentation, a tiny model)."
+        "generated token took (1.4M parameters, trained on Python's documentation and standard library "
+        "source; its card compares it with an explicit twin)."
     )
     with gr.Row():
         with gr.Column():
-            prompt = gr.Textbox("The for statement is used to", label="prompt", lines=2)
+            prompt = gr.Textbox(DEMO_PROMPT, label="prompt", lines=2)
             tokens = gr.Slider(1, 64, value=24, step=1, label="new tokens")
             seed = gr.Number(0, label="seed", precision=0)
         with gr.Column():
