@@ -121,7 +121,8 @@ def sample_block(model, tok) -> str:
     for prompt in (pystd_lm.DEMO_PROMPT, pystd_lm.compile_prompts()[0][0]):
         text = pystd_lm.complete(model, tok, prompt)
         verdict = pystd_lm.compiles(prompt, text)
-        rows.append(f"```python\n{prompt}{text}\n```\ncompiles (the protocol): {verdict}")
+        # a text block: model output, not an example (the card snippets' test runs every python block)
+        rows.append(f"```text\n{prompt}{text}\n```\ncompiles (the protocol): {verdict}")
     return "\n\n".join(rows)
 
 
