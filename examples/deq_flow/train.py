@@ -10,6 +10,10 @@ models see the same data.
 Resumable: every --save-every steps OUT/checkpoint/ holds the weights (model.safetensors), the optimizer state
 (optimizer.safetensors) and the step (state.json), written to a temporary folder and renamed; rerunning the
 same command continues from there. The final model is saved with save_pretrained into OUT/model/.
+With --keep-every N, every N steps (and at step 0) OUT/snapshots/step-XXXXXX/ also keeps the weights then
+(save_pretrained: config.json + model.safetensors, a few MB, plus snapshot.json with the training seconds so
+far), written to a temporary folder and renamed; a snapshot that exists is never overwritten and none is ever
+deleted, so a long run leaves the points of its held-out EPE-vs-steps curve (examples/deq_flow/curves.py).
 
     PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu --out runs/deq_flow --steps 3500
     PYTHONPATH=. python examples/deq_flow/train.py --model raft-cpu --out runs/raft --steps 3500
@@ -75,6 +79,25 @@ def save_checkpoint(out: Path, model, opt, step: int, log: list[dict]) -> None:
         shutil.rmtree(old)
 
 
+def keep_snapshot(out: Path, model, step: int, elapsed: float, model_seconds: float) -> Path:
+    """Keep the weights at `step` in OUT/snapshots/step-XXXXXX/ (atomic rename; an existing one is kept as is:
+    a resumed run recomputes the same step from the same checkpoint and data)."""
+    final = out / "snapshots" / f"step-{step:06d}"
+    if final.exists():
+        return final
+    tmp = final.with_name(f".{final.name}.tmp")  # our own unfinished write from a killed process
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    was_training = model.training
+    model.eval()
+    model.save_pretrained(tmp)
+    model.train(was_training)
+    meta = {"step": step, "elapsed": round(elapsed, 2), "model_seconds": round(model_seconds, 2)}
+    (tmp / "snapshot.json").write_text(json.dumps(meta))
+    tmp.rename(final)
+    return final
+
+
 def lr_at(step: int, total: int, peak: float, warmup: float = 0.05) -> float:
     """One-cycle (linear warm-up over `warmup` of the steps, then linear decay to 0), as the original."""
     w = max(1, int(total * warmup))
@@ -93,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     p.add_argument("--save-every", type=int, default=100)
+    p.add_argument(
+        "--keep-every", type=int, default=0, help="also keep a weights-only snapshot every N steps (0: none)"
+    )
+    p.add_argument("--log-every", type=int, default=25, help="log.jsonl line every N steps")
+    p.add_argument(
+        "--stop-after", type=int, default=0, help="end this process after this step (rerun resumes)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
@@ -111,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.keep_every < 0 or args.stop_after < 0:
+        p.error(f"--keep-every and --stop-after must be >= 0, got {args.keep_every} and {args.stop_after}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
@@ -137,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         start, log = state["step"], state["log"]
         print(f"resumed from step {start}", file=sys.stderr)
     model.train()
+    model_seconds = sum(e["sec_per_step"] * e["n"] for e in log)
+    if args.keep_every and start == 0:
+        keep_snapshot(args.out, model, 0, 0.0, 0.0)
+    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     bar = tqdm(
-        range(start, args.steps),
+        range(start, end),
         initial=start,
         total=args.steps,
         desc=args.model,
@@ -176,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 float(out.deq_stats.rel_residual.mean()) if out.deq_stats is not None else 0.0,
             )
         )
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
+        model_seconds += window[-1][2]
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss, err, sec, jac_mean, residual = (sum(v[i] for v in window) / len(window) for i in range(5))
             log.append(
                 {
@@ -196,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps(log[-1]) + "\n")
             bar.set_postfix(loss=f"{loss:.3f}", epe=f"{err:.3f}", s=f"{sec:.2f}")
             window = []
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if args.keep_every and (step + 1) % args.keep_every == 0:
+            keep_snapshot(args.out, model, step + 1, elapsed0 + time.time() - t_run, model_seconds)
+        if (step + 1) % args.save_every == 0 or step + 1 in (args.steps, end):
             save_checkpoint(args.out, model, opt, step + 1, log)
+    if end < args.steps:
+        print(f"stopped after step {end} of {args.steps}; rerun the same command to go on", file=sys.stderr)
+        return 0
     model.eval()
     final = args.out / "model"
     model.save_pretrained(final)

@@ -1,0 +1,96 @@
+"""examples/deq_flow/train.py --keep-every and examples/deq_flow/curves.py (issue #32): the long runs keep
+weights-only snapshots that an interrupted and resumed run writes exactly as an uninterrupted one, and the
+curves are `deqzoo.tasks.flow.evaluate` of those snapshots at the cards' settings, cached per snapshot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import deqzoo
+from deqzoo.tasks.flow import evaluate
+from examples.deq_flow import curves
+from examples.deq_flow.make_cards import INFERENCE_DEQ
+from examples.deq_flow.train import main as train
+
+TINY = ["--steps", "4", "--batch-size", "1", "--keep-every", "2", "--save-every", "2", "--log-every", "2",
+        "--no-progress"]
+
+
+def _run(out, model="deq-flow-cpu", *extra):
+    assert train(["--model", model, "--out", str(out), *TINY, *extra]) == 0
+
+
+def _weights(snapshot):
+    return load_file(str(snapshot / "model.safetensors"))
+
+
+def test_snapshots_of_an_interrupted_and_resumed_run_equal_the_uninterrupted_ones(tmp_path):
+    _run(tmp_path / "whole")
+    _run(tmp_path / "split", "deq-flow-cpu", "--stop-after", "2")  # what a killed session leaves, at step 2
+    split = tmp_path / "split" / "snapshots"
+    assert sorted(p.name for p in split.iterdir()) == ["step-000000", "step-000002"]
+    assert not (tmp_path / "split" / "model").exists()  # stopped early: no final model yet
+    kept = (split / "step-000002" / "model.safetensors").stat().st_mtime_ns
+    _run(tmp_path / "split")  # rerunning the same command resumes at step 2
+    names = ["step-000000", "step-000002", "step-000004"]
+    for run in ("whole", "split"):
+        assert sorted(p.name for p in (tmp_path / run / "snapshots").iterdir()) == names
+    assert (split / "step-000002" / "model.safetensors").stat().st_mtime_ns == kept  # never rewritten
+    for name in names:
+        a, b = _weights(tmp_path / "whole" / "snapshots" / name), _weights(split / name)
+        assert sorted(a) == sorted(b)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+        meta = json.loads((split / name / "snapshot.json").read_text())
+        assert meta["step"] == int(name[-6:]) and meta["elapsed"] >= 0
+    first, last = _weights(split / "step-000000"), _weights(split / "step-000004")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # training moved the weights
+    final = load_file(str(tmp_path / "split" / "model" / "model.safetensors"))
+    assert all(torch.equal(final[k], last[k]) for k in final)  # the last snapshot is the final model
+
+
+def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path, monkeypatch, capsys):
+    _run(tmp_path / "deq")
+    _run(tmp_path / "raft", "raft-cpu")
+    out = tmp_path / "curves"
+    args = [str(tmp_path / "deq"), str(tmp_path / "raft"), "--names", "deq", "raft", "--limit", "2",
+            "--out", str(out)]
+    assert curves.main(args) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert [r["step"] for r in report["common_steps"]] == [0, 2, 4]
+    for name, model in (("deq", "deq-flow-cpu"), ("raft", "raft-cpu")):
+        points = report["curves"][name]
+        assert [p["step"] for p in points] == [0, 2, 4]
+        for point in points:
+            # the reference: the preset built afresh, the snapshot's tensors loaded, the card's solver set
+            snap = tmp_path / name / "snapshots" / f"step-{point['step']:06d}"
+            ref = deqzoo.create_model(model)
+            ref.load_state_dict(load_file(str(snap / "model.safetensors")))
+            if model == "deq-flow-cpu":
+                ref.set_deq(**INFERENCE_DEQ)
+                assert ref.config.deq["f_tol"] == 5e-3 and ref.config.deq["f_max_iter"] == 24
+            direct = evaluate(ref, limit=2, progress=False, baselines=False)
+            assert {k: point[k] for k in direct} == direct
+    printed = capsys.readouterr().out
+    row = report["common_steps"][-1]
+    assert f"| 4 | {row['deq']:.4f} | {row['raft']:.4f} |" in printed
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("a cached snapshot was evaluated again")
+
+    monkeypatch.setattr(curves, "evaluate", no_evaluation)
+    assert curves.main(args) == 0  # every snapshot cached: nothing evaluated
+    assert json.loads(out.with_suffix(".json").read_text())["curves"] == report["curves"]
+
+
+def test_curves_refuses_a_folder_without_snapshots_and_a_foreign_report(tmp_path):
+    with pytest.raises(FileNotFoundError, match="keep-every"):
+        curves.snapshots(tmp_path)
+    (tmp_path / "mine.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        curves.main([str(tmp_path), "--out", str(tmp_path / "mine")])
+    assert (tmp_path / "mine.json").read_text() == "{}"
