@@ -98,6 +98,30 @@ def keep_snapshot(out: Path, model, step: int, elapsed: float, model_seconds: fl
     return final
 
 
+# options that do not change what is trained (the rest must match when a run resumes)
+_SESSION_OPTIONS = ("out", "save_every", "keep_every", "log_every", "stop_after", "threads", "progress")
+
+
+def check_recipe(out: Path, args: argparse.Namespace) -> None:
+    """OUT/run.json holds the recipe of the run's first start; a rerun with other options (a different
+    --steps changes the one-cycle schedule, for example) is refused instead of silently mixing recipes."""
+    recipe = {k: v for k, v in vars(args).items() if k not in _SESSION_OPTIONS}
+    recipe = json.loads(json.dumps(recipe, default=str))
+    path = out / "run.json"
+    if path.is_file():
+        first = json.loads(path.read_text())
+        diff = sorted(k for k in set(first) | set(recipe) if first.get(k) != recipe.get(k))
+        if diff:
+            was = ", ".join(f"{k}: {first.get(k)!r}" for k in diff)
+            now = ", ".join(f"{k}: {recipe.get(k)!r}" for k in diff)
+            raise SystemExit(
+                f"{path}: this run was started with other options ({was}; now {now}); rerun it with the same "
+                "options or choose another --out"
+            )
+    else:
+        path.write_text(json.dumps(recipe, indent=1) + "\n")
+
+
 def lr_at(step: int, total: int, peak: float, warmup: float = 0.05) -> float:
     """One-cycle (linear warm-up over `warmup` of the steps, then linear decay to 0), as the original."""
     w = max(1, int(total * warmup))
@@ -163,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     model.set_deq(on_nonconvergence="ignore")  # training iterates to f_max_iter by design
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     args.out.mkdir(parents=True, exist_ok=True)
+    check_recipe(args.out, args)
     start, log = 0, []
     ckpt = args.out / "checkpoint"
     if ckpt.exists():
