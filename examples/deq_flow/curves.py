@@ -8,14 +8,16 @@ settings (DEQ-Flow: make_cards.INFERENCE_DEQ, the solver settings `deqzoo/deq-fl
 the explicit RAFT twin as trained, 12 updates) on the held-out pairs and the motorcycle pair. The result is
 cached in the snapshot as eval.json, keyed by the settings, so a rerun only evaluates new snapshots (a
 snapshot that a running training is still writing is a hidden temporary folder and is not listed). Writes
-OUT.json (every run's points) and OUT.png (held-out EPE vs step and vs training wall seconds) and prints the
-table at the steps every run has reached.
+OUT.json (every run's points) and OUT.png (held-out EPE vs step, vs training wall clock and vs the training
+process's CPU time, from each snapshot's snapshot.json) and prints the table at the steps every run has
+reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -85,13 +87,15 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, pts in curves.items():
         epes = [p["epe_held_out"] for p in pts]
         axes[0].plot([p["step"] for p in pts], epes, marker=".", label=name)
         axes[1].plot([p["elapsed"] / 3600 for p in pts], epes, marker=".", label=name)
+        axes[2].plot([p.get("cpu_seconds", math.nan) / 3600 for p in pts], epes, marker=".", label=name)
     axes[0].set_xlabel("training step")
-    axes[1].set_xlabel("training wall clock (h, 1 thread on a shared machine)")
+    axes[1].set_xlabel("training wall clock (h, 1 thread at nice 19 on a shared machine)")
+    axes[2].set_xlabel("training process CPU time (h)")
     for ax in axes:
         ax.set_ylabel("held-out EPE (px, 100 pairs)")
         ax.grid(alpha=0.3)

@@ -59,7 +59,10 @@ def _policy(folder: Path, converged: bool) -> str:
 
 
 def _log(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    """The run's log by step; after a resume a step logged again (recomputed from the last checkpoint by the
+    rerun) counts once, its later line."""
+    lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    return sorted({e["step"]: e for e in lines}.values(), key=lambda e: e["step"])
 
 
 def _curves(runs: dict[str, list[Path]], path: Path) -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import deqzoo
 from deqzoo.tasks.flow import evaluate
 from examples.deq_flow import curves
-from examples.deq_flow.make_cards import INFERENCE_DEQ, _curve_section, _deq_recipe
+from examples.deq_flow.make_cards import INFERENCE_DEQ, _curve_section, _deq_recipe, _log
 from examples.deq_flow.train import main as train
 
 TINY = ["--steps", "4", "--batch-size", "1", "--keep-every", "2", "--save-every", "2", "--log-every", "2",
@@ -54,9 +54,19 @@ def test_snapshots_of_an_interrupted_and_resumed_run_equal_the_uninterrupted_one
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a), name
         meta = json.loads((split / name / "snapshot.json").read_text())
-        assert meta["step"] == int(name[-6:]) and meta["elapsed"] >= 0
+        assert meta["step"] == int(name[-6:])
+        assert set(meta) == {"step", "elapsed", "model_seconds", "cpu_seconds"}
+    cpu = [json.loads((split / n / "snapshot.json").read_text())["cpu_seconds"] for n in names]
+    assert cpu[0] == 0 < cpu[1] < cpu[2]  # CPU time carried over the resume, not restarted
     first, last = _weights(split / "step-000000"), _weights(split / "step-000004")
     assert any(not torch.equal(first[k], last[k]) for k in first)  # training moved the weights
+    # the rerun resumed after step 2's line; a killed session's lines past its checkpoint (here: a stale
+    # step 4 logged before the rerun's) count once, the later line, in the cards' training curves
+    log = tmp_path / "split" / "log.jsonl"
+    lines = log.read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2, 4]
+    log.write_text("\n".join([lines[0], lines[1].replace('"loss"', '"stale": 1, "loss"'), lines[1]]) + "\n")
+    assert [(e["step"], "stale" in e) for e in _log(tmp_path / "split")] == [(2, False), (4, False)]
     final = load_file(str(tmp_path / "split" / "model" / "model.safetensors"))
     assert all(torch.equal(final[k], last[k]) for k in final)  # the last snapshot is the final model
 
