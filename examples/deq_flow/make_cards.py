@@ -59,7 +59,10 @@ def _policy(folder: Path, converged: bool) -> str:
 
 
 def _log(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    """The run's log by step; after a resume a step logged again (recomputed from the last checkpoint by the
+    rerun) counts once, its later line."""
+    lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    return sorted({e["step"]: e for e in lines}.values(), key=lambda e: e["step"])
 
 
 def _curves(runs: dict[str, list[Path]], path: Path) -> None:
@@ -86,6 +89,29 @@ def _curves(runs: dict[str, list[Path]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _curve_section(report: dict, every: int = 2000) -> str:
+    """Both runs' held-out EPE at the steps both have a snapshot of (every `every` steps and the last), from
+    a curves.py report; the full curves are in the report and curves.png."""
+    rows = report["common_steps"]
+    names = list(report["curves"])
+    shown = [r for r in rows if r["step"] % every == 0 or r is rows[-1]]
+    lines = [
+        "## Held-out EPE vs training steps",
+        "",
+        "Every snapshot of both runs (train.py --keep-every) evaluated by `examples/deq_flow/curves.py` at "
+        "the cards' settings on the 100 held-out pairs"
+        + (f" (first {report['limit']})" if report["limit"] else "")
+        + "; left: by step, right: by training wall clock.",
+        "",
+        "![held-out EPE vs steps](curves.png)",
+        "",
+        "| step | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    lines += [f"| {r['step']} | " + " | ".join(f"{r[n]:.4f}" for n in names) + " |" for r in shown]
+    return "\n".join(lines)
 
 
 def _table(deq: dict, raft: dict) -> str:
@@ -308,12 +334,15 @@ def _recipe_flags(summary: dict) -> str:
 
 def _deq_recipe(summary: dict, stage1: dict | None = None) -> str:
     text = "" if stage1 is None else f"Stage 1 ({stage1['steps']} steps): "
+    deq = (stage1 or summary).get("deq") or {}  # train.py --deq overrides of the preset (24 steps, 3 states)
+    cap, n = deq.get("f_max_iter", 24), deq.get("n_states", 3)
+    states = [str(round(cap * i / n)) for i in range(1, n + 1)]
     text += (
         "DEQ-Flow: the paper's Algorithm at CPU scale: forward solve without a graph (plain fixed-point "
-        "iteration, at most 24 steps, stopping below a relative residual of 1e-3), one-step phantom gradient "
-        "(UPG, k = 1, τ = 1: the original's `--phantom_grad 1`), fixed-point correction on the states at "
-        "iterations 8, 16 and 24 with RAFT's γ = 0.8 weights (a solve that stops earlier supervises its "
-        "output in their place)"
+        f"iteration, at most {cap} steps, stopping below a relative residual of 1e-3), one-step phantom "
+        "gradient (UPG, k = 1, τ = 1: the original's `--phantom_grad 1`), fixed-point correction on the "
+        f"states at iterations {', '.join(states[:-1])} and {states[-1]} with RAFT's γ = 0.8 weights (a "
+        "solve that stops earlier supervises its output in their place)"
     )
     w = summary.get("residual_loss_weight")
     if w:
@@ -406,8 +435,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="deq_flow_bench.json files of `deqzoo bench deq-flow` to summarise in the DEQ card",
     )
+    p.add_argument(
+        "--curves",
+        type=Path,
+        help="a curves.py report (its .png next to it): held-out EPE vs steps of both runs in both cards",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    curve_section = _curve_section(json.loads(args.curves.read_text())) if args.curves else ""
     import deqzoo
     from deqzoo.tasks.flow import evaluate
     from utils.cards import write_model_card
@@ -462,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
             nfe=r["nfe_held_out"],
             convergence=_convergence(results[DEQ_NAME], policy) if is_deq else "",
             budget=budget,
+            base_steps=(stage1 or summaries[RAFT_NAME])["steps"],
         )
+        if curve_section:
+            body += "\n\n" + curve_section
+            shutil.copyfile(args.curves.with_suffix(".png"), d / "curves.png")
         if is_deq and args.bench:
             body += "\n\n" + _bench_section(args.bench)
         metrics = [
@@ -537,8 +576,8 @@ disparity is finite.
 
 **Recipe.** {deq_recipe} RAFT twin: 12 unrolled updates, sequence loss. Both (DEQ-Flow's stage 1): AdamW
 (lr 4e-4, weight decay 1e-4), one-cycle schedule (5% warm-up, linear decay), gradient clipping 1.0, batch 8
-of 64x64 pairs, 1600 steps, parameter seed 0; 1 CPU thread on a 2-core machine shared with other jobs. This
-model's run: {minutes:.0f} min wall clock ({model_seconds:.0f} min in forward/backward).
+of 64x64 pairs, {base_steps} steps, parameter seed 0; 1 CPU thread on a 2-core machine shared with other
+jobs. This model's run: {minutes:.0f} min wall clock ({model_seconds:.0f} min in forward/backward).
 
 ## Side by side (same data, same parameter count; {budget})
 

@@ -10,6 +10,10 @@ models see the same data.
 Resumable: every --save-every steps OUT/checkpoint/ holds the weights (model.safetensors), the optimizer state
 (optimizer.safetensors) and the step (state.json), written to a temporary folder and renamed; rerunning the
 same command continues from there. The final model is saved with save_pretrained into OUT/model/.
+With --keep-every N, every N steps (and at step 0) OUT/snapshots/step-XXXXXX/ also keeps the weights then
+(save_pretrained: config.json + model.safetensors, a few MB, plus snapshot.json with the training seconds so
+far), written to a temporary folder and renamed; a snapshot that exists is never overwritten and none is ever
+deleted, so a long run leaves the points of its held-out EPE-vs-steps curve (examples/deq_flow/curves.py).
 
     PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu --out runs/deq_flow --steps 3500
     PYTHONPATH=. python examples/deq_flow/train.py --model raft-cpu --out runs/raft --steps 3500
@@ -75,6 +79,50 @@ def save_checkpoint(out: Path, model, opt, step: int, log: list[dict]) -> None:
         shutil.rmtree(old)
 
 
+def keep_snapshot(out: Path, model, step: int, seconds: dict[str, float]) -> Path:
+    """Keep the weights at `step` in OUT/snapshots/step-XXXXXX/ with the training seconds so far (atomic
+    rename; an existing one is kept as is: a resumed run recomputes the same step from the same checkpoint and
+    data)."""
+    final = out / "snapshots" / f"step-{step:06d}"
+    if final.exists():
+        return final
+    tmp = final.with_name(f".{final.name}.tmp")  # our own unfinished write from a killed process
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    was_training = model.training
+    model.eval()
+    model.save_pretrained(tmp)
+    model.train(was_training)
+    meta = {"step": step, **{k: round(v, 2) for k, v in seconds.items()}}
+    (tmp / "snapshot.json").write_text(json.dumps(meta))
+    tmp.rename(final)
+    return final
+
+
+# options that do not change what is trained (the rest must match when a run resumes)
+_SESSION_OPTIONS = ("out", "save_every", "keep_every", "log_every", "stop_after", "threads", "progress")
+
+
+def check_recipe(out: Path, args: argparse.Namespace) -> None:
+    """OUT/run.json holds the recipe of the run's first start; a rerun with other options (a different
+    --steps changes the one-cycle schedule, for example) is refused instead of silently mixing recipes."""
+    recipe = {k: v for k, v in vars(args).items() if k not in _SESSION_OPTIONS}
+    recipe = json.loads(json.dumps(recipe, default=str))
+    path = out / "run.json"
+    if path.is_file():
+        first = json.loads(path.read_text())
+        diff = sorted(k for k in set(first) | set(recipe) if first.get(k) != recipe.get(k))
+        if diff:
+            was = ", ".join(f"{k}: {first.get(k)!r}" for k in diff)
+            now = ", ".join(f"{k}: {recipe.get(k)!r}" for k in diff)
+            raise SystemExit(
+                f"{path}: this run was started with other options ({was}; now {now}); rerun it with the same "
+                "options or choose another --out"
+            )
+    else:
+        path.write_text(json.dumps(recipe, indent=1) + "\n")
+
+
 def lr_at(step: int, total: int, peak: float, warmup: float = 0.05) -> float:
     """One-cycle (linear warm-up over `warmup` of the steps, then linear decay to 0), as the original."""
     w = max(1, int(total * warmup))
@@ -93,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     p.add_argument("--save-every", type=int, default=100)
+    p.add_argument(
+        "--keep-every", type=int, default=0, help="also keep a weights-only snapshot every N steps (0: none)"
+    )
+    p.add_argument("--log-every", type=int, default=25, help="log.jsonl line every N steps")
+    p.add_argument(
+        "--stop-after", type=int, default=0, help="end this process after this step (rerun resumes)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
@@ -111,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.keep_every < 0 or args.stop_after < 0:
+        p.error(f"--keep-every and --stop-after must be >= 0, got {args.keep_every} and {args.stop_after}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}
@@ -128,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     model.set_deq(on_nonconvergence="ignore")  # training iterates to f_max_iter by design
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     args.out.mkdir(parents=True, exist_ok=True)
+    check_recipe(args.out, args)
     start, log = 0, []
     ckpt = args.out / "checkpoint"
     if ckpt.exists():
@@ -137,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         start, log = state["step"], state["log"]
         print(f"resumed from step {start}", file=sys.stderr)
     model.train()
+    model_seconds = sum(e["sec_per_step"] * e["n"] for e in log)
+    if args.keep_every and start == 0:
+        keep_snapshot(args.out, model, 0, {"elapsed": 0.0, "model_seconds": 0.0, "cpu_seconds": 0.0})
+    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     bar = tqdm(
-        range(start, args.steps),
+        range(start, end),
         initial=start,
         total=args.steps,
         desc=args.model,
@@ -147,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     size, bs = tuple(args.size), args.batch_size
     window: list[tuple[float, float, float]] = []
-    t_run = time.time()
+    t_run, c_run = time.time(), time.process_time()
+    # wall clock and this process's CPU time (all of it: data, steps, saving) over the kept history: a killed
+    # session's steps after the last checkpoint are recomputed and counted once; on a shared machine at nice
+    # 19 the CPU seconds, not the wall clock, are the training budget spent
     elapsed0 = log[-1]["elapsed"] if log else 0.0
+    cpu0 = log[-1].get("cpu_seconds", 0.0) if log else 0.0
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
@@ -176,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 float(out.deq_stats.rel_residual.mean()) if out.deq_stats is not None else 0.0,
             )
         )
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
+        model_seconds += window[-1][2]
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss, err, sec, jac_mean, residual = (sum(v[i] for v in window) / len(window) for i in range(5))
             log.append(
                 {
@@ -190,14 +260,22 @@ def main(argv: list[str] | None = None) -> int:
                     "rel_residual": residual,
                     "lr": opt.param_groups[0]["lr"],
                     "elapsed": elapsed0 + time.time() - t_run,
+                    "cpu_seconds": cpu0 + time.process_time() - c_run,
                 }
             )
             with (args.out / "log.jsonl").open("a") as fh:
                 fh.write(json.dumps(log[-1]) + "\n")
             bar.set_postfix(loss=f"{loss:.3f}", epe=f"{err:.3f}", s=f"{sec:.2f}")
             window = []
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if args.keep_every and (step + 1) % args.keep_every == 0:
+            seconds = {"elapsed": elapsed0 + time.time() - t_run, "model_seconds": model_seconds,
+                       "cpu_seconds": cpu0 + time.process_time() - c_run}
+            keep_snapshot(args.out, model, step + 1, seconds)
+        if (step + 1) % args.save_every == 0 or step + 1 in (args.steps, end):
             save_checkpoint(args.out, model, opt, step + 1, log)
+    if end < args.steps:
+        print(f"stopped after step {end} of {args.steps}; rerun the same command to go on", file=sys.stderr)
+        return 0
     model.eval()
     final = args.out / "model"
     model.save_pretrained(final)
@@ -220,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 "init": str(args.init) if args.init else None,
                 "model_seconds": round(train_s, 1),
                 "wall_seconds": round(log[-1]["elapsed"], 1) if log else 0.0,
+                "cpu_seconds": round(log[-1].get("cpu_seconds", 0.0), 1) if log else 0.0,
                 "final_train_epe": log[-1]["train_epe"] if log else math.nan,
             },
             indent=1,
