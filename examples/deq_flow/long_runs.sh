@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Start, or resume, issue #32's long runs: DEQ-Flow and its explicit RAFT twin under one recipe (README.md,
 # "Long runs (issue #32)"). Run from the repository root, every session, unchanged:
-#     bash examples/deq_flow/long_runs.sh            # RUNS=/work/runs/deq_flow by default
+#     bash examples/deq_flow/long_runs.sh            # RUNS=runs/deq_flow, PYTHON=python by default
 # Each run is a background process at nice 19 in its own autogroup (it takes idle CPU only), 1 thread, its
 # pid in RUNS/NAME.pid and its output appended to RUNS/NAME.log; train.py resumes from RUNS/NAME/checkpoint
 # and refuses other options than the run's first start (RUNS/NAME/run.json). A run whose recorded pid is
 # still alive is left alone, so that two processes never write one folder.
 set -euo pipefail
-RUNS=${RUNS:-/work/runs/deq_flow}
-PYTHON=${PYTHON:-/work/venv/bin/python}
+RUNS=${RUNS:-runs/deq_flow}  # outside git's view: runs/ is in .gitignore
+PYTHON=${PYTHON:-python}
 COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
 mkdir -p "$RUNS"
 
