@@ -186,16 +186,12 @@ def compiles(prompt: str, completion: str) -> bool:
     return False
 
 
-def complete(model, tokenizer, prompt: str, *, decoding: dict | None = None, new_tokens: int = NEW_TOKENS,
+def complete(model, prompt: str, *, decoding: dict | None = None, new_tokens: int = NEW_TOKENS,
              seed: int = DECODING_SEED) -> str:
-    """`new_tokens` tokens after `prompt` with the card's decoding, from a private seeded RNG state."""
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=tokenizer.eos_token_id,
-                             **(DECODING if decoding is None else decoding))
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+    """Exactly `new_tokens` tokens after `prompt` (end-of-text suppressed until then) with the card's
+    decoding, sampled as `pydoc_lm`'s seeded generation does."""
+    decoding = {**(DECODING if decoding is None else decoding), "min_new_tokens": new_tokens}
+    return pydoc_lm._generate(model, prompt, max_new_tokens=new_tokens, decoding=decoding, seed=seed)[0]
 
 
 def real_completion(tokenizer, continuation: str, new_tokens: int = NEW_TOKENS) -> str:
@@ -218,7 +214,7 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict:
         s, n, f = pydoc_lm.stream_nll(model, window, progress=False)
         nll, count, nfes = nll + s, count + n, nfes + f
     prompts = compile_prompts(limit)
-    samples = [complete(model, tok, p) for p, _ in tqdm(prompts, desc="compile share", disable=not progress)]
+    samples = [complete(model, p) for p, _ in tqdm(prompts, desc="compile share", disable=not progress)]
     return {"perplexity": round(math.exp(nll / count), 4), "mean_nfe": round(sum(nfes) / len(nfes), 4),
             "compile_share": compile_share(samples, prompts)}
 
@@ -232,7 +228,7 @@ def demo(model) -> tuple[str, SolverStats]:
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
     if model.config.explicit_layers > 0:
         stats = SolverStats.no_solve()
-    text = truncate_completion(complete(model, tok, DEMO_PROMPT))
+    text = truncate_completion(complete(model, DEMO_PROMPT))
     text = text if text.strip() else " (no complete line)"
     words = " ".join(text.split())
     metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'

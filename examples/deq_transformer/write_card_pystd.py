@@ -77,9 +77,9 @@ def generation_solves(model, tok) -> dict:
     policy = model.config.on_nonconvergence
     model.set_deq(on_nonconvergence="ignore")  # counted here, not warned about
     try:
-        pystd_lm.complete(model, tok, pystd_lm.DEMO_PROMPT)
+        pystd_lm.complete(model, pystd_lm.DEMO_PROMPT)
         for prompt, _ in pystd_lm.compile_prompts():
-            pystd_lm.complete(model, tok, prompt)
+            pystd_lm.complete(model, prompt)
     finally:
         handle.remove()
         model.set_deq(on_nonconvergence=policy)
@@ -119,7 +119,7 @@ def sample_block(model, tok) -> str:
     """The demo's completion and the first held-out prompt's, with the card's decoding (seed 0)."""
     rows = []
     for prompt in (pystd_lm.DEMO_PROMPT, pystd_lm.compile_prompts()[0][0]):
-        text = pystd_lm.complete(model, tok, prompt)
+        text = pystd_lm.complete(model, prompt)
         verdict = pystd_lm.compiles(prompt, text)
         # a text block: model output, not an example (the card snippets' test runs every python block)
         rows.append(f"```text\n{prompt}{text}\n```\ncompiles (the protocol): {verdict}")

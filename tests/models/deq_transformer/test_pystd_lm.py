@@ -186,7 +186,7 @@ def test_demo_shows_the_cards_sample_and_warns_only_as_the_card_says(deq):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summary, _ = pystd_lm.demo(deq)
-    text = pystd_lm.complete(deq, pydoc_lm.load_tokenizer(deq), pystd_lm.DEMO_PROMPT)
+    text = pystd_lm.complete(deq, pystd_lm.DEMO_PROMPT)
     assert f"```text\n{pystd_lm.DEMO_PROMPT}{text}\n```" in body
     assert str(summary).startswith(" ".join(pystd_lm.DEMO_PROMPT.split()))
     warned = [w for w in caught if issubclass(w.category, DEQNonConvergenceWarning)]
