@@ -11,6 +11,10 @@ tolerance" = the first iteration whose error is <= 1e-3). Inversion: MSE against
 inversion, DEQ-DDIM (Anderson warm start + phantom gradient, tau = 0.1) from the equilibrium start (the
 inverse chain solved as one fixed point) and from the ODE inversion (the paper's start), and Adam through
 the sequential chain from each start; times to the sequential baseline's final MSE, as ratios.
+
+The timed sampling runs record nothing per iteration (a readout would synchronise every step); the error per
+iteration comes from a second, untimed run of the same method. ``--device cuda`` runs everything on the GPU
+(the same CPU-drawn x_T, moved there) and synchronises before each clock read.
 """
 
 from __future__ import annotations
@@ -59,25 +63,33 @@ def _paradigms(unet, scheduler_config, x_T, T: int, tolerance: float, parallel: 
     return buf[-1], calls, images
 
 
+def _clock(device: torch.device) -> float:
+    """Wall seconds once the device has finished what was queued (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
     from diffusers import DDIMPipeline, DDIMScheduler
 
-    x_T = torch.randn(pipe._image_shape(batch), generator=torch.Generator().manual_seed(seed))
+    device = pipe.unet.device
+    x_T = torch.randn(pipe._image_shape(batch), generator=torch.Generator().manual_seed(seed)).to(device)
     ref_pipe = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
     ref_pipe.set_progress_bar_config(disable=True)
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     gen = torch.Generator().manual_seed(seed)  # DDIMPipeline draws x_T itself: the same draw as x_T above
     ref = ref_pipe(batch_size=batch, generator=gen, num_inference_steps=T, output_type="pt").images * 2 - 1
-    t_seq = time.perf_counter() - t0
+    t_seq = _clock(device) - t0
+    ref = ref.to(device)
     row = {"T": T, "batch": batch, "ddim_pipeline": {"seconds": t_seq, "unet_images": T * batch, "depth": T}}
     with torch.no_grad():
         errs: list[float] = []
         chain = pipe.chain(T)
-        t0 = time.perf_counter()
-        Z, stats = pipe.solve_chain(
-            chain, x_T, on_iterate=lambda Z: errs.append(float((Z[:, -1] - ref).abs().max()))
-        )
-        t_deq = time.perf_counter() - t0
+        t0 = _clock(device)
+        Z, stats = pipe.solve_chain(chain, x_T)
+        t_deq = _clock(device) - t0
+        pipe.solve_chain(chain, x_T, on_iterate=lambda Z: errs.append(float((Z[:, -1] - ref).abs().max())))
         final = float((Z[:, -1].clamp(-1, 1) - ref).abs().max())
         row["deq_ddim"] = {
             "seconds": t_deq,
@@ -91,17 +103,11 @@ def bench_sampling(pipe, T: int, batch: int, seed: int = 0) -> dict:
             "iterations_to_match": next((i + 1 for i, e in enumerate(errs) if e <= MATCH), None),
         }
         perrs: list[float] = []
-        t0 = time.perf_counter()
-        out, calls, images = _paradigms(
-            pipe.unet,
-            pipe.scheduler.config,
-            x_T,
-            T,
-            tolerance=1e-3,
-            parallel=T,
-            on_iter=lambda x: perrs.append(float((x - ref).abs().max())),
-        )
-        t_par = time.perf_counter() - t0
+        t0 = _clock(device)
+        out, calls, images = _paradigms(pipe.unet, pipe.scheduler.config, x_T, T, tolerance=1e-3, parallel=T)
+        t_par = _clock(device) - t0
+        _paradigms(pipe.unet, pipe.scheduler.config, x_T, T, tolerance=1e-3, parallel=T,
+                   on_iter=lambda x: perrs.append(float((x - ref).abs().max())))  # fmt: skip
         row["paradigms_picard"] = {
             "seconds": t_par,
             "unet_images": images,
@@ -155,7 +161,7 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> di
     from deqzoo.tasks.ddim_digits import load_split
 
     x, _ = load_split("inversion")
-    target = x[:n]
+    target = x[:n].to(pipe.unet.device)
     images01 = (target + 1) / 2
     chain = pipe.chain(T)
     t0 = time.perf_counter()
@@ -266,17 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--budget", type=float, default=None, help="seconds per inversion run")
     p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.05], help="Adam learning rates")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--Ts", type=int, nargs="+", default=None, help="sampling steps (default 10 25 50 100)")
     p.add_argument("--sampling-from", type=Path, default=None,
                    help="take the sampling rows from this earlier JSON (inversion only)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    from benchmarks.solvers import check_device
     from deqzoo.pipelines.deq_ddim import DEQDDIMPipeline
 
-    pipe = DEQDDIMPipeline.from_pretrained(args.checkpoint)
+    check_device(args.device, "deqzoo bench deq-ddim")
+    pipe = DEQDDIMPipeline.from_pretrained(args.checkpoint).to(args.device)
     pipe.set_progress_bar_config(disable=True)
-    Ts = [10, 25] if args.quick else [10, 25, 50, 100]
+    Ts = args.Ts or ([10, 25] if args.quick else [10, 25, 50, 100])
     batch = args.batch or (2 if args.quick else 4)
-    result = {"checkpoint": args.checkpoint, "threads": 1, "sampling": []}
+    result = {"checkpoint": args.checkpoint, "threads": 1, "device": args.device, "sampling": []}
     if args.sampling_from is not None:
         result["sampling"] = json.loads(args.sampling_from.read_text())["sampling"]
         result["sampling_from"] = str(args.sampling_from)

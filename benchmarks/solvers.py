@@ -130,12 +130,12 @@ def problems(quick: bool, device: str = "cpu") -> dict:
     }
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, prog: str = "deqzoo bench solvers") -> None:
     """A clear error for a device this machine does not have."""
     if device not in ("cpu", "cuda"):
-        raise SystemExit(f"deqzoo bench solvers: --device must be cpu or cuda, got {device!r}")
+        raise SystemExit(f"{prog}: --device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("deqzoo bench solvers: --device cuda, but CUDA is not available on this machine")
+        raise SystemExit(f"{prog}: --device cuda, but CUDA is not available on this machine")
 
 
 def _max_rel_residual(f, z: torch.Tensor) -> float:

@@ -18,11 +18,17 @@ forward calls of f_θ (``f_share_median``). A ratio cannot fall below deqzoo's t
 time: the same module costs the same per call on both sides, only the number of calls and what runs around
 them differ.
 
+Device: ``--device cuda`` moves the model and inputs to the GPU; each timed call then ends with a
+synchronisation, and the in-f share is not measured (kernels run asynchronously, so a timer around f would
+read launch time; ``f_share_median`` is null). ``--batch`` sets the batch (MNIST images or 512-token
+windows), since a GPU is idle at the CPU's batch sizes.
+
 Cases: ``mdeq-infer`` (mdeq-tiny-mnist, eval, no grad), ``mdeq-train`` (one training step: forward in train
 mode, cross-entropy, backward with IFT on both sides), ``pydoc-infer`` (deq-transformer-tiny-pydoc, eval).
 
     deqzoo bench torchdeq-models                    # all cases -> bench_results/torchdeq_models.json
     deqzoo bench torchdeq-models --quick            # fewer rounds, smaller batches
+    deqzoo bench torchdeq-models --device cuda --batch 256   # on a GPU
 """
 
 from __future__ import annotations
@@ -45,9 +51,9 @@ class _Recorder(nn.Module):
     """A DEQ module (deqzoo's or the TorchDEQ adapter) that remembers f and what it returned, so the returned
     point's residual can be measured after the timed call."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, cuda: bool = False):
         super().__init__()
-        self.inner = inner
+        self.inner, self.cuda = inner, cuda
         self.last = None
         self.nfe = 0
         self.f_seconds, self.calls = 0.0, 0
@@ -64,6 +70,8 @@ class _Recorder(nn.Module):
 
         z, stats = self.inner(timed, z0, **kwargs)
         self.last, self.nfe = (f, z), stats.nfe
+        if self.cuda:  # f's timer read only launch time
+            self.f_seconds = math.nan
         return z, stats
 
 
@@ -116,7 +124,7 @@ def _residual(rec: _Recorder) -> float:
     return float(r.mean())
 
 
-def _case(name: str, quick: bool):
+def _case(name: str, quick: bool, device: str = "cpu", batch: int | None = None):
     """(model, run(model) -> None, deq config) for a case; the inputs are fixed held-out data."""
     import deqzoo
 
@@ -124,11 +132,13 @@ def _case(name: str, quick: bool):
     if name.startswith("mdeq"):
         from deqzoo.tasks import mnist
 
-        model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+        model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").to(device)
         x, y = mnist.load_split("test")
-        batch = 8 if quick else 32
-        pixels = mnist.to_pixel_values(x[:batch], model)
-        labels = torch.from_numpy(y[:batch]).long()
+        batch = batch or (8 if quick else 32)
+        if batch > len(x):
+            raise SystemExit(f"--batch {batch}: the MNIST test split has {len(x)} images")
+        pixels = mnist.to_pixel_values(x[:batch], model).to(device)
+        labels = torch.from_numpy(y[:batch]).long().to(device)
         if name == "mdeq-infer":
             model.eval()
 
@@ -145,11 +155,13 @@ def _case(name: str, quick: bool):
         return model, model.mdeq if hasattr(model, "mdeq") else _backbone(model), run
     from deqzoo.tasks import pydoc_lm
 
-    model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval()
+    model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval().to(device)
     ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), "held_out")
     seg = model.config.tgt_len
-    n = 1 if quick else 2
-    batch = ids[: n * seg].reshape(n, seg)
+    n = batch or (1 if quick else 2)
+    if n * seg > len(ids):
+        raise SystemExit(f"--batch {n}: the held-out text has {len(ids) // seg} windows of {seg} tokens")
+    batch = ids[: n * seg].reshape(n, seg).to(device)
 
     def run(m):
         with torch.no_grad():
@@ -166,13 +178,18 @@ def _backbone(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__} has no DEQ module")
 
 
-def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
+def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batch: int | None = None) -> dict:
     from deqzoo.core import DEQ
 
-    model, owner, run = _case(name, quick)
+    model, owner, run = _case(name, quick, device, batch)
+    cuda = device == "cuda"
     cfg = owner.deq.config
     owner_deq = owner.deq
-    ours = _Recorder(owner_deq)
+
+    def record(inner: nn.Module) -> _Recorder:
+        return _Recorder(inner, cuda)
+
+    ours = record(owner_deq)
 
     def use(module: nn.Module) -> None:
         owner.deq = module
@@ -180,8 +197,12 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
 
     def measure(module: nn.Module) -> tuple[float, float]:
         use(module)
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         run(model)
+        if cuda:  # kernels run asynchronously: the call ends when the GPU does
+            torch.cuda.synchronize()
         t = time.perf_counter() - t
         module.f_share = module.f_seconds / t
         return t, _residual(module)
@@ -192,7 +213,7 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
         """The grid tolerance whose returned residual is nearest target (log scale): (tol, residual, scan)."""
         scan = []
         for tol in TOL_GRID:
-            scan.append((tol, measure(_Recorder(make(tol)))[1]))
+            scan.append((tol, measure(record(make(tol)))[1]))
             if scan[-1][1] < target / 4 or (len(scan) >= 3 and scan[-1][1] == scan[-3][1]):
                 break  # past the target, or on the budget's plateau (a smaller tol changes nothing)
         tol, r = min(scan, key=lambda p: abs(math.log(p[1] / target)))
@@ -206,11 +227,11 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
     if r_t > 1.5 * r_ours:  # TorchDEQ does not reach our residual within its budget: match its best instead
         tol_t, target = min(scan, key=lambda p: p[1])
         tol_o, _, scan_o = nearest(lambda tol: DEQ(cfg.update(f_tol=tol)), target)
-        ours = _Recorder(DEQ(cfg.update(f_tol=tol_o)))
+        ours = record(DEQ(cfg.update(f_tol=tol_o)))
     # deqzoo with the final step (f of the answer where measured better), its tolerance matched likewise
     tol_f, _, scan_f = nearest(lambda tol: DEQ(cfg.update(f_tol=tol, f_final_step=True)), target)
-    modules = {"deqzoo": ours, "deqzoo+final": _Recorder(DEQ(cfg.update(f_tol=tol_f, f_final_step=True))),
-               "torchdeq": _Recorder(_TorchDEQ(cfg, tol_t))}  # fmt: skip
+    modules = {"deqzoo": ours, "deqzoo+final": record(DEQ(cfg.update(f_tol=tol_f, f_final_step=True))),
+               "torchdeq": record(_TorchDEQ(cfg, tol_t))}  # fmt: skip
     for mod in modules.values():
         measure(mod)
     times: dict[str, list[float]] = {k: [] for k in modules}
@@ -228,11 +249,12 @@ def bench_case(name: str, *, rounds: int, quick: bool) -> dict:
     use(owner_deq)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "case": name, "rounds": rounds, "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
+        "case": name, "device": device, "batch": batch, "rounds": rounds,
+        "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
         "tol": {"deqzoo": tol_o, "deqzoo+final": tol_f, "torchdeq": tol_t},
         "returned_rel_residual": {k: statistics.median(v) for k, v in res.items()},
         "f_calls_median": {k: statistics.median(v) for k, v in nfe.items()},
-        "f_share_median": {k: statistics.median(v) for k, v in share.items()},
+        "f_share_median": {k: None if cuda else statistics.median(v) for k, v in share.items()},
         "seconds_median": med, "seconds": times,
         "ratio": {k: med[k] / med["torchdeq"] for k in ("deqzoo", "deqzoo+final")},
         "torchdeq_tol_scan": scan, "deqzoo_tol_scan": scan_o, "deqzoo_final_tol_scan": scan_f,
@@ -248,7 +270,7 @@ def format_table(results: list[dict]) -> str:
             rows.append(f"{r['case']:<12} {k:<13} {r['seconds_median'][k]:9.4f} {ratio:6.2f} "
                         f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} "
                         f"{r['f_calls_median'][k]:7.1f} "
-                        f"{r['f_share_median'][k]:5.0%}")
+                        + ("    -" if r["f_share_median"][k] is None else f"{r['f_share_median'][k]:5.0%}"))
     return "\n".join(rows)
 
 
@@ -259,18 +281,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="bench_results/torchdeq_models.json")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="MNIST images or 512-token windows per call (default 32 / 2; --quick 8 / 1)")
     args = parser.parse_args(argv)
+    from benchmarks.solvers import check_device
+
+    check_device(args.device, "deqzoo bench torchdeq-models")
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 9)
     results = []
     for case in filter(None, args.cases.split(",")):
         if case not in CASES:
             raise SystemExit(f"unknown case {case!r}; cases: {', '.join(CASES)}")
-        results.append(bench_case(case, rounds=rounds, quick=args.quick))
+        kw = {"rounds": rounds, "quick": args.quick, "device": args.device, "batch": args.batch}
+        results.append(bench_case(case, **kw))
         print(format_table(results[-1:]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    out.write_text(json.dumps({"threads": args.threads, "device": args.device, "results": results}, indent=2))
     print(format_table(results))
     print(f"wrote {out}")
     return 0
