@@ -36,11 +36,12 @@ def _paradigms(unet, scheduler_config, x_T, T: int, tolerance: float, parallel: 
 
     sched = DDIMParallelScheduler.from_config(scheduler_config)
     sched.set_timesteps(T)
-    ts = sched.timesteps
+    ts = sched.timesteps  # on the host for the variances, on the images' device for the UNet
     B = x_T.shape[0]
     buf = torch.stack([x_T] * (T + 1))
     inv_var = 1.0 / torch.tensor([sched._get_variance(ts[j]) for j in range(T)] + [0])
-    inv_var = inv_var[:, None] / x_T[0].numel()
+    ts = ts.to(x_T.device)
+    inv_var = inv_var[:, None].to(x_T.device) / x_T[0].numel()
     begin, end, calls, images = 0, min(parallel, T), 0, 0
     while begin < T:
         n = end - begin
