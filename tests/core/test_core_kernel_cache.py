@@ -98,3 +98,24 @@ def test_two_processes_compile_once_between_them(tmp_path):
     assert logs.count("kernel cache compiled by a child process") == 1, logs[-3000:]
     assert logs.count("kernel cache loaded by a child process") == 1, logs[-3000:]
     assert len(list(cache.glob("deqzoo-kernels-*.ready"))) == 1
+
+
+def test_torch_path_loads_the_compiled_host_kernels():
+    """A solve that never takes the fused path (a GPU state; here a bfloat16 one) still asks for the
+    kernels, so its per-step bookkeeping and Anderson's mixing systems run compiled once the cache is warm,
+    not as Python loops for the whole process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the suite's own cache
+    warm = "from deqzoo.core import _kernels; assert _kernels.warm_up(block=True)"
+    subprocess.run([sys.executable, "-c", warm], env=env, check=True, timeout=600)
+    probe = """
+import torch
+from deqzoo.core import _kernels, solve
+assert not _kernels.usable(torch.zeros(2, 3, dtype=torch.bfloat16))
+A = 0.5 * torch.eye(3, dtype=torch.bfloat16)
+z, stats = solve(lambda z: z @ A + 1, torch.zeros(2, 3, dtype=torch.bfloat16), solver="anderson",
+                 max_iter=30, tol=1e-2)
+print(*(_kernels.host(k) is k for k in (_kernels.track, _kernels.mixing_weights)))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
