@@ -667,8 +667,10 @@ def host(fn):
     ready, else its Python function (slower, same results), so no solve waits for a compilation. Asking
     starts the compilation (or loads numba's cache), as `usable` does for CPU states: a solve on a GPU never
     calls `usable`'s `ready`, and before this asked it ran the Python functions for the whole process, a
-    per-sample Python loop per step (4.5x TorchDEQ's time for an MDEQ at batch 256 on an H100)."""
-    return fn if ENABLED and ready() else getattr(fn, "py_func", fn)
+    per-sample Python loop per step (4.5x TorchDEQ's time for an MDEQ at batch 256 on an H100). With the
+    kernels disabled (``DEQZOO_KERNELS=0``) it starts nothing, but uses them once another caller has."""
+    compiled = ready() if ENABLED else _ready.is_set() and _error is None
+    return fn if compiled else getattr(fn, "py_func", fn)
 
 
 def ready() -> bool:
