@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ..hyper import least_squares_alpha
 from ._contract import (
     _NUMPY_DTYPES,
     _check_output,
@@ -104,9 +105,14 @@ def anderson(
         alpha[:, slot] = 1.0  # a failed system (or the first step): plain damped step
         if n > 1:
             go, n_go = tracker.go, tracker.n_go
-            W, ok = np.empty((n, n_go)), np.zeros(n_go, np.bool_)
-            mixing(H, go, n_go, n, lam, W, ok)
-            alpha[go[:n_go][ok]] = W[:, ok].T
+            if hasattr(mixing, "py_func"):  # compiled: the kernel both paths share
+                W, ok = np.empty((n, n_go)), np.zeros(n_go, np.bool_)
+                mixing(H, go, n_go, n, lam, W, ok)
+                alpha[go[:n_go][ok]] = W[:, ok].T
+            else:  # not compiled (yet): the same systems as batched torch ops, not a Python loop per sample
+                a = least_squares_alpha(torch.from_numpy(H[go[:n_go], :n, :n]), lam).numpy()
+                ok = np.isfinite(a).all(1)
+                alpha[go[:n_go][ok]] = a[ok]
         alpha_t = torch.from_numpy(alpha).to(x0.device, x0.dtype, non_blocking=True).unsqueeze(1)
         x = tracker.next_iterate(torch.bmm(alpha_t, Y[:, :n]).view(b, d))
     return tracker.result(), tracker.stats(nfe)
