@@ -43,3 +43,14 @@ def test_table_lists_every_module():
          "f_share_median": {"deqzoo": 0.8, "deqzoo+final": 0.8, "torchdeq": 0.7}}  # fmt: skip
     lines = bench.format_table([r]).splitlines()
     assert len(lines) == 4 and lines[1].split()[1:4] == ["deqzoo", "1.0000", "0.50"]
+
+
+def test_device_and_batch_options_refuse_clearly(tmp_path):
+    """--device cuda stops with one line naming this program where CUDA is absent; --batch beyond the held-out
+    data is refused before any timing."""
+    out = str(tmp_path / "x.json")
+    if not torch.cuda.is_available():  # the GPU run itself is benchmarks/gpu.sh's, on a lent machine
+        with pytest.raises(SystemExit, match="deqzoo bench torchdeq-models: --device cuda, but CUDA"):
+            bench.main(["--quick", "--device", "cuda", "--out", out])
+    with pytest.raises(SystemExit, match="--batch 100000: the MNIST test split has"):
+        bench.main(["--quick", "--cases", "mdeq-infer", "--batch", "100000", "--out", out])
