@@ -166,7 +166,7 @@ def progress_section(report: dict, command: str) -> str:
         f"{a['seed']}; 1 thread each at nice 19 (idle CPU only) on a 2-core machine shared with other jobs, "
         "so the CPU time, more than the wall clock, is the budget spent.",
         "",
-        f"**So far** (each run's last snapshot): {so_far}.",
+        f"**So far** (each run's last snapshot; the table stops at the last step both have): {so_far}.",
         "",
         _curve_section(report, every=1, heading="### Held-out EPE at every snapshot both runs have"),
         "",
