@@ -11,6 +11,13 @@ snapshot that a running training is still writing is a hidden temporary folder a
 OUT.json (every run's points) and OUT.png (held-out EPE vs step, vs training wall clock and vs the training
 process's CPU time, from each snapshot's snapshot.json) and prints the table at the steps every run has
 reached.
+
+With `--cards DIR...` (two runs: DEQ-Flow first, its explicit twin second) it also puts the curves into those
+model cards while the runs are unfinished: one section between the SECTION_START and SECTION_END markers,
+inserted once before the card's "## Results" heading and replaced in place by every rerun, and OUT.png copied
+to DIR/curves.png; nothing else in a card changes (its weights and metrics are not from these runs). Every
+card is checked before any is written: a missing card, one without the markers and without that heading, or
+a folder whose curves.png no such section wrote is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,11 +36,14 @@ from deqzoo.tasks.flow import evaluate
 
 if __package__ in (None, ""):  # run as a script: make_cards is next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_cards import INFERENCE_DEQ
+    from make_cards import INFERENCE_DEQ, ROOT, _curve_section, _deq_recipe
 else:
-    from .make_cards import INFERENCE_DEQ
+    from .make_cards import INFERENCE_DEQ, ROOT, _curve_section, _deq_recipe
 
 CACHE = "eval.json"
+SECTION_START = "<!-- deq-flow-long-runs:start (examples/deq_flow/curves.py --cards; a rerun replaces it) -->"
+SECTION_END = "<!-- deq-flow-long-runs:end -->"
+ANCHOR = "\n## Results\n"  # write_model_card's heading after the card's own body: the section goes before it
 
 
 def snapshots(run: Path) -> list[Path]:
@@ -106,6 +119,130 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def recipe(run: Path) -> dict:
+    """train.py's options of the run's first start (OUT/run.json; {} for a run without one)."""
+    path = run / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def progress_section(report: dict, command: str) -> str:
+    """The cards' section on unfinished long runs: what they are, their one recipe, how far each got, the
+    held-out EPE of both at every common snapshot with the difference, and the command that rewrites it."""
+    names = list(report["curves"])
+    if len(names) != 2:
+        raise ValueError(f"the cards' section compares two runs (DEQ-Flow, then its twin), got {names}")
+    recipes = report.get("recipes") or {}
+    missing = [n for n in names if not recipes.get(n)]
+    if missing:
+        raise ValueError(f"no run.json recipe in the report for {missing}")
+    deq, twin = names
+    a, b = recipes[deq], recipes[twin]
+    differ = sorted(k for k in a.keys() | b.keys() if k not in ("model", "deq") and a.get(k) != b.get(k))
+    if differ:
+        raise ValueError(f"runs {deq!r} and {twin!r} differ in {differ}: not one recipe and budget")
+    if not report["common_steps"]:
+        raise ValueError("the runs have no snapshot step in common yet")
+    so_far = "; ".join(
+        f"{n}: step {p['step']:,} of {recipes[n]['steps']:,}, {p['elapsed'] / 3600:.2f} h wall clock, "
+        f"{p['cpu_seconds'] / 3600:.2f} h CPU"
+        for n, p in ((n, report["curves"][n][-1]) for n in names)
+    )
+    h, w = a["size"]
+    text = [
+        SECTION_START,
+        "## Long runs of issue #32, in progress: held-out EPE vs training steps",
+        "",
+        "**Still training; not this card's weights.** These are the long runs of issue #32 (does DEQ-Flow "
+        f"reach held-out EPE at or below its explicit RAFT twin at equal training steps?): {deq} "
+        f"(`{a['model']}`) and {twin} (`{b['model']}`), under one recipe and budget, still in progress. The "
+        "weights and metrics this card publishes are NOT from these runs: they are the checkpoint described "
+        "above, unchanged.",
+        "",
+        f"**Recipe of both runs.** {_deq_recipe(a)} {twin}: the update block unrolled 12 times, RAFT's "
+        f"sequence loss (γ = 0.8). Both: AdamW (lr {a['lr']:g}, weight decay {a['weight_decay']:g}), "
+        f"one-cycle schedule (5% warm-up, linear decay), gradient clipping {a['clip']:g}, batch "
+        f"{a['batch_size']} of {h}x{w} synthetic pairs (pair i of step s is `synthetic_pair(s * "
+        f"{a['batch_size']} + i)`, the same pairs for both), {a['steps']:,} steps planned, parameter seed "
+        f"{a['seed']}; 1 thread each at nice 19 (idle CPU only) on a 2-core machine shared with other jobs, "
+        "so the CPU time, more than the wall clock, is the budget spent.",
+        "",
+        f"**So far** (each run's last snapshot; the table stops at the last step both have): {so_far}.",
+        "",
+        _curve_section(report, every=1, heading="### Held-out EPE at every snapshot both runs have"),
+        "",
+        "Regenerate (evaluates only the snapshots not yet cached and rewrites this section in place in both "
+        "cards; then `python -m utils.catalog`):",
+        "",
+        "```bash",
+        command,
+        "```",
+        SECTION_END,
+    ]
+    return "\n".join(text)
+
+
+def _card_with(card: Path, section: str) -> str:
+    """The card's README.md text with `section` in place of its marked one, or inserted before "## Results";
+    an error naming the file when the card is missing or cannot take it."""
+    readme = card / "README.md"
+    if not readme.is_file():
+        raise FileNotFoundError(f"{readme}: no model card there")
+    text = readme.read_text(encoding="utf-8")
+    starts, ends = text.count(SECTION_START), text.count(SECTION_END)
+    if (starts, ends) == (1, 1) and text.index(SECTION_START) < text.index(SECTION_END):
+        i, j = text.index(SECTION_START), text.index(SECTION_END) + len(SECTION_END)
+        return text[:i] + section + text[j:]
+    if starts or ends:
+        raise ValueError(f"{readme}: {starts} start and {ends} end markers of the long-run section, not one "
+                         "pair in order; fix the card by hand")
+    if text.count(ANCHOR) != 1:
+        raise ValueError(f"{readme}: no long-run section markers and not exactly one '## Results' heading "
+                         "to insert the section before")
+    if (card / "curves.png").exists():
+        raise FileExistsError(f"{card / 'curves.png'} exists and no long-run section wrote it (the card of "
+                              "finished runs?): not overwritten")
+    i = text.index(ANCHOR) + 1
+    return text[:i] + section + "\n\n" + text[i:]
+
+
+def write_cards(cards: list[Path], section: str, png: Path) -> None:
+    """Put `section` and `png` (as curves.png) into every card, after checking that all of them take it."""
+    if not png.is_file():
+        raise FileNotFoundError(f"{png}: no curves plot to copy into the cards")
+    texts = [_card_with(card, section) for card in cards]  # every check before any write
+    for card, text in zip(cards, texts):
+        tmp = card / ".curves.png.part"
+        shutil.copyfile(png, tmp)
+        os.replace(tmp, card / "curves.png")
+        part = card / "README.md.part"
+        part.write_text(text, encoding="utf-8")
+        os.replace(part, card / "README.md")
+
+
+def _shown(path: Path) -> str:
+    """A path as the regenerate command shows it: relative to the repository when inside it."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def regenerate_command(args: argparse.Namespace, names: list[str]) -> str:
+    """The command line that rewrites the cards' section; runs that share a folder are shown under $RUNS."""
+    parents = {r.resolve().parent for r in args.runs}
+    shared = len(parents) == 1
+    runs = [f"$RUNS/{shlex.quote(r.resolve().name)}" if shared else shlex.quote(_shown(r)) for r in args.runs]
+    words = ["--names", *names, "--out", _shown(args.out)]
+    if args.limit:
+        words += ["--limit", str(args.limit)]
+    if args.deq:
+        words += ["--deq", json.dumps(args.deq)]
+    words += ["--cards", *map(_shown, args.cards)]
+    line = " ".join(["PYTHONPATH=. python examples/deq_flow/curves.py", *runs, *map(shlex.quote, words)])
+    folder = f"RUNS={shlex.quote(_shown(parents.pop()))}  # the runs' folder (long_runs.sh's RUNS)\n"
+    return (folder if shared else "") + line
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+", help="train.py run folders (with snapshots/)")
@@ -115,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--deq", type=json.loads, default={}, help='DEQ-Flow solver overrides, JSON: {"f_max_iter": 36}'
     )
+    p.add_argument("--cards", type=Path, nargs="+", default=[],
+                   help="model card folders to put the unfinished runs' curves in (two runs, DEQ-Flow first)")
     args = p.parse_args(argv)
     names = args.names or [r.name for r in args.runs]
     if len(names) != len(args.runs) or len(set(names)) != len(names):
@@ -122,14 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     report_path = args.out.with_suffix(".json")
     if report_path.exists() and "curves" not in json.loads(report_path.read_text()):
         p.error(f"{report_path} exists and is not a curves report; choose another --out")
+    if args.cards and len(args.runs) != 2:
+        p.error(f"--cards compares two runs (DEQ-Flow, then its twin), got {len(args.runs)}")
+    for card in args.cards:  # refuse before the evaluations, not after them
+        _card_with(card, "")
     curves = {name: run_curve(run, args.limit, args.deq) for name, run in zip(names, args.runs)}
     rows = common_table(curves)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"runs": {n: str(r) for n, r in zip(names, args.runs)}, "limit": args.limit,
               "deq": {**INFERENCE_DEQ, **args.deq}, "curves": curves,
+              "recipes": {n: recipe(r) for n, r in zip(names, args.runs)},
               "common_steps": rows}
+    section = progress_section(report, regenerate_command(args, names)) if args.cards else ""
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     plot(curves, args.out.with_suffix(".png"))
+    if args.cards:
+        write_cards(args.cards, section, args.out.with_suffix(".png"))
     print("| step | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for row in rows:

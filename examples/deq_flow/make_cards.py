@@ -91,26 +91,32 @@ def _curves(runs: dict[str, list[Path]], path: Path) -> None:
     plt.close(fig)
 
 
-def _curve_section(report: dict, every: int = 2000) -> str:
+def _curve_section(report: dict, every: int = 2000, heading: str = "## Held-out EPE vs training steps"
+                   ) -> str:
     """Both runs' held-out EPE at the steps both have a snapshot of (every `every` steps and the last), from
-    a curves.py report; the full curves are in the report and curves.png."""
+    a curves.py report, with the first run's minus the second's when there are two; the full curves are in
+    the report and curves.png."""
     rows = report["common_steps"]
     names = list(report["curves"])
     shown = [r for r in rows if r["step"] % every == 0 or r is rows[-1]]
+    pair = len(names) == 2
     lines = [
-        "## Held-out EPE vs training steps",
+        heading,
         "",
         "Every snapshot of both runs (train.py --keep-every) evaluated by `examples/deq_flow/curves.py` at "
         "the cards' settings on the 100 held-out pairs"
         + (f" (first {report['limit']})" if report["limit"] else "")
-        + "; left: by step, right: by training wall clock.",
+        + "; left to right: by step, by training wall clock, by the training process's CPU time.",
         "",
         "![held-out EPE vs steps](curves.png)",
         "",
-        "| step | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        "| step | " + " | ".join(names)
+        + (f" | {names[0]} - {names[1]} (< 0: {names[0]} better)" if pair else "") + " |",
+        "|---" * (len(names) + 1 + pair) + "|",
     ]
-    lines += [f"| {r['step']} | " + " | ".join(f"{r[n]:.4f}" for n in names) + " |" for r in shown]
+    for r in shown:
+        diff = f" | {r[names[0]] - r[names[1]]:+.4f}" if pair else ""
+        lines.append(f"| {r['step']} | " + " | ".join(f"{r[n]:.4f}" for n in names) + diff + " |")
     return "\n".join(lines)
 
 

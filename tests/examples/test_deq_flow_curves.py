@@ -134,3 +134,108 @@ def test_card_recipe_names_the_runs_correction_states():
     assert "iterations 4, 8, 12, 16, 20 and 24 " in six and "at most 24 steps" in six
     stage2 = _deq_recipe({"deq": {}, "steps": 600, "lr": 2e-4, "flow_residual_weight": 2}, {"steps": 1600})
     assert stage2.startswith("Stage 1 (1600 steps)") and "iterations 8, 16 and 24 " in stage2
+
+
+def _without_section(text):
+    """A card's text with a long-run section cut out by plain slicing (the card as make_cards wrote it)."""
+    if curves.SECTION_START not in text:
+        return text
+    i, j = text.index(curves.SECTION_START), text.index(curves.SECTION_END) + len(curves.SECTION_END)
+    assert text[j:j + 2] == "\n\n"
+    return text[:i] + text[j + 2:]
+
+
+def test_cards_section_is_inserted_once_replaced_in_place_and_nothing_else_changes(tmp_path, runs):
+    # DEQ-Flow's run and a twin under its recipe (4 steps), their last snapshot (step 4) not there yet, and
+    # a copy of a real card
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    copies = tmp_path / "runs"
+    shutil.copytree(runs / "deq", copies / "deq")
+    _run(copies / "raft", "raft-cpu")
+    for name in ("deq", "raft"):
+        shutil.move(copies / name / "snapshots" / "step-000004", tmp_path / f"later-{name}")
+    card = tmp_path / "card"
+    card.mkdir()
+    original = _without_section((root / "model_cards/deq-flow-cpu-raft-baseline/README.md").read_text())
+    (card / "README.md").write_text(original)
+    (card / "model.safetensors").write_bytes(b"the published weights")
+    out = tmp_path / "curves"
+    args = [str(copies / "deq"), str(copies / "raft"), "--names", "DEQ-Flow", "RAFT twin", "--limit", "2",
+            "--out", str(out), "--cards", str(card)]
+
+    def check(steps):
+        text = (card / "README.md").read_text()
+        assert text.count(curves.SECTION_START) == 1 and text.count(curves.SECTION_END) == 1
+        assert _without_section(text) == original  # the rest of the card byte for byte
+        assert text.index(curves.SECTION_END) < text.index("\n## Results\n")
+        section = text[text.index(curves.SECTION_START):text.index(curves.SECTION_END)]
+        report = json.loads(out.with_suffix(".json").read_text())
+        assert [r["step"] for r in report["common_steps"]] == steps
+        for r in report["common_steps"]:  # every common snapshot, both EPEs and their difference
+            a, b = r["DEQ-Flow"], r["RAFT twin"]
+            assert f"| {r['step']} | {a:.4f} | {b:.4f} | {a - b:+.4f} |" in section
+        for name, folder, total in (("DEQ-Flow", "deq", 4), ("RAFT twin", "raft", 4)):
+            last = json.loads(max((copies / folder / "snapshots").glob("step-*/snapshot.json")).read_text())
+            assert report["curves"][name][-1]["step"] == last["step"]  # how far each run got, and its hours
+            assert (f"{name}: step {last['step']:,} of {total:,}, {last['elapsed'] / 3600:.2f} h wall clock, "
+                    f"{last['cpu_seconds'] / 3600:.2f} h CPU") in section
+        assert "NOT from these runs" in section and "still in progress" in section
+        assert "iterations 8, 16 and 24 " in section and "batch 1 of 64x64" in section  # the runs' run.json
+        assert "--cards" in section and "$RUNS/deq $RUNS/raft" in section
+        assert (card / "curves.png").read_bytes() == out.with_suffix(".png").read_bytes()
+        assert (card / "model.safetensors").read_bytes() == b"the published weights"
+        return text
+
+    assert curves.main(args) == 0
+    first = check([0, 2])
+    assert curves.main(args) == 0  # the same snapshots: the same bytes
+    assert (card / "README.md").read_text() == first
+    for name in ("deq", "raft"):  # the runs reach step 4: the rerun replaces the section in place
+        shutil.move(tmp_path / f"later-{name}", copies / name / "snapshots" / "step-000004")
+    assert curves.main(args) == 0
+    assert check([0, 2, 4]) != first
+    assert sorted(p.name for p in card.iterdir()) == ["README.md", "curves.png", "model.safetensors"]
+
+
+def test_cards_section_refuses_a_missing_card_and_a_card_that_cannot_take_it_before_writing(tmp_path, runs):
+    good, bare, finished = tmp_path / "good", tmp_path / "bare", tmp_path / "finished"
+    cards = ((good, "# card\n\nbody\n\n## Results\n\nx\n"), (bare, "# card\n\nno results heading\n"),
+             (finished, "# card\n\n## Results\n"))
+    for card, text in cards:
+        card.mkdir()
+        (card / "README.md").write_text(text)
+    (finished / "curves.png").write_bytes(b"the finished runs' plot")
+    out = tmp_path / "curves"
+    base = [str(runs / "deq"), str(runs / "raft"), "--limit", "2", "--out", str(out), "--cards", str(good)]
+    with pytest.raises(FileNotFoundError, match=r"missing/README\.md: no model card"):
+        curves.main([*base, str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match=r"bare/README\.md: no long-run section markers.*## Results"):
+        curves.main([*base, str(bare)])
+    with pytest.raises(FileExistsError, match=r"finished/curves\.png exists"):
+        curves.main([*base, str(finished)])
+    (bare / "README.md").write_text(f"{curves.SECTION_START}\n{curves.SECTION_START}\n{curves.SECTION_END}\n")
+    with pytest.raises(ValueError, match="2 start and 1 end markers"):
+        curves.main([*base, str(bare)])
+    # refused before any evaluation or write: no report, no card changed, no plot copied
+    assert not out.with_suffix(".json").exists()
+    assert (good / "README.md").read_text() == "# card\n\nbody\n\n## Results\n\nx\n"
+    assert sorted(p.name for p in good.iterdir()) == ["README.md"]
+    assert (finished / "curves.png").read_bytes() == b"the finished runs' plot"
+
+
+def test_cards_section_needs_one_recipe_and_two_runs():
+    point = {"step": 0, "elapsed": 1.0, "cpu_seconds": 1.0, "epe_held_out": 5.0}
+    recipe = {"model": "deq-flow-cpu", "steps": 10, "batch_size": 8, "size": [64, 64], "lr": 4e-4,
+              "weight_decay": 1e-4, "clip": 1.0, "seed": 0, "deq": {"n_states": 6}}
+    report = {"curves": {"a": [point], "b": [point]}, "limit": None,
+              "common_steps": [{"step": 0, "a": 5.0, "b": 5.0}],
+              "recipes": {"a": recipe, "b": {**recipe, "model": "raft-cpu", "deq": {}}}}
+    assert "| 0 | 5.0000 | 5.0000 | +0.0000 |" in curves.progress_section(report, "cmd")
+    report["recipes"]["b"]["lr"] = 2e-4
+    with pytest.raises(ValueError, match=r"differ in \['lr'\]: not one recipe"):
+        curves.progress_section(report, "cmd")
+    with pytest.raises(ValueError, match="two runs"):
+        curves.progress_section({**report, "curves": {"a": [point]}}, "cmd")
