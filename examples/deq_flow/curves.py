@@ -220,18 +220,22 @@ def write_cards(cards: list[Path], section: str, png: Path) -> None:
 
 
 def _shown(path: Path) -> str:
-    """A path as the regenerate command shows it: relative to the repository when inside it."""
-    try:
-        return path.resolve().relative_to(ROOT).as_posix()
-    except ValueError:
-        return str(path)
+    """A path as the regenerate command shows it: relative to the repository when inside it (as given, or
+    once links are resolved: `runs/` may link to a folder outside the clone)."""
+    for candidate in (Path(os.path.abspath(path)), path.resolve()):
+        try:
+            return candidate.relative_to(ROOT).as_posix()
+        except ValueError:
+            pass
+    return str(path)
 
 
 def regenerate_command(args: argparse.Namespace, names: list[str]) -> str:
     """The command line that rewrites the cards' section; runs that share a folder are shown under $RUNS."""
-    parents = {r.resolve().parent for r in args.runs}
+    parents = {Path(os.path.abspath(r)).parent for r in args.runs}
     shared = len(parents) == 1
-    runs = [f"$RUNS/{shlex.quote(r.resolve().name)}" if shared else shlex.quote(_shown(r)) for r in args.runs]
+    runs = [f"$RUNS/{shlex.quote(Path(os.path.abspath(r)).name)}" if shared else shlex.quote(_shown(r))
+            for r in args.runs]  # fmt: skip
     words = ["--names", *names, "--out", _shown(args.out)]
     if args.limit:
         words += ["--limit", str(args.limit)]
