@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import deqzoo
+from deqzoo.hub.saving import write_whole
 from deqzoo.tasks.flow import evaluate
 
 if __package__ in (None, ""):  # run as a script: make_cards is next to this file
@@ -214,9 +215,7 @@ def write_cards(cards: list[Path], section: str, png: Path) -> None:
         tmp = card / ".curves.png.part"
         shutil.copyfile(png, tmp)
         os.replace(tmp, card / "curves.png")
-        part = card / "README.md.part"
-        part.write_text(text, encoding="utf-8")
-        os.replace(part, card / "README.md")
+        write_whole(card / "README.md", text)
 
 
 def _shown(path: Path) -> str:
