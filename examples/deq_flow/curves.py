@@ -17,7 +17,9 @@ model cards while the runs are unfinished: one section between the SECTION_START
 inserted once before the card's "## Results" heading and replaced in place by every rerun, and OUT.png copied
 to DIR/curves.png; nothing else in a card changes (its weights and metrics are not from these runs). Every
 card is checked before any is written: a missing card, one without the markers and without that heading, or
-a folder whose curves.png no such section wrote is refused.
+a folder whose curves.png no such section wrote is refused. `--operating-point REPORT` (with --cards) adds an
+`operating_point.py` report to that section: DEQ-Flow at fewer steps against the twin, chosen on validation
+pairs.
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ def recipe(run: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def progress_section(report: dict, command: str) -> str:
+def progress_section(report: dict, command: str, operating_point: str = "") -> str:
     """The cards' section on unfinished long runs: what they are, their one recipe, how far each got, the
-    held-out EPE of both at every common snapshot with the difference, and the command that rewrites it."""
+    held-out EPE of both at every common snapshot with the difference, `operating_point` (the text of
+    `operating_point.card_subsection`, if given) and the command that rewrites it."""
     names = list(report["curves"])
     if len(names) != 2:
         raise ValueError(f"the cards' section compares two runs (DEQ-Flow, then its twin), got {names}")
@@ -171,6 +174,7 @@ def progress_section(report: dict, command: str) -> str:
         "",
         _curve_section(report, every=1, heading="### Held-out EPE at every snapshot both runs have"),
         "",
+        *([operating_point, ""] if operating_point else []),
         "Regenerate (evaluates only the snapshots not yet cached and rewrites this section in place in both "
         "cards; then `python -m utils.catalog`):",
         "",
@@ -240,8 +244,14 @@ def regenerate_command(args: argparse.Namespace, names: list[str]) -> str:
         words += ["--limit", str(args.limit)]
     if args.deq:
         words += ["--deq", json.dumps(args.deq)]
+    if args.operating_point:
+        words += ["--operating-point", _shown(args.operating_point)]
     words += ["--cards", *map(_shown, args.cards)]
     line = " ".join(["PYTHONPATH=. python examples/deq_flow/curves.py", *runs, *map(shlex.quote, words)])
+    if args.operating_point:  # its report first: the section reads it
+        op = ["PYTHONPATH=. python examples/deq_flow/operating_point.py", *runs, "--out",
+              shlex.quote(_shown(args.operating_point.with_suffix("")))]
+        line = " ".join(op) + "\n" + line
     folder = f"RUNS={shlex.quote(_shown(parents.pop()))}  # the runs' folder (long_runs.sh's RUNS)\n"
     return (folder if shared else "") + line
 
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--deq", type=json.loads, default={}, help='DEQ-Flow solver overrides, JSON: {"f_max_iter": 36}'
     )
+    p.add_argument("--operating-point", type=Path,
+                   help="an operating_point.py report (OUT.json) to add to the cards' section")
     p.add_argument("--cards", type=Path, nargs="+", default=[],
                    help="model card folders to put the unfinished runs' curves in (two runs, DEQ-Flow first)")
     args = p.parse_args(argv)
@@ -264,10 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     report_path = args.out.with_suffix(".json")
     if report_path.exists() and "curves" not in json.loads(report_path.read_text()):
         p.error(f"{report_path} exists and is not a curves report; choose another --out")
+    if args.operating_point and not args.cards:
+        p.error("--operating-point adds its report to the cards' section: give --cards too")
     if args.cards and len(args.runs) != 2:
         p.error(f"--cards compares two runs (DEQ-Flow, then its twin), got {len(args.runs)}")
     for card in args.cards:  # refuse before the evaluations, not after them
         _card_with(card, "")
+    op_text = ""
+    if args.operating_point:
+        if __package__ in (None, ""):
+            from operating_point import card_subsection
+        else:
+            from .operating_point import card_subsection
+        op_text = card_subsection(json.loads(args.operating_point.read_text()))
     curves = {name: run_curve(run, args.limit, args.deq) for name, run in zip(names, args.runs)}
     rows = common_table(curves)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
               "deq": {**INFERENCE_DEQ, **args.deq}, "curves": curves,
               "recipes": {n: recipe(r) for n, r in zip(names, args.runs)},
               "common_steps": rows}
-    section = progress_section(report, regenerate_command(args, names)) if args.cards else ""
+    section = progress_section(report, regenerate_command(args, names), op_text) if args.cards else ""
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     plot(curves, args.out.with_suffix(".png"))
     if args.cards:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import deqzoo
-from deqzoo.tasks.flow import evaluate
+from deqzoo.tasks.flow import epe, evaluate, synthetic_batch
 from examples.deq_flow import curves
 from examples.deq_flow.make_cards import INFERENCE_DEQ, _curve_section, _deq_recipe, _log
 from examples.deq_flow.train import main as train
@@ -199,6 +199,22 @@ def test_cards_section_is_inserted_once_replaced_in_place_and_nothing_else_chang
     assert check([0, 2, 4]) != first
     assert sorted(p.name for p in card.iterdir()) == ["README.md", "curves.png", "model.safetensors"]
 
+    # with an operating_point.py report: its subsection and the command that writes it join the section
+    from examples.deq_flow import operating_point as op
+
+    op_report = op.analyse(copies / "deq", copies / "raft", [2], val_pairs=2, rounds=1, limit=2)
+    op_path = tmp_path / "op.json"
+    op_path.write_text(json.dumps(op_report))
+    assert curves.main([*args, "--operating-point", str(op_path)]) == 0
+    text = check([0, 2, 4])
+    section = text[text.index(curves.SECTION_START):text.index(curves.SECTION_END)]
+    assert op.card_subsection(op_report) in section
+    assert "examples/deq_flow/operating_point.py $RUNS/deq $RUNS/raft --out" in section
+    for r in op_report["rows"]:
+        assert f"| {r['step']} | {r['twin']['val']:.4f} / {r['twin']['held_out']:.4f} |" in section
+    with pytest.raises(SystemExit):  # the report goes into cards only
+        curves.main([*args[:args.index("--cards")], "--operating-point", str(op_path)])
+
 
 def test_cards_section_refuses_a_missing_card_and_a_card_that_cannot_take_it_before_writing(tmp_path, runs):
     good, bare, finished = tmp_path / "good", tmp_path / "bare", tmp_path / "finished"
@@ -239,3 +255,56 @@ def test_cards_section_needs_one_recipe_and_two_runs():
         curves.progress_section(report, "cmd")
     with pytest.raises(ValueError, match="two runs"):
         curves.progress_section({**report, "curves": {"a": [point]}}, "cmd")
+
+
+def test_operating_point_choice_rule():
+    from examples.deq_flow.operating_point import choose
+
+    val = {6: 2.0, 8: 1.9, 12: 1.8, 24: 1.7}
+    assert choose(val, {6: 0.6, 8: 0.8, 12: 1.05, 24: 2.0}) == 8  # the best k costing at most the twin's time
+    assert choose(val, {6: 0.6, 8: 0.8, 12: 1.0, 24: 2.0}) == 12  # "no more" includes equal
+    assert choose({6: 1.9, 8: 1.9}, {6: 0.5, 8: 0.7}) == 6  # a tie goes to the cheaper k
+    assert choose(val, {6: 1.1, 8: 1.2, 12: 1.3, 24: 2.0}) is None
+
+
+def test_operating_point_numbers_equal_an_independent_evaluation_and_are_cached(tmp_path, runs, monkeypatch):
+    from examples.deq_flow import operating_point as op
+
+    report = op.analyse(runs / "deq", runs / "raft", [2, 3], val_pairs=3, rounds=1, limit=2)
+    assert report["steps"] == [0, 2] and report["iters"] == [2, 3, 24]  # the card's cap is always included
+    image1, image2, flow, valid = synthetic_batch(range(op.VAL_SEED, op.VAL_SEED + 3), (64, 64), "train")
+    assert op.VAL_SEED > 8 * 20000  # never a training pair of the long runs (seed 8 s + i)
+    for row in report["rows"]:
+        snap = f"snapshots/step-{row['step']:06d}"
+        twin = deqzoo.create_model("raft-cpu")
+        twin.load_state_dict(load_file(str(runs / "raft" / snap / "model.safetensors")))
+        with torch.no_grad():
+            expected = epe(twin.eval()(image1, image2).flow, flow, valid)
+        assert row["twin"]["val"] == pytest.approx(expected, rel=1e-6)
+        for k in (2, 3):
+            deq = deqzoo.create_model("deq-flow-cpu")
+            deq.load_state_dict(load_file(str(runs / "deq" / snap / "model.safetensors")))
+            deq.set_deq(**{**INFERENCE_DEQ, "f_max_iter": k})
+            with torch.no_grad():
+                out = deq.eval()(image1, image2)
+            assert out.deq_stats.nfe <= k
+            assert row["deq"][str(k)]["val"] == pytest.approx(epe(out.flow, flow, valid), rel=1e-6)
+            held = evaluate(deq, limit=2, progress=False, baselines=False)
+            assert row["deq"][str(k)]["held_out"] == held["epe_held_out"]
+    ratio, mean = report["timing"]["ratio_to_twin"], report["mean_val_epe"]
+    assert report["operating_point"] == op.choose({k: mean[str(k)] for k in report["iters"]},
+                                                  {k: ratio[str(k)] for k in report["iters"]})
+    k = report["operating_point"]
+    if k is not None:
+        assert report["steps_at_or_below_twin_val"] == [
+            r["step"] for r in report["rows"] if r["deq"][str(k)]["val"] <= r["twin"]["val"]]
+        assert f"DEQ-Flow {k} steps val / held-out" in op.table(report)
+
+    def no_evaluation(*a, **kw):
+        raise AssertionError("a cached snapshot was evaluated again")
+
+    monkeypatch.setattr(op, "model_flow", no_evaluation)
+    monkeypatch.setattr(curves, "evaluate", no_evaluation)
+    monkeypatch.setattr(op, "seconds_per_pair", lambda models, val, rounds: {n: 1.0 for n in models})
+    again = op.analyse(runs / "deq", runs / "raft", [2, 3], val_pairs=3, rounds=1, limit=2)
+    assert again["rows"] == report["rows"]  # every number from the snapshots' caches
