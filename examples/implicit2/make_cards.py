@@ -127,6 +127,16 @@ def _thin(evals: list, keep: int = 12) -> list:
     return out if out and out[-1] == evals[-1] else [*out, evals[-1]]
 
 
+def _plateau(evals: list, psnr: float, target: float = 32.0, window: int = 100) -> str:
+    """For a long fit below `target`: how much its last `window` steps added (the rate a reader needs)."""
+    last_step, last = evals[-1]
+    before = [v for st, v in evals if st <= last_step - window]
+    if psnr >= target or not before:
+        return ""
+    return (f" Below {target:g} dB: its last {window} evaluated steps added {last - before[-1]:.2f} dB "
+            f"(training-curve PSNR {before[-1]:.2f} to {last:.2f}).")
+
+
 def long_record(folder: Path) -> tuple[Path, dict]:
     """A train_long.py run folder as (its latest state folder, a record shaped like the bench's)."""
     from examples.implicit2.train_long import latest_state
@@ -249,6 +259,7 @@ def main(argv: list[str]) -> int:
             f"this checkpoint is a short fit ({rec['steps']} steps at {rec['size']}x{rec['size']}) and is "
             "far from\nconverged." if rec["steps"] < 1000 else
             f"this checkpoint: {rec['steps']} steps at {rec['size']}x{rec['size']}, {result['psnr']} dB."
+            + _plateau(rec["eval"], result["psnr"])
         )
         nfe = rec["nfe"]
         body = f"""
