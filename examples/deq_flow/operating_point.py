@@ -166,7 +166,7 @@ def table(report: dict) -> str:
 
 def card_subsection(report: dict) -> str:
     """The operating point for the cards' long-run section (`curves.py --operating-point REPORT`): the
-    timing, the validation means, the choice and, per step, validation and held-out EPE."""
+    timing, the validation means, the choice and, per step, validation, held-out and motorcycle EPE."""
     k, timing, mean, pairs = (report[x] for x in ("operating_point", "timing", "mean_val_epe", "validation"))
     steps = f"{report['steps'][0]:,}-{report['steps'][-1]:,}"
     costs = ", ".join(f"{x}: {timing['ratio_to_twin'][str(x)]:.2f}" for x in report["iters"])
