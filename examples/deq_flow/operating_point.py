@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import deqzoo
+from deqzoo.hub.saving import write_whole
 from deqzoo.tasks.flow import epe, model_flow, synthetic_batch
 
 if __package__ in (None, ""):  # run as a script: its neighbours are importable from its folder
@@ -72,9 +73,7 @@ def validation_epe(snapshot: Path, iters: int | None, val: tuple[torch.Tensor, .
     if key not in cache:
         pred, _ = model_flow(load(snapshot, iters), val[0], val[1])
         cache[key] = epe(pred, val[2], val[3])
-        tmp = path.with_name(f".{VAL_CACHE}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
+        write_whole(path, json.dumps(cache, indent=1))
     return cache[key]
 
 
@@ -253,11 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(k < 1 for k in args.iters) or args.val_pairs < 1 or args.rounds < 1:
         p.error("--iters, --val-pairs and --rounds must be >= 1")
+    out_json = args.out.with_suffix(".json")
+    if out_json.exists() and "operating_point" not in json.loads(out_json.read_text()):
+        p.error(f"{out_json} exists and is not an operating_point.py report; choose another --out")
     torch.set_num_threads(1)
     report = analyse(args.deq_run, args.twin_run, args.iters, min_step=args.min_step,
                      val_pairs=args.val_pairs, rounds=args.rounds, limit=args.limit)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    write_whole(out_json, json.dumps(report, indent=1) + "\n")
     plot(report, args.out.with_suffix(".png"))
     print(table(report))
     print(json.dumps({k: report[k] for k in ("timing", "mean_val_epe", "operating_point",

@@ -313,3 +313,12 @@ def test_operating_point_numbers_equal_an_independent_evaluation_and_are_cached(
     monkeypatch.setattr(op, "seconds_per_pair", lambda models, val, rounds: {n: 1.0 for n in models})
     again = op.analyse(runs / "deq", runs / "raft", [2, 3], val_pairs=3, rounds=1, limit=2)
     assert again["rows"] == report["rows"]  # every number from the snapshots' caches
+
+
+def test_operating_point_refuses_to_overwrite_a_foreign_report(tmp_path, runs):
+    from examples.deq_flow import operating_point as op
+
+    (tmp_path / "mine.json").write_text('{"curves": {}}')
+    with pytest.raises(SystemExit):
+        op.main([str(runs / "deq"), str(runs / "raft"), "--out", str(tmp_path / "mine")])
+    assert (tmp_path / "mine.json").read_text() == '{"curves": {}}'
