@@ -57,17 +57,25 @@ NETWORKS: dict[str, dict[str, Any]] = {
 }
 CACHE_KEY = "default"  # the key Implicit2Model stores its fixed point under (its forward's default)
 _STATE_RE = re.compile(r"^state-(\d{6})$")
-_RUN_KEYS = ("network", "image", "size", "seed", "lr")  # what must match for a resume
+# what must match for a resume; a run.json written before a key existed holds its default
+_RUN_DEFAULTS = {"input_scale_factor": 1.0}
+_RUN_KEYS = ("network", "image", "size", "seed", "lr", "input_scale_factor")
 
 
-def setting(network: str, size: int, image: str = "camera") -> dict[str, Any]:
-    """The bench's representation setting of `network` (`benchmarks.implicit2._settings`, group rep)."""
+def setting(network: str, size: int, image: str = "camera", input_scale_factor: float = 1.0
+            ) -> dict[str, Any]:
+    """The bench's representation setting of `network` (`benchmarks.implicit2._settings`, group rep), its
+    input scale (the filters' frequency scale) times `input_scale_factor`: 1 is the original's frequencies per
+    pixel; the iSIREN card's run uses 4 (at the original's, iSIREN plateaus near 27 dB at 256²: README,
+    section 6)."""
     if network not in NETWORKS:
         raise ValueError(f"unknown network {network!r}; choose one of {sorted(NETWORKS)}")
+    if not (isinstance(input_scale_factor, (int, float)) and 0 < input_scale_factor < 1e3):
+        raise ValueError(f"input_scale_factor must be a number in (0, 1000), got {input_scale_factor!r}")
     net = NETWORKS[network]
     return {"name": f"rep-{network}", "group": "rep", **net, "T": 1, "reuse": True,
-            "input_scale": paper_input_scale(net["filter"], size), "image": image, "size": size,
-            "split": "full"}
+            "input_scale": paper_input_scale(net["filter"], size) * input_scale_factor, "image": image,
+            "size": size, "split": "full"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,7 +281,7 @@ class _StopFlag:
 
 def train(network: str, out: Path, steps: int, *, size: int = 256, image: str = "camera", seed: int = 0,
           lr: float = 1e-3, save_every: int = 50, eval_every: int = 50, progress: bool = True,
-          stop_after: int | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, input_scale_factor: float = 1.0) -> dict[str, Any]:
     """Train `network` to `steps` total steps in `out`, resuming from out/latest. `stop_after`: return
     after this many steps of this call (saved; what an interruption does, for tests). Returns psnr.json's
     content."""
@@ -284,13 +292,15 @@ def train(network: str, out: Path, steps: int, *, size: int = 256, image: str = 
     for name, v in (("steps", steps), ("save_every", save_every), ("eval_every", eval_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    run = {"network": network, "image": image, "size": size, "seed": seed, "lr": lr}
-    s = setting(network, size, image)
+    run = {"network": network, "image": image, "size": size, "seed": seed, "lr": lr,
+           "input_scale_factor": float(input_scale_factor)}
+    s = setting(network, size, image, input_scale_factor)
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
     if run_file.exists():
         old = json.loads(run_file.read_text())
-        diff = {k: (old.get(k), run[k]) for k in _RUN_KEYS if old.get(k) != run[k]}
+        diff = {k: (old.get(k, _RUN_DEFAULTS.get(k)), run[k]) for k in _RUN_KEYS
+                if old.get(k, _RUN_DEFAULTS.get(k)) != run[k]}
         if diff:
             raise ValueError(f"{out} holds another run ({run_file}: {diff} as (there, asked)); "
                              "choose another --out")
@@ -402,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--image", default="camera")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--input-scale-factor", type=float, default=1.0,
+                   help="the filters' frequency scale times this (1: the original's per pixel)")
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--threads", type=int, default=1, help="torch threads (1: leave the machine to others)")
@@ -420,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would fill the progress log at every save
     try:
         r = train(args.network, args.out, args.steps, size=args.size, image=args.image, seed=args.seed,
-                  lr=args.lr, save_every=args.save_every, eval_every=args.eval_every)
+                  lr=args.lr, save_every=args.save_every, eval_every=args.eval_every,
+                  input_scale_factor=args.input_scale_factor)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -96,6 +96,35 @@ def test_bad_run_folders_are_clear_errors_and_unfinished_saves_are_ignored(tmp_p
         tl.train("siren-imp-1l256d", run, 6, **kw)
 
 
+def test_input_scale_factor_scales_the_filters_frequencies_and_is_part_of_the_run(tmp_path):
+    """--input-scale-factor multiplies the original's per-pixel frequency scale in the built model (its
+    first-layer weights are the factor times the unscaled ones: same seed), is recorded in run.json, and a
+    resume with another factor is refused; a run.json written before the key existed resumes at factor 1."""
+    base = tl.setting("siren-imp-1l256d", SIZE)
+    scaled = tl.setting("siren-imp-1l256d", SIZE, input_scale_factor=4)
+    assert scaled["input_scale"] == 4 * base["input_scale"]
+    data = task.image_data("camera", SIZE)
+    w1 = _build(base, data, 0).base_model.init_filter.x_map.weight
+    w4 = _build(scaled, data, 0).base_model.init_filter.x_map.weight
+    torch.testing.assert_close(w4, 4 * w1)
+    kw = dict(size=SIZE, eval_every=2, progress=False)
+    run = tmp_path / "run"
+    tl.train("siren-imp-1l256d", run, 2, input_scale_factor=4, **kw)
+    assert json.loads((run / "run.json").read_text())["input_scale_factor"] == 4.0
+    assert Implicit2ForSignalRepresentation.from_pretrained(str(tl.latest_state(run))).config.input_scale == (
+        scaled["input_scale"])
+    with pytest.raises(ValueError, match="holds another run.*input_scale_factor"):
+        tl.train("siren-imp-1l256d", run, 4, **kw)
+    with pytest.raises(ValueError, match="input_scale_factor must be a number"):
+        tl.setting("siren-imp-1l256d", SIZE, input_scale_factor=0)
+    old = tmp_path / "old"
+    tl.train("siren-imp-1l256d", old, 2, **kw)
+    record = json.loads((old / "run.json").read_text())
+    del record["input_scale_factor"]  # as the runs started before the option
+    (old / "run.json").write_text(json.dumps(record))
+    assert tl.train("siren-imp-1l256d", old, 4, **kw)["step"] == 4
+
+
 def test_plot_draws_every_run_and_reports_the_first_step_at_the_target(tmp_path):
     runs = []
     for network in ("siren-imp-1l256d", "siren-exp-4l256d"):
