@@ -46,12 +46,20 @@ CARDS = {
 LONG_TWINS = {"rep-siren-imp-1l256d": "siren-exp-4l256d", "rep-gabor-imp-1l256d": "gabor-exp-4l256d"}
 LONG_TRAIN = (
     "python -m examples.implicit2.train_long train {network} --steps {steps} --save-every 25 "
-    "--eval-every 25 --out RUNS/{network}\n"
+    "--eval-every 25{factor} --out RUNS/{network}\n"
     "python -m examples.implicit2.train_long train {twin} --steps {steps} --save-every 25 "
-    "--eval-every 25 --out RUNS/{twin}\n"
+    "--eval-every 25{factor} --out RUNS/{twin}\n"
     "python examples/implicit2/make_cards.py --long RUNS\n"
     "python examples/implicit2/make_cards.py --records  # the same card from the committed records"
 )
+# a checkpoint that replaced an earlier one under the same id says so (issue #32 item 4)
+REPLACED = {
+    "implicit2-isiren-camera": (
+        "**This checkpoint replaced an earlier one** under the same id (2026-11-26): a fit at the original's "
+        "frequency scale per pixel, which reached 26.69 dB after 1,025 steps and had stopped improving (its "
+        "last 100 steps added 0.06 dB). At 4x that scale the same network, recipe and seed pass 32 dB; the "
+        "probe that chose the factor (at 128x128) is in examples/implicit2/README.md, section 6."),
+}
 TRAIN = (
     "python -m deqzoo.cli bench implicit2 --size 256 --steps 110 --t-steps 40 --filters gabor,siren "
     "--groups rep,reuse,T --only {setting} --save-models outputs/i2bench256/models --out outputs/i2bench256"
@@ -147,7 +155,8 @@ def long_record(folder: Path) -> tuple[Path, dict]:
     run = json.loads((folder / "run.json").read_text())
     meta = json.loads((state / "trainer.json").read_text())
     hist = meta["history"]
-    rec = {**run["setting"], "seed": run["seed"], "steps": meta["step"], "step_time": hist["step_time"],
+    rec = {**run["setting"], "seed": run["seed"], "input_scale_factor": run.get("input_scale_factor", 1.0),
+           "steps": meta["step"], "step_time": hist["step_time"],
            "nfe": hist["nfe"], "eval": [(st, v) for st, v, *_ in hist["eval"] if st > 0]}
     return state, rec
 
@@ -190,7 +199,7 @@ def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str
         f"\n## PSNR against step, implicit vs explicit 4L-256D (same data, seed, optimizer, steps)\n\n"
         f"`train_long.py` runs of both networks, evaluated every {implicit['eval'][0][0]} steps from a zero "
         f"initial state on every pixel. {target:g} dB reached: implicit {first(implicit)}, explicit "
-        f"{first(explicit)}. Training time (one thread of a shared CPU, nice 19): implicit "
+        f"{first(explicit)}. Training time (one thread each of a shared 2-core CPU): implicit "
         f"{sum(implicit['step_time']) / 60:.0f} min for {implicit['steps']} steps, explicit "
         f"{sum(explicit['step_time']) / 60:.0f} min for {explicit['steps']} steps. Training memory and "
         "time per step of the same two networks, side by side: examples/implicit2/README.md, section 1.\n\n"
@@ -233,7 +242,9 @@ def main(argv: list[str]) -> int:
             src, rec = long_record(args.long / network)
             if (args.long / twin / "latest").exists():
                 extra = long_comparison(rec, long_record(args.long / twin)[1])
-            train_command = LONG_TRAIN.format(network=network, twin=twin, steps=rec["steps"])
+            factor = rec["input_scale_factor"]
+            flag = f" --input-scale-factor {factor:g}" if factor != 1 else ""
+            train_command = LONG_TRAIN.format(network=network, twin=twin, steps=rec["steps"], factor=flag)
         else:
             src = bench / "models" / setting
             run = bench / "runs" / f"{setting}.json"
@@ -262,6 +273,17 @@ def main(argv: list[str]) -> int:
             + _plateau(rec["eval"], result["psnr"])
         )
         nfe = rec["nfe"]
+        factor = rec.get("input_scale_factor", 1.0)
+        recipe = "the original's" if factor == 1 else f"the original's, at {factor:g}x its frequency scale"
+        original = f"{'128' if filt == 'siren' else '256'} at 512 px"
+        scale_text = (
+            f"its frequencies per pixel: input scale {rec['input_scale']:g} / sqrt(2) at {rec['size']} px "
+            f"(the original:\n{original})." if factor == 1 else
+            f"{factor:g}x its frequencies per pixel: input scale {rec['input_scale']:g} / sqrt(2) at "
+            f"{rec['size']} px (the original: {original}, that is {rec['input_scale'] / factor:g} at "
+            f"{rec['size']} px)."
+        )
+        replaced = f"\n{REPLACED[name]}\n" if name in REPLACED and factor != 1 else ""
         body = f"""
 An Implicit² representation (Huang, Bai & Kolter, "(Implicit)²: Implicit Layers for Implicit Representations",
 NeurIPS 2021) of scikit-image's `camera` image at {rec["size"]}x{rec["size"]}: one implicit layer
@@ -272,7 +294,7 @@ head Φ(x) = W′z* + b′, {rec["params"]} parameters.
 (anti-aliased) from 512 to {rec["size"]}, intensities mapped to [-1, 1], coordinates the grid over [-1, 1]²;
 PSNR on every pixel (representation), on intensities clamped to [0, 1] as the original.
 
-**Recipe (the original's).** Full-batch Adam, lr 1e-3, {rec["steps"]} steps (the original: 5000 at
+**Recipe ({recipe}).** Full-batch Adam, lr 1e-3, {rec["steps"]} steps (the original: 5000 at
 512x512 on a
 GPU; this machine allowed {rec["steps"]} at {rec["size"]}x{rec["size"]}), seed {rec["seed"]};
 fixed-point reuse
@@ -282,8 +304,7 @@ relative residual of {rec.get("f_tol", 1e-3):g} (<= 100 steps; the original's to
 fixed point (the original's own training forward takes no solver step at all after step 0, one f step from
 the cached state: `FixedPointCache(hit_max_iter=0)`, compared in examples/implicit2/README.md).
 The original's initialisation (W ~ U(±1/sqrt(D)), Gabor γ ~ Gamma(1.5, 1), μ ~ U(-1, 1)) and
-its frequencies per pixel: input scale {rec["input_scale"]:g} / sqrt(2) at {rec["size"]} px (the original:
-{"128" if filt == "siren" else "256"} at 512 px).
+{scale_text}
 Training time: {minutes:.1f} min on one thread of a shared CPU. PSNR from a zero initial state during
 training:
 {curve}. Forward f-evaluations per training step: {nfe[0]} at step 1, mean {np.mean(nfe[100:] or nfe):.2f}
@@ -294,7 +315,7 @@ after step 100.
 
 **Paper comparison.** The paper reports camera PSNRs in the high 30s to 40s dB after 5000 steps at 512x512;
 {regime}
-{extra}
+{replaced}{extra}
 {generalization_table(ROOT / "examples" / "implicit2" / "results" / "gen_implicit2.json")}
 """
         write_model_card(

@@ -168,6 +168,29 @@ def test_make_cards_long_mode_writes_the_card_from_the_latest_state_with_the_twi
         make_cards.main(["--cards-dir", str(cards)])  # neither a bench folder nor --long
 
 
+def test_make_cards_long_mode_states_a_scaled_recipe_and_the_replaced_checkpoint(tmp_path):
+    """A card from runs at another frequency scale says so (recipe, input scale, the train commands' flag)
+    and notes the checkpoint it replaced; at factor 1 none of that text appears."""
+    from examples.implicit2 import make_cards
+
+    for factor, runs in ((4, tmp_path / "x4"), (1, tmp_path / "x1")):
+        for network in ("siren-imp-1l256d", "siren-exp-4l256d"):
+            tl.train(network, runs / network, 2, size=SIZE, eval_every=2, progress=False,
+                     input_scale_factor=factor)
+        cards = tmp_path / f"cards{factor}"
+        assert make_cards.main(["--long", str(runs), "--cards-dir", str(cards)]) == 0
+        text = (cards / "implicit2-isiren-camera" / "README.md").read_text()
+        scale = tl.setting("siren-imp-1l256d", SIZE, input_scale_factor=factor)["input_scale"]
+        scaled = [f"Recipe (the original's, at {factor}x its frequency scale)",
+                  f"--eval-every 25 --input-scale-factor {factor} --out RUNS/siren-imp-1l256d",
+                  f"--eval-every 25 --input-scale-factor {factor} --out RUNS/siren-exp-4l256d",
+                  "This checkpoint replaced an earlier one",
+                  f"input scale {scale:g} / sqrt(2) at {SIZE} px"]
+        for phrase in scaled[:4]:
+            assert (phrase in text) == (factor != 1), phrase
+        assert scaled[4] in text
+
+
 @pytest.mark.extended  # two evaluations at 256² (~10 s on a free core, 35 s on the shared machine)
 def test_make_cards_rewrites_the_embedded_cards_byte_for_byte_from_the_committed_records(tmp_path):
     """The embedded cards come from long fits (--long); rebuilt from the committed records (run.json and the
