@@ -380,10 +380,14 @@ def plot(runs: list[Path], out: Path, target: float = 32.0) -> list[dict[str, An
             raise ValueError(f"{run}: no psnr.json (not a train_long.py run folder)")
         r = json.loads(path.read_text())
         net = NETWORKS.get(r["network"], {})
-        ax.plot(r["eval_steps"], r["psnr"], "-" if net.get("implicit") else "--",
-                color="C0" if net.get("filter") == "siren" else "C1", label=r["network"])
+        factor = r.get("input_scale_factor", 1.0)  # psnr.json written before the option: the original's
+        label = r["network"] + (f", input scale x{factor:g}" if factor != 1 else "")
+        colors = ("C0", "C2") if net.get("filter") == "siren" else ("C1", "C3")  # (original's scale, other)
+        color = colors[factor != 1]
+        ax.plot(r["eval_steps"], r["psnr"], "-" if net.get("implicit") else "--", color=color, label=label)
         reached = next((st for st, p in zip(r["eval_steps"], r["psnr"]) if p >= target), None)
-        rows.append({"run": str(run), "network": r["network"], "step": r["step"],
+        rows.append({"run": str(run), "network": r["network"], "input_scale_factor": factor,
+                     "step": r["step"],
                      "psnr": r["psnr"][-1] if r["psnr"] else None, "best_psnr": max(r["psnr"], default=None),
                      f"first_step_at_{target:g}dB": reached, "train_minutes": r["train_seconds"] / 60})
     ax.axhline(target, color="grey", lw=0.8, ls=":")

@@ -137,6 +137,10 @@ def test_plot_draws_every_run_and_reports_the_first_step_at_the_target(tmp_path)
         p = json.loads((run / "psnr.json").read_text())
         first = next((s for s, v in zip(p["eval_steps"], p["psnr"]) if v >= 10.0), None)
         assert r["first_step_at_10dB"] == first and r["step"] == 4 and r["psnr"] == p["psnr"][-1]
+        assert r["input_scale_factor"] == 1.0
+    tl.train("siren-imp-1l256d", tmp_path / "x4", 2, size=SIZE, eval_every=2, progress=False,
+             input_scale_factor=4)
+    assert tl.plot([tmp_path / "x4"], tmp_path / "x4.png")[0]["input_scale_factor"] == 4.0
     with pytest.raises(ValueError, match="no psnr.json"):
         tl.plot([tmp_path], tmp_path / "x.png")
 
