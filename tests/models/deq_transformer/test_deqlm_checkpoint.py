@@ -71,11 +71,21 @@ def test_card_states_how_often_generation_solves_stop_at_the_cap(model):
     """The card's statement about generation-time solves is the measurement, re-run here (the demo's
     decoding is seeded, so the count is deterministic); the count is not zero, so the card must not claim
     convergence."""
+    import re
+
     from examples.deq_transformer.write_card import generation_sentence, generation_solves
 
     _, body = read_model_card(CKPT)
+    text = " ".join(body.split())
     stats = generation_solves(model)
     assert stats["solves"] == 24 * stats["prompts"] and 0 < stats["at_cap"] < stats["solves"]
-    assert generation_sentence(stats) in " ".join(body.split())
+    # The count is exact. The largest residual of the solves that stop at the cap is an unconverged one, so
+    # it moves with the CPU's float32 reduction order (card 4.0e-02, written on the machine of
+    # 2026-11-25; 2.5e-02 on an AVX-512 AMD EPYC): within a factor 2 of the card's; the rest is verbatim.
+    found = re.search(r"largest residual ([0-9.e+-]+);", text)
+    assert found, f"{CKPT / 'README.md'}: no generation sentence"
+    card_residual = float(found.group(1))
+    assert card_residual / 2 <= stats["max_residual"] <= 2 * card_residual
+    assert generation_sentence({**stats, "max_residual": card_residual}) in text
     assert "solves converge" not in body
     assert model.config.on_nonconvergence == "warn"  # the measurement restores the policy

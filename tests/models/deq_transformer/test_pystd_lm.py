@@ -146,16 +146,46 @@ def test_checkpoint_eval_slice_matches_an_independent_recomputation(deq):
     assert [pystd_lm.compiles(p, c) for (p, _), c in zip(pairs, real, strict=True)] == verdicts
 
 
+# How far a card's numbers may move with the CPU. The DEQ's solves stop unconverged at their 30-iteration
+# cap (residual ~5e-2), so rounding differences in the solver's float32 reductions, which depend on the
+# CPU's vector width, are carried to its outputs. Measured on the subset of the test below: card 94.2924
+# (written on the machine of 2026-11-25), 94.2915 on the torch path, 94.2935 with the kernels compiled for
+# a generic x86-64, 94.4504 for an AVX-512 AMD EPYC (0.17%). The explicit twin, which has no solve,
+# reproduces to the printed digit on both machines.
+PERPLEXITY_RTOL = 0.005
+NFE_ATOL = 0.5
+
+
+def _assert_matches_card(got: dict, card: dict, exact: bool) -> None:
+    """`got` equals the card's numbers: exactly for the explicit twin, within the CPU tolerance above for the
+    DEQ (a different checkpoint, tokenizer or data moves perplexity by far more than 0.5%)."""
+    if exact:
+        assert got == card
+        return
+    assert set(got) == set(card)
+    assert got["perplexity"] == pytest.approx(card["perplexity"], rel=PERPLEXITY_RTOL)
+    assert abs(got["mean_nfe"] - card["mean_nfe"]) <= NFE_ATOL
+    # a sampled completion can flip with the logits; one prompt's worth of share either way
+    assert abs(got["compile_share"] - card["compile_share"]) <= 1 / pystd_lm.NUM_PROMPTS + 1e-9
+
+
 @pytest.mark.parametrize("folder", [DEQ, TWIN], ids=["deq", "twin"])
 def test_card_records_the_subset_evaluate_prints(folder):
+    import re
+
     if not _fingerprint_matches(folder):
         pytest.skip("another Python version's stdlib: the card's numbers are for its fingerprint")
     model = DEQTransformerForCausalLM.from_pretrained(folder).eval()
     meta, body = read_model_card(folder)
     assert set(card_metrics(meta)) == {"perplexity", "mean_nfe", "compile_share"}
     sub = pystd_lm.evaluate(model, limit=4, progress=False)
-    assert (f"perplexity {sub['perplexity']:.4f}, mean NFE {sub['mean_nfe']:.4f}, compile share "
-            f"{sub['compile_share']:.4f}") in " ".join(body.split())
+    number = r"([0-9]+\.[0-9]+)"
+    found = re.search(rf"\(`evaluate\(model, limit=4\)`\): perplexity {number}, mean NFE {number}, "
+                      rf"compile share {number}", " ".join(body.split()))
+    assert found, f"{folder / 'README.md'}: no subset check line"
+    card = dict(zip(("perplexity", "mean_nfe", "compile_share"), map(float, found.groups())))
+    rounded = {k: round(v, 4) for k, v in sub.items()}
+    _assert_matches_card(rounded, card, exact=folder == TWIN)
 
 
 def test_twin_matches_the_deq_in_parameters_and_tokenizer(deq):
@@ -172,7 +202,7 @@ def test_card_metrics_equal_the_full_evaluation(folder):
         pytest.skip("another Python version's stdlib: the card's numbers are for its fingerprint")
     model = DEQTransformerForCausalLM.from_pretrained(folder).eval()
     meta, _ = read_model_card(folder)
-    assert pystd_lm.evaluate(model, progress=False) == card_metrics(meta)
+    _assert_matches_card(pystd_lm.evaluate(model, progress=False), card_metrics(meta), exact=folder == TWIN)
 
 
 def test_demo_shows_the_cards_sample_and_warns_only_as_the_card_says(deq):
