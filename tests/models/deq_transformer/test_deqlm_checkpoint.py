@@ -1,6 +1,7 @@
 """Embedded checkpoint deqzoo/deq-transformer-tiny-pydoc: tokenizer, stock pipeline, card numbers, reuse."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,6 @@ def test_card_states_how_often_generation_solves_stop_at_the_cap(model):
     """The card's statement about generation-time solves is the measurement, re-run here (the demo's
     decoding is seeded, so the count is deterministic); the count is not zero, so the card must not claim
     convergence."""
-    import re
-
     from examples.deq_transformer.write_card import generation_sentence, generation_solves
 
     _, body = read_model_card(CKPT)

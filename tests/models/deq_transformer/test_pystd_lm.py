@@ -3,6 +3,7 @@ protocol, the checkpoints' evaluation against an independent recomputation, and 
 
 import hashlib
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -171,8 +172,6 @@ def _assert_matches_card(got: dict, card: dict, exact: bool) -> None:
 
 @pytest.mark.parametrize("folder", [DEQ, TWIN], ids=["deq", "twin"])
 def test_card_records_the_subset_evaluate_prints(folder):
-    import re
-
     if not _fingerprint_matches(folder):
         pytest.skip("another Python version's stdlib: the card's numbers are for its fingerprint")
     model = DEQTransformerForCausalLM.from_pretrained(folder).eval()
@@ -229,10 +228,14 @@ def test_card_states_the_measured_generation_solves_at_the_cap(deq):
 
     _, body = read_model_card(DEQ)
     g = generation_solves(deq, pydoc_lm.load_tokenizer(deq))
-    share = 100 * g["at_cap"] / g["solves"]
-    sentence = (f"{g['at_cap']} of {g['solves']} forward solves ({share:.1f}%) stop at the "
-                f"{g['cap']}-iteration cap")
-    assert sentence in " ".join(body.split())
+    found = re.search(r"([0-9]+) of ([0-9]+) forward solves \(([0-9.]+)%\) stop at the ([0-9]+)-iteration "
+                      r"cap", " ".join(body.split()))
+    assert found, f"{DEQ / 'README.md'}: no generation sentence"
+    at_cap, solves, share, cap = int(found[1]), int(found[2]), float(found[3]), int(found[4])
+    assert (solves, cap) == (g["solves"], g["cap"]) and share == round(100 * at_cap / solves, 1)
+    # which borderline solves end at the cap moves with the CPU's rounding (PERPLEXITY_RTOL's comment): card
+    # 65 (machine of 2026-11-25), 66 on an AVX-512 AMD EPYC; within 5% of the card's count, at least 2
+    assert abs(g["at_cap"] - at_cap) <= max(2, 0.05 * at_cap)
 
 
 def test_demo_runs_the_explicit_twin_without_a_solve(tmp_path):
