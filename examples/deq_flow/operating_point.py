@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(k < 1 for k in args.iters) or args.val_pairs < 1 or args.rounds < 1:
         p.error("--iters, --val-pairs and --rounds must be >= 1")
     out_json = args.out.with_suffix(".json")
-    if out_json.exists() and "operating_point" not in json.loads(out_json.read_text()):
-        p.error(f"{out_json} exists and is not an operating_point.py report; choose another --out")
+    ours = out_json.exists() and "operating_point" in json.loads(out_json.read_text())
+    for existing in (out_json, args.out.with_suffix(".png")):  # its PNG goes with a report of ours only
+        if existing.exists() and not ours:
+            p.error(f"{existing} exists and is not from an operating_point.py report; choose another --out")
     torch.set_num_threads(1)
     report = analyse(args.deq_run, args.twin_run, args.iters, min_step=args.min_step,
                      val_pairs=args.val_pairs, rounds=args.rounds, limit=args.limit)

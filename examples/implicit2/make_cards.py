@@ -242,8 +242,8 @@ def main(argv: list[str]) -> int:
             src, rec = long_record(args.long / network)
             if (args.long / twin / "latest").exists():
                 extra = long_comparison(rec, long_record(args.long / twin)[1])
-            factor = rec["input_scale_factor"]
-            flag = f" --input-scale-factor {factor:g}" if factor != 1 else ""
+            scaled = rec["input_scale_factor"] != 1
+            flag = f" --input-scale-factor {rec['input_scale_factor']:g}" if scaled else ""
             train_command = LONG_TRAIN.format(network=network, twin=twin, steps=rec["steps"], factor=flag)
         else:
             src = bench / "models" / setting

@@ -322,3 +322,7 @@ def test_operating_point_refuses_to_overwrite_a_foreign_report(tmp_path, runs):
     with pytest.raises(SystemExit):
         op.main([str(runs / "deq"), str(runs / "raft"), "--out", str(tmp_path / "mine")])
     assert (tmp_path / "mine.json").read_text() == '{"curves": {}}'
+    (tmp_path / "figure.png").write_bytes(b"a user's figure")  # no report beside it: not ours either
+    with pytest.raises(SystemExit):
+        op.main([str(runs / "deq"), str(runs / "raft"), "--out", str(tmp_path / "figure")])
+    assert (tmp_path / "figure.png").read_bytes() == b"a user's figure"

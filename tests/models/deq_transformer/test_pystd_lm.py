@@ -166,7 +166,8 @@ def _assert_matches_card(got: dict, card: dict, exact: bool) -> None:
     assert set(got) == set(card)
     assert got["perplexity"] == pytest.approx(card["perplexity"], rel=PERPLEXITY_RTOL)
     assert abs(got["mean_nfe"] - card["mean_nfe"]) <= NFE_ATOL
-    # a sampled completion can flip with the logits; one prompt's worth of share either way
+    # a sampled completion can flip with the logits: one prompt of the full split's NUM_PROMPTS either way
+    # (on the 4-prompt subset a flip would exceed this; none was seen)
     assert abs(got["compile_share"] - card["compile_share"]) <= 1 / pystd_lm.NUM_PROMPTS + 1e-9
 
 
