@@ -210,15 +210,18 @@ def _recover_locked(target: Path) -> None:
     for sibling in map(Path, glob.glob(pattern)):
         if not sibling.is_dir() or sibling.is_symlink():
             continue  # not ours
-        if _manifest(sibling) is not None:
-            shutil.rmtree(sibling, ignore_errors=True)  # never swapped in: new files and links only
+        # never swapped in: new files and links only (a kill inside the first manifest write leaves only its
+        # .part, before `write` ran)
+        if _manifest(sibling) is not None or {e.name for e in os.scandir(sibling)} == {PRODUCED + ".part"}:
+            shutil.rmtree(sibling, ignore_errors=True)
         elif not target.exists() and not target.is_symlink():
             os.rename(sibling, target)
         elif target.is_dir() and _retire(sibling, target, _manifest(target) or set()):  # swapped out
             logger.warning("%s: kept %s beside the checkpoint (files that changed during the save)", target,
                            sibling)
-    for stale in (PRODUCED, JOURNAL + ".part") if target.is_dir() else ():  # killed after the last step, or
-        (target / stale).unlink(missing_ok=True)  # before the journal was in
+    # killed after the last step, or before the journal or a manifest was in
+    for stale in (PRODUCED, PRODUCED + ".part", JOURNAL + ".part") if target.is_dir() else ():
+        (target / stale).unlink(missing_ok=True)
 
 
 def _in_place(target: Path) -> bool:

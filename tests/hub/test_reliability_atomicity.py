@@ -182,6 +182,25 @@ def test_in_place_save_without_kill(tmp_path, toy_family, monkeypatch):
     _only_target_left(target)
 
 
+def test_a_save_killed_inside_its_first_manifest_write_leaves_nothing_behind(tmp_path, toy_family):
+    """Killed between creating its sibling and the first manifest write's rename, a save leaves a sibling
+    that holds only that write's empty .part (found by the random-kill test below on a loaded machine). The
+    next save removes it and moves nothing into the checkpoint; a .part moved in by an older version goes."""
+    target = tmp_path / "ckpt"
+    a, b = _model(0, 16), _model(1, 24)
+    a.save_pretrained(target)
+    files = _layout(target, nested=True)
+    sibling = target.parent / f"{saving._prefix(target)}killed"
+    sibling.mkdir()
+    (sibling / (saving.PRODUCED + ".part")).write_text("")
+    (target / (saving.PRODUCED + ".part")).write_text("")  # what recovery used to move in
+    b.save_pretrained(target)
+    _only_target_left(target)
+    assert not (target / (saving.PRODUCED + ".part")).exists()
+    _user_files_intact(target, files)
+    assert _which(target, a, b) == "new"
+
+
 def test_kill_at_random_instants_always_leaves_a_checkpoint(tmp_path, toy_family):
     """A child saves two models in turn without pause; it is killed at random instants, 8 times."""
     target = tmp_path / "ckpt"
