@@ -23,8 +23,15 @@ synchronisation, and the in-f share is not measured (kernels run asynchronously,
 read launch time; ``f_share_median`` is null). ``--batch`` sets the batch (MNIST images or 512-token
 windows), since a GPU is idle at the CPU's batch sizes.
 
-Cases: ``mdeq-infer`` (mdeq-tiny-mnist, eval, no grad), ``mdeq-train`` (one training step: forward in train
-mode, cross-entropy, backward with IFT on both sides), ``pydoc-infer`` (deq-transformer-tiny-pydoc, eval).
+Cases: ``mdeq-infer`` (mdeq-tiny-mnist, eval, no grad), ``mdeq-train`` (one training step of the card's
+recipe: forward in train mode, the model's own loss, backward with IFT on both sides), ``pydoc-infer``
+(deq-transformer-tiny-pydoc, eval). The card trains with the Jacobian regularizer (``jac_reg_samples`` 1,
+``jac_loss_weight`` 1: cross-entropy + the Hutchinson estimate of ||J_f(z*)||_F² / dim, as
+``examples/mdeq/train_mnist.py`` does), so both sides add it: deqzoo's DEQ module estimates it on the
+differentiable f call its IFT step makes anyway; TorchDEQ's module exposes no such call, so the adapter does
+what a TorchDEQ user does, ``torchdeq.loss.jac_reg`` on one more f call at the detached returned point (the
+same estimator and normalisation). ``mdeq-train-ce`` is the same step without the Jacobian term on either side
+(cross-entropy only; deqzoo's module set to ``jac_reg_samples=0``): equal work, and no recipe's.
 
     deqzoo bench torchdeq-models                    # all cases -> bench_results/torchdeq_models.json
     deqzoo bench torchdeq-models --quick            # fewer rounds, smaller batches
@@ -43,7 +50,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-CASES = ("mdeq-infer", "mdeq-train", "pydoc-infer")
+CASES = ("mdeq-infer", "mdeq-train", "mdeq-train-ce", "pydoc-infer")
 TOL_GRID = tuple(10.0 ** (-e / 4) for e in range(4, 29))  # 1e-1 .. 1e-7, four per decade
 
 
@@ -83,6 +90,7 @@ class _TorchDEQ(nn.Module):
         super().__init__()
         from torchdeq import get_deq
 
+        self.jac_samples = cfg.jac_reg_samples  # the training step's Jacobian term (module docstring)
         kw = dict(cfg.f_solver_kwargs)
         anderson = cfg.f_solver == "anderson"
         self.solver_kwargs = {"m": kw.get("m", 6), "lam": kw.get("lam", 1e-4)} if anderson else {}
@@ -104,10 +112,21 @@ class _TorchDEQ(nn.Module):
             z = tuple(zs[-1])
         rel = info["rel_lowest"].detach().reshape(-1)
         b = rel.shape[0]
+        jac_loss = None
+        if self.training and self.jac_samples > 0 and torch.is_grad_enabled():
+            from torchdeq.loss import jac_reg
+
+            from deqzoo.core.state import StatePacker
+
+            packer = StatePacker(z)  # TorchDEQ's functions take one tensor: the state flattened per sample
+            zd = packer.flatten(z).detach().requires_grad_()
+            fz = packer.flatten(f(packer.unflatten(zd)))
+            jac_loss = jac_reg(fz, zd, vecs=self.jac_samples)
         stats = SolverStats(nfe=int(info["nstep"].max()), rel_residual=rel,
                             abs_residual=info["abs_lowest"].detach().reshape(-1),
                             trace=torch.zeros(0, dtype=torch.float64),
-                            converged=torch.ones(b, dtype=torch.bool), solver="torchdeq")  # fmt: skip
+                            converged=torch.ones(b, dtype=torch.bool), solver="torchdeq",
+                            jac_loss=jac_loss)  # fmt: skip
         return z, stats
 
 
@@ -148,10 +167,9 @@ def _case(name: str, quick: bool, device: str = "cpu", batch: int | None = None)
         else:
             model.train()
 
-            def run(m):
+            def run(m):  # the model's own loss: cross-entropy + jac_loss_weight · the DEQ module's jac_loss
                 m.zero_grad(set_to_none=True)
-                out = m(pixel_values=pixels)
-                nn.functional.cross_entropy(out.logits, labels).backward()
+                m(pixel_values=pixels, labels=labels).loss.backward()
         return model, model.mdeq if hasattr(model, "mdeq") else _backbone(model), run
     from deqzoo.tasks import pydoc_lm
 
@@ -184,7 +202,10 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     model, owner, run = _case(name, quick, device, batch)
     cuda = device == "cuda"
     cfg = owner.deq.config
-    owner_deq = owner.deq
+    owner_deq = original = owner.deq
+    if name == "mdeq-train-ce":  # neither side computes the Jacobian term (module docstring)
+        cfg = cfg.update(jac_reg_samples=0)
+        owner_deq = DEQ(cfg)
 
     def record(inner: nn.Module) -> _Recorder:
         return _Recorder(inner, cuda)
@@ -246,7 +267,7 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
             res[key].append(r)
             nfe[key].append(modules[key].calls)
             share[key].append(modules[key].f_share)
-    use(owner_deq)
+    use(original)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "case": name, "device": device, "batch": batch, "rounds": rounds,

@@ -54,3 +54,27 @@ def test_device_and_batch_options_refuse_clearly(tmp_path):
             bench.main(["--quick", "--device", "cuda", "--out", out])
     with pytest.raises(SystemExit, match="--batch 100000: the MNIST test split has"):
         bench.main(["--quick", "--cases", "mdeq-infer", "--batch", "100000", "--out", out])
+
+
+@pytest.mark.parametrize("which", ["deqzoo", "torchdeq"])
+def test_training_step_jacobian_term_is_the_frobenius_norm_on_both_sides(which):
+    """In training, both DEQ modules hand the model the Jacobian term its card trains with (mdeq-train):
+    the Hutchinson estimate of ||J_f(z*)||_F² / dim, against the dense Jacobian at the returned point (tuple
+    state, float64, 4000 probe vectors: the estimator's spread is ~2% here)."""
+    from deqzoo.core.state import StatePacker
+
+    f, z0 = _problem()
+    cfg = DEQConfig(f_solver="anderson", f_max_iter=60, f_tol=1e-10, jac_reg_samples=4000)
+    torch.manual_seed(0)
+    rec = bench._Recorder(DEQ(cfg) if which == "deqzoo" else bench._TorchDEQ(cfg, 1e-10)).train()
+    z, stats = rec(f, z0)
+    packer = StatePacker(tuple(t.detach() for t in z))
+    flat = packer.flatten(tuple(t.detach() for t in z))
+    jac = torch.autograd.functional.jacobian(lambda v: packer.flatten(f(packer.unflatten(v))), flat)
+    exact = float((jac**2).sum()) / flat.numel()
+    assert stats.jac_loss is not None and stats.jac_loss.requires_grad  # it trains: a graph to the parameters
+    assert float(stats.jac_loss.detach()) == pytest.approx(exact, rel=0.06)
+    cfg_eval = DEQConfig(f_solver="anderson", f_max_iter=60, f_tol=1e-10, jac_reg_samples=1)
+    rec = bench._Recorder(DEQ(cfg_eval) if which == "deqzoo" else bench._TorchDEQ(cfg_eval, 1e-10)).eval()
+    with torch.no_grad():
+        assert rec(f, z0)[1].jac_loss is None  # inference computes no Jacobian term
