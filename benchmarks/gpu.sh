@@ -39,6 +39,6 @@ step 90 solvers $PY -m benchmarks.solvers --device cuda --out "$OUT/solvers_cuda
 step 100 models-b32 $PY -m benchmarks.torchdeq_models --device cuda --rounds 5 \
     --out "$OUT/torchdeq_models_cuda_b32.json"
 step 100 models-b256 $PY -m benchmarks.torchdeq_models --device cuda --rounds 5 --batch 256 \
-    --cases mdeq-infer,mdeq-train --out "$OUT/torchdeq_models_cuda_b256.json"
+    --cases mdeq-infer,mdeq-train,mdeq-train-ce --out "$OUT/torchdeq_models_cuda_b256.json"
 step 120 deq-ddim $PY -m benchmarks.deq_ddim --device cuda --batch 8 --Ts 10 25 50 --budget 10 --lrs 0.05 \
     --out "$OUT/deq_ddim_cuda.json"
