@@ -189,3 +189,62 @@ def test_invert_refuses_an_empty_batch_naming_it(empty):
     images = [] if empty == "list" else torch.zeros(0, 3, 16, 16)
     with pytest.raises(ValueError, match="empty batch"):
         pipe.invert(images, num_inference_steps=4, steps=1)
+
+
+def test_ieee_convolutions_turns_tf32_off_on_cuda_only_and_restores_it():
+    """On a CUDA device the UNet's convolutions run in IEEE float32 inside, the process's TF32 setting comes
+    back after (also on an exception, and through torch's per-operator flags where those set conv and RNN
+    apart); other devices are left alone. (The H100 measurement behind it is in the helper's comment.)"""
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import ieee_convolutions
+
+    cudnn = torch.backends.cudnn
+    assert cudnn.allow_tf32 is True  # torch's default, which the GPU solve stalled on
+    with ieee_convolutions(torch.device("cpu")):
+        assert cudnn.allow_tf32 is True
+    with ieee_convolutions(torch.device("cuda", 0)):
+        assert cudnn.allow_tf32 is False
+    assert cudnn.allow_tf32 is True
+    with pytest.raises(KeyError), ieee_convolutions("cuda"):
+        raise KeyError("inside")
+    assert cudnn.allow_tf32 is True
+    rnn = cudnn.rnn.fp32_precision
+    cudnn.rnn.fp32_precision = "ieee"  # conv and RNN apart: torch refuses to read the legacy flag
+    try:
+        with pytest.raises(RuntimeError):
+            _ = cudnn.allow_tf32
+        conv = cudnn.conv.fp32_precision
+        with ieee_convolutions("cuda"):
+            assert cudnn.conv.fp32_precision == "ieee"
+        assert cudnn.conv.fp32_precision == conv
+    finally:
+        cudnn.rnn.fp32_precision = rnn
+    assert cudnn.allow_tf32 is True
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_the_unet_runs_without_tf32_during_sampling_and_inversion_unless_allowed(allow_tf32, monkeypatch):
+    """Every UNet evaluation of a sample and of an inversion sees TF32 off (the helper forced to act as on a
+    GPU), unless `allow_tf32=True`; the samples are the same either way on this CPU."""
+    from deqzoo.pipelines.deq_ddim import pipeline_deq_ddim as module
+
+    real = module.ieee_convolutions
+    monkeypatch.setattr(module, "ieee_convolutions", lambda device: real("cuda"))
+    unet = _random_unet(0, out_scale=0.1, size=8)
+    seen = []
+    forward = unet.forward
+
+    def recording_forward(*args, **kwargs):
+        seen.append(torch.backends.cudnn.allow_tf32)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(unet, "forward", recording_forward)
+    pipe = DEQDDIMPipeline(unet=unet, scheduler=DDIMScheduler())
+    out = pipe(batch_size=2, num_inference_steps=4, generator=torch.manual_seed(0), output_type="pt",
+               allow_tf32=allow_tf32)
+    inv = pipe.invert(out.images, num_inference_steps=4, steps=1, allow_tf32=allow_tf32)
+    assert len(seen) >= out.unet_calls > 0 and inv.latents.shape[0] == 2
+    assert set(seen) == ({True} if allow_tf32 else {False})
+    assert torch.backends.cudnn.allow_tf32 is True
+    again = pipe(batch_size=2, num_inference_steps=4, generator=torch.manual_seed(0), output_type="pt",
+                 allow_tf32=not allow_tf32)
+    assert torch.equal(out.images, again.images)

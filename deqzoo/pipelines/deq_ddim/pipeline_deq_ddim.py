@@ -28,8 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +45,7 @@ from ...core import DEQ, DEQConfig, SolverStats, solve
 
 __all__ = [
     "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
-    "load_repository",
+    "ieee_convolutions", "load_repository",
 ]
 
 
@@ -92,12 +93,54 @@ def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.
     return images.float() * 2.0 - 1.0
 
 
+
+# Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default
+# (torch.backends.cudnn.allow_tf32 is True), rounding the UNet's products to about 1e-3 relative. The chain's
+# fixed point is then defined only to that precision: the residual stalls near 1e-3, above the solve's default
+# tol 1e-5, and the safeguard re-runs T + 1 exact sweeps. Measured on an H100 (ddim-digits-16, batch 8,
+# T = 10 / 25 / 50; benchmarks/results/gpu_h100/2026-11-27/ddim_tf32_*.json): with TF32, depth 21 / 51 / 101
+# and 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone converges) and
+# 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this size the IEEE
+# convolutions cost no visible time per image.
+@contextlib.contextmanager
+def ieee_convolutions(device: torch.device | str) -> Iterator[None]:
+    """cuDNN convolutions in IEEE float32 for the duration on a CUDA device, whatever the process's TF32
+    setting, which is restored after (also on an exception); on other devices nothing changes.
+
+    Example:
+        >>> with ieee_convolutions("cuda"):
+        ...     inside = torch.backends.cudnn.allow_tf32
+        >>> inside, torch.backends.cudnn.allow_tf32
+        (False, True)
+    """
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    try:
+        previous = cudnn.allow_tf32
+    except RuntimeError:  # torch >= 2.9's per-operator flags set conv and RNN apart: switch the convolutions
+        before = cudnn.conv.fp32_precision
+        cudnn.conv.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            cudnn.conv.fp32_precision = before
+        return
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = previous
+
 class DDIMChain:
     """The deterministic DDIM chain of one scheduler setting as batched steps and as a fixed-point map.
 
     `timesteps` are the scheduler's (descending). State i = 0..T has scale c_i = sqrt(alpha_bar): c_0 at
     timesteps[0] (x_T), c_i for i >= 1 the "previous" alpha_bar of step i - 1, exactly as DDIMScheduler.step
     computes it. UNet evaluations are counted (`unet_calls`, `unet_images`) and chunked to `max_unet_batch`.
+    On a GPU they run in IEEE float32 (`ieee_convolutions`) unless `allow_tf32`: TF32's rounding sits above
+    the solve's tolerance.
     """
 
     def __init__(
@@ -108,6 +151,7 @@ class DDIMChain:
         *,
         use_clipped_model_output: bool = False,
         max_unet_batch: int = 512,
+        allow_tf32: bool = False,
     ):
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
@@ -124,17 +168,19 @@ class DDIMChain:
         self.scale = torch.cat([self.a_t[:1], self.a_prev]).sqrt()  # c_0 .. c_T
         self.use_clipped = use_clipped_model_output
         self.max_unet_batch = max_unet_batch
+        self.allow_tf32 = allow_tf32
         self.unet_calls = 0
         self.unet_images = 0
 
     def eps(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """UNet output for images x (N, C, H, W) at per-image timesteps t (N,), in chunks."""
         outs = []
-        for lo in range(0, len(x), self.max_unet_batch):
-            xs, ts = x[lo : lo + self.max_unet_batch], t[lo : lo + self.max_unet_batch]
-            outs.append(self.unet(xs, ts.to(x.device)).sample)
-            self.unet_calls += 1
-            self.unet_images += len(xs)
+        with contextlib.nullcontext() if self.allow_tf32 else ieee_convolutions(x.device):
+            for lo in range(0, len(x), self.max_unet_batch):
+                xs, ts = x[lo : lo + self.max_unet_batch], t[lo : lo + self.max_unet_batch]
+                outs.append(self.unet(xs, ts.to(x.device)).sample)
+                self.unet_calls += 1
+                self.unet_images += len(xs)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # Adapted from diffusers.schedulers.scheduling_ddim.DDIMScheduler.step (eta = 0): batched over images that
@@ -322,7 +368,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
         return (batch_size, self.unet.config.in_channels, *hw)
 
     def chain(
-        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512
+        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512,
+        allow_tf32: bool = False,
     ) -> DDIMChain:
         """The DDIM chain of this pipeline's UNet and scheduler at `num_inference_steps` (see DDIMChain)."""
         check_components(self.unet, self.scheduler)
@@ -332,6 +379,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
             num_inference_steps,
             use_clipped_model_output=use_clipped_model_output,
             max_unet_batch=max_unet_batch,
+            allow_tf32=allow_tf32,
         )
 
     def solve_chain(
@@ -418,6 +466,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
         max_unet_batch: int = 512,
         form: str = "telescoped",
         safeguard: bool = True,
+        allow_tf32: bool = False,
         **solver_kwargs: Any,
     ) -> DEQDDIMPipelineOutput | tuple:
         r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain
@@ -428,6 +477,10 @@ class DEQDDIMPipeline(DiffusionPipeline):
             solver, max_iter, tol (relative residual of the whole chain), form, safeguard, solver_kwargs: see
                 `solve_chain` (solver_kwargs go to `deqzoo.core.solve`, e.g. ``m=6`` for Anderson).
             max_unet_batch: the most images one UNet call sees (the memory budget).
+            allow_tf32: on a GPU, let the UNet's convolutions run in TF32 as the process is set to (torch's
+                default). Off by default: TF32 rounds to about 1e-3, above `tol`, so the solve stalls and the
+                safeguard takes T + 1 more evaluations (`ieee_convolutions`); turn it on with a `tol` above
+                1e-3.
         Returns:
             DEQDDIMPipelineOutput (images, deq_stats, unet_images, unet_calls, depth) or ``(images,)``.
         """
@@ -452,6 +505,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
             num_inference_steps,
             use_clipped_model_output=bool(use_clipped_model_output),
             max_unet_batch=max_unet_batch,
+            allow_tf32=allow_tf32,
         )
         Z, stats = self.solve_chain(
             chain,
@@ -492,6 +546,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
         max_unet_batch: int = 512,
         progress: bool = False,
         callback: Callable[[int, float, torch.Tensor], None] | None = None,
+        allow_tf32: bool = False,
     ) -> DEQDDIMInversionOutput:
         r"""Find x_T whose DEQ-DDIM sample reproduces `images` (PIL list, (N, H, W, C) array or (N, C, H, W)
         tensor, in [0, 1]).
@@ -504,7 +559,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
         solving the chain with `solver` warm-started at the previous trajectory (at most `f_max_iter`
         evaluations, tolerance `f_tol`) and differentiating through the fixed point with the engine's phantom
         gradient (`k` damped steps, `tau`), as in the paper. `time_budget` (seconds) stops early;
-        `callback(step, seconds, mse)` is called after each step. The returned latents are the best seen
+        `callback(step, seconds, mse)` is called after each step; `allow_tf32` as in `__call__`. The
+        returned latents are the best seen
         (lowest mean MSE of the warm-started solve at that x_T); their reconstruction and MSE come from a
         tight final solve. `init_mse` is the error at the start of the Adam steps; `history` starts with the
         ODE inversion's error.
@@ -520,7 +576,7 @@ class DEQDDIMPipeline(DiffusionPipeline):
         if not isinstance(init_iter, int) or init_iter < 1:
             raise ValueError(f"init_iter must be a positive int, got {init_iter!r}")
         target = _to_model_space(images, self._image_shape(1)[1:]).to(self._execution_device, self.unet.dtype)
-        chain = self.chain(num_inference_steps, max_unet_batch=max_unet_batch)
+        chain = self.chain(num_inference_steps, max_unet_batch=max_unet_batch, allow_tf32=allow_tf32)
         t0 = time.perf_counter()
         with torch.no_grad():
             # start trajectories come from the sequential chain: exact, and T images cost less than a solve
