@@ -248,3 +248,33 @@ def test_the_unet_runs_without_tf32_during_sampling_and_inversion_unless_allowed
     again = pipe(batch_size=2, num_inference_steps=4, generator=torch.manual_seed(0), output_type="pt",
                  allow_tf32=not allow_tf32)
     assert torch.equal(out.images, again.images)
+
+
+def test_ieee_convolutions_overlapping_holders_restore_once_the_last_leaves():
+    """Nested calls and two threads whose solves overlap: TF32 stays off while any holds it and comes back
+    after the last (a naive save/restore per call would leave the process switched off)."""
+    import threading
+
+    from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import ieee_convolutions
+
+    cudnn = torch.backends.cudnn
+    with ieee_convolutions("cuda"):
+        with ieee_convolutions("cuda"):
+            assert cudnn.allow_tf32 is False
+        assert cudnn.allow_tf32 is False
+    assert cudnn.allow_tf32 is True
+    entered, release, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with ieee_convolutions("cuda"):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert entered.wait(10)
+    with ieee_convolutions("cuda"):  # enters while the thread holds it ...
+        release.set()
+        thread.join(10)  # ... and the thread leaves first
+        seen.append(cudnn.allow_tf32)
+    assert seen == [False] and cudnn.allow_tf32 is True

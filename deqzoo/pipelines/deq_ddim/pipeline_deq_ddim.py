@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -102,10 +103,49 @@ def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.
 # and 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone converges) and
 # 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this size the IEEE
 # convolutions cost no visible time per image.
+def _convolutions_to_ieee() -> Callable[[], None]:
+    """Switch cuDNN convolutions to IEEE float32; returns what puts the process's setting back."""
+    cudnn = torch.backends.cudnn
+    try:
+        previous = cudnn.allow_tf32
+    except RuntimeError:  # torch >= 2.9's per-operator flags set conv and RNN apart: switch the convolutions
+        before = cudnn.conv.fp32_precision
+        cudnn.conv.fp32_precision = "ieee"
+        return lambda: setattr(cudnn.conv, "fp32_precision", before)
+    cudnn.allow_tf32 = False
+    return lambda: setattr(cudnn, "allow_tf32", previous)
+
+
+class _IEEEConvolutions:
+    """The flag is process-wide and solves may overlap (threads of a server, nested calls): the first holder
+    switches, the last one out restores, so an overlap never leaves the process switched."""
+
+    def __init__(self) -> None:
+        self.lock, self.holders, self.restore = threading.Lock(), 0, None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        with self.lock:
+            if self.holders == 0:
+                self.restore = _convolutions_to_ieee()
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.holders -= 1
+                if self.holders == 0:
+                    self.restore()
+
+
+_IEEE = _IEEEConvolutions()
+
+
 @contextlib.contextmanager
 def ieee_convolutions(device: torch.device | str) -> Iterator[None]:
     """cuDNN convolutions in IEEE float32 for the duration on a CUDA device, whatever the process's TF32
-    setting, which is restored after (also on an exception); on other devices nothing changes.
+    setting, which is restored after (also on an exception, and when calls overlap: after the last); on other
+    devices nothing changes.
 
     Example:
         >>> with ieee_convolutions("cuda"):
@@ -116,22 +156,8 @@ def ieee_convolutions(device: torch.device | str) -> Iterator[None]:
     if torch.device(device).type != "cuda":
         yield
         return
-    cudnn = torch.backends.cudnn
-    try:
-        previous = cudnn.allow_tf32
-    except RuntimeError:  # torch >= 2.9's per-operator flags set conv and RNN apart: switch the convolutions
-        before = cudnn.conv.fp32_precision
-        cudnn.conv.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            cudnn.conv.fp32_precision = before
-        return
-    cudnn.allow_tf32 = False
-    try:
+    with _IEEE.hold():
         yield
-    finally:
-        cudnn.allow_tf32 = previous
 
 class DDIMChain:
     """The deterministic DDIM chain of one scheduler setting as batched steps and as a fixed-point map.
