@@ -94,15 +94,14 @@ def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.
     return images.float() * 2.0 - 1.0
 
 
-
 # Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default
 # (torch.backends.cudnn.allow_tf32 is True), rounding the UNet's products to about 1e-3 relative. The chain's
 # fixed point is then defined only to that precision: the residual stalls near 1e-3, above the solve's default
 # tol 1e-5, and the safeguard re-runs T + 1 exact sweeps. Measured on an H100 (ddim-digits-16, batch 8,
-# T = 10 / 25 / 50; benchmarks/results/gpu_h100/2026-11-27/ddim_tf32_*.json): with TF32, depth 21 / 51 / 101
-# and 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone converges) and
-# 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this size the IEEE
-# convolutions cost no visible time per image.
+# T = 10 / 25 / 50; benchmarks/results/gpu_h100/2026-11-27/ddim_global_tf32_*.json): with TF32, depth
+# 21 / 51 / 101 and 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone
+# converges) and 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this
+# size the IEEE convolutions cost no visible time per image.
 def _convolutions_to_ieee() -> Callable[[], None]:
     """Switch cuDNN convolutions to IEEE float32; returns what puts the process's setting back."""
     cudnn = torch.backends.cudnn
@@ -158,6 +157,7 @@ def ieee_convolutions(device: torch.device | str) -> Iterator[None]:
         return
     with _IEEE.hold():
         yield
+
 
 class DDIMChain:
     """The deterministic DDIM chain of one scheduler setting as batched steps and as a fixed-point map.
