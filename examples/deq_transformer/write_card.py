@@ -84,6 +84,7 @@ CPU_NOTE = ("The largest residual is that of solves stopped unconverged, so it c
             "rounding of the machine's kernels, whose reduction order follows the CPU's vector width: on an "
             "AMD EPYC with AVX-512 the same 6 solves stop at the cap with largest residual 2.5e-02.")
 
+
 def generation_sentence(g: dict) -> str:
     share = 100 * g["at_cap"] / g["solves"]
     return (f"With the card's decoding (what `deqzoo demo` runs), {g['at_cap']} of {g['solves']} "
