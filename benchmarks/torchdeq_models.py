@@ -16,7 +16,11 @@ Work: the calls of f_θ counted by a wrapper around f (``f_calls_median``: the s
 whatever each library's own statistic counts). Profile: each side's share of the timed call spent inside the
 forward calls of f_θ (``f_share_median``). A ratio cannot fall below deqzoo's time in f over TorchDEQ's whole
 time: the same module costs the same per call on both sides, only the number of calls and what runs around
-them differ.
+them differ. The bound, measured (CPU): a fourth module in the same interleaved rounds, ``no-solve``, returns
+the initial state without calling f, so its time is the rest of the model (stem, injection, head, loss and
+its backward); ``floor`` is (min(deqzoo's, TorchDEQ's f calls) × deqzoo's time per f call + that rest) over
+TorchDEQ's time: the ratio deqzoo would reach with no more f calls than TorchDEQ and no solver work at all
+(in training, a loose bound: the backward's calls are not counted).
 
 Device: ``--device cuda`` moves the model and inputs to the GPU; each timed call then ends with a
 synchronisation, and the in-f share is not measured (kernels run asynchronously, so a timer around f would
@@ -128,6 +132,16 @@ class _TorchDEQ(nn.Module):
                             converged=torch.ones(b, dtype=torch.bool), solver="torchdeq",
                             jac_loss=jac_loss)  # fmt: skip
         return z, stats
+
+
+class _NoSolve(nn.Module):
+    """A DEQ module that returns the initial state without calling f: the model around the solve, timed."""
+
+    def forward(self, f, z0):
+        from deqzoo.core import SolverStats
+
+        first = z0 if isinstance(z0, torch.Tensor) else z0[0]
+        return z0, SolverStats.no_solve(first.shape[0])
 
 
 def _residual(rec: _Recorder) -> float:
@@ -253,6 +267,7 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     tol_f, _, scan_f = nearest(lambda tol: DEQ(cfg.update(f_tol=tol, f_final_step=True)), target)
     modules = {"deqzoo": ours, "deqzoo+final": record(DEQ(cfg.update(f_tol=tol_f, f_final_step=True))),
                "torchdeq": record(_TorchDEQ(cfg, tol_t))}  # fmt: skip
+    modules["no-solve"] = record(_NoSolve())  # the floor's "rest of the model" (module docstring)
     for mod in modules.values():
         measure(mod)
     times: dict[str, list[float]] = {k: [] for k in modules}
@@ -261,7 +276,7 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     share: dict[str, list[float]] = {k: [] for k in modules}
     order = list(modules)
     for i in range(rounds):
-        for key in order[i % 3:] + order[: i % 3]:  # the order rotates each round
+        for key in order[i % len(order):] + order[: i % len(order)]:  # the order rotates each round
             t, r = measure(modules[key])
             times[key].append(t)
             res[key].append(r)
@@ -269,6 +284,14 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
             share[key].append(modules[key].f_share)
     use(original)
     med = {k: statistics.median(v) for k, v in times.items()}
+    rest = med.pop("no-solve")
+    for table in (res, nfe, share):
+        table.pop("no-solve")
+    floor = None
+    if not cuda:  # deqzoo's seconds per f call (median share of the median time), at the fewer calls
+        calls = {k: statistics.median(nfe[k]) for k in ("deqzoo", "torchdeq")}
+        per_call = statistics.median(share["deqzoo"]) * med["deqzoo"] / calls["deqzoo"]
+        floor = (min(calls.values()) * per_call + rest) / med["torchdeq"]
     return {
         "case": name, "device": device, "batch": batch, "rounds": rounds,
         "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
@@ -276,8 +299,8 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
         "returned_rel_residual": {k: statistics.median(v) for k, v in res.items()},
         "f_calls_median": {k: statistics.median(v) for k, v in nfe.items()},
         "f_share_median": {k: None if cuda else statistics.median(v) for k, v in share.items()},
-        "seconds_median": med, "seconds": times,
-        "ratio": {k: med[k] / med["torchdeq"] for k in ("deqzoo", "deqzoo+final")},
+        "seconds_median": med, "seconds": times, "model_without_solve_seconds_median": rest,
+        "ratio": {k: med[k] / med["torchdeq"] for k in ("deqzoo", "deqzoo+final")}, "floor": floor,
         "torchdeq_tol_scan": scan, "deqzoo_tol_scan": scan_o, "deqzoo_final_tol_scan": scan_f,
     }  # fmt: skip
 
@@ -292,6 +315,10 @@ def format_table(results: list[dict]) -> str:
                         f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} "
                         f"{r['f_calls_median'][k]:7.1f} "
                         + ("    -" if r["f_share_median"][k] is None else f"{r['f_share_median'][k]:5.0%}"))
+        if r.get("floor") is not None:
+            rows.append(f"{r['case']:<12} {'floor':<13} {'':>9} {r['floor']:6.2f}  (no more f calls than "
+                        "TorchDEQ at deqzoo's cost per call + the model without its solve, "
+                        f"{r['model_without_solve_seconds_median']:.4f} s)")
     return "\n".join(rows)
 
 

@@ -78,3 +78,27 @@ def test_training_step_jacobian_term_is_the_frobenius_norm_on_both_sides(which):
     rec = bench._Recorder(DEQ(cfg_eval) if which == "deqzoo" else bench._TorchDEQ(cfg_eval, 1e-10)).eval()
     with torch.no_grad():
         assert rec(f, z0)[1].jac_loss is None  # inference computes no Jacobian term
+
+
+def test_floor_is_the_fewer_f_calls_at_deqzoo_cost_plus_the_model_without_its_solve(tmp_path):
+    """The no-solve module calls f zero times and hands back the initial state; the reported floor is
+    recomputed here from the run's own medians (mdeq-infer, a quick run)."""
+    import json
+    import statistics
+
+    f, z0 = _problem()
+    rec = bench._Recorder(bench._NoSolve())
+    z, stats = rec(f, z0)
+    assert rec.calls == 0 and z is z0 and stats.nfe == 0
+    out = tmp_path / "q.json"
+    bench.main(["--quick", "--cases", "mdeq-infer", "--rounds", "2", "--out", str(out)])
+    r = json.loads(out.read_text())["results"][0]
+    med = r["seconds_median"]
+    assert set(med) == {"deqzoo", "deqzoo+final", "torchdeq"} and len(r["seconds"]["no-solve"]) == 2
+    assert r["model_without_solve_seconds_median"] == statistics.median(r["seconds"]["no-solve"])
+    per_call = r["f_share_median"]["deqzoo"] * med["deqzoo"] / r["f_calls_median"]["deqzoo"]
+    rest = r["model_without_solve_seconds_median"]
+    calls = min(r["f_calls_median"]["torchdeq"], r["f_calls_median"]["deqzoo"])
+    want = (calls * per_call + rest) / med["torchdeq"]
+    assert r["floor"] == pytest.approx(want, rel=1e-12)
+    assert 0 < r["model_without_solve_seconds_median"] < med["deqzoo"]
