@@ -94,11 +94,16 @@ def test_floor_is_the_fewer_f_calls_at_deqzoo_cost_plus_the_model_without_its_so
     bench.main(["--quick", "--cases", "mdeq-infer", "--rounds", "2", "--out", str(out)])
     r = json.loads(out.read_text())["results"][0]
     med = r["seconds_median"]
-    assert set(med) == {"deqzoo", "deqzoo+final", "torchdeq"} and len(r["seconds"]["no-solve"]) == 2
+    calls, residual = r["f_calls_median"], r["returned_rel_residual"]
+    capped = calls["deqzoo"] > calls["torchdeq"]  # deqzoo capped at TorchDEQ's calls, timed alongside
+    assert set(med) == {"deqzoo", "deqzoo+final", "torchdeq"} | ({"deqzoo@calls"} if capped else set())
+    assert len(r["seconds"]["no-solve"]) == 2
+    if capped:  # it stops where TorchDEQ stops, so its best point is no better than the full solve's
+        assert calls["deqzoo@calls"] == calls["torchdeq"]
+        assert residual["deqzoo@calls"] >= residual["deqzoo"]
     assert r["model_without_solve_seconds_median"] == statistics.median(r["seconds"]["no-solve"])
-    per_call = r["f_share_median"]["deqzoo"] * med["deqzoo"] / r["f_calls_median"]["deqzoo"]
+    per_call = r["f_share_median"]["deqzoo"] * med["deqzoo"] / calls["deqzoo"]
     rest = r["model_without_solve_seconds_median"]
-    calls = min(r["f_calls_median"]["torchdeq"], r["f_calls_median"]["deqzoo"])
-    want = (calls * per_call + rest) / med["torchdeq"]
+    want = (min(calls["torchdeq"], calls["deqzoo"]) * per_call + rest) / med["torchdeq"]
     assert r["floor"] == pytest.approx(want, rel=1e-12)
     assert 0 < r["model_without_solve_seconds_median"] < med["deqzoo"]
