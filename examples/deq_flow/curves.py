@@ -64,15 +64,19 @@ def card_settings(snapshot: Path, deq: dict | None = None) -> dict | None:
     return {**INFERENCE_DEQ, **(deq or {})} if config.get("implicit", True) else None
 
 
-def evaluate_snapshot(snapshot: Path, limit: int | None = None, deq: dict | None = None) -> dict:
-    """`evaluate` of one snapshot at its card settings, cached in snapshot/eval.json per settings."""
+def evaluate_snapshot(
+    snapshot: Path, limit: int | None = None, deq: dict | None = None, max_shift: float | None = None
+) -> dict:
+    """`evaluate` of one snapshot at its card settings, cached in snapshot/eval.json per settings (and per
+    `max_shift` of the held-out pairs, when given)."""
     settings = card_settings(snapshot, deq)
-    key = json.dumps({"deq": settings, "limit": limit}, sort_keys=True)
+    key = {"deq": settings, "limit": limit} | ({"max_shift": max_shift} if max_shift is not None else {})
+    key = json.dumps(key, sort_keys=True)
     cache_path = snapshot / CACHE
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     if key not in cache:
         model = deqzoo.from_pretrained(snapshot, deq=settings)
-        cache[key] = evaluate(model, limit=limit, progress=False, baselines=False)
+        cache[key] = evaluate(model, limit=limit, progress=False, baselines=False, max_shift=max_shift)
         tmp = cache_path.with_name(f".{CACHE}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.rename(cache_path)
@@ -80,8 +84,10 @@ def evaluate_snapshot(snapshot: Path, limit: int | None = None, deq: dict | None
     return {**meta, **cache[key]}
 
 
-def run_curve(run: Path, limit: int | None = None, deq: dict | None = None) -> list[dict]:
-    return [evaluate_snapshot(s, limit, deq) for s in snapshots(run)]
+def run_curve(
+    run: Path, limit: int | None = None, deq: dict | None = None, max_shift: float | None = None
+) -> list[dict]:
+    return [evaluate_snapshot(s, limit, deq, max_shift) for s in snapshots(run)]
 
 
 def common_table(curves: dict[str, list[dict]]) -> list[dict]:
@@ -244,6 +250,8 @@ def regenerate_command(args: argparse.Namespace, names: list[str]) -> str:
         words += ["--limit", str(args.limit)]
     if args.deq:
         words += ["--deq", json.dumps(args.deq)]
+    if args.max_shift is not None:
+        words += ["--max-shift", f"{args.max_shift:g}"]
     if args.operating_point:
         words += ["--operating-point", _shown(args.operating_point)]
     words += ["--cards", *map(_shown, args.cards)]
@@ -265,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--deq", type=json.loads, default={}, help='DEQ-Flow solver overrides, JSON: {"f_max_iter": 36}'
     )
+    p.add_argument("--max-shift", type=float,
+                   help="score held-out pairs drawn with this largest translation (px; train.py --max-shift)")
     p.add_argument("--operating-point", type=Path,
                    help="an operating_point.py report (OUT.json) to add to the cards' section")
     p.add_argument("--cards", type=Path, nargs="+", default=[],
@@ -289,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .operating_point import card_subsection
         op_text = card_subsection(json.loads(args.operating_point.read_text()))
-    curves = {name: run_curve(run, args.limit, args.deq) for name, run in zip(names, args.runs)}
+    curves = {name: run_curve(run, args.limit, args.deq, args.max_shift)
+              for name, run in zip(names, args.runs)}
     rows = common_table(curves)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"runs": {n: str(r) for n, r in zip(names, args.runs)}, "limit": args.limit,
+              "max_shift": args.max_shift,
               "deq": {**INFERENCE_DEQ, **args.deq}, "curves": curves,
               "recipes": {n: recipe(r) for n, r in zip(names, args.runs)},
               "common_steps": rows}

@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3500)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--size", type=int, nargs=2, default=[64, 64], metavar=("H", "W"))
+    p.add_argument(
+        "--max-shift", type=float, default=None,
+        help="largest translation of the training pairs, pixels (default: a tenth of the smaller side)",
+    )
     p.add_argument("--lr", type=float, default=4e-4)
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--clip", type=float, default=1.0)
@@ -224,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.residual_loss_weight and args.residual_ramp:  # linear ramp: first learn to move, then to stop
             ramp = min(1.0, (step + 1) / max(1, args.residual_ramp * args.steps))
             model.config.residual_loss_weight = args.residual_loss_weight * ramp
-        image1, image2, flow, valid = synthetic_batch(range(step * bs, (step + 1) * bs), size, "train")
+        image1, image2, flow, valid = synthetic_batch(
+            range(step * bs, (step + 1) * bs), size, "train", max_shift=args.max_shift
+        )
         t0 = time.time()
         opt.zero_grad(set_to_none=True)
         if args.two_stage:  # same gradients as below, one supervised state's graph alive at a time
@@ -288,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_size": bs,
                 "size": list(size),
                 "lr": args.lr,
+                "max_shift": args.max_shift,
                 "seed": args.seed,
                 "deq": args.deq,
                 "jac_loss_weight": args.jac_loss_weight,

@@ -110,6 +110,29 @@ def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path
     assert json.loads(out.with_suffix(".json").read_text())["curves"] == report["curves"]
 
 
+def test_max_shift_trains_and_scores_on_larger_motion(tmp_path, runs):
+    """train.py --max-shift draws the training pairs with it (recorded in run.json; another value refused on
+    resume); curves.py --max-shift scores the held-out pairs drawn with it, cached apart from the default."""
+    _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "16")
+    assert json.loads((tmp_path / "big" / "run.json").read_text())["max_shift"] == 16
+    default, big = _weights(runs / "raft" / "model"), _weights(tmp_path / "big" / "model")
+    assert any(not torch.equal(default[k], big[k]) for k in default)  # other pairs, other weights
+    with pytest.raises(SystemExit, match="max_shift"):
+        _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "8")
+    out = tmp_path / "curves"
+    assert curves.main([str(tmp_path / "big"), "--limit", "2", "--max-shift", "16", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["max_shift"] == 16
+    point = report["curves"]["big"][-1]
+    ref = deqzoo.create_model("raft-cpu")
+    ref.load_state_dict(load_file(str(tmp_path / "big" / "snapshots" / "step-000002" / "model.safetensors")))
+    image1, image2, gt, valid = synthetic_batch(range(2), (64, 64), "held-out", max_shift=16)
+    with torch.no_grad():
+        assert point["epe_held_out"] == round(epe(ref.eval()(image1, image2).flow, gt, valid), 4)
+    cache = json.loads((tmp_path / "big" / "snapshots" / "step-000002" / curves.CACHE).read_text())
+    assert [json.loads(k).get("max_shift") for k in cache] == [16]
+
+
 def test_curves_refuses_a_folder_without_snapshots_and_a_foreign_report(tmp_path):
     with pytest.raises(FileNotFoundError, match="keep-every"):
         curves.snapshots(tmp_path)

@@ -67,5 +67,20 @@ def test_classical_baselines_and_epe():
         flow.classical_flow("lucas", p.image1, p.image2)
 
 
+def test_max_shift_reaches_the_batches_and_the_held_out_set():
+    """`max_shift` (train.py / curves.py --max-shift) draws the same pairs as `synthetic_pair` with it, with
+    larger motion than the default's tenth of the side."""
+    big = flow.synthetic_batch(range(3), (64, 64), "train", max_shift=16)
+    for i in range(3):
+        p = flow.synthetic_pair(i, (64, 64), "train", max_shift=16)
+        assert torch.equal(big[2][i], p.flow) and torch.equal(big[0][i], p.image1)
+    held = flow.held_out_set(3, max_shift=16)
+    assert torch.equal(held[2], flow.synthetic_batch(range(3), (64, 64), "held-out", max_shift=16)[2])
+    default = flow.held_out_set(3)
+    assert torch.equal(default[2], flow.synthetic_batch(range(3), (64, 64), "held-out")[2])
+    speed = lambda f, v: float(f.norm(dim=1)[v].mean())  # noqa: E731
+    assert speed(held[2], held[3]) > 1.5 * speed(default[2], default[3])
+
+
 def test_task_is_registered():
     assert TASKS["flow"] == "deqzoo.tasks.flow"
