@@ -456,17 +456,18 @@ def evaluate(
     progress: bool = True,
     baselines: bool = True,
     max_shift: float | None = None,
+    size: tuple[int, int] = EVAL_SIZE,
 ) -> dict[str, float]:
     """End-point error (pixels, valid pixels) on the held-out synthetic pairs and on the motorcycle stereo
     pair (flow = -disparity at 1/4 resolution), the forward solve's mean f-evaluations and (DEQ-Flow) the
     fraction of solves that ended below the tolerance, and (with `baselines`) the zero flow, Farneback and DIS
     on the same pairs. `limit` scores the first N held-out pairs; `max_shift` draws them with larger (or
-    smaller) translations (`synthetic_pair`), the motorcycle pair unchanged."""
+    smaller) translations and `size` at another size (`synthetic_pair`), the motorcycle pair unchanged."""
     from tqdm import tqdm
 
     n = HELD_OUT_PAIRS if limit is None else max(1, min(int(limit), HELD_OUT_PAIRS))
     steps = tqdm(total=2 + (3 if baselines else 0), desc="flow eval", disable=not progress, leave=False)
-    image1, image2, flow, valid = held_out_set(n, max_shift=max_shift)
+    image1, image2, flow, valid = held_out_set(n, tuple(size), max_shift=max_shift)
     converged: list[bool] = []
     pred, nfes = model_flow(model, image1, image2, converged=converged)
     result = {"epe_held_out": epe(pred, flow, valid), "nfe_held_out": float(np.mean(nfes))}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
-from deqzoo.tasks.flow import evaluate
+from deqzoo.tasks.flow import EVAL_SIZE, evaluate
 
 if __package__ in (None, ""):  # run as a script: make_cards is next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,18 +65,23 @@ def card_settings(snapshot: Path, deq: dict | None = None) -> dict | None:
 
 
 def evaluate_snapshot(
-    snapshot: Path, limit: int | None = None, deq: dict | None = None, max_shift: float | None = None
+    snapshot: Path,
+    limit: int | None = None,
+    deq: dict | None = None,
+    max_shift: float | None = None,
+    size: tuple[int, int] | None = None,
 ) -> dict:
     """`evaluate` of one snapshot at its card settings, cached in snapshot/eval.json per settings (and per
-    `max_shift` of the held-out pairs, when given)."""
+    `max_shift` and `size` of the held-out pairs, when given)."""
     settings = card_settings(snapshot, deq)
     key = {"deq": settings, "limit": limit} | ({"max_shift": max_shift} if max_shift is not None else {})
-    key = json.dumps(key, sort_keys=True)
+    key = json.dumps(key | ({"size": list(size)} if size else {}), sort_keys=True)
     cache_path = snapshot / CACHE
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     if key not in cache:
         model = deqzoo.from_pretrained(snapshot, deq=settings)
-        cache[key] = evaluate(model, limit=limit, progress=False, baselines=False, max_shift=max_shift)
+        cache[key] = evaluate(model, limit=limit, progress=False, baselines=False, max_shift=max_shift,
+                              size=tuple(size or EVAL_SIZE))
         tmp = cache_path.with_name(f".{CACHE}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.rename(cache_path)
@@ -85,9 +90,13 @@ def evaluate_snapshot(
 
 
 def run_curve(
-    run: Path, limit: int | None = None, deq: dict | None = None, max_shift: float | None = None
+    run: Path,
+    limit: int | None = None,
+    deq: dict | None = None,
+    max_shift: float | None = None,
+    size: tuple[int, int] | None = None,
 ) -> list[dict]:
-    return [evaluate_snapshot(s, limit, deq, max_shift) for s in snapshots(run)]
+    return [evaluate_snapshot(s, limit, deq, max_shift, size) for s in snapshots(run)]
 
 
 def common_table(curves: dict[str, list[dict]]) -> list[dict]:
@@ -252,6 +261,8 @@ def regenerate_command(args: argparse.Namespace, names: list[str]) -> str:
         words += ["--deq", json.dumps(args.deq)]
     if args.max_shift is not None:
         words += ["--max-shift", f"{args.max_shift:g}"]
+    if args.size:
+        words += ["--size", *map(str, args.size)]
     if args.operating_point:
         words += ["--operating-point", _shown(args.operating_point)]
     words += ["--cards", *map(_shown, args.cards)]
@@ -275,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-shift", type=float,
                    help="score held-out pairs drawn with this largest translation (px; train.py --max-shift)")
+    p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
+                   help="score held-out pairs of this size (train.py --size; default 64 64)")
     p.add_argument("--operating-point", type=Path,
                    help="an operating_point.py report (OUT.json) to add to the cards' section")
     p.add_argument("--cards", type=Path, nargs="+", default=[],
@@ -299,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .operating_point import card_subsection
         op_text = card_subsection(json.loads(args.operating_point.read_text()))
-    curves = {name: run_curve(run, args.limit, args.deq, args.max_shift)
+    curves = {name: run_curve(run, args.limit, args.deq, args.max_shift, args.size)
               for name, run in zip(names, args.runs)}
     rows = common_table(curves)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"runs": {n: str(r) for n, r in zip(names, args.runs)}, "limit": args.limit,
-              "max_shift": args.max_shift,
+              "max_shift": args.max_shift, "size": args.size,
               "deq": {**INFERENCE_DEQ, **args.deq}, "curves": curves,
               "recipes": {n: recipe(r) for n, r in zip(names, args.runs)},
               "common_steps": rows}

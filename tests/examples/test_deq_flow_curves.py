@@ -110,9 +110,9 @@ def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path
     assert json.loads(out.with_suffix(".json").read_text())["curves"] == report["curves"]
 
 
-def test_max_shift_trains_and_scores_on_larger_motion(tmp_path, runs):
+def test_max_shift_and_size_train_and_score_on_other_pairs(tmp_path, runs):
     """train.py --max-shift draws the training pairs with it (recorded in run.json; another value refused on
-    resume); curves.py --max-shift scores the held-out pairs drawn with it, cached apart from the default."""
+    resume); curves.py --max-shift / --size score held-out pairs drawn with them, cached apart."""
     _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "16")
     assert json.loads((tmp_path / "big" / "run.json").read_text())["max_shift"] == 16
     default, big = _weights(runs / "raft" / "model"), _weights(tmp_path / "big" / "model")
@@ -129,8 +129,17 @@ def test_max_shift_trains_and_scores_on_larger_motion(tmp_path, runs):
     image1, image2, gt, valid = synthetic_batch(range(2), (64, 64), "held-out", max_shift=16)
     with torch.no_grad():
         assert point["epe_held_out"] == round(epe(ref.eval()(image1, image2).flow, gt, valid), 4)
+    # --size: held-out pairs of another size (a run trained at train.py --size), cached apart
+    sized = tmp_path / "sized"
+    args = [str(tmp_path / "big"), "--limit", "2", "--size", "72", "72", "--out", str(sized)]
+    assert curves.main(args) == 0
+    point = json.loads(sized.with_suffix(".json").read_text())["curves"]["big"][-1]
+    image1, image2, gt, valid = synthetic_batch(range(2), (72, 72), "held-out")
+    with torch.no_grad():
+        assert point["epe_held_out"] == round(epe(ref(image1, image2).flow, gt, valid), 4)
     cache = json.loads((tmp_path / "big" / "snapshots" / "step-000002" / curves.CACHE).read_text())
-    assert [json.loads(k).get("max_shift") for k in cache] == [16]
+    keys = [json.loads(k) for k in cache]
+    assert [(k.get("max_shift"), k.get("size")) for k in keys] == [(16, None), (None, [72, 72])]
 
 
 def test_curves_refuses_a_folder_without_snapshots_and_a_foreign_report(tmp_path):
