@@ -2,6 +2,7 @@
 # Start, or resume, issue #32's long runs: DEQ-Flow and its explicit RAFT twin under one recipe (README.md,
 # "Long runs (issue #32)"). Run from the repository root, every session, unchanged:
 #     bash examples/deq_flow/long_runs.sh            # RUNS=runs/deq_flow, PYTHON=python by default
+#     PAIR=size128 RUNS=runs/size128 bash examples/deq_flow/long_runs.sh   # the 128x128 pair (README)
 # Each run is a background process at nice 19 in its own autogroup (it takes idle CPU only), 1 thread, its
 # pid in RUNS/NAME.pid and its output appended to RUNS/NAME.log; train.py resumes from RUNS/NAME/checkpoint
 # and refuses other options than the run's first start (RUNS/NAME/run.json). A run whose recorded pid is
@@ -9,7 +10,18 @@
 set -euo pipefail
 RUNS=${RUNS:-runs/deq_flow}  # outside git's view: runs/ is in .gitignore
 PYTHON=${PYTHON:-python}
-COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
+PAIR=${PAIR:-i32}
+case $PAIR in
+    i32)  # the 20,000-step runs at 64x64, the original's recipe scaled down
+        COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
+        DEQ=(deq-flow-i32 --model deq-flow-cpu --deq '{"n_states": 6}')
+        TWIN=(raft-i32 --model raft-cpu) ;;
+    size128)  # 4,000 steps at 128x128 (a 16x16 grid at 1/8 resolution), DEQ-Flow with the drift term
+        COMMON=(--steps 4000 --seed 0 --batch-size 8 --size 128 128 --lr 4e-4 --keep-every 250 --save-every 50)
+        DEQ=(deq-flow --model deq-flow-cpu --deq '{"n_states": 6}' --flow-residual-weight 0.5)
+        TWIN=(raft --model raft-cpu) ;;
+    *) echo "PAIR must be i32 or size128, got $PAIR" >&2; exit 2 ;;
+esac
 mkdir -p "$RUNS"
 
 start() {  # NAME, then the model's own train.py options
@@ -33,6 +45,6 @@ start() {  # NAME, then the model's own train.py options
     echo "$name: pid $pid, $(cat "/proc/$pid/autogroup"), log $RUNS/$name.log"
 }
 
-start deq-flow-i32 --model deq-flow-cpu --deq '{"n_states": 6}'
-start raft-i32 --model raft-cpu
+start "${DEQ[@]}"
+start "${TWIN[@]}"
 echo "this shell: $(cat /proc/$$/autogroup)"
