@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.keep_every < 0 or args.stop_after < 0:
         p.error(f"--keep-every and --stop-after must be >= 0, got {args.keep_every} and {args.stop_after}")
+    if args.max_shift is not None and not 0 <= args.max_shift < min(args.size):
+        p.error(f"--max-shift must be in [0, {min(args.size)}) for --size {args.size}, got {args.max_shift}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     extra = {"jac_loss_weight": args.jac_loss_weight} if args.jac_loss_weight else {}

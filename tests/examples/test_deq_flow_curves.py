@@ -119,6 +119,10 @@ def test_max_shift_and_size_train_and_score_on_other_pairs(tmp_path, runs):
     assert any(not torch.equal(default[k], big[k]) for k in default)  # other pairs, other weights
     with pytest.raises(SystemExit, match="max_shift"):
         _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "8")
+    for bad in ("-1", "64", "nan"):  # refused before any folder is made
+        with pytest.raises(SystemExit):
+            _run(tmp_path / "bad", "raft-cpu", "--max-shift", bad)
+        assert not (tmp_path / "bad").exists()
     out = tmp_path / "curves"
     assert curves.main([str(tmp_path / "big"), "--limit", "2", "--max-shift", "16", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
