@@ -32,6 +32,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
@@ -74,8 +75,10 @@ def evaluate_snapshot(
     """`evaluate` of one snapshot at its card settings, cached in snapshot/eval.json per settings (and per
     `max_shift` and `size` of the held-out pairs, when given)."""
     settings = card_settings(snapshot, deq)
-    key = {"deq": settings, "limit": limit} | ({"max_shift": max_shift} if max_shift is not None else {})
-    key = json.dumps(key | ({"size": list(size)} if size else {}), sort_keys=True)
+    # the held-out pairs' options enter the key only when given, so earlier cached entries still hit
+    pairs = {"max_shift": max_shift, "size": list(size) if size else None}
+    pairs = {k: v for k, v in pairs.items() if v is not None}
+    key = json.dumps({"deq": settings, "limit": limit, **pairs}, sort_keys=True)
     cache_path = snapshot / CACHE
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     if key not in cache:
@@ -89,14 +92,9 @@ def evaluate_snapshot(
     return {**meta, **cache[key]}
 
 
-def run_curve(
-    run: Path,
-    limit: int | None = None,
-    deq: dict | None = None,
-    max_shift: float | None = None,
-    size: tuple[int, int] | None = None,
-) -> list[dict]:
-    return [evaluate_snapshot(s, limit, deq, max_shift, size) for s in snapshots(run)]
+def run_curve(run: Path, **options: Any) -> list[dict]:
+    """`evaluate_snapshot(snapshot, **options)` of every snapshot of the run, in step order."""
+    return [evaluate_snapshot(s, **options) for s in snapshots(run)]
 
 
 def common_table(curves: dict[str, list[dict]]) -> list[dict]:
@@ -312,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .operating_point import card_subsection
         op_text = card_subsection(json.loads(args.operating_point.read_text()))
-    curves = {name: run_curve(run, args.limit, args.deq, args.max_shift, args.size)
-              for name, run in zip(names, args.runs)}
+    options = {"limit": args.limit, "deq": args.deq, "max_shift": args.max_shift, "size": args.size}
+    curves = {name: run_curve(run, **options) for name, run in zip(names, args.runs)}
     rows = common_table(curves)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"runs": {n: str(r) for n, r in zip(names, args.runs)}, "limit": args.limit,
