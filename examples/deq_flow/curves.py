@@ -85,9 +85,7 @@ def evaluate_snapshot(
         model = deqzoo.from_pretrained(snapshot, deq=settings)
         cache[key] = evaluate(model, limit=limit, progress=False, baselines=False, max_shift=max_shift,
                               size=tuple(size or EVAL_SIZE))
-        tmp = cache_path.with_name(f".{CACHE}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.rename(cache_path)
+        write_whole(cache_path, json.dumps(cache, indent=1))
     meta = json.loads((snapshot / "snapshot.json").read_text())
     return {**meta, **cache[key]}
 
@@ -320,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
               "recipes": {n: recipe(r) for n, r in zip(names, args.runs)},
               "common_steps": rows}
     section = progress_section(report, regenerate_command(args, names), op_text) if args.cards else ""
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    write_whole(report_path, json.dumps(report, indent=1) + "\n")
     plot(curves, args.out.with_suffix(".png"))
     if args.cards:
         write_cards(args.cards, section, args.out.with_suffix(".png"))
