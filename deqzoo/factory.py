@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import os
@@ -164,6 +165,7 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
         raise ValueError(f"Unknown architecture {name!r}.{did_you_mean(name)} Known architectures: {known}; "
                          f"model names: {sorted(model_names_table())}")
     config_cls = family.load(family.config)
+    _check_override_keys(config_cls, overrides)
     kwargs = {**preset.get("config", {}), **overrides}
     if deq:
         kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
@@ -171,6 +173,21 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
     model_cls, meta = _on_meta(family, config, preset.get("auto"))  # size first
     check_budget([*meta.parameters(), *meta.buffers()], f"create_model({name!r})", max_parameters)
     return model_cls(config)
+
+
+def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
+    """An override must name a config field or a settable property (``num_labels``): PretrainedConfig keeps
+    any other keyword as an attribute that no model reads, so a typo (``hiden_dim=96``) would build the
+    preset unchanged without a word."""
+    from .configuration_utils import ConfigError  # the config class was just imported: transformers is loaded
+
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = [k for k in overrides
+               if k not in fields and not isinstance(getattr(config_cls, k, None), property)]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(f"{config_cls.__name__}: unknown key {key!r}.{did_you_mean(key, sorted(fields))} "
+                          f"Keys: {sorted(fields)}")
 
 
 def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None,

@@ -99,6 +99,9 @@ def keep_snapshot(out: Path, model, step: int, seconds: dict[str, float]) -> Pat
     return final
 
 
+# config keys that train.py's own options set (--config may not set them a second way)
+_FLAG_KEYS = {"jac_loss_weight", "residual_loss_weight", "flow_residual_weight", "detach_flow_input", "deq"}
+
 # options that do not change what is trained (the rest must match when a run resumes)
 _SESSION_OPTIONS = ("out", "save_every", "keep_every", "log_every", "stop_after", "threads", "progress")
 
@@ -154,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deq", type=json.loads, default={}, help='DEQConfig overrides, JSON: {"f_max_iter": 36}')
+    p.add_argument(
+        "--config",
+        type=json.loads,
+        default={},
+        help="model config overrides, JSON, the same for both networks of a pair (a wider update block, as "
+        'the original\'s --huge: {"hidden_dim": 96, ...}); the loss weights have their own options',
+    )
     p.add_argument("--jac-loss-weight", type=float, default=0.0, help="Jacobian regularizer weight")
     p.add_argument("--residual-loss-weight", type=float, default=0.0, help="equilibrium residual weight")
     p.add_argument(
@@ -186,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         extra["flow_residual_weight"] = args.flow_residual_weight
     if args.all_grad:
         extra["detach_flow_input"] = False
-    model = deqzoo.create_model(args.model, **extra)
+    if not isinstance(args.config, dict) or set(args.config) & (set(extra) | _FLAG_KEYS):
+        p.error(f"--config must be a JSON object without the keys that have their own options "
+                f"({', '.join(sorted(_FLAG_KEYS))}), got {args.config!r}")
+    model = deqzoo.create_model(args.model, **extra, **args.config)  # a wrong key or value: ConfigError
     if args.deq:
         model.set_deq(**args.deq)
     if args.init is not None:

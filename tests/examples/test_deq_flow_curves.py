@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import deqzoo
+from deqzoo.configuration_utils import ConfigError
 from deqzoo.tasks.flow import epe, evaluate, synthetic_batch
 from examples.deq_flow import curves
 from examples.deq_flow.make_cards import INFERENCE_DEQ, _curve_section, _deq_recipe, _log
@@ -144,6 +145,28 @@ def test_max_shift_and_size_train_and_score_on_other_pairs(tmp_path, runs):
     cache = json.loads((tmp_path / "big" / "snapshots" / "step-000002" / curves.CACHE).read_text())
     keys = [json.loads(k) for k in cache]
     assert [(k.get("max_shift"), k.get("size")) for k in keys] == [(16, None), (None, [72, 72])]
+
+
+def test_config_overrides_change_the_model_are_recorded_and_bad_ones_are_refused_before_any_folder(tmp_path):
+    """train.py --config (the wide pair of issue #32; narrower here, to stay fast): the snapshots are that
+    model, run.json records it, a resume with another --config is refused; an unknown key, a wrong value or a
+    key that has its own option is refused before the run folder exists."""
+    wide = {"hidden_dim": 24, "context_dim": 24}
+    _run(tmp_path / "wide", "raft-cpu", "--steps", "2", "--config", json.dumps(wide))
+    assert json.loads((tmp_path / "wide" / "run.json").read_text())["config"] == wide
+    snap = tmp_path / "wide" / "snapshots" / "step-000002"
+    assert json.loads((snap / "config.json").read_text())["hidden_dim"] == 24
+    loaded = deqzoo.from_pretrained(str(snap))
+    assert loaded.config.hidden_dim == 24 and loaded.config.context_dim == 24
+    assert sum(p.numel() for p in loaded.parameters()) < sum(
+        p.numel() for p in deqzoo.create_model("raft-cpu").parameters())
+    with pytest.raises(SystemExit, match="config"):
+        _run(tmp_path / "wide", "raft-cpu", "--steps", "2", "--config", '{"hidden_dim": 32}')
+    for bad, err in (('{"hiden_dim": 24}', "unknown key 'hiden_dim'"), ('{"hidden_dim": 0}', "hidden_dim"),
+                     ('{"flow_residual_weight": 1}', None), ('[1]', None)):
+        with pytest.raises(ConfigError if err else SystemExit, match=err):
+            _run(tmp_path / "bad", "raft-cpu", "--config", bad)
+        assert not (tmp_path / "bad").exists()
 
 
 def test_curves_refuses_a_folder_without_snapshots_and_a_foreign_report(tmp_path):

@@ -237,6 +237,18 @@ def test_create_model_checks_the_budget_before_building():
         deqzoo.create_model("deq-transformer-tiny", d_model="128")
 
 
+def test_create_model_refuses_an_unknown_key_instead_of_building_the_preset_unchanged():
+    """PretrainedConfig keeps unknown keywords as attributes no model reads: a typo must not pass silently."""
+    with pytest.raises(ConfigError, match="DEQFlowConfig: unknown key 'hiden_dim'. Did you mean 'hidden_dim"):
+        deqzoo.create_model("deq-flow-cpu", hiden_dim=96)
+    with pytest.raises(ConfigError, match="unknown key 'num_lables'"):
+        deqzoo.create_model("mdeq-tiny-mnist", num_lables=3)
+    # fields and settable properties still work, and change the model
+    assert deqzoo.create_model("deq-flow-cpu", hidden_dim=96).config.hidden_dim == 96
+    head = deqzoo.create_model("mdeq-tiny-mnist", num_labels=3).classifier
+    assert head.out_features == 3
+
+
 def test_from_pretrained_overrides_are_checked_like_the_config():
     with pytest.raises(ConfigError, match="MDEQConfig: key 'num_groups' must be int, got '4'"):
         deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", num_groups="4")
