@@ -68,11 +68,12 @@ SCALES = {
 }
 
 
-def _build(kind: str, preset: str):
-    """The preset (DEQ-Flow) or its explicit twin: the same config with implicit=False (same parameters)."""
+def _build(kind: str, preset: str, overrides: dict | None = None):
+    """The preset (DEQ-Flow) or its explicit twin: the same config with implicit=False (same parameters);
+    `overrides` change config fields of both alike (a wider update block, for example)."""
     from deqzoo.models.deq_flow import ARCHITECTURES, DEQFlowConfig, DEQFlowForOpticalFlow
 
-    config = dict(ARCHITECTURES[preset]["config"])
+    config = {**ARCHITECTURES[preset]["config"], **(overrides or {})}
     if kind != "deq-flow":
         config["implicit"] = False
     return DEQFlowForOpticalFlow(DEQFlowConfig(**config))
@@ -185,11 +186,13 @@ def measure_training(
     repeats: int = 3,
     checkpointing: bool = False,
     two_stage: bool = False,
+    config: dict | None = None,
 ) -> dict:
     """One configuration in this process: saved-graph bytes (by part), parameter bytes, the step's tensor
     peak, peak RSS growth, step time. `checkpointing`: the encoders' activation checkpointing (transformers'
     ``gradient_checkpointing_enable``), on for both models alike. `two_stage`: DEQ-Flow's backward by
-    `deqzoo.models.deq_flow.two_stage_backward` (saved-graph bytes are then None)."""
+    `deqzoo.models.deq_flow.two_stage_backward` (saved-graph bytes are then None). `config`: config fields
+    changed from the preset's, for both models alike (recorded in the row)."""
     import torch
 
     from deqzoo.models.deq_flow import two_stage_backward
@@ -199,7 +202,7 @@ def measure_training(
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    model = _build(kind, preset).train()
+    model = _build(kind, preset, config).train()
     if checkpointing:
         enable_checkpointing(model)
     if model.config.implicit:
@@ -251,6 +254,7 @@ def measure_training(
     return {
         "model": kind,
         "preset": preset,
+        "config": config or {},
         "iterations": iters,
         "n_states": n_states if kind == "deq-flow" else iters,
         "checkpointing": checkpointing,

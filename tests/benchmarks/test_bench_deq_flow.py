@@ -21,6 +21,21 @@ def test_deq_graph_is_constant_in_iterations_and_raft_grows():
     assert deq6["peak_mb"] < raft6["peak_mb"]
 
 
+def test_config_overrides_change_both_models_alike():
+    """`config` (issue #32's wide pair): both models get the same wider update block (equal parameters,
+    more than the preset's), the encoders' saved graph is unchanged and the update block's grows."""
+    wide = {"hidden_dim": 96, "context_dim": 96}
+    rows = {(kind, w): bench.measure_training(kind, 2, batch=1, repeats=1, config=wide if w else None)
+            for kind in ("deq-flow", "raft") for w in (False, True)}
+    wide_params = rows["deq-flow", True]["param_mb"]
+    assert wide_params == rows["raft", True]["param_mb"] > rows["raft", False]["param_mb"]
+    assert rows["raft", True]["config"] == wide and rows["raft", False]["config"] == {}
+    for kind in ("deq-flow", "raft"):
+        narrow, wider = rows[kind, False]["graph_by_part_mb"], rows[kind, True]["graph_by_part_mb"]
+        assert wider["encoders"] == narrow["encoders"]
+        assert wider["update block"] > 1.3 * narrow["update block"]
+
+
 def test_saved_graph_by_part_and_encoder_checkpointing():
     """The saved graph splits into the model's parts (the encoders dominate DEQ-Flow's); activation
     checkpointing of the encoders removes their saved activations and lowers the step's tensor peak (forward
