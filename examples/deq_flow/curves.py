@@ -121,7 +121,7 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
         axes[1].plot([p["elapsed"] / 3600 for p in pts], epes, marker=".", label=name)
         axes[2].plot([p.get("cpu_seconds", math.nan) / 3600 for p in pts], epes, marker=".", label=name)
     axes[0].set_xlabel("training step")
-    axes[1].set_xlabel("training wall clock (h, 1 thread at nice 19 on a shared machine)")
+    axes[1].set_xlabel("training wall clock (h, 1 thread, on a shared machine)")
     axes[2].set_xlabel("training process CPU time (h)")
     for ax in axes:
         ax.set_ylabel("held-out EPE (px, 100 pairs)")
