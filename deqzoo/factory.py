@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,18 +177,22 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
 
 
 def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
-    """An override must name a config field or a settable property (``num_labels``): PretrainedConfig keeps
-    any other keyword as an attribute that no model reads, so a typo (``hiden_dim=96``) would build the
-    preset unchanged without a word."""
+    """An override must name a config field, an argument of the config's own ``__init__`` (a family written
+    in transformers' v4 style) or a settable property (``num_labels``): PretrainedConfig keeps any other
+    keyword as an attribute that no model reads, so a typo (``hiden_dim=96``) would build the preset
+    unchanged without a word."""
     from .configuration_utils import ConfigError  # the config class was just imported: transformers is loaded
 
-    fields = {f.name for f in dataclasses.fields(config_cls)}
+    is_dataclass = dataclasses.is_dataclass(config_cls)
+    known = {f.name for f in dataclasses.fields(config_cls)} if is_dataclass else set()
+    known |= {name for name, param in inspect.signature(config_cls.__init__).parameters.items()
+              if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)}
     unknown = [k for k in overrides
-               if k not in fields and not isinstance(getattr(config_cls, k, None), property)]
+               if k not in known and not isinstance(getattr(config_cls, k, None), property)]
     if unknown:
         key = unknown[0]
-        raise ConfigError(f"{config_cls.__name__}: unknown key {key!r}.{did_you_mean(key, sorted(fields))} "
-                          f"Keys: {sorted(fields)}")
+        raise ConfigError(f"{config_cls.__name__}: unknown key {key!r}.{did_you_mean(key, sorted(known))} "
+                          f"Keys: {sorted(known)}")
 
 
 def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None,

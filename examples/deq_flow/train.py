@@ -171,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--flow-residual-weight", type=float, default=0.0, help="flow drift weight (px)")
     p.add_argument("--init", type=Path, help="start from this model folder's weights (fine-tuning)")
-    p.add_argument("--all-grad", action="store_true", help="gradient through f's flow input (--all_grad)")
+    p.add_argument(
+        "--all-grad",
+        action="store_true",
+        help="gradient through f's flow input (--all_grad); only phantom k > 1 and the Jacobian regularizer "
+        "see it: a one-step phantom gradient already starts from a detached state",
+    )
     p.add_argument(
         "--two-stage",
         action="store_true",

@@ -80,6 +80,9 @@ def test_create_model_and_list_models(toy_family):
     assert (info.kind, info.task, info.parameters) == ("architecture", "image-classification", expected)
     with pytest.raises(ValueError, match="toy-deq-tiny"):
         deqzoo.create_model("nonexistent-arch")
+    # a v4-style config (keys as __init__ arguments, not dataclass fields): a typo is still refused
+    with pytest.raises(ValueError, match="ToyDEQConfig: unknown key 'hiden_size'. Did you mean 'hidden_size"):
+        deqzoo.create_model("toy-deq-tiny", hiden_size=5)
 
 
 def test_embedded_checkpoint_loads_offline_and_verifies_sha256(embedded):
