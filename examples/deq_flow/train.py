@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--all-grad",
         action="store_true",
-        help="gradient through f's flow input (--all_grad); only phantom k > 1 and the Jacobian regularizer "
-        "see it: a one-step phantom gradient already starts from a detached state",
+        help="gradient through f's flow input (--all_grad); only backwards that differentiate f in its state "
+        "see it (phantom k > 1, ift, unrolled, the Jacobian regularizer): one phantom step starts detached",
     )
     p.add_argument(
         "--two-stage",
