@@ -147,7 +147,7 @@ def _find_preset(name: str):
 def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters: int | None = None,
                  **overrides: Any):
     """Build an untrained model from an architecture preset or a model's canonical name (`model_names()`);
-    `overrides` change config fields.
+    `overrides` change config fields (a key the config does not have is a ConfigError, not ignored).
 
     The config is validated and the model's size checked against the parameter budget (`max_parameters`,
     $DEQZOO_MAX_PARAMETERS, 1e9) on the meta device before anything is allocated.
@@ -159,6 +159,10 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
         Traceback (most recent call last):
         ...
         ValueError: Unknown architecture 'mdeq-tiny-mnst'. Did you mean 'mdeq-tiny-mnist'? ...
+        >>> deqzoo.create_model("mdeq-tiny-mnist", num_lables=10)
+        Traceback (most recent call last):
+        ...
+        deqzoo.configuration_utils.ConfigError: MDEQConfig: unknown key 'num_lables'. Did you mean ...
     """
     family, preset = _find_preset(name)
     if preset is None:
@@ -187,8 +191,9 @@ def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(config_cls)} if is_dataclass else set()
     known |= {name for name, param in inspect.signature(config_cls.__init__).parameters.items()
               if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)}
-    unknown = [k for k in overrides
-               if k not in known and not isinstance(getattr(config_cls, k, None), property)]
+    known |= {name for name in dir(config_cls)
+              if isinstance(prop := getattr(config_cls, name, None), property) and prop.fset is not None}
+    unknown = [k for k in overrides if k not in known]
     if unknown:
         key = unknown[0]
         raise ConfigError(f"{config_cls.__name__}: unknown key {key!r}.{did_you_mean(key, sorted(known))} "

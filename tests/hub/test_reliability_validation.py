@@ -241,7 +241,7 @@ def test_create_model_refuses_an_unknown_key_instead_of_building_the_preset_unch
     """PretrainedConfig keeps unknown keywords as attributes no model reads: a typo must not pass silently."""
     with pytest.raises(ConfigError, match="DEQFlowConfig: unknown key 'hiden_dim'. Did you mean 'hidden_dim"):
         deqzoo.create_model("deq-flow-cpu", hiden_dim=96)
-    with pytest.raises(ConfigError, match="unknown key 'num_lables'"):
+    with pytest.raises(ConfigError, match="unknown key 'num_lables'. Did you mean 'num_labels'"):  # property
         deqzoo.create_model("mdeq-tiny-mnist", num_lables=3)
     # fields and settable properties still work, and change the model
     assert deqzoo.create_model("deq-flow-cpu", hidden_dim=96).config.hidden_dim == 96
