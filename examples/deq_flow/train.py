@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         extra["flow_residual_weight"] = args.flow_residual_weight
     if args.all_grad:
         extra["detach_flow_input"] = False
-    if not isinstance(args.config, dict) or set(args.config) & (set(extra) | _FLAG_KEYS):
+    if not isinstance(args.config, dict) or set(args.config) & _FLAG_KEYS:
         p.error(f"--config must be a JSON object without the keys that have their own options "
                 f"({', '.join(sorted(_FLAG_KEYS))}), got {args.config!r}")
     model = deqzoo.create_model(args.model, **extra, **args.config)  # a wrong key or value: ConfigError
