@@ -3,6 +3,7 @@
 # "Long runs (issue #32)"). Run from the repository root, every session, unchanged:
 #     bash examples/deq_flow/long_runs.sh            # RUNS=runs/deq_flow, PYTHON=python by default
 #     PAIR=size128 RUNS=runs/size128 bash examples/deq_flow/long_runs.sh   # the 128x128 pair (README)
+#     PAIR=steps12 RUNS=runs/steps12 bash examples/deq_flow/long_runs.sh   # the 12-step recipe, 20,000 steps
 # Each run is a background process at nice 19 in its own autogroup (it takes idle CPU only), 1 thread, its
 # pid in RUNS/NAME.pid and its output appended to RUNS/NAME.log; train.py resumes from RUNS/NAME/checkpoint
 # and refuses other options than the run's first start (RUNS/NAME/run.json). A run whose recorded pid is
@@ -20,7 +21,11 @@ case $PAIR in
         COMMON=(--steps 4000 --seed 0 --batch-size 8 --size 128 128 --lr 4e-4 --keep-every 250 --save-every 50)
         DEQ=(deq-flow --model deq-flow-cpu --deq '{"n_states": 6}' --flow-residual-weight 0.5)
         TWIN=(raft --model raft-cpu) ;;
-    *) echo "PAIR must be i32 or size128, got $PAIR" >&2; exit 2 ;;
+    steps12)  # 20,000 steps at 64x64, DEQ-Flow with the closest 4,000-step probe's recipe (drift 0.5, 12 steps)
+        COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
+        DEQ=(deq-flow --model deq-flow-cpu --deq '{"n_states": 6, "f_max_iter": 12}' --flow-residual-weight 0.5)
+        TWIN=(raft --model raft-cpu) ;;
+    *) echo "PAIR must be i32, size128 or steps12, got $PAIR" >&2; exit 2 ;;
 esac
 mkdir -p "$RUNS"
 

@@ -385,3 +385,127 @@ def test_operating_point_refuses_to_overwrite_a_foreign_report(tmp_path, runs):
     with pytest.raises(SystemExit):
         op.main([str(runs / "deq"), str(runs / "raft"), "--out", str(tmp_path / "figure")])
     assert (tmp_path / "figure.png").read_bytes() == b"a user's figure"
+
+
+def _section(text):
+    return text[text.index(curves.SECTION_START):text.index(curves.SECTION_END) + len(curves.SECTION_END)]
+
+
+def _command(section):
+    """The words of the regenerate command a cards' section shows (its last bash block, one line)."""
+    import shlex
+
+    start = section.rindex("```bash\n") + len("```bash\n")
+    return shlex.split(section[start:section.index("\n```", start)])
+
+
+def test_cards_section_of_stopped_runs_from_their_report_lists_every_later_pair(tmp_path, runs, monkeypatch):
+    # the long runs (DEQ-Flow and a twin under one 4-step recipe) and a later report of two more DEQ-Flow
+    # runs (one with another peak lr) against that twin
+    import shutil
+
+    shutil.copytree(runs / "deq", tmp_path / "deq")
+    _run(tmp_path / "raft", "raft-cpu")
+    _run(tmp_path / "deq-lr", "deq-flow-cpu", "--lr", "2e-4")
+    long_runs, later = tmp_path / "long", tmp_path / "later"
+    assert curves.main([str(tmp_path / "deq"), str(tmp_path / "raft"), "--names", "DEQ-Flow", "RAFT twin",
+                        "--limit", "2", "--out", str(long_runs)]) == 0
+    assert curves.main([str(tmp_path / "deq-lr"), str(tmp_path / "deq"), str(tmp_path / "raft"), "--names",
+                        "lr", "base", "twin", "--limit", "2", "--out", str(later)]) == 0
+    card = tmp_path / "card"
+    card.mkdir()
+    original = "# card\n\nbody\n\n## Results\n\nx\n"
+    (card / "README.md").write_text(original)
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("--from-report evaluates nothing")
+
+    monkeypatch.setattr(curves, "evaluate_snapshot", no_evaluation)
+    args = ["--from-report", str(long_runs.with_suffix(".json")), "--stopped", "the machine went away",
+            "--also", str(later.with_suffix(".json")), str(later.with_suffix(".json")), "--cards", str(card)]
+    assert curves.main(args) == 0
+    text = (card / "README.md").read_text()
+    section = _section(text)
+    assert text.replace(section + "\n\n", "") == original  # the rest of the card byte for byte
+    assert (card / "curves.png").read_bytes() == long_runs.with_suffix(".png").read_bytes()
+    assert "stopped: held-out EPE" in section and "in progress" not in section
+    assert "Still training" not in section
+    assert "will not resume: the machine went away." in section and "**Where they stopped**" in section
+    report = json.loads(long_runs.with_suffix(".json").read_text())
+    for r in report["common_steps"]:
+        a, b = r["DEQ-Flow"], r["RAFT twin"]
+        assert f"| {r['step']} | {a:.4f} | {b:.4f} | {a - b:+.4f} |" in section
+    # one row per later DEQ-Flow run (the report given twice adds none), at the last step both have, with
+    # the options it changed from the long runs' DEQ-Flow
+    later_report = json.loads(later.with_suffix(".json").read_text())
+    last = {n: pts[-1] for n, pts in later_report["curves"].items()}
+    rows = [line for line in section.splitlines() if line.startswith("| lr vs twin") or
+            line.startswith("| base vs twin")]
+    assert len(rows) == 2
+    for name, changed in (("lr", "none / lr 0.0002"), ("base", "none / none")):
+        a, b = last[name]["epe_held_out"], last["twin"]["epe_held_out"]
+        assert last[name]["step"] == last["twin"]["step"] == 4
+        assert (f"| {name} vs twin (`{later.with_suffix('.json')}`) | {changed} | 64x64 | 4 (4) | {a:.4f} | "
+                f"{b:.4f} | {a - b:+.4f} |") in section
+    # the command the section shows rewrites it byte for byte
+    words = _command(section)
+    assert words[:3] == ["PYTHONPATH=.", "python", "examples/deq_flow/curves.py"]
+    stale = f"{curves.SECTION_START}\nstale\n{curves.SECTION_END}"
+    (card / "README.md").write_text(text.replace(section, stale))
+    assert curves.main(words[3:]) == 0
+    assert (card / "README.md").read_text() == text
+
+
+def test_from_report_stopped_and_also_are_refused_where_they_mean_nothing(tmp_path, runs):
+    out = tmp_path / "curves"
+    assert curves.main([str(runs / "deq"), "--limit", "2", "--out", str(out)]) == 0
+    report = str(out.with_suffix(".json"))
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text("# card\n\n## Results\n")
+    for argv in (
+        ["--from-report", report, str(runs / "deq"), "--cards", str(card)],  # runs come from the report
+        ["--from-report", report, "--limit", "2", "--cards", str(card)],
+        ["--from-report", report],  # nothing to write
+        [str(runs / "deq"), "--out", str(out), "--stopped", "why"],  # --stopped without cards
+        [str(runs / "deq"), "--out", str(out), "--also", report],
+        [str(runs / "deq")],  # no --out
+    ):
+        with pytest.raises(SystemExit):
+            curves.main(argv)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"rows": []}')
+    with pytest.raises(SystemExit):
+        curves.main(["--from-report", report, "--also", str(foreign), "--cards", str(card)])
+    with pytest.raises(ValueError, match=r"foreign\.json is not a curves report"):
+        curves._curves_report(foreign)
+    with pytest.raises(ValueError, match="run 'deq' needs exactly one RAFT twin"):
+        curves.later_pairs({"r": json.loads(out.with_suffix(".json").read_text())}, {})
+    assert (card / "README.md").read_text() == "# card\n\n## Results\n"  # nothing written
+
+
+@pytest.mark.parametrize("card", ["deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline"])
+def test_committed_cards_long_run_section_is_what_its_command_writes(tmp_path, card, monkeypatch):
+    # the section in the published card is the output of the command it shows, run on the committed reports
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "model_cards" / card / "README.md").read_text()
+    section = _section(text)
+    words = _command(section)
+    assert words[:3] == ["PYTHONPATH=.", "python", "examples/deq_flow/curves.py"] and "--from-report" in words
+    cards = words.index("--cards")
+    copies = []
+    for name in words[cards + 1:]:
+        copy = tmp_path / Path(name).name
+        copy.mkdir()
+        shutil.copyfile(root / name / "README.md", copy / "README.md")
+        copies.append(str(copy))
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(curves, "evaluate_snapshot", lambda *a, **k: pytest.fail("evaluated a snapshot"))
+    assert curves.main([*words[3:cards + 1], *copies]) == 0
+    written = (tmp_path / card / "README.md").read_text()  # the command names the copies: name the cards
+    assert written.replace(" ".join(copies), " ".join(words[cards + 1:])) == text
+    published = root / "model_cards" / card / "curves.png"
+    assert (tmp_path / card / "curves.png").read_bytes() == published.read_bytes()
