@@ -158,10 +158,15 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_eval(args) -> int:
-    model, directory, meta, card = _load(args.name)
-    results = _task_module(directory, meta).evaluate(model, limit=args.limit, progress=not args.no_progress)
-    for key, value in results.items():
-        print(f"{key}: {value:.4f}")
+    # every name is loaded (and checked) before any evaluation: a typo in the second of a pair fails at once
+    loaded = [_load(name) for name in args.name]
+    for name, (model, directory, meta, _) in zip(args.name, loaded):
+        results = _task_module(directory, meta).evaluate(model, limit=args.limit,
+                                                         progress=not args.no_progress)
+        if len(loaded) > 1:  # several: each one's results under its name (a card and its twin side by side)
+            print(name)
+        for key, value in results.items():
+            print(f"{'  ' if len(loaded) > 1 else ''}{key}: {value:.4f}")
     return 0
 
 
@@ -468,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a FOLDER[,OUTDIR] of video frames (optical flow); HxW[:OUT.png] (implicit "
                    "representations); OUT.png (diffusion). Details: the task module's predict() docstring")
     p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task module")
-    p.add_argument("name")
+    p.add_argument("name", nargs="+", help="a checkpoint, or several: each one's results under its name")
     p.add_argument("--limit", type=_positive_int, default=None, help="evaluate on the first N examples")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists)")

@@ -165,7 +165,9 @@ FAMILIES: list[Family] = [
         # no Auto class for optical flow: the head is found by config.architectures
         heads={"DEQFlowForOpticalFlow": f"{_M}.deq_flow.modeling_deq_flow:DEQFlowForOpticalFlow"},
         architectures=f"{_M}.deq_flow.configuration_deq_flow:ARCHITECTURES",
-        names={"deq-flow-cpu-synth": ("deq-flow-cpu", ()), "deq-flow-cpu-raft-baseline": ("raft-cpu", ())},
+        names={"deq-flow-cpu-synth": ("deq-flow-cpu", ()), "deq-flow-cpu-raft-baseline": ("raft-cpu", ()),
+               "deq-flow-cpu-synth-20k": ("deq-flow-cpu", ()),
+               "deq-flow-cpu-raft-baseline-20k": ("raft-cpu", ())},
         task="flow",
         extra="vision",  # torchvision's RAFT blocks
         requires=("torchvision",),

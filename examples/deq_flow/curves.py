@@ -15,14 +15,14 @@ reached.
 With `--cards DIR...` (two runs: DEQ-Flow first, its explicit twin second) it also puts the curves into those
 model cards while the runs are unfinished: one section between the SECTION_START and SECTION_END markers,
 inserted once before the card's "## Results" heading and replaced in place by every rerun, and OUT.png copied
-to DIR/curves.png; nothing else in a card changes (its weights and metrics are not from these runs). Every
-card is checked before any is written: a missing card, one without the markers and without that heading, or
-a folder whose curves.png no such section wrote is refused. `--operating-point REPORT` (with --cards) adds an
-`operating_point.py` report to that section: DEQ-Flow at fewer steps against the twin, chosen on validation
-pairs. `--stopped WHY` says that the runs ended before their planned steps and will not resume (instead of
-"in progress"), `--also REPORT...` adds a table of other pairs' curves reports (each DEQ-Flow run against the
-twin of its report at the last step both have), and `--from-report OUT.json` (no run folders) writes the
-section from an earlier report of this script, for runs whose folders are gone.
+to DIR/long_runs.png; nothing else in a card changes (its weights and metrics are not from these runs).
+Every card is checked before any is written: a missing card, one without the markers and without that
+heading, or a folder whose long_runs.png no such section wrote is refused. `--operating-point REPORT` (with
+--cards) adds an `operating_point.py` report to that section: DEQ-Flow at fewer steps against the twin,
+chosen on validation pairs. `--stopped WHY` says that the runs ended before their planned steps and will not
+resume (instead of "in progress"), `--also REPORT...` adds a table of other pairs' curves reports (each
+DEQ-Flow run against the twin of its report at the last step both have), and `--from-report OUT.json` (no run
+folders) writes the section from an earlier report of this script, for runs whose folders are gone.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ else:
 CACHE = "eval.json"
 SECTION_START = "<!-- deq-flow-long-runs:start (examples/deq_flow/curves.py --cards; a rerun replaces it) -->"
 SECTION_END = "<!-- deq-flow-long-runs:end -->"
+SECTION_PNG = "long_runs.png"  # not curves.png: that is the published runs' own plot (make_cards --curves)
 ANCHOR = "\n## Results\n"  # write_model_card's heading after the card's own body: the section goes before it
 
 
@@ -221,7 +222,7 @@ def _changes_text(changes: dict) -> str:
 def later_pairs_section(rows: list[dict]) -> str:
     """The cards' table of `later_pairs` rows."""
     lines = [
-        "### Every other pair trained since, under its own shorter recipe",
+        "### Every other pair trained since, each under its own recipe",
         "",
         "Each DEQ-Flow run against the explicit RAFT twin trained beside it on the same pairs, seed and "
         "schedule, at the last snapshot both have (held-out EPE at the cards' settings, 100 pairs; a run "
@@ -285,7 +286,7 @@ def progress_section(report: dict, command: str, operating_point: str = "", stop
         "steps",
         "",
         f"{status} The weights and metrics this card publishes are NOT from these runs: they are the "
-        "checkpoint described above, unchanged.",
+        "checkpoint described above.",
         "",
         f"**Recipe of both runs.** {_deq_recipe(a)} {twin}: the update block unrolled 12 times, RAFT's "
         f"sequence loss (γ = 0.8). Both: AdamW (lr {a['lr']:g}, weight decay {a['weight_decay']:g}), "
@@ -298,7 +299,8 @@ def progress_section(report: dict, command: str, operating_point: str = "", stop
         f"**{'Where they stopped' if stopped else 'So far'}** (each run's last snapshot; the table stops at "
         f"the last step both have): {so_far}.",
         "",
-        _curve_section(report, every=1, heading="### Held-out EPE at every snapshot both runs have"),
+        _curve_section(report, every=1, heading="### Held-out EPE at every snapshot both runs have",
+                       image=SECTION_PNG),
         "",
         *([operating_point, ""] if operating_point else []),
         *([also, ""] if also else []),
@@ -332,22 +334,22 @@ def _card_with(card: Path, section: str) -> str:
     if text.count(ANCHOR) != 1:
         raise ValueError(f"{readme}: no long-run section markers and not exactly one '## Results' heading "
                          "to insert the section before")
-    if (card / "curves.png").exists():
-        raise FileExistsError(f"{card / 'curves.png'} exists and no long-run section wrote it (the card of "
-                              "finished runs?): not overwritten")
+    if (card / SECTION_PNG).exists():
+        raise FileExistsError(f"{card / SECTION_PNG} exists and no long-run section wrote it: not "
+                              "overwritten")
     i = text.index(ANCHOR) + 1
     return text[:i] + section + "\n\n" + text[i:]
 
 
 def write_cards(cards: list[Path], section: str, png: Path) -> None:
-    """Put `section` and `png` (as curves.png) into every card, after checking that all of them take it."""
+    """Put `section` and `png` (as SECTION_PNG) into every card, after checking that all of them take it."""
     if not png.is_file():
         raise FileNotFoundError(f"{png}: no curves plot to copy into the cards")
     texts = [_card_with(card, section) for card in cards]  # every check before any write
     for card, text in zip(cards, texts):
-        tmp = card / ".curves.png.part"
+        tmp = card / f".{SECTION_PNG}.part"
         shutil.copyfile(png, tmp)
-        os.replace(tmp, card / "curves.png")
+        os.replace(tmp, card / SECTION_PNG)
         write_whole(card / "README.md", text)
 
 

@@ -20,8 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEQ_NAME, RAFT_NAME = "deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline"
-# inference: at most the training budget (24 plain fixed-point steps), stopping below a relative residual of
-# 5e-3 (the stage-2 model's solves reach it within 24 steps; 1e-3, the training tolerance, they do not)
+# inference: at most 24 plain fixed-point steps, stopping below a relative residual of 5e-3 (the published
+# model's held-out solves reach it within 24 steps; 1e-3, the training tolerance, they do not)
 INFERENCE_DEQ = {
     "f_solver": "fixed_point",
     "f_max_iter": 24,
@@ -33,6 +33,7 @@ INFERENCE_DEQ = {
     "on_nonconvergence": "ignore",
 }
 SUBSET = 20
+CURVE_EVERY = 250  # train.py --keep-every of the runs whose curves the cards show
 
 
 def _copy(run: Path, name: str, deq: dict | None) -> Path:
@@ -91,11 +92,11 @@ def _curves(runs: dict[str, list[Path]], path: Path) -> None:
     plt.close(fig)
 
 
-def _curve_section(report: dict, every: int = 2000, heading: str = "## Held-out EPE vs training steps"
-                   ) -> str:
+def _curve_section(report: dict, every: int = 2000, heading: str = "## Held-out EPE vs training steps",
+                   image: str = "curves.png") -> str:
     """Both runs' held-out EPE at the steps both have a snapshot of (every `every` steps and the last), from
     a curves.py report, with the first run's minus the second's when there are two; the full curves are in
-    the report and curves.png."""
+    the report and `image` (the plot's file name in the card)."""
     rows = report["common_steps"]
     names = list(report["curves"])
     shown = [r for r in rows if r["step"] % every == 0 or r is rows[-1]]
@@ -108,7 +109,7 @@ def _curve_section(report: dict, every: int = 2000, heading: str = "## Held-out 
         + (f" (first {report['limit']})" if report["limit"] else "")
         + "; left to right: by step, by training wall clock, by the training process's CPU time.",
         "",
-        "![held-out EPE vs steps](curves.png)",
+        f"![held-out EPE vs steps]({image})",
         "",
         "| step | " + " | ".join(names)
         + (f" | {names[0]} - {names[1]} (< 0: {names[0]} better)" if pair else "") + " |",
@@ -120,10 +121,10 @@ def _curve_section(report: dict, every: int = 2000, heading: str = "## Held-out 
     return "\n".join(lines)
 
 
-def _table(deq: dict, raft: dict) -> str:
+def _table(deq: dict, raft: dict, deq_name: str = DEQ_NAME, raft_name: str = RAFT_NAME) -> str:
     rows = [
-        ("DEQ-Flow (this card's model / " + DEQ_NAME + ")", deq["epe_held_out"], deq["epe_motorcycle"]),
-        ("explicit RAFT twin, 12 updates (" + RAFT_NAME + ")", raft["epe_held_out"], raft["epe_motorcycle"]),
+        ("DEQ-Flow (this card's model / " + deq_name + ")", deq["epe_held_out"], deq["epe_motorcycle"]),
+        ("explicit RAFT twin, 12 updates (" + raft_name + ")", raft["epe_held_out"], raft["epe_motorcycle"]),
         ("zero flow", deq["zero_epe_held_out"], deq["zero_epe_motorcycle"]),
         ("OpenCV Farneback", deq["farneback_epe_held_out"], deq["farneback_epe_motorcycle"]),
         ("OpenCV DIS (medium)", deq["dis_epe_held_out"], deq["dis_epe_motorcycle"]),
@@ -304,9 +305,14 @@ def _converged(run: dict) -> str:
     return f"{sum(run['converged'])}/{len(run['converged'])}"
 
 
-def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str) -> str:
-    """The commands that train this card's model and write the cards (two train.py stages when fine-tuned)."""
+def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str, keep_every: int = 0,
+                    analyses: tuple[str, ...] = ()) -> str:
+    """The commands that train this card's model and write the cards (two train.py stages when fine-tuned;
+    `keep_every`: the snapshots the curves are drawn from; `analyses`: the commands of the reports that
+    make_cards.py reads, run between the training and the cards)."""
     train = "PYTHONPATH=. python examples/deq_flow/train.py --model " + model_name
+    if keep_every:
+        train += f" --keep-every {keep_every}"
     lines, run = [], f"outputs/{model_name}"
     if stage1 is not None:
         lines.append(f"{train} --out {run} --steps {stage1['steps']} --seed {stage1['seed']}")
@@ -316,8 +322,25 @@ def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str) -
         )
     else:
         lines.append(f"{train} --out {run} --steps {s['steps']} --seed {s['seed']}{_recipe_flags(s)}")
+    lines += analyses
     lines.append("PYTHONPATH=. python examples/deq_flow/make_cards.py " + cards)
     return "\n".join(lines)
+
+
+def _analysis_commands(curves: Path | None, operating_point: Path | None) -> tuple[str, ...]:
+    """The curves.py and operating_point.py commands that wrote the reports given to make_cards.py, with the
+    runs where the card's train commands put them (the twin's training command is in the twin's card)."""
+    runs = "outputs/deq-flow-cpu outputs/raft-cpu"
+    lines = []
+    if curves is not None:
+        names = " ".join(f'"{n}"' for n in json.loads(curves.read_text())["curves"])
+        lines.append(f"PYTHONPATH=. python examples/deq_flow/curves.py {runs} --names {names} "
+                     f"--out {curves.with_suffix('')}")
+    if operating_point is not None:
+        op = json.loads(operating_point.read_text())
+        lines.append(f"PYTHONPATH=. python examples/deq_flow/operating_point.py {runs} --min-step "
+                     f"{op['steps'][0]} --out {operating_point.with_suffix('')}")
+    return tuple(lines)
 
 
 def _recipe_flags(summary: dict) -> str:
@@ -361,6 +384,13 @@ def _deq_recipe(summary: dict, stage1: dict | None = None) -> str:
         )
     if summary.get("jac_loss_weight"):
         text += f", the Jacobian regularizer with weight {summary['jac_loss_weight']:g}"
+    if summary.get("flow_residual_weight") and stage1 is None:
+        text += (
+            ", plus one term that is not in the paper, from the first step on: the flow's drift at the "
+            "solve's output, the mean |Δflow| that one more application of f would still add, in "
+            "full-resolution pixels (the output held fixed, so only f learns to stop there; one more f "
+            f"evaluation per step), with weight {summary['flow_residual_weight']:g}"
+        )
     if stage1 is not None:
         text += (
             f". Stage 2 ({summary['steps']} more steps from stage 1's weights, a fresh AdamW and one-cycle "
@@ -396,6 +426,56 @@ def _reading(deq: dict, raft: dict, budget: str) -> str:
     return " ".join(parts)
 
 
+def _on_video(reuse: dict | None, deq_name: str) -> str:
+    """What the Use paragraph says about video, from the DEQ-Flow's reuse bench (`deqzoo bench deq-flow`)."""
+    eq = (reuse or {}).get("equal_accuracy")
+    if not eq:
+        return ""
+    warp, cold = eq["modes"].get("warp", {}), eq["modes"].get("none", {})
+    if warp.get("at_target"):
+        return (
+            f"(on video, DEQ-Flow from the warped start reaches with k = {warp['at_target']['budget']} the "
+            f"EPE of solving every pair from zero to the tolerance, with {warp['nfe_ratio']:.2f} of its "
+            f"steps: the equal-accuracy table of `deqzoo/{deq_name}`'s card)"
+        )
+    change = reuse["modes"]["warp"]["epe_change"] if "warp" in reuse.get("modes", {}) else None
+    text = "(on video this checkpoint's flow depends on where its solve starts: "
+    if change is not None:
+        text += f"the warped reuse changes the EPE by {100 * change:+.1f}% at the tolerance, "
+    text += "and no reuse mode reaches the EPE of solving every pair from zero"
+    if cold.get("at_target"):
+        text += (f", which already gets within {100 * eq['slack']:.0f}% of it with k = "
+                 f"{cold['at_target']['budget']} steps; so on video call `model.estimate_sequence(frames, "
+                 f"reuse=False, num_flow_updates={cold['at_target']['budget']})`, not `deqzoo predict` on a "
+                 "folder, which reuses")
+    return text + f": the reuse tables of `deqzoo/{deq_name}`'s card)"
+
+
+def _other_pair(reuse: dict | None) -> str:
+    """The section of a pair published under other ids than DEQ_NAME/RAFT_NAME: how it relates to them."""
+    from deqzoo.hub.cards import read_model_card
+
+    def held_out(name: str) -> float:
+        meta, _ = read_model_card(ROOT / "model_cards" / name)
+        index = meta["model-index"][0]["results"][0]["metrics"]
+        return next(m["value"] for m in index if m["name"] == "Held-out synthetic EPE (px)")
+
+    text = (
+        f"## The other DEQ-Flow pair: `deqzoo/{DEQ_NAME}` and `deqzoo/{RAFT_NAME}`\n\n"
+        f"Those ids keep their own, shorter-trained pair (held-out EPE {held_out(DEQ_NAME):.4f} against "
+        f"{held_out(RAFT_NAME):.4f}: that DEQ-Flow is behind its twin), unchanged, and `deqzoo/{DEQ_NAME}` "
+        "stays the DEQ-Flow of the app (`deqzoo app`). This pair did not replace it"
+    )
+    change = ((reuse or {}).get("modes") or {}).get("warp", {}).get("epe_change")
+    if change is not None and change > 0.02:
+        text += (
+            f": its DEQ-Flow is more accurate pair by pair, but it loses what `deqzoo/{DEQ_NAME}` is best "
+            f"at, reusing the previous pair's state along a video (here the warped reuse changes the EPE by "
+            f"{100 * change:+.1f}%)"
+        )
+    return text + "."
+
+
 def _convergence(r: dict, policy: str) -> str:
     held, moto = r.get("converged_held_out"), r.get("converged_motorcycle")
     text = (
@@ -416,13 +496,7 @@ def _convergence(r: dict, policy: str) -> str:
             "Not every solve converges, so the checkpoint ships with `on_nonconvergence=\"ignore\"`; "
             "`model.set_deq(on_nonconvergence=\"warn\")` reports it. "
         )
-    return text + (
-        "`out.deq_stats` carries the per-pair residuals. The previous checkpoint (session 9: the same "
-        "recipe without the residual term, 1600 steps, held-out EPE 2.7951) never converged: its relative "
-        "residual levelled off near 0.5-1% and its flow kept drifting with more iterations (held-out EPE "
-        "2.796 after 24 steps, 2.912 after 48), so frame-to-frame reuse drifted too (+30.6% EPE along the "
-        "video)."
-    )
+    return text + "`out.deq_stats` carries the per-pair residuals."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,49 +520,87 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="a curves.py report (its .png next to it): held-out EPE vs steps of both runs in both cards",
     )
+    p.add_argument(
+        "--operating-point",
+        type=Path,
+        help="an operating_point.py report of the same runs: its section goes under the curves",
+    )
+    p.add_argument(
+        "--ids",
+        nargs=2,
+        metavar=("DEQ", "TWIN"),
+        default=[DEQ_NAME, RAFT_NAME],
+        help=f"the two cards' names under model_cards/ (default: {DEQ_NAME} {RAFT_NAME})",
+    )
     args = p.parse_args(argv)
+    deq_name, raft_name = args.ids
+    if deq_name == raft_name:
+        p.error(f"--ids: the DEQ-Flow card and its twin's need two names, got {deq_name} twice")
+    if args.operating_point and not args.curves:
+        p.error("--operating-point goes under the curves: give --curves too")
     torch.set_num_threads(1)
     curve_section = _curve_section(json.loads(args.curves.read_text())) if args.curves else ""
+    op_section = ""
+    if args.operating_point:
+        if __package__ in (None, ""):  # run as a script: operating_point is next to this file
+            from operating_point import card_subsection
+        else:
+            from .operating_point import card_subsection
+
+        op_section = card_subsection(json.loads(args.operating_point.read_text()))
     import deqzoo
     from deqzoo.tasks.flow import evaluate
     from utils.cards import write_model_card
 
-    deq_dir = _copy(args.deq_run, DEQ_NAME, INFERENCE_DEQ)
-    raft_dir = _copy(args.raft_run, RAFT_NAME, None)
+    deq_dir = _copy(args.deq_run, deq_name, INFERENCE_DEQ)
+    raft_dir = _copy(args.raft_run, raft_name, None)
     results, subsets = {}, {}
-    for name, d in ((DEQ_NAME, deq_dir), (RAFT_NAME, raft_dir)):
+    for name, d in ((deq_name, deq_dir), (raft_name, raft_dir)):
         model = deqzoo.from_pretrained(d)
         results[name] = evaluate(model, progress=False)
         subsets[name] = evaluate(model, limit=SUBSET, progress=False, baselines=False)
         print(name, json.dumps(results[name]))
-    r = results[DEQ_NAME]
+    r = results[deq_name]
     policy = _policy(deq_dir, r["converged_held_out"] == 1.0 and r["converged_motorcycle"] == 1.0)
     deq_stages = [args.stage1, args.deq_run] if args.stage1 else [args.deq_run]
     _curves({"DEQ-Flow": deq_stages, "explicit RAFT (12 updates)": [args.raft_run]}, deq_dir / "training.png")
     shutil.copyfile(deq_dir / "training.png", raft_dir / "training.png")
     summaries = {
         n: json.loads((r / "summary.json").read_text())
-        for n, r in ((DEQ_NAME, args.deq_run), (RAFT_NAME, args.raft_run))
+        for n, r in ((deq_name, args.deq_run), (raft_name, args.raft_run))
     }
-    table = _table(results[DEQ_NAME], results[RAFT_NAME])
-    extra = summaries[DEQ_NAME]["steps"] if args.stage1 else 0
-    budget = (
-        f"DEQ-Flow {1600} + {extra} fine-tuning steps, RAFT 1600 steps" if extra else "same steps"
-    )
-    reading = _reading(results[DEQ_NAME], results[RAFT_NAME], budget)
+    table = _table(results[deq_name], results[raft_name], deq_name, raft_name)
+    reuse = next((json.loads(Path(b).read_text()).get("reuse") for b in args.bench[::-1]
+                  if json.loads(Path(b).read_text()).get("reuse")), None)
     stage1 = json.loads((args.stage1 / "summary.json").read_text()) if args.stage1 else None
-    deq_recipe = _deq_recipe(summaries[DEQ_NAME], stage1)
+    base = summaries[raft_name]["steps"]
+    budget = (
+        f"DEQ-Flow {stage1['steps']} + {summaries[deq_name]['steps']} fine-tuning steps, RAFT {base} steps"
+        if stage1 else f"both {base} steps"
+    )
+    reading = _reading(results[deq_name], results[raft_name], budget)
+    deq_recipe = _deq_recipe(summaries[deq_name], stage1)
     if stage1 is not None:  # wall clock of both stages
         for key in ("wall_seconds", "model_seconds"):
-            summaries[DEQ_NAME][key] += stage1[key]
+            summaries[deq_name][key] += stage1[key]
+    keep_every = CURVE_EVERY if args.curves else 0
+    analyses = _analysis_commands(args.curves, args.operating_point)
+    trains = {  # each network's train.py lines: the reports read both runs, so both cards show both
+        name: _train_commands(preset, summaries[name], stage1 if name == deq_name else None, "",
+                              keep_every=keep_every).splitlines()[:-1]
+        for name, preset in ((deq_name, "deq-flow-cpu"), (raft_name, "raft-cpu"))
+    }
     for name, d, model_name in (
-        (DEQ_NAME, deq_dir, "deq-flow-cpu"),
-        (RAFT_NAME, raft_dir, "raft-cpu"),
+        (deq_name, deq_dir, "deq-flow-cpu"),
+        (raft_name, raft_dir, "raft-cpu"),
     ):
         r, s = results[name], summaries[name]
-        is_deq = name == DEQ_NAME
+        is_deq = name == deq_name
         body = BODY.format(
-            what=DEQ_TEXT if is_deq else RAFT_TEXT,
+            what=DEQ_TEXT if is_deq else RAFT_TEXT.format(deq_name=deq_name),
+            deq_name=deq_name,
+            raft_name=raft_name,
+            on_video=_on_video(reuse, deq_name),
             deq_recipe=deq_recipe,
             table=table,
             reading=reading,
@@ -496,17 +608,21 @@ def main(argv: list[str] | None = None) -> int:
             seed=s["seed"],
             minutes=s["wall_seconds"] / 60,
             model_seconds=s["model_seconds"] / 60,
+            cpu_hours=s.get("cpu_seconds", 0.0) / 3600,
             preset=model_name,
             subset=SUBSET,
             sub=subsets[name]["epe_held_out"],
             name=name,
             nfe=r["nfe_held_out"],
-            convergence=_convergence(results[DEQ_NAME], policy) if is_deq else "",
+            convergence=_convergence(results[deq_name], policy) if is_deq else "",
             budget=budget,
-            base_steps=(stage1 or summaries[RAFT_NAME])["steps"],
+            base_steps=(stage1 or summaries[raft_name])["steps"],
+            both="Both (DEQ-Flow's stage 1)" if stage1 else "Both",
         )
+        if (deq_name, raft_name) != (DEQ_NAME, RAFT_NAME):
+            body += "\n\n" + _other_pair(reuse)
         if curve_section:
-            body += "\n\n" + curve_section
+            body += "\n\n" + curve_section + (f"\n\n{op_section}" if op_section else "")
             shutil.copyfile(args.curves.with_suffix(".png"), d / "curves.png")
         if is_deq and args.bench:
             body += "\n\n" + _bench_section(args.bench)
@@ -533,18 +649,26 @@ def main(argv: list[str] | None = None) -> int:
             if stage1 is not None
             else f"outputs/deq-flow-cpu outputs/raft-cpu --bench {bench}"
         )
+        if (deq_name, raft_name) != (DEQ_NAME, RAFT_NAME):
+            cards += f" --ids {deq_name} {raft_name}"
+        if args.curves:
+            cards += f" --curves {args.curves}"
+        if args.operating_point:
+            cards += f" --operating-point {args.operating_point}"
         write_model_card(
             d,
             model_id=f"deqzoo/{name}",
             title=("DEQ-Flow" if is_deq else "Explicit RAFT twin of DEQ-Flow")
-            + " (CPU preset) on synthetic FlyingChairs-like pairs",
+            + f" (CPU preset) on synthetic FlyingChairs-like pairs, {s['steps']:,} training steps",
             pipeline_tag="image-to-image",
             task_module="flow",
             datasets=["skimage-synthetic-flow"],
             dataset_name=f"{100} held-out synthetic pairs (64x64) and the motorcycle stereo pair",
             metrics=metrics,
             tags=["deq-flow", "optical-flow", "raft", "implicit-model"],
-            train_command=_train_commands(model_name, s, stage1 if is_deq else None, cards),
+            train_command=_train_commands(
+                model_name, s, stage1 if is_deq else None, cards, keep_every=keep_every,
+                analyses=(*trains[raft_name if is_deq else deq_name], *analyses) if analyses else ()),
             eval_command=f"deqzoo eval deqzoo/{name}",
             body_markdown=body,
             license="apache-2.0",
@@ -558,10 +682,10 @@ DEQ_TEXT = """A DEQ-Flow (Bai, Geng, Savani & Kolter, CVPR 2022) on torchvision'
 correlation pyramid of radius 3, weight-normalised update block, 0.90 M parameters). f_θ(h, flow) is one
 application of RAFT's update block (motion encoder, separable ConvGRU, flow head) at 1/8 resolution; the
 engine solves for its fixed point (plain fixed-point iteration, the original's naive solver) and the convex
-upsampler decodes the flow. Inference: at most 24 fixed-point steps (the training budget), stopping below a
-relative residual of 5e-3."""
+upsampler decodes the flow. Inference: at most 24 fixed-point steps, stopping below a relative residual of
+5e-3."""
 
-RAFT_TEXT = """The explicit RAFT twin of `deqzoo/deq-flow-cpu-synth`: the very same blocks and parameter
+RAFT_TEXT = """The explicit RAFT twin of `deqzoo/{deq_name}`: the very same blocks and parameter
 count (`raft-cpu`, 0.90 M parameters, weight-normalised update block like the DEQ), the update block unrolled
 12 times from zero (hidden state 0, flow 0) and trained with RAFT's sequence loss (γ = 0.8) on the same data
 for the same number of steps. It is the baseline the DEQ-Flow card compares against."""
@@ -580,15 +704,16 @@ lfw faces, images the training never sees. The motorcycle stereo pair (Middlebur
 scikit-image) at 1/4 resolution (125x185) is a real-world test: flow = (-disparity, 0) where the ground-truth
 disparity is finite.
 
-**Recipe.** {deq_recipe} RAFT twin: 12 unrolled updates, sequence loss. Both (DEQ-Flow's stage 1): AdamW
+**Recipe.** {deq_recipe} RAFT twin: 12 unrolled updates, sequence loss. {both}: AdamW
 (lr 4e-4, weight decay 1e-4), one-cycle schedule (5% warm-up, linear decay), gradient clipping 1.0, batch 8
 of 64x64 pairs, {base_steps} steps, parameter seed 0; 1 CPU thread on a 2-core machine shared with other
-jobs. This model's run: {minutes:.0f} min wall clock ({model_seconds:.0f} min in forward/backward).
+jobs. This model's run: {minutes:.0f} min wall clock, {cpu_hours:.2f} h of CPU time ({model_seconds:.0f} min
+in forward/backward).
 
 ## Side by side (same data, same parameter count; {budget})
 
-Printed by `deqzoo eval deqzoo/deq-flow-cpu-synth` (DEQ-Flow and the classical baselines) and
-`deqzoo eval deqzoo/deq-flow-cpu-raft-baseline` (RAFT); EPE in pixels over valid pixels, 100 held-out pairs:
+Printed by `deqzoo eval deqzoo/{deq_name} deqzoo/{raft_name}` (DEQ-Flow with the classical baselines,
+then RAFT); EPE in pixels over valid pixels, 100 held-out pairs:
 
 {table}
 
@@ -618,9 +743,7 @@ bilinearly along the forward-interpolated flow; `"forward_interpolate"`: the ori
 reuse, the previous hidden state as is and the previous flow splatted forward along itself; `"fixed_point"`:
 the previous fixed point as is; `"warm_start"`: RAFT's warm start, hidden state from zero);
 `num_flow_updates=k` (torchvision RAFT's argument) caps this call's updates at k, and in `estimate_sequence`
-every pair's after the first (on video, DEQ-Flow from the warped start reaches with k = 4 the EPE of solving
-every pair from zero to the tolerance, with about a quarter of the steps: the equal-accuracy table of
-`deqzoo/deq-flow-cpu-synth`'s card); `model.gradient_checkpointing_enable()`
+every pair's after the first {on_video}; `model.gradient_checkpointing_enable()`
 (`activation_checkpointing_enable()` in transformers 5.x) recomputes the encoders block by block in the
 backward (less training memory, same gradients)."""
 

@@ -244,7 +244,8 @@ def test_cards_section_is_inserted_once_replaced_in_place_and_nothing_else_chang
         assert "NOT from these runs" in section and "still in progress" in section
         assert "iterations 8, 16 and 24 " in section and "batch 1 of 64x64" in section  # the runs' run.json
         assert "--cards" in section and "$RUNS/deq $RUNS/raft" in section
-        assert (card / "curves.png").read_bytes() == out.with_suffix(".png").read_bytes()
+        assert (card / curves.SECTION_PNG).read_bytes() == out.with_suffix(".png").read_bytes()
+        assert f"![held-out EPE vs steps]({curves.SECTION_PNG})" in section  # not the card's own curves.png
         assert (card / "model.safetensors").read_bytes() == b"the published weights"
         return text
 
@@ -256,7 +257,7 @@ def test_cards_section_is_inserted_once_replaced_in_place_and_nothing_else_chang
         shutil.move(tmp_path / f"later-{name}", copies / name / "snapshots" / "step-000004")
     assert curves.main(args) == 0
     assert check([0, 2, 4]) != first
-    assert sorted(p.name for p in card.iterdir()) == ["README.md", "curves.png", "model.safetensors"]
+    assert sorted(p.name for p in card.iterdir()) == ["README.md", curves.SECTION_PNG, "model.safetensors"]
 
     # with an operating_point.py report: its subsection and the command that writes it join the section
     from examples.deq_flow import operating_point as op
@@ -284,14 +285,14 @@ def test_cards_section_refuses_a_missing_card_and_a_card_that_cannot_take_it_bef
     for card, text in cards:
         card.mkdir()
         (card / "README.md").write_text(text)
-    (finished / "curves.png").write_bytes(b"the finished runs' plot")
+    (finished / curves.SECTION_PNG).write_bytes(b"the finished runs' plot")
     out = tmp_path / "curves"
     base = [str(runs / "deq"), str(runs / "raft"), "--limit", "2", "--out", str(out), "--cards", str(good)]
     with pytest.raises(FileNotFoundError, match=r"missing/README\.md: no model card"):
         curves.main([*base, str(tmp_path / "missing")])
     with pytest.raises(ValueError, match=r"bare/README\.md: no long-run section markers.*## Results"):
         curves.main([*base, str(bare)])
-    with pytest.raises(FileExistsError, match=r"finished/curves\.png exists"):
+    with pytest.raises(FileExistsError, match=r"finished/long_runs\.png exists"):
         curves.main([*base, str(finished)])
     (bare / "README.md").write_text(f"{curves.SECTION_START}\n{curves.SECTION_START}\n{curves.SECTION_END}\n")
     with pytest.raises(ValueError, match="2 start and 1 end markers"):
@@ -300,7 +301,7 @@ def test_cards_section_refuses_a_missing_card_and_a_card_that_cannot_take_it_bef
     assert not out.with_suffix(".json").exists()
     assert (good / "README.md").read_text() == "# card\n\nbody\n\n## Results\n\nx\n"
     assert sorted(p.name for p in good.iterdir()) == ["README.md"]
-    assert (finished / "curves.png").read_bytes() == b"the finished runs' plot"
+    assert (finished / curves.SECTION_PNG).read_bytes() == b"the finished runs' plot"
 
 
 def test_cards_section_needs_one_recipe_and_two_runs():
@@ -427,7 +428,7 @@ def test_cards_section_of_stopped_runs_from_their_report_lists_every_later_pair(
     text = (card / "README.md").read_text()
     section = _section(text)
     assert text.replace(section + "\n\n", "") == original  # the rest of the card byte for byte
-    assert (card / "curves.png").read_bytes() == long_runs.with_suffix(".png").read_bytes()
+    assert (card / curves.SECTION_PNG).read_bytes() == long_runs.with_suffix(".png").read_bytes()
     assert "stopped: held-out EPE" in section and "in progress" not in section
     assert "Still training" not in section
     assert "will not resume: the machine went away." in section and "**Where they stopped**" in section
@@ -507,5 +508,5 @@ def test_committed_cards_long_run_section_is_what_its_command_writes(tmp_path, c
     assert curves.main([*words[3:cards + 1], *copies]) == 0
     written = (tmp_path / card / "README.md").read_text()  # the command names the copies: name the cards
     assert written.replace(" ".join(copies), " ".join(words[cards + 1:])) == text
-    published = root / "model_cards" / card / "curves.png"
-    assert (tmp_path / card / "curves.png").read_bytes() == published.read_bytes()
+    published = root / "model_cards" / card / curves.SECTION_PNG
+    assert (tmp_path / card / curves.SECTION_PNG).read_bytes() == published.read_bytes()

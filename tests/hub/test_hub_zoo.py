@@ -196,6 +196,12 @@ def test_cli_list_info_eval_predict(embedded, capsys):
     assert cli_main(["eval", "deqzoo/toy-deq-tiny", "--no-progress"]) == 0
     card_value = cat["checkpoints"]["deqzoo/toy-deq-tiny"]["metrics"]["mean_max_prob"]
     assert capsys.readouterr().out.strip() == f"mean_max_prob: {card_value:.4f}"
+    assert cli_main(["eval", "deqzoo/toy-deq-tiny", str(directory), "--no-progress"]) == 0  # side by side
+    assert capsys.readouterr().out.splitlines() == [
+        "deqzoo/toy-deq-tiny", f"  mean_max_prob: {card_value:.4f}",
+        str(directory), f"  mean_max_prob: {card_value:.4f}"]
+    assert cli_main(["eval", "deqzoo/toy-deq-tiny", "deqzoo/nope", "--no-progress"]) == 2
+    assert capsys.readouterr().out == ""  # the bad second name fails before the first is evaluated
     assert cli_main(["predict", "deqzoo/toy-deq-tiny", "sample.png"]) == 0
     assert capsys.readouterr().out.startswith("sample.png: class ")
     assert cli_main(["info", "deqzoo/nope"]) == 2
