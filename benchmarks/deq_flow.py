@@ -299,7 +299,9 @@ def reuse_along_video(
     model, *, frames: int = 12, size: tuple[int, int] = (96, 128), seeds: Sequence[int] = (0,)
 ) -> dict:
     """NFE and EPE per pair along `synthetic_video` (one video per seed), cold (zero start) and with each
-    reuse mode of `estimate_sequence` (`REUSE_MODES`); ``reuse`` is the default mode (``reuse=True``).
+    reuse mode of `estimate_sequence` (`REUSE_MODES`); ``reuse`` is the library's default mode ("warp") and
+    ``default_reuse`` what ``reuse=True`` does for this checkpoint (``config.sequence_reuse``; "none": no
+    reuse, every pair from zero).
 
     Each run's ``nfe``/``epe`` are per pair, averaged over the videos; ``nfe_ratio`` is the mean NFE with
     reuse over the pairs that have a previous one (all videos pooled) / the same without; ``per_video``
@@ -346,6 +348,7 @@ def reuse_along_video(
         r["description"] = REUSE_MODES[mode]
         result["modes"][mode] = r
     warm = result["reuse"] = dict(result["modes"][DEFAULT_REUSE], mode=DEFAULT_REUSE)
+    result["default_reuse"] = model.config.sequence_reuse
     result["nfe_ratio"], result["nfe_ratio_all_pairs"] = warm["nfe_ratio"], warm["nfe_ratio_all_pairs"]
     result["epe_change"] = warm["epe_change"]
     result["frames"], result["size"], result["seeds"] = frames, list(size), list(seeds)
@@ -777,9 +780,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: {v:.3f}")
     if "reuse" in report:
         r = report["reuse"]
+        default = r.get("default_reuse", r["reuse"]["mode"])
+        if default == "none":
+            print("reuse=True for this checkpoint: none (config.sequence_reuse), every pair from zero")
         for mode, w in r["modes"].items():
             print(
-                f"reuse {mode}{' (default)' if mode == r['reuse']['mode'] else ''}: mean NFE "
+                f"reuse {mode}{' (default)' if mode == default else ''}: mean NFE "
                 f"{r['cold']['mean_nfe']:.2f} -> {w['mean_nfe']:.2f} "
                 f"(ratio {w['nfe_ratio']:.3f} over pairs 2..), "
                 f"mean EPE {r['cold']['mean_epe']:.4f} -> {w['mean_epe']:.4f} "

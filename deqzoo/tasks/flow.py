@@ -616,8 +616,9 @@ def predict(model, input: str) -> str:
     INPUT ``FIRST,SECOND`` (image paths), optionally ``,OUT.png``: one flow; without OUT the file is
     ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists: an existing file
     is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2 before frame10, are
-    the frames of a video), optionally ``,OUTDIR``: the flow of every consecutive pair with frame-to-frame
-    reuse (``model.estimate_sequence(frames, reuse=True)``), one PNG per pair in OUTDIR (a new or empty
+    the frames of a video), optionally ``,OUTDIR``: the flow of every consecutive pair with the checkpoint's
+    frame-to-frame reuse (``model.estimate_sequence(frames, reuse=True)``: ``config.sequence_reuse``, "none"
+    for a checkpoint that reuse makes worse), one PNG per pair in OUTDIR (a new or empty
     folder; default ``flow_<folder>`` in the current directory, a numbered name if that exists)."""
     parts = [p.strip() for p in str(input).split(",")]
     if parts and parts[0] and Path(parts[0]).is_dir():

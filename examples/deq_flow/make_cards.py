@@ -36,7 +36,9 @@ SUBSET = 20
 CURVE_EVERY = 250  # train.py --keep-every of the runs whose curves the cards show
 
 
-def _copy(run: Path, name: str, deq: dict | None) -> Path:
+def _copy(run: Path, name: str, deq: dict | None, config: dict | None = None) -> Path:
+    """RUN/model's config and weights into model_cards/NAME, the solver settings `deq` and the other `config`
+    keys set."""
     out = ROOT / "model_cards" / name
     out.mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "model.safetensors"):
@@ -45,6 +47,7 @@ def _copy(run: Path, name: str, deq: dict | None) -> Path:
     cfg = json.loads((out / "config.json").read_text())
     if deq is not None:
         cfg["deq"] = {**cfg["deq"], **deq}
+    cfg.update(config or {})
     cfg["on_nonconvergence"] = "ignore"  # while evaluating; `_policy` sets the shipped value
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
@@ -185,7 +188,8 @@ def _bench_section(paths: list[Path]) -> str:
     if reuse:
         c = reuse["cold"]
         modes = reuse.get("modes") or {"fixed_point": reuse["reuse"]}
-        default = reuse["reuse"].get("mode", "fixed_point")
+        # what reuse=True does for this checkpoint (older reports: the headline mode)
+        default = reuse.get("default_reuse", reuse["reuse"].get("mode", "fixed_point"))
         seeds = reuse.get("seeds", [0])
         videos = f"{len(seeds)} video{'s' if len(seeds) > 1 else ''} (seeds {', '.join(map(str, seeds))})"
         lines += [
@@ -200,7 +204,8 @@ def _bench_section(paths: list[Path]) -> str:
             "| start of each solve | `reuse=` | mean NFE | NFE ratio | mean EPE | EPE change | "
             "solves below tol | NFE ratio per video |",
             "|---|---|---|---|---|---|---|---|",
-            f"| zero (no reuse) | `False` | {c['mean_nfe']:.2f} | 1 | {c['mean_epe']:.4f} | 0 | "
+            f"| zero (no reuse){' (default, `True`)' if default == 'none' else ''} | `False` | "
+            f"{c['mean_nfe']:.2f} | 1 | {c['mean_epe']:.4f} | 0 | "
             f"{_converged(c)} | |",
         ]
         for mode, w in modes.items():
@@ -329,7 +334,7 @@ def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str, k
 
 def _analysis_commands(curves: Path | None, operating_point: Path | None) -> tuple[str, ...]:
     """The curves.py and operating_point.py commands that wrote the reports given to make_cards.py, with the
-    runs where the card's train commands put them (the twin's training command is in the twin's card)."""
+    runs where the cards' train commands put them (both cards show both trainings)."""
     runs = "outputs/deq-flow-cpu outputs/raft-cpu"
     lines = []
     if curves is not None:
@@ -426,8 +431,9 @@ def _reading(deq: dict, raft: dict, budget: str) -> str:
     return " ".join(parts)
 
 
-def _on_video(reuse: dict | None, deq_name: str) -> str:
-    """What the Use paragraph says about video, from the DEQ-Flow's reuse bench (`deqzoo bench deq-flow`)."""
+def _on_video(reuse: dict | None, deq_name: str, sequence_reuse: str = "warp") -> str:
+    """What the Use paragraph says about video, from the DEQ-Flow's reuse bench (`deqzoo bench deq-flow`) and
+    the card's `sequence_reuse` (what reuse=True does)."""
     eq = (reuse or {}).get("equal_accuracy")
     if not eq:
         return ""
@@ -439,15 +445,20 @@ def _on_video(reuse: dict | None, deq_name: str) -> str:
             f"steps: the equal-accuracy table of `deqzoo/{deq_name}`'s card)"
         )
     change = reuse["modes"]["warp"]["epe_change"] if "warp" in reuse.get("modes", {}) else None
-    text = "(on video this checkpoint's flow depends on where its solve starts: "
+    if sequence_reuse == "none":
+        text = ("(this checkpoint ships with `sequence_reuse=\"none\"`, so `estimate_sequence(frames)` and "
+                "`deqzoo predict` on a folder solve every pair from zero, because its flow depends on where "
+                "its solve starts: ")
+    else:
+        text = "(on video this checkpoint's flow depends on where its solve starts: "
     if change is not None:
         text += f"the warped reuse changes the EPE by {100 * change:+.1f}% at the tolerance, "
     text += "and no reuse mode reaches the EPE of solving every pair from zero"
     if cold.get("at_target"):
-        text += (f", which already gets within {100 * eq['slack']:.0f}% of it with k = "
-                 f"{cold['at_target']['budget']} steps; so on video call `model.estimate_sequence(frames, "
-                 f"reuse=False, num_flow_updates={cold['at_target']['budget']})`, not `deqzoo predict` on a "
-                 "folder, which reuses")
+        k = cold["at_target"]["budget"]
+        text += f", which already gets within {100 * eq['slack']:.0f}% of it with k = {k} steps"
+        text += (f" (`num_flow_updates={k}`)" if sequence_reuse == "none" else
+                 f"; so on video call `model.estimate_sequence(frames, reuse=False, num_flow_updates={k})`")
     return text + f": the reuse tables of `deqzoo/{deq_name}`'s card)"
 
 
@@ -532,12 +543,24 @@ def main(argv: list[str] | None = None) -> int:
         default=[DEQ_NAME, RAFT_NAME],
         help=f"the two cards' names under model_cards/ (default: {DEQ_NAME} {RAFT_NAME})",
     )
+    p.add_argument(
+        "--sequence-reuse",
+        choices=["warp", "forward_interpolate", "fixed_point", "warm_start", "none"],
+        default="warp",
+        help="the DEQ-Flow's config.sequence_reuse, what estimate_sequence(reuse=True) and `deqzoo predict` "
+        "on a folder do: 'none' (every pair from zero) where its reuse bench finds that reuse makes it worse",
+    )
     args = p.parse_args(argv)
     deq_name, raft_name = args.ids
     if deq_name == raft_name:
         p.error(f"--ids: the DEQ-Flow card and its twin's need two names, got {deq_name} twice")
     if args.operating_point and not args.curves:
         p.error("--operating-point goes under the curves: give --curves too")
+    benches = [json.loads(Path(b).read_text()) for b in args.bench]
+    reuse = next((b["reuse"] for b in reversed(benches) if b.get("reuse")), None)  # as _bench_section
+    if reuse and reuse.get("default_reuse", args.sequence_reuse) != args.sequence_reuse:
+        p.error(f"the reuse bench ran with sequence_reuse {reuse['default_reuse']!r} and the card would ship "
+                f"{args.sequence_reuse!r}: rerun the bench on this card's checkpoint")
     torch.set_num_threads(1)
     curve_section = _curve_section(json.loads(args.curves.read_text())) if args.curves else ""
     op_section = ""
@@ -552,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     from deqzoo.tasks.flow import evaluate
     from utils.cards import write_model_card
 
-    deq_dir = _copy(args.deq_run, deq_name, INFERENCE_DEQ)
+    deq_dir = _copy(args.deq_run, deq_name, INFERENCE_DEQ, {"sequence_reuse": args.sequence_reuse})
     raft_dir = _copy(args.raft_run, raft_name, None)
     results, subsets = {}, {}
     for name, d in ((deq_name, deq_dir), (raft_name, raft_dir)):
@@ -570,8 +593,6 @@ def main(argv: list[str] | None = None) -> int:
         for n, r in ((deq_name, args.deq_run), (raft_name, args.raft_run))
     }
     table = _table(results[deq_name], results[raft_name], deq_name, raft_name)
-    reuse = next((json.loads(Path(b).read_text()).get("reuse") for b in args.bench[::-1]
-                  if json.loads(Path(b).read_text()).get("reuse")), None)
     stage1 = json.loads((args.stage1 / "summary.json").read_text()) if args.stage1 else None
     base = summaries[raft_name]["steps"]
     budget = (
@@ -600,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             what=DEQ_TEXT if is_deq else RAFT_TEXT.format(deq_name=deq_name),
             deq_name=deq_name,
             raft_name=raft_name,
-            on_video=_on_video(reuse, deq_name),
+            on_video=_on_video(reuse, deq_name, args.sequence_reuse),
             deq_recipe=deq_recipe,
             table=table,
             reading=reading,
@@ -651,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if (deq_name, raft_name) != (DEQ_NAME, RAFT_NAME):
             cards += f" --ids {deq_name} {raft_name}"
+        if args.sequence_reuse != "warp":
+            cards += f" --sequence-reuse {args.sequence_reuse}"
         if args.curves:
             cards += f" --curves {args.curves}"
         if args.operating_point:

@@ -27,7 +27,12 @@ def test_on_video_recommends_reuse_only_where_the_bench_found_it_reaches_equal_a
     lost = make_cards._on_video(_reuse(None, {"budget": 3}, 0.5424), "deq-flow-cpu-synth-20k")
     assert "changes the EPE by +54.2%" in lost and "no reuse mode reaches" in lost
     assert "`model.estimate_sequence(frames, reuse=False, num_flow_updates=3)`" in lost
-    assert "not `deqzoo predict` on a folder" in lost and "deq-flow-cpu-synth-20k" in lost
+    assert "deq-flow-cpu-synth-20k" in lost and "ships with" not in lost
+    # a card that ships sequence_reuse="none": reuse=True (and `deqzoo predict` on a folder) already solve
+    # every pair from zero, so only the budget is left to say
+    shipped = make_cards._on_video(_reuse(None, {"budget": 3}, 0.5424), "deq-flow-cpu-synth-20k", "none")
+    assert 'ships with `sequence_reuse="none"`' in shipped and "because its flow depends" in shipped
+    assert "(`num_flow_updates=3`)" in shipped and "reuse=False" not in shipped
     assert "reuse=False" not in make_cards._on_video(_reuse(None, None, 0.5), "x")  # no budget to give
     assert make_cards._on_video(None, "x") == ""  # no reuse bench: the card says nothing about video
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 _Norm = Literal["instance", "batch", "group", "none"]
+# modeling_deq_flow.REUSE_MODES, and "none": every pair of a video solved from zero
+_Reuse = Literal["warp", "forward_interpolate", "fixed_point", "warm_start", "none"]
 _Widths = list[int] | tuple[int, ...]
 
 # The original's CPU-free recipe, adapted: plain fixed-point iteration (its naive_solver), a one-step phantom
@@ -53,6 +55,10 @@ class DEQFlowConfig(DEQPretrainedConfig):
             (held fixed: only f learns to map it onto itself) added to the training loss; 0: off.
         flow_residual_weight: weight of the flow part alone of that residual, the mean |Δflow| f would
             still add at the output, in full-resolution pixels (the flow's drift per step); 0: off.
+        sequence_reuse: what ``estimate_sequence(frames, reuse=True)`` (its default) and ``deqzoo predict``
+            on a folder of frames do between pairs: one of ``REUSE_MODES`` ("warp": the previous state warped
+            along the flow), or "none" (every pair from zero) for a checkpoint whose flow depends on where
+            its solve starts, which its card's reuse bench shows.
         deq: solver settings (DEQConfig dict); defaults follow the original (see DEFAULT_DEQ).
 
     Example:
@@ -86,6 +92,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
     jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
     residual_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
     flow_residual_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
+    sequence_reuse: _Reuse = "warp"
 
     def __post_init__(self, **kwargs: Any) -> None:
         for key in ("encoder_layers", "motion_corr_layers", "motion_flow_layers"):

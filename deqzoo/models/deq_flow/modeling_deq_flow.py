@@ -53,7 +53,7 @@ REUSE_MODES = {
     # backward warping moves the state by the fraction of a cell the content moved
     "warp": "previous (h, flow) warped bilinearly along the forward-interpolated flow",
 }
-DEFAULT_REUSE = "warp"
+DEFAULT_REUSE = "warp"  # DEQFlowConfig.sequence_reuse's default: what reuse=True does unless a config says
 
 
 def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
@@ -713,7 +713,9 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         (`forward_interpolate`: the original DEQ-Flow's fixed-point reuse, so that a moving pattern's flow
         starts where the pattern now is); "warm_start" = h from zero and the forward-interpolated flow
         (RAFT's warm start); "warp" = the previous h and flow both moved with the content, bilinearly, along
-        the forward-interpolated flow (sub-cell motions at 1/8 resolution move the state too); True = "warp".
+        the forward-interpolated flow (sub-cell motions at 1/8 resolution move the state too); True = the
+        checkpoint's own choice, ``config.sequence_reuse`` ("warp" unless its card found that reuse hurts it,
+        then "none": every pair from zero, as False).
 
         `num_flow_updates`: the solver budget of every pair after the first (streaming at a fixed cost per
         frame: with reuse, each pair continues the previous pair's solve); the first pair, which has nothing
@@ -721,9 +723,12 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         """
         if len(frames) < 2:
             raise ValueError(f"estimate_sequence needs at least 2 frames, got {len(frames)}")
-        mode = DEFAULT_REUSE if reuse is True else reuse
+        mode = self.config.sequence_reuse if reuse is True else reuse
+        if mode == "none":
+            mode = False
         if mode is not False and mode not in REUSE_MODES:
-            raise ValueError(f"reuse must be True, False or one of {sorted(REUSE_MODES)}, got {reuse!r}")
+            raise ValueError(f"reuse must be True, False, 'none' or one of {sorted(REUSE_MODES)}, got "
+                             f"{reuse!r}")
         _check_updates(num_flow_updates)
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):

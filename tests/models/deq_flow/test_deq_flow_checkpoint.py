@@ -61,6 +61,27 @@ def test_long_pair_deq_flow_is_at_or_below_its_twin_on_the_held_out_pairs_as_its
     assert got[LONG[0]] <= got[LONG[1]]
 
 
+def test_long_pair_deq_flow_ships_without_reuse_because_reuse_makes_it_worse():
+    """The 20,000-step DEQ-Flow's flow depends on where its solve starts, so its config says
+    sequence_reuse "none": reuse=True (and `deqzoo predict` on a folder) solves every pair from zero. Checked
+    here on a video of its own (the card's bench: 4 videos of 12 frames, warp +54.2% EPE): the warped reuse
+    is worse than what reuse=True does, which is exactly reuse=False."""
+    import json
+    from pathlib import Path
+
+    model = deqzoo.from_pretrained(LONG[0])
+    bench = json.loads((Path(__file__).resolve().parents[3] / "examples" / "deq_flow" / "results"
+                        / "bench_reuse_20k.json").read_text())["reuse"]
+    assert model.config.sequence_reuse == bench["default_reuse"] == "none"
+    video, flows, valid = synthetic_video(6, (64, 96), 9)
+    result = {}
+    for reuse in (True, False, "warp"):
+        preds, _ = model.estimate_sequence(video, reuse=reuse)
+        result[reuse] = (preds, sum(flow.epe(p, f, v) for p, f, v in zip(preds, flows, valid)) / len(preds))
+    assert all(torch.equal(a, b) for a, b in zip(result[True][0], result[False][0]))
+    assert result["warp"][1] > 1.1 * result[True][1]
+
+
 def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch):
     from PIL import Image
 

@@ -24,7 +24,7 @@ from deqzoo.models.deq_flow import (
     prepare_images,
     warp,
 )
-from deqzoo.models.deq_flow.modeling_deq_flow import _next_start
+from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, _next_start
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTS = json.loads(
@@ -216,8 +216,46 @@ def test_reuse_starts_from_the_previous_fixed_point():
         flows, stats = model.estimate_sequence(frames, reuse=mode)
         assert len(flows) == 3 and flows[0].shape == (2, 48, 64) and all(s.nfe >= 1 for s in stats)
         assert stats[0].nfe == cold[1][0].nfe  # the first pair has nothing to reuse
-    with pytest.raises(ValueError, match="reuse must be True, False or one of"):
+    with pytest.raises(ValueError, match="reuse must be True, False, 'none' or one of"):
         model.estimate_sequence(frames, reuse="previous")
+
+
+def test_reuse_true_is_the_checkpoints_own_sequence_reuse(tmp_path):
+    """`reuse=True` (estimate_sequence's default, and `deqzoo predict` on a folder) does what the config's
+    sequence_reuse says: "warp" by default; "none" for a checkpoint that reuse makes worse, which then solves
+    every pair from zero exactly as `reuse=False`, while an explicit mode still reuses. The key survives
+    save/load and a bad value is refused naming it. Reference: the same calls with the mode spelled out."""
+    from deqzoo.configuration_utils import ConfigError
+
+    # random weights (not made contractive): the flow moves, so where a solve starts shows in its output
+    model = _model(deq={"f_solver": "fixed_point", "f_max_iter": 3, "f_tol": 1e-30})
+    torch.manual_seed(10)
+    frames = torch.rand(4, 3, 48, 64)
+
+    def run(m, reuse):
+        with torch.no_grad():
+            flows, stats = m.estimate_sequence(frames, reuse=reuse)
+        return torch.stack(flows), [s.nfe for s in stats]
+
+    def same(x, y):
+        torch.testing.assert_close(x[0], y[0], rtol=0, atol=0)
+        assert x[1] == y[1]
+
+    assert model.config.sequence_reuse == DEFAULT_REUSE == "warp"
+    same(run(model, True), run(model, "warp"))
+    model.save_pretrained(tmp_path / "none")
+    config = json.loads((tmp_path / "none" / "config.json").read_text())
+    (tmp_path / "none" / "config.json").write_text(json.dumps({**config, "sequence_reuse": "none"}))
+    loaded = deqzoo.from_pretrained(tmp_path / "none").eval()
+    loaded.set_deq(on_nonconvergence="ignore")
+    assert loaded.config.sequence_reuse == "none"
+    same(run(loaded, True), run(model, False))
+    same(run(loaded, "warp"), run(model, "warp"))  # an explicit mode still reuses
+    warped, cold = run(model, "warp"), run(model, False)
+    assert float((warped[0] - cold[0]).abs().max()) > 1e-6  # so "none" is not "warp" under another name
+    same(run(loaded, "none"), cold)
+    with pytest.raises(ConfigError, match="key 'sequence_reuse' must be one of"):
+        DEQFlowConfig(sequence_reuse="previous")
 
 
 @pytest.mark.parametrize("implicit", [True, False])
