@@ -622,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             deq_name=deq_name,
             raft_name=raft_name,
             on_video=_on_video(reuse, deq_name, args.sequence_reuse),
+            # what reuse=True does for this card's model (the config key's default where it does not say)
+            sequence_reuse=json.loads((d / "config.json").read_text()).get("sequence_reuse", "warp"),
             deq_recipe=deq_recipe,
             table=table,
             reading=reading,
@@ -758,10 +760,11 @@ numbers; the memory and reuse measurements of this implementation are in the DEQ
 
 **Use.** `deqzoo predict deqzoo/{name} first.png,second.png` writes the flow as a colour PNG
 (`torchvision.utils.flow_to_image`), `deqzoo predict deqzoo/{name} FOLDER` one per consecutive pair of the
-video frames in FOLDER (with reuse, below); `model(image1, image2)` takes (B, C, H, W) float in [0, 1] or
-uint8, grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back); `initial_state=` a
-previous `out.fixed_point` starts the solve there, `model.estimate_sequence(frames, reuse=True)` runs a
-video (`reuse="warp"`, the default: the previous hidden state and flow both moved with the content, warped
+video frames in FOLDER (with the checkpoint's reuse, below); `model(image1, image2)` takes (B, C, H, W) float
+in [0, 1] or uint8, grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back);
+`initial_state=` a previous `out.fixed_point` starts the solve there, `model.estimate_sequence(frames,
+reuse=True)` runs a video (`reuse=True`, the default, is the checkpoint's `config.sequence_reuse`: here
+`"{sequence_reuse}"`; `"warp"`: the previous hidden state and flow both moved with the content, warped
 bilinearly along the forward-interpolated flow; `"forward_interpolate"`: the original DEQ-Flow's fixed-point
 reuse, the previous hidden state as is and the previous flow splatted forward along itself; `"fixed_point"`:
 the previous fixed point as is; `"warm_start"`: RAFT's warm start, hidden state from zero);

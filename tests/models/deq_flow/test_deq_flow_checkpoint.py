@@ -73,6 +73,8 @@ def test_long_pair_deq_flow_ships_without_reuse_because_reuse_makes_it_worse():
     bench = json.loads((Path(__file__).resolve().parents[3] / "examples" / "deq_flow" / "results"
                         / "bench_reuse_20k.json").read_text())["reuse"]
     assert model.config.sequence_reuse == bench["default_reuse"] == "none"
+    _, body = read_model_card(resolve(LONG[0]))
+    assert ' '.join(body.split()).count('`config.sequence_reuse`: here `"none"`') == 1  # the card says so
     video, flows, valid = synthetic_video(6, (64, 96), 9)
     result = {}
     for reuse in (True, False, "warp"):
