@@ -115,10 +115,15 @@ def _items(value: Any, key: str) -> list[dict]:
 
 
 def card_metrics(metadata: dict[str, Any]) -> dict[str, float]:
-    """Flatten model-index results into {metric type: value}."""
-    return {str(metric.get("type") or metric.get("name")): metric.get("value")
-            for entry in _items(metadata, "model-index") for result in _items(entry, "results")
-            for metric in _items(result, "metrics")}
+    """Flatten model-index results into {metric type: value}. Where several metrics share a type (two EPEs
+    on two data sets) the first, in the card's order, stands for it: the headline, as in `card_headline`,
+    not whichever came last."""
+    metrics: dict[str, float] = {}
+    for entry in _items(metadata, "model-index"):
+        for result in _items(entry, "results"):
+            for metric in _items(result, "metrics"):
+                metrics.setdefault(str(metric.get("type") or metric.get("name")), metric.get("value"))
+    return metrics
 
 
 def card_headline(metadata: dict[str, Any]) -> str | None:

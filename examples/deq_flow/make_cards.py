@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
+
+from deqzoo.models.deq_flow.configuration_deq_flow import DEFAULT_REUSE, SEQUENCE_REUSE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEQ_NAME, RAFT_NAME = "deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline"
@@ -51,6 +54,19 @@ def _copy(run: Path, name: str, deq: dict | None, config: dict | None = None) ->
     cfg["on_nonconvergence"] = "ignore"  # while evaluating; `_policy` sets the shipped value
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _check_card_folder(name: str, implicit: bool) -> None:
+    """`name` is a plain folder name under model_cards/, and a folder already there holds a card of this kind
+    (DEQ-Flow, or its explicit twin) that a rerun may replace: never another model's weights."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name) or ".." in name:
+        raise ValueError(f"--ids {name!r}: a card name is lower-case letters, digits, '.', '_' and '-'")
+    config = ROOT / "model_cards" / name / "config.json"
+    if config.exists():
+        old = json.loads(config.read_text())
+        if old.get("model_type") != "deq_flow" or old.get("implicit", True) != implicit:
+            raise ValueError(f"{config}: model_cards/{name} holds another model "
+                             f"({old.get('model_type')}, implicit={old.get('implicit', True)}), not replaced")
 
 
 def _policy(folder: Path, converged: bool) -> str:
@@ -431,7 +447,7 @@ def _reading(deq: dict, raft: dict, budget: str) -> str:
     return " ".join(parts)
 
 
-def _on_video(reuse: dict | None, deq_name: str, sequence_reuse: str = "warp") -> str:
+def _on_video(reuse: dict | None, deq_name: str, sequence_reuse: str = DEFAULT_REUSE) -> str:
     """What the Use paragraph says about video, from the DEQ-Flow's reuse bench (`deqzoo bench deq-flow`) and
     the card's `sequence_reuse` (what reuse=True does)."""
     eq = (reuse or {}).get("equal_accuracy")
@@ -545,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--sequence-reuse",
-        choices=["warp", "forward_interpolate", "fixed_point", "warm_start", "none"],
-        default="warp",
+        choices=SEQUENCE_REUSE,
+        default=DEFAULT_REUSE,
         help="the DEQ-Flow's config.sequence_reuse, what estimate_sequence(reuse=True) and `deqzoo predict` "
         "on a folder do: 'none' (every pair from zero) where its reuse bench finds that reuse makes it worse",
     )
@@ -554,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     deq_name, raft_name = args.ids
     if deq_name == raft_name:
         p.error(f"--ids: the DEQ-Flow card and its twin's need two names, got {deq_name} twice")
+    for name, implicit in ((deq_name, True), (raft_name, False)):  # before any write
+        try:
+            _check_card_folder(name, implicit)
+        except ValueError as e:
+            p.error(str(e))
     if args.operating_point and not args.curves:
         p.error("--operating-point goes under the curves: give --curves too")
     benches = [json.loads(Path(b).read_text()) for b in args.bench]
@@ -623,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             raft_name=raft_name,
             on_video=_on_video(reuse, deq_name, args.sequence_reuse),
             # what reuse=True does for this card's model (the config key's default where it does not say)
-            sequence_reuse=json.loads((d / "config.json").read_text()).get("sequence_reuse", "warp"),
+            sequence_reuse=json.loads((d / "config.json").read_text()).get("sequence_reuse", DEFAULT_REUSE),
             deq_recipe=deq_recipe,
             table=table,
             reading=reading,
@@ -674,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if (deq_name, raft_name) != (DEQ_NAME, RAFT_NAME):
             cards += f" --ids {deq_name} {raft_name}"
-        if args.sequence_reuse != "warp":
+        if args.sequence_reuse != DEFAULT_REUSE:
             cards += f" --sequence-reuse {args.sequence_reuse}"
         if args.curves:
             cards += f" --curves {args.curves}"

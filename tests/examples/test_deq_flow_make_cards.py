@@ -52,6 +52,14 @@ def test_other_pair_names_the_pair_it_did_not_replace_with_their_card_numbers():
     assert "changes the EPE" not in make_cards._other_pair(_reuse({"budget": 4}, None, -0.1))
 
 
-def test_ids_must_name_two_cards():
+def test_ids_must_name_two_cards_of_this_kind_inside_model_cards(capsys):
     with pytest.raises(SystemExit):
         make_cards.main(["a", "b", "--ids", "same", "same"])
+    # refused before anything is read or written: no card of another model is replaced, no path escapes
+    for ids, said in ((["mdeq-tiny-mnist", "x-twin"], "holds another model (mdeq"),
+                      (["deq-flow-cpu-raft-baseline", "x-twin"], "implicit=False"),
+                      (["../outside", "x-twin"], "a card name is"), (["x", "a/b"], "a card name is")):
+        with pytest.raises(SystemExit):
+            make_cards.main(["missing-run", "missing-twin", "--ids", *ids])
+        assert said in capsys.readouterr().err
+    assert not (make_cards.ROOT / "model_cards" / "x-twin").exists()

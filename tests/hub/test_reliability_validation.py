@@ -206,6 +206,11 @@ def test_card_with_malformed_model_index_still_reads(toy_checkpoint):
     assert card_metrics({"model-index": "oops"}) == {}
     index = [{"results": [3, {"metrics": [None, {"type": "acc", "value": 1}]}]}]
     assert card_metrics({"model-index": index}) == {"acc": 1}
+    # two metrics of one type (held-out and motorcycle EPE): the first, the card's headline, stands for it
+    two = [{"results": [{"metrics": [{"type": "epe", "name": "held-out", "value": 1.5},
+                                     {"type": "epe", "name": "motorcycle", "value": 8.0},
+                                     {"type": "nfe", "value": 12.0}]}]}]
+    assert card_metrics({"model-index": two}) == {"epe": 1.5, "nfe": 12.0}
 
 
 def test_safetensors_header_nested_too_deeply_names_file(toy_checkpoint):

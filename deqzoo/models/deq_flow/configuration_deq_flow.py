@@ -16,8 +16,24 @@ from typing import Any, Literal
 from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
 _Norm = Literal["instance", "batch", "group", "none"]
-# modeling_deq_flow.REUSE_MODES, and "none": every pair of a video solved from zero
-_Reuse = Literal["warp", "forward_interpolate", "fixed_point", "warm_start", "none"]
+
+# how `estimate_sequence` starts each solve from the previous pair's fixed point (hidden h, 1/8 flow):
+REUSE_MODES = {
+    # the previous fixed point as it is
+    "fixed_point": "previous (h, flow) as is",
+    # the original DEQ-Flow's `fixed_point_reuse` (evaluate.py): h as is, flow forward-interpolated
+    "forward_interpolate": "previous h, previous flow forward-interpolated",
+    # RAFT's `warm_start` (and DEQ-Flow's): h from zero, flow forward-interpolated
+    "warm_start": "h = 0, previous flow forward-interpolated",
+    # motion-compensated: the whole state moves with the content it describes. Typical motions are below
+    # one cell of the 1/8-resolution state, where nearest-neighbour splatting moves nothing; bilinear
+    # backward warping moves the state by the fraction of a cell the content moved
+    "warp": "previous (h, flow) warped bilinearly along the forward-interpolated flow",
+}
+DEFAULT_REUSE = "warp"  # DEQFlowConfig.sequence_reuse's default: what reuse=True does unless a config says
+# DEQFlowConfig.sequence_reuse: a reuse mode, or "none" (every pair of a video solved from zero)
+SEQUENCE_REUSE = (*REUSE_MODES, "none")
+_Reuse = Literal[SEQUENCE_REUSE]
 _Widths = list[int] | tuple[int, ...]
 
 # The original's CPU-free recipe, adapted: plain fixed-point iteration (its naive_solver), a one-step phantom
@@ -92,7 +108,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
     jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
     residual_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
     flow_residual_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
-    sequence_reuse: _Reuse = "warp"
+    sequence_reuse: _Reuse = DEFAULT_REUSE
 
     def __post_init__(self, **kwargs: Any) -> None:
         for key in ("encoder_layers", "motion_corr_layers", "motion_flow_layers"):

@@ -30,30 +30,16 @@ from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, 
 from ...core.regularize import FP_WEIGHTS
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from ..initialization import default_init_, norm_init_
-from .configuration_deq_flow import DEQFlowConfig
+from .configuration_deq_flow import DEFAULT_REUSE, REUSE_MODES, DEQFlowConfig
 
 __all__ = [
     "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput", "DEQFlowPreTrainedModel", "FlowFeatures",
-    "GMAUpdateBlock", "GlobalAggregate", "GlobalAttention", "REUSE_MODES", "forward_interpolate",
-    "prepare_images", "sequence_loss", "warp",
+    "GMAUpdateBlock", "GlobalAggregate", "GlobalAttention", "DEFAULT_REUSE", "REUSE_MODES",
+    "forward_interpolate", "prepare_images", "sequence_loss", "warp",
 ]
 
 _SEQUENCE_GAMMA = 0.8  # RAFT's (and DEQ-Flow's fixed-point correction) exponential weighting
 
-# how `estimate_sequence` starts each solve from the previous pair's fixed point (hidden h, 1/8 flow):
-REUSE_MODES = {
-    # the previous fixed point as it is
-    "fixed_point": "previous (h, flow) as is",
-    # the original DEQ-Flow's `fixed_point_reuse` (evaluate.py): h as is, flow forward-interpolated
-    "forward_interpolate": "previous h, previous flow forward-interpolated",
-    # RAFT's `warm_start` (and DEQ-Flow's): h from zero, flow forward-interpolated
-    "warm_start": "h = 0, previous flow forward-interpolated",
-    # motion-compensated: the whole state moves with the content it describes. Typical motions are below
-    # one cell of the 1/8-resolution state, where nearest-neighbour splatting moves nothing; bilinear
-    # backward warping moves the state by the fraction of a cell the content moved
-    "warp": "previous (h, flow) warped bilinearly along the forward-interpolated flow",
-}
-DEFAULT_REUSE = "warp"  # DEQFlowConfig.sequence_reuse's default: what reuse=True does unless a config says
 
 
 def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
