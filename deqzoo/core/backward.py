@@ -309,4 +309,4 @@ def backward_in_stages(
 # b_mode="reversible" (RevDEQ): the algorithm lives in deqzoo.core.reversible
 from .reversible import reversible_mode  # noqa: E402
 
-register_backward("reversible", {"beta"})(reversible_mode)
+register_backward("reversible", {"beta", "segment", "rebuild_tol"})(reversible_mode)

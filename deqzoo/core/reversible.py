@@ -62,6 +62,16 @@ from torch.overrides import TorchFunctionMode
 from .stats import SolverStats
 
 DEFAULT_BETA = 0.8
+# coupled steps between kept states by state dtype: a rebuilt state carries at most this many steps of
+# rounding (mdeq-tiny-mnist-reversible: relative rebuild error 2.6e-12 after 4 float64 steps, 4.6e-6 after 2
+# float32 steps, 1.3e-3 after 4; see docs/engine.md)
+DEFAULT_SEGMENT = {torch.float64: 4}
+DEFAULT_SEGMENT_LOW = 2  # float32 and below
+# largest relative error of a rebuilt state before its segment is recomputed, by state dtype (the gradient's
+# relative error stayed below the rebuild error in every measurement; docs/engine.md)
+DEFAULT_REBUILD_TOL = {torch.float64: 1e-10}
+DEFAULT_REBUILD_TOL_LOW = 1e-4  # float32 and below
+MAX_SEGMENT = 10_000  # as the step budget itself (deqzoo.core.config.MAX_ITER)
 
 
 def check_beta(beta: Any) -> float:
@@ -72,6 +82,22 @@ def check_beta(beta: Any) -> float:
             f"got {beta!r}"
         )
     return float(beta)
+
+
+def check_segment(segment: Any) -> int:
+    """`segment` (steps between kept states; 0 = only z0), or a clear error."""
+    if isinstance(segment, bool) or not isinstance(segment, int) or not 0 <= segment <= MAX_SEGMENT:
+        raise ValueError(f"DEQConfig.b_mode_kwargs['segment'] (reversible: coupled steps between kept "
+                         f"states, 0 = none) must be an integer in [0, {MAX_SEGMENT}], got {segment!r}")
+    return segment
+
+
+def check_rebuild_tol(tol: Any) -> float:
+    """`rebuild_tol` as a float, or a clear error unless it is a number > 0 (math.inf: never recompute)."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+        raise ValueError(f"DEQConfig.b_mode_kwargs['rebuild_tol'] (reversible: largest relative error of a "
+                         f"rebuilt state before its segment is recomputed) must be a number > 0, got {tol!r}")
+    return float(tol)
 
 
 def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -149,30 +175,65 @@ def _residuals(z: torch.Tensor, fz: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def coupled_forward(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, f0: torch.Tensor,
-                    steps: int, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+                    steps: int, beta: float, keep_every: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, dict[int, tuple]]:
     """The N coupled steps from z0 = y0 = x0 with f(x0) = f0, without a graph.
 
-    Returns (z_N, y_N, f(z_N), per-step (abs, rel) residuals of z_n)."""
+    Returns (z_N, y_N, f(z_N), per-step (abs, rel) residuals of z_n, {n: (z_n, y_n)} for n = 0, k, 2k, ...
+    below N with k = ``keep_every``; empty when 0)."""
     z, y, fz = x0, x0, f0
     trace = []
+    kept = {0: (x0, x0)} if keep_every else {}
     with torch.no_grad():
-        for _ in range(steps):
+        for n in range(1, steps + 1):
             y = (1 - beta) * y + beta * fz
             z = (1 - beta) * z + beta * g(y)
             fz = g(z)
             trace.append(_residuals(z, fz))
-    return z, y, fz, trace
+            if keep_every and n % keep_every == 0 and n < steps:
+                kept[n] = (z, y)
+    return z, y, fz, trace, kept
+
+
+def _recompute(g, z: torch.Tensor, y: torch.Tensor, steps: int, beta: float) -> list[tuple]:
+    """[(z_n, y_n)] for n = s .. s + steps from (z_s, y_s), by running the coupled steps again (no graph):
+    the same operations on the same values as the forward, so the same states."""
+    states = [(z, y)]
+    with torch.no_grad():
+        for _ in range(steps):
+            y = (1 - beta) * y + beta * g(z)
+            z = (1 - beta) * z + beta * g(y)
+            states.append((z, y))
+    return states
+
+
+def _rebuild_error(rebuilt: tuple, stored: tuple, end: tuple) -> float:
+    """Largest per-sample ||rebuilt - stored|| / (||stored|| + ||end||) over z and y, where `end` is the
+    segment's end state the rebuild started from (the scale its rounding is relative to; finite at a zero
+    start)."""
+    worst = 0.0
+    for a, b, c in zip(rebuilt, stored, end):
+        a, b, c = a.double(), b.double(), c.double()
+        err = torch.linalg.vector_norm(a - b, dim=1)
+        scale = torch.linalg.vector_norm(b, dim=1) + torch.linalg.vector_norm(c, dim=1)
+        rel = torch.where(err == 0, torch.zeros_like(err), err / scale.clamp_min(1e-300))
+        worst = max(worst, float(rel.max()) if rel.numel() else 0.0)
+    return worst
 
 
 class _Reversible(torch.autograd.Function):
-    """z_N of the coupled iteration; backward rebuilds the states in reverse (see the module docstring)."""
+    """z_N of the coupled iteration; backward rebuilds the states in reverse, segment by segment (see the
+    module docstring)."""
 
     @staticmethod
     def forward(ctx, run: dict, x0: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        z, y, _, trace = coupled_forward(run["g"], x0, run["f0"], run["steps"], run["beta"])
+        z, y, _, trace, kept = coupled_forward(run["g"], x0, run["f0"], run["steps"], run["beta"],
+                                               run["segment"])
         run["trace"] = trace
-        ctx.run = {"g": run["g"], "steps": run["steps"], "beta": run["beta"], "inputs": inputs}
+        ctx.run = {k: run[k] for k in ("g", "steps", "beta", "segment", "rebuild_tol", "report")}
+        ctx.run["inputs"] = inputs
         ctx.y = y  # no graph: a plain state, not an input or output of this node
+        ctx.kept = {n: st for n, st in kept.items() if n > 0}  # n = 0 is (x0, x0), saved below
         ctx.save_for_backward(z, x0)
         return z
 
@@ -185,8 +246,10 @@ class _Reversible(torch.autograd.Function):
                 "same f_max_iter for second-order derivatives of the same computation."
             )
         g, steps, beta, inputs = (ctx.run[k] for k in ("g", "steps", "beta", "inputs"))
+        segment, tol, report = ctx.run["segment"], ctx.run["rebuild_tol"], ctx.run["report"]
         z, x0 = ctx.saved_tensors
         y = ctx.y
+        x0 = x0.detach()
         need = [t for t, n in zip(inputs, ctx.needs_input_grad[2:]) if n]
         aliases = {id(t): t.detach().requires_grad_() for t in need}
         swap = _Substitute(aliases)
@@ -207,41 +270,97 @@ class _Reversible(torch.autograd.Function):
             g_state = grads[0] if grads[0] is not None else torch.zeros_like(state)
             return out.detach(), g_state
 
-        for n in range(steps, 0, -1):
-            # undo z_n = (1 - beta) z_{n-1} + beta f(y_n); the first state is known exactly (the saved z0):
-            # rebuilt, its rounding error would meet f where f amplifies most (normalisations of a state
-            # near zero, as z0 = 0 usually is)
-            fy, dy = vjp(y, beta * gz)
-            z = (z - beta * fy) / (1 - beta) if n > 1 else x0.detach()
-            gy = gy + dy
-            gz = (1 - beta) * gz
-            # undo y_n = (1 - beta) y_{n-1} + beta f(z_{n-1})
-            fz, dz = vjp(z, beta * gy)
-            y = (y - beta * fz) / (1 - beta) if n > 1 else z
-            gz = gz + dz
-            gy = (1 - beta) * gy
+        def reverse(z, y, gz, gy, length, start, exact):
+            """Walk `length` coupled steps back from (z, y), the segment's end state. Each earlier state
+            is rebuilt algebraically (exact None) or read from `exact` (the segment's recomputed states);
+            the first state of the segment is the stored `start` either way (a rebuilt one would carry
+            the segment's rounding into f, at z0 = 0 too where normalisations amplify it most). Returns
+            the cotangents at the start and the rebuilt start (None when exact)."""
+            rebuilt_z = rebuilt_y = None
+            for j in range(length, 0, -1):
+                # undo z_n = (1 - beta) z_{n-1} + beta f(y_n)
+                fy, dy = vjp(y, beta * gz)
+                if exact is not None:
+                    z = exact[j - 1][0]
+                else:
+                    z = (z - beta * fy) / (1 - beta)
+                    if j == 1:
+                        rebuilt_z, z = z, start[0]
+                gy = gy + dy
+                gz = (1 - beta) * gz
+                # undo y_n = (1 - beta) y_{n-1} + beta f(z_{n-1})
+                fz, dz = vjp(z, beta * gy)
+                if exact is not None:
+                    y = exact[j - 1][1]
+                else:
+                    y = (y - beta * fz) / (1 - beta)
+                    if j == 1:
+                        rebuilt_y, y = y, start[1]
+                gz = gz + dz
+                gy = (1 - beta) * gy
+            return gz, gy, (None if exact is not None else (rebuilt_z, rebuilt_y))
+
+        # segments [s, e) between stored states, last first; each ends on its own stored start state, so
+        # rounding grows over one segment's steps at most, never over all N
+        starts = [0, *sorted(ctx.kept)]
+        worst, recomputed = 0.0, 0
+        for s in reversed(starts):
+            e = min(s + segment, steps) if segment else steps
+            start = (x0, x0) if s == 0 else ctx.kept[s]
+            snapshot = (gz, gy, list(acc))
+            gz_s, gy_s, rebuilt = reverse(z, y, gz, gy, e - s, start, None)
+            err = _rebuild_error(rebuilt, start, (z, y))
+            worst = max(worst, err)
+            if not err <= tol:  # NaN included: redo the segment on recomputed states (exact to rounding)
+                gz, gy, acc[:] = snapshot[0], snapshot[1], snapshot[2]
+                gz_s, gy_s, _ = reverse(z, y, gz, gy, e - s, start, _recompute(g, *start, e - s, beta))
+                recomputed += 1
+            gz, gy = gz_s, gy_s
+            z, y = start
+        report.update(rebuild_error=worst, recomputed_segments=recomputed, segments=len(starts))
         it = iter(acc)
         grads_in = [next(it) if n else None for n in ctx.needs_input_grad[2:]]
         # z_0 = y_0 = x0: both cotangents reach the initial state
         return None, (gz + gy) if ctx.needs_input_grad[1] else None, *grads_in
 
 
+def default_segment(dtype: torch.dtype) -> int:
+    """The default ``segment`` for a state dtype (4 in float64, 2 otherwise)."""
+    return DEFAULT_SEGMENT.get(dtype, DEFAULT_SEGMENT_LOW)
+
+
+def rebuild_tolerance(dtype: torch.dtype) -> float:
+    """The default ``rebuild_tol`` for a state dtype (1e-10 in float64, 1e-4 otherwise)."""
+    return DEFAULT_REBUILD_TOL.get(dtype, DEFAULT_REBUILD_TOL_LOW)
+
+
 def reversible_solve(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, steps: int, beta: float,
-                     tol: float, stop_mode: str) -> tuple[torch.Tensor, SolverStats]:
+                     tol: float, stop_mode: str, segment: int | None = None,
+                     rebuild_tol: float | None = None) -> tuple[torch.Tensor, SolverStats]:
     """The coupled iteration on flat (B, D) states: z_N with the reversible gradient when autograd is on,
-    and its statistics (nfe = 2N + 1; residuals of z_N from f(z_N); trace: per-step max residual)."""
+    and its statistics (nfe = 2N + 1; residuals of z_N from f(z_N); trace: per-step max residual).
+
+    ``segment`` k: the forward keeps (z_n, y_n) every k steps (0: only z0; None: `default_segment` of x0's
+    dtype), the backward rebuilds states within a segment only; ``rebuild_tol``: a segment whose rebuilt start differs from the kept one by more
+    (relative, `_rebuild_error`) is redone on recomputed states (None: `rebuild_tolerance` of x0's dtype).
+    After the backward, ``stats.extra["reversible"]`` holds ``rebuild_error`` (the largest measured),
+    ``segments`` and ``recomputed_segments``."""
     beta = check_beta(beta)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"reversible: the number of coupled steps (f_max_iter) must be an integer >= 1, "
                          f"got {steps!r}")
+    segment = default_segment(x0.dtype) if segment is None else check_segment(segment)
+    rebuild_tol = rebuild_tolerance(x0.dtype) if rebuild_tol is None else check_rebuild_tol(rebuild_tol)
+    report: dict[str, Any] = {"steps": steps, "beta": beta, "segment": segment, "rebuild_tol": rebuild_tol}
     if torch.is_grad_enabled():
         f0, inputs = first_call_inputs(g, x0)
-        run = {"g": g, "f0": f0, "steps": steps, "beta": beta}
+        run = {"g": g, "f0": f0, "steps": steps, "beta": beta, "segment": segment,
+               "rebuild_tol": rebuild_tol, "report": report}
         z = _Reversible.apply(run, x0, *inputs)
         trace = run["trace"]
     else:
         f0 = g(x0)
-        z, _, _, trace = coupled_forward(g, x0, f0, steps, beta)
+        z, _, _, trace, _ = coupled_forward(g, x0, f0, steps, beta)
     abs_r, rel_r = trace[-1]
     res = rel_r if stop_mode == "rel" else abs_r
     per_step = torch.stack([(r if stop_mode == "rel" else a).amax() for a, r in trace]).double().cpu()
@@ -250,16 +369,18 @@ def reversible_solve(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor
         converged=(res < tol).cpu(), solver="reversible", stop_mode=stop_mode, tol=tol,
         nonfinite=not bool(torch.isfinite(res).all()),
     )
-    stats.extra["reversible"] = {"steps": steps, "beta": beta}
+    stats.extra["reversible"] = report  # the backward adds what it measured
     return z, stats
 
 
 def reversible_mode(g, x_star, ctx) -> torch.Tensor:
     """Backward mode "reversible" (registered in deqzoo.core.backward): runs instead of the forward solve,
-    with or without autograd, for ctx.max_iter coupled steps; option ``beta`` (default 0.8)."""
-    cfg = ctx.config
-    beta = cfg.b_mode_kwargs.get("beta", DEFAULT_BETA)
-    z, ctx.stats = reversible_solve(g, ctx.x0, ctx.max_iter, beta, cfg.f_tol, cfg.f_stop_mode)
+    with or without autograd, for ctx.max_iter coupled steps; options ``beta`` (default 0.8), ``segment``
+    (default by dtype) and ``rebuild_tol`` (default by dtype), see `reversible_solve`."""
+    kw = ctx.config.b_mode_kwargs
+    z, ctx.stats = reversible_solve(g, ctx.x0, ctx.max_iter, kw.get("beta", DEFAULT_BETA), ctx.config.f_tol,
+                                    ctx.config.f_stop_mode, kw.get("segment"),
+                                    kw.get("rebuild_tol"))
     return z
 
 
