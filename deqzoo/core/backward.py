@@ -13,8 +13,9 @@ Options come from ``DEQConfig.b_mode_kwargs``:
   unrolled damped steps, "npg" = truncated damped Neumann series of the adjoint; Geng et al., 2021).
 - ``shine``: ``refine`` (default 0): extra ``b_solver`` steps started from the SHINE estimate.
 - ``unrolled``: ``checkpoint`` (default 0 = off; n = recompute segments of n steps in backward).
-- ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8): f_max_iter coupled reversible steps
-  replace the forward solve, with exact gradients in O(1) memory (deqzoo.core.reversible).
+- ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8), ``segment`` (steps between kept states)
+  and ``rebuild_tol`` (recompute threshold): f_max_iter coupled reversible steps replace the forward solve,
+  with exact gradients holding states every ``segment`` steps, no graphs (deqzoo.core.reversible).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def _solve_adjoint(
     vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardContext, max_iter: int
 ) -> torch.Tensor:
     cfg = ctx.config
+    if cfg.b_solver == "gmres":  # its basis grows with the budget: refused before any allocation
+        from .config import check_gmres_memory
+
+        check_gmres_memory("b_max_iter", max_iter, y0)
     with torch.no_grad():
         y, bstats = get_solver(cfg.b_solver)(
             lambda y: vjp(y) + grad,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
-from .config import DEQConfig
+from .config import DEQConfig, check_gmres_memory
 from .norm import checked_once
 from .regularize import jacobian_reg
 from .solvers import final_step, get_solver
@@ -187,6 +187,8 @@ class DEQ(nn.Module):
             solver_keep = [k for k in keep if k < max_iter]
             if solver_keep:
                 kwargs["keep_steps"] = solver_keep
+            if cfg.f_solver == "gmres":  # its basis grows with the budget: refused before any allocation
+                check_gmres_memory("f_max_iter", max_iter, x0)
             with torch.no_grad(), checked_once():  # weight norms checked once per solve, not per f call
                 run = get_solver(cfg.f_solver)
                 if cfg.f_final_step:
