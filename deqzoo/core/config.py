@@ -12,6 +12,7 @@ import torch
 
 _ON_NONCONVERGENCE = ("ignore", "warn", "raise")
 _STOP_MODES = ("abs", "rel")
+F_DTYPES = ("bfloat16", "float16")  # f_dtype: f under torch.autocast in this dtype, the solver state as it is
 
 # Caps, checked when a DEQConfig is made or loaded (a model's config.json included), so that a budget typed
 # wrong (1e12, 10**9) is refused at once with the key named instead of running for months or growing until
@@ -54,6 +55,11 @@ class DEQConfig:
     Regularization: ``jac_reg_samples`` > 0 puts a Hutchinson estimate of ||J_f||_F²/dim at z* (with graph)
     into ``stats.jac_loss`` when autograd is enabled.
 
+    Mixed precision: ``f_dtype`` ("bfloat16" or "float16"; None, the default: off) evaluates f under
+    ``torch.autocast`` in that dtype, in the forward solve and in every backward mode, and casts its output
+    back to the state's dtype: the solver state, its history and its statistics stay in the state's dtype
+    (float32), the backward's vector-Jacobian products run through the same autocast graph.
+
     ``on_nonconvergence``: "ignore", "warn" or "raise" (`DEQConvergenceError`, carrying the stats) when the
     forward solve ends above f_tol.
 
@@ -89,6 +95,8 @@ class DEQConfig:
     on_nonconvergence: str = "ignore"
     # regularization: Hutchinson samples for stats.jac_loss (0 = off; only computed when grad is enabled)
     jac_reg_samples: int = 0
+    # mixed precision: f evaluated under autocast in this dtype, the solver state kept in its own (None: off)
+    f_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.f_final_step, bool):
@@ -103,6 +111,8 @@ class DEQConfig:
         _check_name("on_nonconvergence", self.on_nonconvergence, _ON_NONCONVERGENCE)
         _check_name("f_stop_mode", self.f_stop_mode, _STOP_MODES)
         _check_name("b_stop_mode", self.b_stop_mode, _STOP_MODES)
+        if self.f_dtype is not None:
+            _check_name("f_dtype", self.f_dtype, F_DTYPES)
         if self.b_mode == "reversible":  # no early stop: the budget is what runs
             _check_int("f_max_iter", self.f_max_iter, 1, MAX_REVERSIBLE_STEPS, "with b_mode='reversible'")
         for name in ("f_max_iter", "b_max_iter"):

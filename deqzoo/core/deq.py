@@ -54,6 +54,24 @@ class DeferredState:
         return z.detach() if isinstance(z, torch.Tensor) else type(z)(t.detach() for t in z)
 
 
+def _under_autocast(f, dtype: torch.dtype):
+    """f evaluated under torch.autocast in `dtype` (DEQConfig.f_dtype), each output tensor cast back to its
+    state tensor's dtype: the solver and its bookkeeping never see the low precision, f's matmuls and
+    convolutions do (autocast keeps its own float32 list, e.g. normalisations, in float32)."""
+
+    def run(z: State) -> State:
+        first = z if isinstance(z, torch.Tensor) else z[0]
+        with torch.autocast(first.device.type, dtype=dtype):
+            out = f(z)
+        if isinstance(z, torch.Tensor):
+            return out.to(z.dtype) if isinstance(out, torch.Tensor) else out
+        if isinstance(out, (tuple, list)) and len(out) == len(z):
+            return type(out)(o.to(s.dtype) if isinstance(o, torch.Tensor) else o for o, s in zip(out, z))
+        return out  # a structure mismatch: the state packer reports it
+
+    return run
+
+
 class DEQConvergenceError(RuntimeError):
     """The forward solve did not reach its tolerance (raised when on_nonconvergence="raise")."""
 
@@ -154,6 +172,8 @@ class DEQ(nn.Module):
         packer = StatePacker(z0)
         x0 = packer.flatten(z0)
         packer.check_finite(x0)
+        if cfg.f_dtype is not None:
+            f = _under_autocast(f, getattr(torch, cfg.f_dtype))
         g = packer.wrap(f)
         grad = torch.is_grad_enabled()
         if max_iter is None:
