@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .caps import check_gmres_memory
 from .solvers import get_solver
 from .solvers._contract import _Tracker
 from .stats import SolverStats
@@ -119,8 +120,6 @@ def _solve_adjoint(
 ) -> torch.Tensor:
     cfg = ctx.config
     if cfg.b_solver == "gmres":  # its basis grows with the budget: refused before any allocation
-        from .config import check_gmres_memory
-
         check_gmres_memory("b_max_iter", max_iter, y0)
     with torch.no_grad():
         y, bstats = get_solver(cfg.b_solver)(

@@ -1,34 +1,69 @@
-"""DEQConfig: every knob of a DEQ layer, validated on construction and JSON round-trippable."""
+"""DEQConfig: every knob of a DEQ layer, validated on construction and JSON round-trippable.
 
-from __future__ import annotations
+DEQConfig is a strict dataclass (huggingface_hub's ``@strict``, as transformers v5 and the zoo's model
+configs are): every field's type is checked on construction and on every later assignment, and the ranges and
+combinations in ``__post_init__`` when it is made (the module keeps real annotations, no postponed ones,
+so the type checks run)."""
 
-import importlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-import torch
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+from .caps import (
+    MAX_BROYDEN_MEMORY,
+    MAX_GRAPH_STEPS,
+    MAX_HISTORY,
+    MAX_ITER,
+    MAX_JAC_SAMPLES,
+    MAX_REVERSIBLE_STEPS,
+    MAX_STATES,
+)
 
 _ON_NONCONVERGENCE = ("ignore", "warn", "raise")
 _STOP_MODES = ("abs", "rel")
 F_DTYPES = ("bfloat16", "float16")  # f_dtype: f under torch.autocast in this dtype, the solver state as it is
 
-# Caps, checked when a DEQConfig is made or loaded (a model's config.json included), so that a budget typed
-# wrong (1e12, 10**9) is refused at once with the key named instead of running for months or growing until
-# memory runs out. Generous: ten times anything a zoo model or a paper uses.
-MAX_ITER = 10_000  # f_max_iter, b_max_iter, f_max_iter_min, state_indices entries, unrolled checkpoint
-MAX_REVERSIBLE_STEPS = 1_000  # f_max_iter with b_mode="reversible": every step runs (2N + 1 f calls)
-MAX_HISTORY = 64  # anderson / hyperanderson m (a (B, m, m) mixing system is solved every step)
-MAX_BROYDEN_MEMORY = 1_024  # broyden m (stored update pairs; its full memory keeps at most as many)
-MAX_GRAPH_STEPS = 1_000  # steps kept with a graph: phantom k, correction_k, shine refine
-MAX_STATES = 1_024  # n_states, len(state_indices), len(keep_steps)
-MAX_JAC_SAMPLES = 64  # jac_reg_samples (one vector-Jacobian product each)
-# GMRES keeps its whole Krylov basis (up to min(max_iter, MAX_BASIS + 1) states) and a stacked copy of it:
-# the bytes it would hold are checked before a solve allocates anything (`check_gmres_memory`)
-MAX_GMRES_BYTES = 4 * 2**30
 
 
+_UNSET = object()
+
+
+def _strict(cls: type) -> type:
+    """huggingface_hub's ``@strict`` with its field errors raised as ValueError naming ``DEQConfig.<key>``
+    and the value (the engine's one error type for a bad setting; the model configs translate theirs)."""
+    cls = strict(cls)
+    checked_setattr = cls.__setattr__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        old = self.__dict__.get(name, _UNSET)
+        try:
+            checked_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as err:
+            spec = cls.__dataclass_fields__[name]
+            kind = spec.metadata.get("expects") or getattr(spec.type, "__name__", None) or str(spec.type)
+            raise ValueError(f"DEQConfig.{name} must be {kind}, got {_short(value)} ({type(value).__name__})"
+                             ) from err
+        # an assignment after construction is checked as construction is (ranges, caps, combinations); a
+        # refused value is not kept
+        if self.__dict__.get("_built") and not self.__dict__.get("_checking"):
+            object.__setattr__(self, "_checking", True)
+            try:
+                self.__post_init__()
+            except Exception:
+                object.__setattr__(self, name, old)
+                raise
+            finally:
+                object.__setattr__(self, "_checking", False)
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+@_strict
 @dataclass
 class DEQConfig:
     """Configuration of a DEQ layer (forward solver, backward mode, regularization).
@@ -73,7 +108,7 @@ class DEQConfig:
     # forward solve
     f_solver: str = "anderson"
     f_max_iter: int = 30
-    f_tol: float = 1e-4
+    f_tol: float | int = field(default=1e-4, metadata={"expects": "a finite number > 0"})
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
@@ -82,15 +117,15 @@ class DEQConfig:
     b_mode: str = "ift"
     b_solver: str = "anderson"
     b_max_iter: int = 30
-    b_tol: float = 1e-6
+    b_tol: float | int = field(default=1e-6, metadata={"expects": "a finite number > 0"})
     b_stop_mode: str = "rel"
     b_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     b_mode_kwargs: dict[str, Any] = field(default_factory=dict)
     # fixed-point correction
     n_states: int = 0
-    state_indices: list[int] | None = None
+    state_indices: list[int] | tuple[int, ...] | None = None
     correction_k: int = 1
-    correction_tau: float = 1.0
+    correction_tau: float | int = 1.0
     # what the caller sees when the forward solve does not reach f_tol
     on_nonconvergence: str = "ignore"
     # regularization: Hutchinson samples for stats.jac_loss (0 = off; only computed when grad is enabled)
@@ -175,6 +210,8 @@ class DEQConfig:
                 f"f_solver='broyden', got {self.f_solver!r}"
             )
 
+        object.__setattr__(self, "_built", True)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -182,16 +219,16 @@ class DEQConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> DEQConfig:
+    def from_dict(cls, data: dict[str, Any] | None) -> "DEQConfig":
         data = dict(data or {})
         _check_known(data)
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> DEQConfig:
+    def from_json(cls, text: str) -> "DEQConfig":
         return cls.from_dict(json.loads(text))
 
-    def update(self, **changes: Any) -> DEQConfig:
+    def update(self, **changes: Any) -> "DEQConfig":
         """A validated copy with `changes` applied."""
         _check_known(changes)
         return replace(self, **changes)
@@ -220,8 +257,8 @@ def _check_int(name: str, value, minimum: int, maximum: int | None = None, when:
     """An int in [minimum, maximum]; the error names the key, the range (why it is capped) and the value."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
             maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:_}]"
-        cap = ' (deqzoo.core.config caps budgets and histories; docs/engine.md, "Caps")' if maximum else ""
+        bound = f">= {minimum}" if maximum is None else f">= {minimum} and <= {maximum:_}"
+        cap = ' (deqzoo.core.caps: docs/engine.md, "Caps")' if maximum else ""
         raise ValueError(f"DEQConfig.{name} must be an integer {bound}{' ' + when if when else ''}{cap}, "
                          f"got {_short(value)}")
 
@@ -241,28 +278,6 @@ def _check_history(field_name: str, solver: str, kwargs: dict) -> None:
             _check_int(f"{field_name}['keep_steps'] entry", k, 1, MAX_ITER)
 
 
-def check_gmres_memory(key: str, max_iter: int, x: torch.Tensor) -> None:
-    """Refuse a GMRES solve whose Krylov basis could exceed MAX_GMRES_BYTES, before it allocates: the basis
-    keeps up to min(max_iter, MAX_BASIS + 1) states of x's size and dtype, and a stacked copy of them.
-
-    Example:
-        >>> import torch
-        >>> from deqzoo.core.config import check_gmres_memory
-        >>> check_gmres_memory("b_max_iter", 30, torch.zeros(8, 1000))   # 2 * 30 * 8 * 1000 * 4 bytes: fine
-        >>> try:
-        ...     check_gmres_memory("b_max_iter", 1000, torch.zeros(64, 100_000))
-        ... except ValueError as err:
-        ...     print(str(err)[:64])
-        DEQConfig.b_max_iter=1000 with GMRES would keep up to 51,200,000
-    """
-    gmres_module = importlib.import_module(".solvers.gmres", __package__)
-    vectors = min(max_iter, getattr(gmres_module, "MAX_BASIS", max_iter) + 1)
-    need = 2 * vectors * x.numel() * x.element_size()
-    if need > MAX_GMRES_BYTES:
-        raise ValueError(
-            f"DEQConfig.{key}={max_iter} with GMRES would keep up to {need:,} bytes ({vectors} Krylov "
-            f"vectors of the state, {tuple(x.shape)} {x.dtype}, and a stacked copy), above the limit of "
-            f"{MAX_GMRES_BYTES:,} bytes (deqzoo.core.config.MAX_GMRES_BYTES); lower {key} or the batch size")
 
 
 def _check_known(keys) -> None:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
-from .config import DEQConfig, check_gmres_memory
+from .caps import check_gmres_memory
+from .config import DEQConfig
 from .norm import checked_once
 from .regularize import jacobian_reg
 from .solvers import final_step, get_solver

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .caps import MAX_ITER
 from .stats import SolverStats
 
 DEFAULT_BETA = 0.8
@@ -84,7 +85,7 @@ DEFAULT_SEGMENT_LOW = 2  # float32 and below
 # relative error stayed below the rebuild error in every measurement; docs/engine.md)
 DEFAULT_REBUILD_TOL = {torch.float64: 1e-10}
 DEFAULT_REBUILD_TOL_LOW = 1e-4  # float32 and below
-MAX_SEGMENT = 10_000  # as the step budget itself (deqzoo.core.config.MAX_ITER)
+MAX_SEGMENT = MAX_ITER  # as the step budget itself
 
 
 def check_beta(beta: Any) -> float:
