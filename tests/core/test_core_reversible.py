@@ -145,6 +145,12 @@ def test_reversible_validation_and_double_backward_error():
             DEQConfig(b_mode="reversible", b_mode_kwargs={"beta": beta})
     with pytest.raises(ValueError, match="does not accept"):
         DEQConfig(b_mode="reversible", b_mode_kwargs={"k": 3})
+    for segment in (-1, 2.0, "2", True):
+        with pytest.raises(ValueError, match=r"b_mode_kwargs\['segment'\]"):
+            DEQConfig(b_mode="reversible", b_mode_kwargs={"segment": segment})
+    for tol in (0, -1e-3, math.nan, "1e-4"):
+        with pytest.raises(ValueError, match=r"b_mode_kwargs\['rebuild_tol'\]"):
+            DEQConfig(b_mode="reversible", b_mode_kwargs={"rebuild_tol": tol})
     w, u, x = nonnormal_problem(torch.float64)
     deq = DEQ(DEQConfig(b_mode="reversible", f_max_iter=3))
     z, _ = deq(lambda z: torch.tanh(z @ w.T + x @ u.T), torch.zeros(5, 24, dtype=torch.float64))
