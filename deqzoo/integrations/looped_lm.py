@@ -143,8 +143,13 @@ class HrmTextCore:
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
-        mask_kwargs = {"config": base.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                       "past_key_values": past_key_values, "position_ids": position_ids}  # fmt: skip
+        mask_kwargs = {
+            "config": base.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+        }
         first = past_key_values is None or not past_key_values.is_initialized
         if token_type_ids is not None and first and base.config.prefix_lm:
             mask_kwargs["block_sequence_ids"] = torch.where(token_type_ids == 1, 0, -1)
@@ -167,8 +172,12 @@ class HrmTextCore:
     def step(self, state: State, ctx: _HrmContext, cache: Any, k: int) -> State:
         z_H, z_L = state
         h = min(k, self.H - 1)
-        common = {"attention_mask": ctx.mask, "past_key_values": cache,
-                  "position_embeddings": ctx.position_embeddings, "position_ids": ctx.position_ids}  # fmt: skip
+        common = {
+            "attention_mask": ctx.mask,
+            "past_key_values": cache,
+            "position_embeddings": ctx.position_embeddings,
+            "position_ids": ctx.position_ids,
+        }
         for l in range(self.L):
             z_L = self.base.L_module(z_L + z_H, cycle_offset=self._offset(h, l), **common)
         z_H = self.base.H_module(z_H + z_L, cycle_offset=self._offset(h, self.L), **common)
@@ -190,16 +199,18 @@ def _core_of(model: Any) -> LoopedCore:
     maker = getattr(model, "looped_core", None)
     if maker is None:
         raise UnsupportedLoopedModelError(
-            f"{cls} has no recurrent core that LoopedLM knows: supported are transformers' HrmTextForCausalLM "
-            f"and models with a `looped_core()` method returning a deqzoo.integrations.looped_lm.LoopedCore "
+            f"{cls} has no recurrent core that LoopedLM knows: supported are transformers' "
+            f"HrmTextForCausalLM and models with a `looped_core()` method returning a "
+            f"deqzoo.integrations.looped_lm.LoopedCore "
             f"(num_steps, prepare, initial_state, warm_state, step, step_slots, head)"
         )
     core = maker()
-    missing = [n for n in ("num_steps", "prepare", "initial_state", "warm_state", "step", "step_slots", "head")
-               if not hasattr(core, n)]  # fmt: skip
+    names = ("num_steps", "prepare", "initial_state", "warm_state", "step", "step_slots", "head")
+    missing = [n for n in names if not hasattr(core, n)]
     if missing:
         raise UnsupportedLoopedModelError(
-            f"{cls}.looped_core() returned {type(core).__name__}, which lacks {missing} of the LoopedCore protocol"
+            f"{cls}.looped_core() returned {type(core).__name__}, which lacks {missing} of the LoopedCore "
+            f"protocol"
         )
     if getattr(model, "get_output_embeddings", lambda: None)() is None:
         raise UnsupportedLoopedModelError(f"{cls} has no LM head (get_output_embeddings() returned None)")
@@ -216,17 +227,17 @@ def _check_cache(cache: Any) -> None:
         return
     if type(cache) is not DynamicCache:
         raise UnsupportedLoopedModelError(
-            f"LoopedLM cannot use a {type(cache).__name__} as KV cache: it needs transformers' DynamicCache with "
-            f"full-attention DynamicLayer layers, whose keys it can read without writing while the solver "
-            f"iterates (a {type(cache).__name__} has no such read-only access); use cache_implementation="
-            f"'dynamic' or no cache"
+            f"LoopedLM cannot use a {type(cache).__name__} as KV cache: it needs transformers' DynamicCache "
+            f"with full-attention DynamicLayer layers, whose keys it can read without writing while the "
+            f"solver iterates (a {type(cache).__name__} has no such read-only access); use "
+            f"cache_implementation='dynamic' or no cache"
         )
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
     if bad:
         raise UnsupportedLoopedModelError(
-            f"LoopedLM cannot use this DynamicCache: its layers include {sorted(set(bad))}, not full-attention "
-            f"DynamicLayer (sliding-window, quantized and offloaded layers drop or transform keys, so a solve "
-            f"cannot read the earlier tokens' keys of every step)"
+            f"LoopedLM cannot use this DynamicCache: its layers include {sorted(set(bad))}, not "
+            f"full-attention DynamicLayer (sliding-window, quantized and offloaded layers drop or transform "
+            f"keys, so a solve cannot read the earlier tokens' keys of every step)"
         )
 
 
@@ -242,7 +253,10 @@ class _SolveView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         s = min(self.step, self.core.num_steps - 1)
-        self.pending.setdefault(s, {})[layer_idx - self.core.step_slots(self.step)[0]] = (key_states, value_states)
+        self.pending.setdefault(s, {})[layer_idx - self.core.step_slots(self.step)[0]] = (
+            key_states,
+            value_states,
+        )
         layers = self.cache.layers if self.cache is not None else []
         if layer_idx < len(layers) and layers[layer_idx].is_initialized and layers[layer_idx].keys.numel():
             layer = layers[layer_idx]
@@ -268,13 +282,15 @@ class LoopedCausalLMOutput(CausalLMOutputWithPast):
     """The stock ``CausalLMOutputWithPast`` plus, per token ``(batch, seq)``: ``nfe`` (f calls until the
     token's residual fell below tol, else all the solve made), ``residual`` (at the returned state, in the
     stop mode), ``residual_ratio`` (the token's last residual over the one before: the observed contraction
-    rate, < 1 when the iteration contracts; NaN with one call), ``converged``; and ``solver_stats`` (the
-    engine's `SolverStats`, rows = tokens)."""
+    rate, < 1 when the iteration contracts; NaN with one call), ``converged``; ``state`` (the core's state
+    the logits come from, a tuple of ``(batch, seq, d_i)``, detached) and ``solver_stats`` (the engine's
+    `SolverStats`, rows = tokens)."""
 
     nfe: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     residual_ratio: torch.Tensor | None = None
     converged: torch.Tensor | None = None
+    state: tuple[torch.Tensor, ...] | None = None
     solver_stats: SolverStats | None = None
 
 
@@ -359,12 +375,14 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         solver_kwargs = dict(solver_kwargs or {})
         known = solver_kwarg_names(solver)
         if known is not None and set(solver_kwargs) - known:
-            raise ValueError(f"solver {solver!r} does not take {sorted(set(solver_kwargs) - known)}; it takes "
-                             f"{sorted(known)}")  # fmt: skip
+            extra = sorted(set(solver_kwargs) - known)
+            raise ValueError(f"solver {solver!r} does not take {extra}; it takes {sorted(known)}")
         if answer not in ("best", "last"):
             raise ValueError(f"answer must be 'best' or 'last', got {answer!r}")
         if on_nonconvergence not in ("ignore", "warn", "raise"):
-            raise ValueError(f"on_nonconvergence must be 'ignore', 'warn' or 'raise', got {on_nonconvergence!r}")
+            raise ValueError(
+                f"on_nonconvergence must be 'ignore', 'warn' or 'raise', got {on_nonconvergence!r}"
+            )
         attn = model.config._attn_implementation
         super().__init__(model.config)
         if model.config._attn_implementation != attn:  # never change the wrapped model's behaviour
@@ -447,7 +465,9 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
             prev = self._warm.initial(warm_key, default)
             if prev is not default:
                 warm_hit = True
-                z0 = self.core.warm_state(ctx, tuple(p[:, None] for p in prev.split([t.shape[-1] for t in z0], 1)))
+                z0 = self.core.warm_state(
+                    ctx, tuple(p[:, None] for p in prev.split([t.shape[-1] for t in z0], 1))
+                )
         view = _SolveView(past_key_values, self.core)
         rec = _Recorder(self.core, ctx, view, (batch, seq), self.tol, self.stop_mode == "rel")
         with torch.no_grad():
@@ -480,7 +500,9 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        nfe_rows = torch.where(rec.first_below > 0, rec.first_below, torch.full_like(rec.first_below, rec.calls))
+        nfe_rows = torch.where(
+            rec.first_below > 0, rec.first_below, torch.full_like(rec.first_below, rec.calls)
+        )
         per_token = {
             "nfe": nfe_rows.reshape(batch, seq),
             "residual": stats.residual.detach().reshape(batch, seq),
@@ -492,7 +514,8 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         if self.log_stats:
             self.stats_log.append({k: v.cpu() for k, v in per_token.items()})
         return LoopedCausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values,
-                                    solver_stats=stats, **per_token)  # fmt: skip
+                                    state=tuple(t.detach() for t in z_out), solver_stats=stats,
+                                    **per_token)  # fmt: skip
 
     def _report(self, stats: SolverStats) -> None:
         if self.on_nonconvergence == "ignore" or stats.all_converged:
