@@ -62,13 +62,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..core import DEQConvergenceError, FixedPointCache, SolverStats, solve
 from ..core.solvers import solver_kwarg_names
+from ..errors import DeqzooError
 
 __all__ = ["HrmTextCore", "LoopedCausalLMOutput", "LoopedCore", "LoopedLM", "UnsupportedLoopedModelError"]
 
 State = tuple[torch.Tensor, ...]
 
 
-class UnsupportedLoopedModelError(TypeError):
+class UnsupportedLoopedModelError(DeqzooError, TypeError):
     """A model (or a cache) that `LoopedLM` cannot run: the message names its class and what is missing."""
 
 
@@ -346,6 +347,12 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
     ``fixed_point`` solver). It is a transformers ``PreTrainedModel`` with ``generate()``, usable in
     ``pipeline("text-generation", model=looped, tokenizer=...)``; its forward returns a
     `LoopedCausalLMOutput`. The wrapped model's weights are shared, not copied.
+
+    ``answer``: "best" (default) computes the logits from f at the solver's lowest-residual iterate per token
+    (the engine's answer); "last" from f at the last point the solver evaluated (a token the solver froze:
+    its converged point), which is what a fixed-step loop returns (`own_loop` uses it). Either way the
+    residual, converged flag and state in the output describe the point the logits come from, and the
+    output step costs no extra call when f was last evaluated there.
 
     ``warm_start=True``: in generation, each new token's solve starts from the previous token's fixed point
     (kept per KV-cache object in a `deqzoo.core.FixedPointCache`; the core decides which parts of the state
