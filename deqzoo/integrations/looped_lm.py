@@ -283,13 +283,18 @@ class LoopedCausalLMOutput(CausalLMOutputWithPast):
     """The stock ``CausalLMOutputWithPast`` plus, per token ``(batch, seq)``: ``nfe`` (f calls until the
     token's residual fell below tol, else all the solve made), ``residual`` (at the returned state, in the
     stop mode), ``residual_ratio`` (the token's last residual over the one before: the observed contraction
-    rate, < 1 when the iteration contracts; NaN with one call), ``converged``; ``state`` (the core's state
-    the logits come from, a tuple of ``(batch, seq, d_i)``, detached) and ``solver_stats`` (the engine's
-    `SolverStats`, rows = tokens)."""
+    rate of the solver, for ``fixed_point`` the core's contraction, < 1 when the iteration contracts; NaN
+    with one call), ``jacobian_norm`` (with ``jacobian_steps`` > 0: a power-iteration estimate of the
+    spectral norm of f's Jacobian at the answer) and ``spectral_radius`` (likewise, of its spectral radius:
+    < 1 is local contraction; both exact per token when each row is one token, as in decoding; NaN without
+    ``jacobian_steps``), ``converged``; ``state`` (the core's state the logits come from, a tuple of
+    ``(batch, seq, d_i)``, detached) and ``solver_stats`` (the engine's `SolverStats`, rows = tokens)."""
 
     nfe: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     residual_ratio: torch.Tensor | None = None
+    jacobian_norm: torch.Tensor | None = None
+    spectral_radius: torch.Tensor | None = None
     converged: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] | None = None
     solver_stats: SolverStats | None = None
@@ -360,6 +365,10 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
     (`deqzoo.core.DEQConvergenceError` carrying the stats). ``log_stats=True`` appends each forward's
     per-token (nfe, residual, converged) to ``self.stats_log``.
 
+    ``jacobian_steps=n`` > 0: per token, estimates of the spectral norm and spectral radius of f's Jacobian
+    at the answer from n power-iteration steps (each about three f calls' work, on the math attention
+    kernel; exact per token in decoding); they are in the output as ``jacobian_norm`` / ``spectral_radius``.
+
     Training: the solve builds no graph; with autograd enabled the output step f(z*) is re-evaluated with
     gradient (a one-step, Jacobian-free gradient, as HRM's own 1-step training), costing one more f call.
     """
@@ -372,7 +381,7 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
                  max_iter: int = 30, tol: float = 1e-4, stop_mode: str = "rel",
                  solver_kwargs: dict | None = None, warm_start: bool = False,
                  on_nonconvergence: str = "ignore", log_stats: bool = False,
-                 answer: str = "best"):  # fmt: skip
+                 answer: str = "best", jacobian_steps: int = 0):  # fmt: skip
         core = core if core is not None else _core_of(model)
         from ..core.solvers import get_solver
         from ..core.solvers._contract import _check_solve_args
@@ -404,6 +413,9 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         self.solver_kwargs = solver_kwargs
         self.warm_start, self.on_nonconvergence, self.log_stats = warm_start, on_nonconvergence, log_stats
         self.answer = answer
+        if isinstance(jacobian_steps, bool) or not isinstance(jacobian_steps, int) or jacobian_steps < 0:
+            raise ValueError(f"jacobian_steps must be an integer >= 0, got {jacobian_steps!r}")
+        self.jacobian_steps = jacobian_steps
         self.stats_log: list[dict[str, torch.Tensor]] = []
         self._warm = FixedPointCache()
         self._warm_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -412,7 +424,8 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_model(cls, model: PreTrainedModel, **settings) -> LoopedLM:
         """Wrap `model` with solver settings (``solver``, ``max_iter``, ``tol``, ``stop_mode``,
-        ``solver_kwargs``, ``warm_start``, ``on_nonconvergence``, ``log_stats``, ``core``)."""
+        ``solver_kwargs``, ``answer``, ``warm_start``, ``on_nonconvergence``, ``log_stats``,
+        ``jacobian_steps``, ``core``)."""
         return cls(model, **settings)
 
     @classmethod
@@ -494,6 +507,7 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
             out_rows = rec.last[1]
         else:
             out_rows = rec.evaluate(z_rows)
+        jac = self._jacobian(rec, ctx, past_key_values, z_rows) if self.jacobian_steps else None
         view.commit()
         z_out = rec.to_seq(out_rows)
         if warm_key is not None:
@@ -516,6 +530,9 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
             "residual_ratio": (rec.r_last / rec.r_prev).reshape(batch, seq),
             "converged": stats.converged.reshape(batch, seq),
         }
+        nan = torch.full((batch, seq), math.nan, dtype=torch.float64)
+        per_token["jacobian_norm"] = jac[0].reshape(batch, seq) if jac else nan
+        per_token["spectral_radius"] = jac[1].reshape(batch, seq) if jac else nan.clone()
         stats.extra["warm_start"] = warm_hit
         self._report(stats)
         if self.log_stats:
@@ -523,6 +540,56 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         return LoopedCausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values,
                                     state=tuple(t.detach() for t in z_out), solver_stats=stats,
                                     **per_token)  # fmt: skip
+
+    def _jacobian(
+        self, rec: _Recorder, ctx: Any, cache: Cache | None, z_rows: State
+    ) -> tuple[torch.Tensor, ...]:
+        """Per token, estimates of the spectral norm and the spectral radius of J, f's Jacobian at z_rows (f:
+        the model's last step map), from ``jacobian_steps`` steps of two power iterations started from a fixed
+        random direction: on JᵀJ (sqrt of its Rayleigh growth: sigma_max) and on J (the geometric mean of
+        the growth over the last half of the steps: rho, as Gelfand's formula; robust to complex pairs).
+        J v comes from differentiating a VJP (double backward), Jᵀ w from a VJP, on one graph of f. Each
+        token's block is normalised on its own: exact when a row is one token (decoding)."""
+        view = _SolveView(cache, self.core)  # read-only: never committed
+        view.step = self.core.num_steps - 1
+
+        def row_norm(ts):
+            return torch.sqrt(sum(torch.linalg.vector_norm(t, dim=1, dtype=torch.float64) ** 2 for t in ts))
+
+        def unit(ts):
+            n = row_norm(ts).clamp_min(1e-300)
+            return tuple((t / n[:, None].to(t.dtype)).detach() for t in ts)
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        v = unit(tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in z_rows))
+        u = v
+        sigma = torch.full((z_rows[0].shape[0],), math.nan, dtype=torch.float64)
+        logs = []
+        # the math attention kernel: J v differentiates a backward pass, which the fused kernels cannot
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            z = tuple(t.detach().requires_grad_(True) for t in z_rows)
+            fz = rec.to_rows(self.core.step(rec.to_seq(z), ctx, view, self.core.num_steps - 1))
+            probe = tuple(torch.zeros_like(t, requires_grad=True) for t in fz)
+            jt_probe = torch.autograd.grad(fz, z, probe, create_graph=True)  # Jᵀ probe, linear in probe
+
+            def jvp(x):
+                return torch.autograd.grad(jt_probe, probe, x, retain_graph=True)
+
+            def vjp(w):
+                return torch.autograd.grad(fz, z, w, retain_graph=True)
+
+            for _ in range(self.jacobian_steps):
+                w = vjp(jvp(v))
+                sigma = torch.sqrt(row_norm(w)).cpu()  # |v| = 1: |JᵀJ v| -> sigma_max²
+                v = unit(w)
+                ju = jvp(u)
+                logs.append(torch.log(row_norm(ju).clamp_min(1e-300)).cpu())
+                u = unit(ju)
+        tail = logs[len(logs) // 2 :]
+        rho = torch.exp(torch.stack(tail).mean(0)) if tail else sigma.clone()
+        return sigma, rho
 
     def _report(self, stats: SolverStats) -> None:
         if self.on_nonconvergence == "ignore" or stats.all_converged:

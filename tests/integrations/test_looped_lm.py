@@ -214,6 +214,51 @@ def test_warm_start_in_generation():
             assert other.solver_stats.extra["warm_start"] is False
 
 
+def _dense_jacobian(looped, token, cache, state, b):
+    """f's Jacobian for row b of a one-token decode step, built column by column by autograd (reference)."""
+    from deqzoo.integrations.looped_lm import _SolveView
+
+    core = looped.core
+    ctx = core.prepare(token, None, None, None, cache)
+    view = _SolveView(cache, core)
+    view.step = core.num_steps - 1
+    sizes = [t.shape[-1] for t in state]
+
+    def f(flat):
+        parts = flat.split(sizes, -1)
+        st = tuple(torch.cat([s[:b], p[None, None], s[b + 1 :]], 0) for s, p in zip(state, parts))
+        return torch.cat([t[b, 0] for t in core.step(st, ctx, view, core.num_steps - 1)], -1)
+
+    return torch.autograd.functional.jacobian(f, torch.cat([t[b, 0] for t in state], -1))
+
+
+@pytest.mark.parametrize("make", [lambda: huginn(4, torch.float64), lambda: hrm(2, 2, dtype=torch.float64)],
+                         ids=["huginn", "hrm_text"])  # fmt: skip
+def test_jacobian_estimates_per_token(make):
+    """jacobian_norm and spectral_radius against the dense Jacobian's 2-norm and largest |eigenvalue|, per
+    token of a decode step. The random-init HRM-Text sits at the margin: spectral radius 1."""
+    import copy
+
+    model = make()
+    looped = LoopedLM.from_model(model, solver="anderson", max_iter=80, tol=1e-10, solver_kwargs={"m": 10})
+    with torch.no_grad():
+        out = looped(ids(seq=5), use_cache=True)
+        token, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+        before = copy.deepcopy(cache)
+        assert bool(out.jacobian_norm.isnan().all())  # not asked for
+        looped.jacobian_steps = 150
+        step = looped(token, past_key_values=cache, use_cache=True)
+    for b in range(2):
+        J = _dense_jacobian(looped, token, copy.deepcopy(before), step.state, b)
+        norm, rho = torch.linalg.matrix_norm(J, 2).item(), torch.linalg.eigvals(J).abs().max().item()
+        if bool(step.converged[b, 0]):  # J at the answer = J at the reported state
+            assert abs(step.jacobian_norm[b, 0].item() - norm) < 1e-3 * norm
+            assert abs(step.spectral_radius[b, 0].item() - rho) < 2e-2 * rho
+            assert rho < 1  # converged, and contracting there
+        else:
+            assert abs(step.spectral_radius[b, 0].item() - 1) < 0.02 and abs(rho - 1) < 0.02
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 
