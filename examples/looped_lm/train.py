@@ -191,7 +191,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        recent.append(float(loss))
+        recent.append(float(loss.detach()))
         bar.update(1)
         if step % args.eval_every == 0 or step == args.steps:
             entry = {"step": step, "train_loss": sum(recent) / len(recent),
