@@ -448,6 +448,11 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):  # the wrapped model is initialised (or loaded) already
         pass
 
+    def save_pretrained(self, *args, **kwargs):
+        """Saves the wrapped model (a stock checkpoint its own class loads); the solver settings are not
+        part of it: wrap the loaded model again."""
+        return self.model.save_pretrained(*args, **kwargs)
+
     def _warm_key(self, cache: Cache) -> str:
         key = self._warm_keys.get(cache)
         if key is None:

@@ -87,6 +87,48 @@ def test_generate_token_for_token(make):
     assert len(own.stats_log) == 10 and own.stats_log[1]["nfe"].shape == (2, 1)  # prefill, then one per token
 
 
+def test_beam_search_matches_stock():
+    model, x = hrm(3, 2), ids(seq=5)
+    kw = {"max_new_tokens": 6, "do_sample": False, "num_beams": 3, "pad_token_id": 0}
+    assert torch.equal(LoopedLM.own_loop(model).generate(x, **kw), model.generate(x, **kw))
+
+
+def test_one_step_gradient_and_loss():
+    """With labels and autograd: the loss equals the stock model's, and the gradient is the one-step gradient
+    (autograd through the last step only, from the detached state before it), written out by hand here."""
+    model, x = huginn(3, torch.float64), ids()
+    looped = LoopedLM.own_loop(model)
+    out = looped(x, labels=x, use_cache=False)
+    with torch.no_grad():
+        stock = model.loss_function(logits=model(x).logits, labels=x, vocab_size=64)  # the stock loss
+    assert abs(out.loss.item() - stock.item()) < 1e-12
+    out.loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    core = looped.core
+    ctx = core.prepare(x, None, None, None, None)
+    with torch.no_grad():
+        z = core.initial_state(ctx)
+        for k in range(core.num_steps - 1):
+            z = core.step(z, ctx, None, k)
+    ctx = core.prepare(x, None, None, None, None)  # the embedding with its graph
+    z = core.step(tuple(t.detach() for t in z), ctx, None, core.num_steps - 1)
+    logits = model.lm_head(core.head(z, ctx, None))
+    model.loss_function(logits=logits, labels=x, vocab_size=64).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want) and {"adapter.weight", "lm_head.weight", "wte.weight"} <= set(got)
+    for n in want:
+        assert torch.allclose(got[n], want[n], atol=1e-12), n
+
+
+def test_save_pretrained_saves_the_stock_model(tmp_path):
+    model, x = hrm(2, 2), ids()
+    LoopedLM.own_loop(model).save_pretrained(tmp_path)
+    again = HrmTextForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, model(x).logits)
+
+
 @pytest.mark.parametrize("make", [lambda: hrm(3, 2), lambda: huginn(4)], ids=["hrm_text", "huginn"])
 def test_cached_decoding_matches_full_recompute(make):
     """Each decode step through the adapter's cache view equals the stock model on the whole sequence."""
