@@ -254,10 +254,13 @@ class _SolveView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         s = min(self.step, self.core.num_steps - 1)
-        self.pending.setdefault(s, {})[layer_idx - self.core.step_slots(self.step)[0]] = (
-            key_states,
-            value_states,
-        )
+        slots = self.core.step_slots(self.step)
+        if layer_idx not in slots:
+            raise UnsupportedLoopedModelError(
+                f"{type(self.core).__name__}.step({self.step}) wrote cache layer {layer_idx}, outside its "
+                f"step_slots({self.step}) = {slots}"
+            )
+        self.pending.setdefault(s, {})[layer_idx - slots[0]] = (key_states, value_states)
         layers = self.cache.layers if self.cache is not None else []
         if layer_idx < len(layers) and layers[layer_idx].is_initialized and layers[layer_idx].keys.numel():
             layer = layers[layer_idx]
@@ -270,8 +273,14 @@ class _SolveView:
             return
         last = max(self.pending)
         for s in range(self.core.num_steps):
-            src = self.pending[min(s, last)] if s <= last else self.pending[last]
-            for j, idx in enumerate(self.core.step_slots(s)):
+            src = self.pending.get(s, self.pending[last])
+            slots = self.core.step_slots(s)
+            if len(src) != len(slots):
+                raise UnsupportedLoopedModelError(
+                    f"{type(self.core).__name__}.step wrote {len(src)} cache layers, but step_slots({s}) "
+                    f"names {len(slots)}: {slots}"
+                )
+            for j, idx in enumerate(slots):
                 self.cache.update(*src[j], idx)
 
 

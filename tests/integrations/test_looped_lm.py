@@ -324,6 +324,20 @@ def test_model_without_recurrent_core_is_refused():
         LoopedLM.from_model(gpt2)
 
 
+def test_core_writing_outside_its_slots_is_refused():
+    from huginn_fixture import TinyHuginnCore
+
+    class Short(TinyHuginnCore):  # claims one cache layer fewer than its step writes
+        def step_slots(self, k):
+            r = super().step_slots(k)
+            return range(r.start, r.stop - 1)
+
+    model = huginn(4)
+    looped = LoopedLM.own_loop(model, core=Short(model))
+    with pytest.raises(UnsupportedLoopedModelError, match=r"Short.step\(0\) wrote cache layer 2, outside"):
+        looped(ids(), use_cache=True)
+
+
 def test_unsupported_caches_are_refused():
     from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer, StaticCache
 
