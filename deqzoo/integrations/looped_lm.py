@@ -484,6 +484,11 @@ class LoopedLM(PreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> LoopedCausalLMOutput:
         kwargs.pop("return_dict", None)
+        asked = [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)]
+        if asked:  # the solve's intermediate layers are not one forward's: refuse rather than return nothing
+            raise ValueError(
+                f"LoopedLM does not return {asked}: per-token solve statistics are in its output"
+            )
         _check_cache(past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:

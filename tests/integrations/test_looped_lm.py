@@ -87,6 +87,14 @@ def test_generate_token_for_token(make):
     assert len(own.stats_log) == 10 and own.stats_log[1]["nfe"].shape == (2, 1)  # prefill, then one per token
 
 
+def test_generate_left_padded_batch():
+    model, x = hrm(3, 2), ids(seq=6)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(LoopedLM.own_loop(model).generate(x, **kw), model.generate(x, **kw))
+
+
 def test_beam_search_matches_stock():
     model, x = hrm(3, 2), ids(seq=5)
     kw = {"max_new_tokens": 6, "do_sample": False, "num_beams": 3, "pad_token_id": 0}
@@ -364,6 +372,10 @@ def test_bad_settings_named():
         LoopedLM.from_model(model, solver="fixed_point", solver_kwargs={"m": 5})
     with pytest.raises(ValueError, match="answer"):
         LoopedLM.from_model(model, answer="first")
+    with pytest.raises(ValueError, match="jacobian_steps"):
+        LoopedLM.from_model(model, jacobian_steps=-1)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        LoopedLM.own_loop(model)(ids(), output_hidden_states=True)
 
 
 def test_both_cores_follow_the_protocol():
