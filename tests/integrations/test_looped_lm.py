@@ -203,6 +203,21 @@ def test_per_token_nfe_and_halting():
     assert float(plain.residual[0, -1]) > 1e-4 and float(plain.residual_ratio[0, -1]) > 0.99
 
 
+def test_a_sequence_does_not_depend_on_its_batch_mates():
+    """Per-token stopping is the engine's per-sample stopping: a sequence solved beside another gets the same
+    per-token NFE, flags and logits as solved alone (float64)."""
+    x = ids(batch=3)
+    looped = LoopedLM.from_model(huginn(4, torch.float64), solver="anderson", max_iter=60, tol=1e-6,
+                                 solver_kwargs={"m": 5})  # fmt: skip
+    with torch.no_grad():
+        together = looped(x)
+        for b in range(3):
+            alone = looped(x[b : b + 1])
+            assert torch.equal(alone.nfe[0], together.nfe[b])
+            assert torch.equal(alone.converged[0], together.converged[b])
+            assert (alone.logits[0] - together.logits[b]).abs().max().item() < 1e-10
+
+
 @pytest.mark.parametrize("make", [lambda: huginn(4, scale=20.0), lambda: hrm(2, 2, initializer_range=1.0)],
                          ids=["huginn_x20", "hrm_text_init1"])  # fmt: skip
 def test_drifting_core_reported_per_token(make):
@@ -391,3 +406,37 @@ def test_wrapping_leaves_the_model_alone():
         LoopedLM.from_model(model, solver="anderson", max_iter=5)(x)
         after = model(x).logits
     assert torch.equal(before, after) and model.config._attn_implementation == attn
+
+
+def test_training_state_round_trip(tmp_path):
+    """examples/looped_lm/train.py: the resumable state restores weights, AdamW moments and both RNGs."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "looped_lm" / "train.py"
+    spec = importlib.util.spec_from_file_location("looped_lm_train", script)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+
+    def setup():
+        model = hrm(2, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model.train(), opt, torch.Generator().manual_seed(3)
+
+    def one_step(model, opt, gen):
+        rows = torch.randint(0, 64, (2, 6), generator=gen)
+        opt.zero_grad()
+        model(rows, labels=rows, use_cache=False).loss.backward()
+        opt.step()
+
+    model, opt, gen = setup()
+    one_step(model, opt, gen)
+    train.save_state(tmp_path, model, opt, gen, 1, [{"step": 1}], 2.5)
+    torch.manual_seed(11)
+    one_step(model, opt, gen)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2, gen2 = setup()
+    assert train.load_state(tmp_path, model2, opt2, gen2) == (1, [{"step": 1}], 2.5)
+    torch.manual_seed(11)
+    one_step(model2, opt2, gen2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
