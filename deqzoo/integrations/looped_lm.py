@@ -3,7 +3,8 @@
 A looped LM applies one block of layers many times per token. `LoopedLM` wraps such a model and hands its
 recurrent core to deqzoo's solvers as f(z; x), with every token a row of the solve (``(batch, seq)`` are
 flattened into rows, so the engine's per-sample stopping is per-token halting), and reports per token the f
-calls it needed, its residual, an observed contraction rate and whether it converged.
+calls it needed, its residual, an observed contraction rate, whether it converged and, on request, estimates
+of the spectral norm and spectral radius of the core's Jacobian.
 
 What a looped model must expose is the `LoopedCore` protocol: ``prepare`` (embedding / prelude and the
 per-call context), ``initial_state`` and ``warm_state`` (where a solve starts), ``step`` (one application of
