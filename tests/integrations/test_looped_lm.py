@@ -66,6 +66,19 @@ def test_hrm_own_loop_with_padding_mask():
     assert (out - ref)[1].abs().max().item() <= 1e-5 and (out - ref)[0, 3:].abs().max().item() <= 1e-5
 
 
+def test_hrm_own_loop_with_prefix_lm_token_types():
+    """HRM-Text's prefix-LM mask (token_type_ids == 1: a bidirectional block) goes through prepare."""
+    model, x = hrm(3, 2), ids()
+    types = torch.zeros_like(x)
+    types[:, :4] = 1
+    with torch.no_grad():
+        ref = model(x, token_type_ids=types).logits
+        out = LoopedLM.own_loop(model)(x, token_type_ids=types).logits
+        causal = model(x).logits
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert (ref - causal).abs().max().item() > 1e-3  # the mask matters here
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("steps", [1, 4, 7])
 def test_huginn_own_loop_reproduces_stock_logits(dtype, atol, steps):
