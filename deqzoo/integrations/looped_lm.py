@@ -234,6 +234,11 @@ def _check_cache(cache: Any) -> None:
             f"solver iterates (a {type(cache).__name__} has no such read-only access); use "
             f"cache_implementation='dynamic' or no cache"
         )
+    if getattr(cache, "offloading", False):
+        raise UnsupportedLoopedModelError(
+            "LoopedLM cannot use an offloading DynamicCache: its layers move to the CPU between uses, and a "
+            "solve reads every step's keys on each iteration; use DynamicCache() without offloading"
+        )
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
     if bad:
         raise UnsupportedLoopedModelError(

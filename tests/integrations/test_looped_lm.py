@@ -386,6 +386,10 @@ def test_unsupported_caches_are_refused():
     sliding.layers.append(DynamicSlidingWindowLayer(sliding_window=4))
     with pytest.raises(UnsupportedLoopedModelError, match=r"DynamicSlidingWindowLayer"):
         looped(ids(), past_key_values=sliding, use_cache=True)
+    offloading = DynamicCache()
+    offloading.offloading = True  # as DynamicCache(offloading=True) sets it (whose constructor needs a GPU)
+    with pytest.raises(UnsupportedLoopedModelError, match="offloading DynamicCache"):
+        looped(ids(), past_key_values=offloading, use_cache=True)
     with pytest.raises(UnsupportedLoopedModelError, match="StaticCache"):
         looped.generate(ids(), max_new_tokens=2, cache_implementation="static", pad_token_id=0)
 
