@@ -21,12 +21,15 @@ import torch
 
 __all__ = [
     "CHECKPOINTS",
+    "Deadline",
     "LIMITS",
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
     "MAX_PROMPT_TOKENS",
     "REQUEST_SECONDS",
     "SOLVERS",
+    "clamp_float",
+    "clamp_int",
     "classify_digit",
     "ddim_compare",
     "flow_frames",
@@ -173,7 +176,10 @@ def read_image(path: str | Path, what: str = "image"):
     size = path.stat().st_size
     if size > MAX_IMAGE_BYTES:
         raise ValueError(f"{what} {path.name!r} is {size:,} bytes, above the limit of {MAX_IMAGE_BYTES:,}")
-    return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
+    try:
+        return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
+    except ValueError as err:  # PIL's own messages name the upload's temporary path: the name is enough
+        raise ValueError(str(err).replace(str(path), path.name)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The app under hostile load: a server of its own on loopback (a separate process, so its memory is measured
 alone), 20 hostile requests at once (a prompt of 2,000 emoji, a 10,000x10,000 image, an empty upload, slider
 values far outside the page's ranges) while a normal request is answered within 3x its usual time; memory
-stays bounded, every hostile request gets a clean answer (a short message or a clamped result, never a
-traceback) and the server is still up at the end."""
+stays bounded, every hostile request gets a short message naming what is wrong (never a traceback, never a
+server path) and the server is still up at the end. (Gradio itself refuses values outside a slider's range;
+the app's functions clamp to the same ranges for callers that bypass Gradio: test_app_offline.py.)"""
 
 from __future__ import annotations
 
@@ -90,9 +91,10 @@ def _hostile_requests(client, tmp_path):
         + [("classify_digit", (None, handle_file(str(huge)), 0, MNIST, "anderson", 30, 1e-4))] * 3
         + [("classify_digit", (None, handle_file(str(empty)), 0, MNIST, "anderson", 30, 1e-4))]
         + [("flow_frames", ([handle_file(str(huge)), handle_file(str(huge))],))]
-        + [("classify_digit", (None, None, far, MNIST, "anderson", far, -1.0))]
-        + [("generate", ("def f(x):", far, -far, "anderson", far, 0.0))] * 2
-        + [("ddim_compare", (far, -1, far, "anderson", -1.0))] * 2
+        # slider values far outside the page's ranges (Gradio refuses them before the app's own clamping)
+        + [("classify_digit", (None, None, 3, MNIST, "anderson", far, -1.0))]
+        + [("generate", ("def f(x):", far, 0, "anderson", far, 0.0))] * 2
+        + [("ddim_compare", (far, 0, far, "anderson", -1.0))] * 2
         + [("render_inr", ("deqzoo/implicit2-isiren-camera", 1e12, -far, far, far))] * 2
         + [("ignn_chains", (far, far))] * 2
         + [("hyper_vs_anderson", (far, 1e-30, far))] * 2
@@ -142,22 +144,15 @@ def test_hostile_requests_do_not_take_the_app_down(server, tmp_path):
     assert proc.poll() is None and _up(url), "the server went down"
     _normal(client)  # and still answers
 
-    errors = {(name, text) for name, kind, text in answers if kind == "error"}
-    assert not any("Traceback" in text for _, text in errors)
-    emoji = [text for name, text in errors if name == "generate" and "tokens" in text]
-    assert len(emoji) == 4 and all(re.search(r"8,000 tokens .*at most \d+", t) for t in emoji), errors
-    huge = [text for name, text in errors if "huge.png" in text]
-    assert len(huge) == 4 and all(re.search(r"above the limit|decompression bomb", t) for t in huge), errors
-    assert any("empty.png" in text and "not a readable image" in text for _, text in errors), errors
-    # slider values outside the page's ranges are clamped to them: real answers at the largest settings
-    clamped = [answer for name, kind, answer in answers if kind == "ok"]
-    assert len(clamped) == 11, answers
-    texts = [str(answer) for answer in clamped]
-    assert sum("64 new tokens" in t for t in texts) == 2
-    assert sum("| DDIM (diffusers) | **50** | 400 |" in t for t in texts) == 2
-    assert sum("512x512 render of a window 64x smaller" in t for t in texts) == 2
-    assert sum("chains of length 400" in t and "budget 400" in t for t in texts) == 2
-    assert sum("1000 held-out digits, budget 100, tolerance 1e-08" in t for t in texts) == 2
-    assert sum("not converged" in t and "200 held-out MNIST digits" in t for t in texts) == 1
+    assert all(kind == "error" for _, kind, _ in answers), answers
+    errors = [(name, text) for name, _, text in answers]
+    assert not any("Traceback" in text or "/tmp/" in text for _, text in errors), errors
+    emoji = [text for name, text in errors[:4]]
+    assert all(re.search(r"8,000 tokens .*at most \d+", t) for t in emoji), emoji
+    huge = [text for name, text in errors[4:7] + errors[8:9]]
+    assert all(re.search(r"huge.png.*(above the limit|decompression bomb)", t) for t in huge), huge
+    assert "empty.png' is not a readable image" in errors[7][1], errors[7]
+    ranges = [text for name, text in errors[9:]]
+    assert all(re.search(r"greater than maximum value|less than minimum value", t) for t in ranges), ranges
     server_log = log.read_text()
     assert "Traceback" not in server_log, server_log[-3000:]
