@@ -158,5 +158,6 @@ def test_hostile_requests_do_not_take_the_app_down(server, tmp_path):
     server_log = log.read_text()
     raised = re.findall(r"^([\w.]+(?:Error|Exception)): (.*)$", server_log, re.M)
     range_refusal = r"'Value \S+ is (greater than maximum|less than minimum) value"
-    assert all(kind == "gradio.exceptions.Error" and re.match(range_refusal, text) for kind, text in raised), raised
+    assert all(kind == "gradio.exceptions.Error" and re.match(range_refusal, text)
+               for kind, text in raised), raised
     assert "deqzoo_app" not in server_log, server_log[-3000:]
