@@ -110,7 +110,9 @@ def generate_samples(model, tok, prompts: list[str], decoding: dict | None, seed
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         torch.manual_seed(seed)
-        kwargs = {"do_sample": False} if decoding == "greedy" else (decoding or {})
+        # greedy: every processor of the shipped config switched off, not only sampling
+        greedy = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+        kwargs = greedy if decoding == "greedy" else (decoding or {})
         with torch.no_grad():
             seq = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=pad,
                                  **kwargs)
