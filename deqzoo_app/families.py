@@ -316,7 +316,13 @@ def _tokenizer(name: str):
     return load_tokenizer(_model(name))
 
 
-MAX_PROMPT_CHARS = 2_000
+def _decoding(model) -> tuple[bool, float, int, float]:
+    """(sample?, temperature, top-k, repetition penalty) from the checkpoint's generation config."""
+    config = model.generation_config
+    sample = bool(config.do_sample)
+    temperature = float(config.temperature or 1.0)
+    top_k = int(config.top_k or 0) or 50  # transformers' default top-k
+    return sample, temperature, top_k, float(config.repetition_penalty or 1.0)
 
 
 def generate_text(
@@ -328,7 +334,8 @@ def generate_text(
     seed: int = 0,
     checkpoint: str = CHECKPOINTS["deq_transformer"][0],
 ):
-    """Sample a continuation token by token (temperature 0.7, top-k 20), each step continuing from the cached
+    """Sample a continuation token by token with the checkpoint's own decoding (its generation_config.json:
+    temperature, top-k, repetition penalty; `_decoding`), each step continuing from the cached
     memory and fixed point. Returns ([(token, "NFE n")...] for highlighting, an NFE-per-token figure,
     Markdown summary)."""
     from matplotlib.figure import Figure
@@ -357,6 +364,8 @@ def generate_text(
             f"tokenizer; the app takes at most {MAX_PROMPT_TOKENS}"
         )
     gen = torch.Generator().manual_seed(seed)
+    sample, temperature, top_k, penalty = _decoding(_model(checkpoint))
+    chosen: list[int] = []
     pieces, nfes = [], []
     stopped = ""
     with _lock(checkpoint), torch.no_grad():
@@ -371,9 +380,16 @@ def generate_text(
                 stopped = (f" Stopped after {len(nfes)} of {max_new_tokens} tokens: the app's "
                            f"{deadline.seconds:g} s per request.")
                 break
-            scores = logits.float() / 0.7
-            top = torch.topk(scores, 20)
-            choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
+            scores = logits.float().clone()
+            if penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor, on prompt and output
+                seen = torch.cat([ids[0], torch.tensor(chosen, dtype=torch.long)]).unique()
+                scores[seen] = torch.where(scores[seen] < 0, scores[seen] * penalty, scores[seen] / penalty)
+            if not sample:
+                choice = scores.argmax().view(1)
+            else:
+                top = torch.topk(scores / temperature, min(top_k, scores.numel()))
+                choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
+            chosen.append(int(choice))
             out = model(choice.view(1, 1), past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[0, -1]
             pieces.append(tok.decode(choice.tolist()))
@@ -389,6 +405,9 @@ def generate_text(
     nfes = nfes or [0]
     highlighted = [(prompt, None)] + [(p, f"NFE {n}") for p, n in zip(pieces, nfes)]
     summary = (
+        "Decoding (the checkpoint's generation_config.json): "
+        + (f"sampling, temperature {temperature:g}, top-k {top_k}" if sample else "greedy")
+        + (f", repetition penalty {penalty:g}" if penalty != 1.0 else "") + f", seed {seed}. "
         f"Prompt: {ids.shape[1]} tokens solved together in {prompt_nfe} f-evaluations. "
         f"{len(nfes)} new tokens: mean {np.mean(nfes):.1f} f-evaluations per token (each token's "
         f"solve starts from the cached fixed point), {elapsed:.2f} s in all.{stopped}"
