@@ -130,6 +130,33 @@ def measure(samples: list[str], python: bool) -> dict[str, float]:
     return result
 
 
+def card_section(report: dict, verdict: str) -> str:
+    """The card's "Sample quality" section from this script's --json report, with the reader's `verdict`."""
+    results = report["results"]
+    python = "lines_parse" in next(iter(results.values()))
+    rows = []
+    for name, r in results.items():
+        parse = f" {r['lines_parse']:.2f} of {r['lines_counted']} |" if python else ""
+        rows.append(f"| {name}: `{json.dumps(r['decoding'])}` | {r['distinct_1']:.2f} | "
+                    f"{r['distinct_2']:.2f} | {r['repeated_4grams']:.2f} |{parse}")
+    head = "| Decoding | distinct-1 | distinct-2 | repeated 4-grams |"
+    head += " lines that parse |" if python else ""
+    rule = "|---|---|---|---|" + ("---|" if python else "")
+    first = results["shipped generation_config.json"]["samples"][0]
+    intro = (
+        "`generation_config.json` holds the decoding `generate()` and `pipeline(\"text-generation\")` use "
+        f"by default. Measured by `python examples/deq_transformer/sample_quality.py {report['model']}` "
+        f"({len(report['prompts'])} fixed prompts, {report['new_tokens']} new tokens each, "
+        f"`torch.manual_seed({report['seed']})` before each; distinct-n: distinct word n-grams over all; "
+        "repeated 4-grams: share already seen in the same sample"
+        + ("; lines that parse: complete generated lines `ast.parse` accepts on their own" if python else "")
+        + "):"
+    )
+    return "\n".join(["## Sample quality", "", intro, "", head, rule, *rows, "",
+                      f"First prompt, shipped decoding: `{report['prompts'][0]!r}` -> `{first!r}`", "",
+                      verdict, ""])
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
