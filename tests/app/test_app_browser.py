@@ -30,12 +30,17 @@ TABS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _chromium_present():
+    # reached without Chromium only in CI (see pytestmark); autouse, so it fails before the app is started
+    if not Path(CHROMIUM).exists():
+        pytest.fail(_ABSENT + "; CI=true, so the browser test fails rather than skips")
+
+
 @pytest.fixture(scope="module")
 def page(app_url):
     from playwright.sync_api import sync_playwright
 
-    if not Path(CHROMIUM).exists():  # only reached in CI (see pytestmark)
-        pytest.fail(_ABSENT + "; CI=true, so the browser test fails rather than skips")
 
     with sync_playwright() as p:
         # root in a container: chromium's sandbox needs user namespaces it may not have
