@@ -23,6 +23,10 @@ __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "MAX_UPLOAD", "build_app", "gradio_mi
 DEFAULT_HOST = "127.0.0.1"  # loopback only: the app is a local demo, never exposed by default
 DEFAULT_PORT = 7860
 MAX_UPLOAD = "8mb"  # Gradio rejects larger uploads before they reach the app
+# Requests run at once on different tabs (each tab has its own models; one request per tab at a time, as a
+# model's solver settings are per request) and wait in Gradio's queue beyond that; a full queue answers
+# at once.
+QUEUE_SIZE = 64
 
 
 def gradio_missing_message() -> str:
@@ -42,7 +46,15 @@ def build_app(warm_up: bool = True) -> Any:
     if importlib.util.find_spec("gradio") is None:
         raise ImportError(gradio_missing_message())
     _offline_env()
+    from PIL import Image
+
+    from .families import MAX_IMAGE_PIXELS
     from .ui import build
+
+    # Gradio decodes the drawing pad's images itself, before the app sees them: with PIL's limit at the app's,
+    # an image of more than twice MAX_IMAGE_PIXELS is refused from its header there too (PIL's default lets
+    # 178 M pixels through)
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
     return build(warm_up=warm_up)
 
@@ -53,7 +65,7 @@ def launch(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, warm_up: bool 
     demo = build_app(warm_up=warm_up)
     from .ui import theme
 
-    demo.queue(default_concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     demo.launch(server_name=host, server_port=port, share=False, max_file_size=MAX_UPLOAD,
                 prevent_thread_lock=not block, show_error=True, quiet=not block, theme=theme(),
                 ssr_mode=False)

@@ -21,10 +21,15 @@ import torch
 
 __all__ = [
     "CHECKPOINTS",
-    "LOCK",
+    "Deadline",
+    "LIMITS",
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
+    "MAX_PROMPT_TOKENS",
+    "REQUEST_SECONDS",
     "SOLVERS",
+    "clamp_float",
+    "clamp_int",
     "classify_digit",
     "ddim_compare",
     "flow_frames",
@@ -52,14 +57,72 @@ MAX_IMAGE_BYTES = 8 * 1024 * 1024
 _IMAGE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
 MAX_FRAMES = 16
 FLOW_MAX_SIDE = 256  # frames are downscaled to this longest side: the CPU checkpoint is small
-LOCK = threading.Lock()  # one computation at a time: models are shared and `set_deq` changes them
+FLOW_MIN_SIDE = 32  # RAFT's encoders work at 1/8 scale with a 4-level correlation pyramid
+DIGIT_MAX_SIDE = 1024  # an uploaded digit is shrunk to this side right after decoding (memory per request)
+MAX_PROMPT_CHARS = 8_000  # checked before tokenizing (cheap); the bound that matters is in tokens
+MAX_PROMPT_TOKENS = 256  # counted with the checkpoint's own tokenizer: one emoji is 4 byte-level tokens
+REQUEST_SECONDS = 120.0  # wall-time budget of one request: generation stops early, multi-phase tabs stop
+# between phases (a single solve is bounded by the clamped budgets instead); the warm-up has none
+# Every number a user (or an API client, which bypasses the page's sliders) can choose, as (low, high): the
+# UI's sliders use these ranges and the functions clamp to them, so no request does more work than the
+# largest one the page offers. Measured on the shared 2-core machine under heavy load (other jobs running):
+# MDEQ 34 s at budget 100 / tolerance 1e-8, Implicit² 22 s at 512x512 and zoom 64 (RSS 1.8 GB), DDIM 19 s at
+# the page's defaults; unloaded, each is several times faster.
+LIMITS = {
+    "max_iter": (1, 100),
+    "tol": (1e-8, 1.0),
+    "held_out": (10, 1000),
+    "new_tokens": (1, 64),
+    "seed": (0, 2**31 - 1),
+    "zoom": (1.0, 64.0),
+    "centre": (-1.0, 1.0),
+    "resolution": (32, 512),
+    "ddim_steps": (2, 50),
+    "ddim_images": (1, 8),
+    "ddim_tol": (1e-6, 1.0),
+    "chain_length": (2, 400),
+    "chain_budget": (1, 400),
+    "digit": (0, 9),
+}
+_WARMING_UP = False  # the warm-up pays one-time costs (imports, kernel compilation): no deadline
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock(name: str) -> threading.Lock:
+    """One lock per loaded model: a model is shared between requests and `set_deq` changes it, so two
+    requests on one model take turns while requests on different models run at once."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(name, threading.Lock())
+
+
+class Deadline:
+    """A request's wall-time budget (`REQUEST_SECONDS`); loops check it between steps.
+
+    Example:
+        >>> Deadline(10.0).left() > 9.0
+        True
+    """
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = REQUEST_SECONDS if seconds is None else seconds
+        self.end = time.monotonic() + (float("inf") if _WARMING_UP else self.seconds)
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def check(self, what: str) -> None:
+        if self.left() <= 0:
+            raise TimeoutError(f"{what} took longer than the app's {self.seconds:g} s per request; "
+                               "try fewer steps or a smaller input")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # loading and shared helpers
 # ----------------------------------------------------------------------------------------------------------
 @cache
-def _model(name: str, hypersolver: str | None = None):
+def _model(name: str, hypersolver: str | None = None, slot: str = ""):
+    """A loaded checkpoint, shared by the requests of one tab (`slot` gives a tab its own copy)."""
     import deqzoo
 
     model = (
@@ -76,24 +139,34 @@ def _check_choice(value: Any, choices, what: str) -> str:
     return value
 
 
-def _check_int(value: Any, low: int, high: int, what: str) -> int:
+def _number(value: Any, what: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{what} must be a number in [{low:g}, {high:g}], got {value!r}")
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number in [{low}, {high}], got {value!r}") from None
-    if not (np.isfinite(number) and low <= number <= high and number == int(number)):
-        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
-    return int(number)
-
-
-def _check_float(value: Any, low: float, high: float, what: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what} must be a number in [{low:g}, {high:g}], got {value!r}") from None
-    if not (np.isfinite(number) and low <= number <= high):
-        raise ValueError(f"{what} must be in [{low:g}, {high:g}], got {value!r}")
+    if np.isnan(number):
+        raise ValueError(f"{what} must be a number in [{low:g}, {high:g}], got {value!r}")
     return number
+
+
+def clamp_int(value: Any, limit: str, what: str) -> int:
+    """`value` as an integer clamped to `LIMITS[limit]` (a slider's range: the API accepts any number, the
+    work stays what the page allows); not a number is a ValueError naming `what`.
+
+    Example:
+        >>> clamp_int(10**9, "new_tokens", "new tokens"), clamp_int("7", "digit", "digit")
+        (64, 7)
+    """
+    low, high = LIMITS[limit]
+    return int(min(max(round(_number(value, what, low, high)), low), high))
+
+
+def clamp_float(value: Any, limit: str, what: str) -> float:
+    """`value` as a float clamped to `LIMITS[limit]` (see `clamp_int`)."""
+    low, high = LIMITS[limit]
+    return float(min(max(_number(value, what, low, high), low), high))
 
 
 def read_image(path: str | Path, what: str = "image"):
@@ -107,7 +180,10 @@ def read_image(path: str | Path, what: str = "image"):
     size = path.stat().st_size
     if size > MAX_IMAGE_BYTES:
         raise ValueError(f"{what} {path.name!r} is {size:,} bytes, above the limit of {MAX_IMAGE_BYTES:,}")
-    return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
+    try:
+        return open_image(path, f"{what} {path.name!r}", max_pixels=MAX_IMAGE_PIXELS, modes=_IMAGE_MODES)
+    except ValueError as err:  # PIL's own messages name the upload's temporary path: the name is enough
+        raise ValueError(str(err).replace(str(path), path.name)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -117,7 +193,7 @@ def sample_digit(digit: int) -> np.ndarray:
     """The first held-out image of a digit (28x28 uint8, white on black): `deqzoo demo`'s sample."""
     from deqzoo.tasks import mnist
 
-    digit = _check_int(digit, 0, 9, "digit")
+    digit = clamp_int(digit, "digit", "digit")
     return mnist.sample_images()[0][digit]
 
 
@@ -164,12 +240,16 @@ def digit_from_input(image: Any) -> np.ndarray:
         raise ValueError("no digit: draw one, upload an image or pick an example")
     if isinstance(image, (str, Path)):
         pil = read_image(image, "digit image")
+        pil.thumbnail((DIGIT_MAX_SIDE, DIGIT_MAX_SIDE))  # shrunk right after decoding: memory per request
         if pil.mode in ("LA", "PA", "RGBA", "P"):
             pil = pil.convert("RGBA")
             canvas = Image.new("RGBA", pil.size, "white")  # transparent -> white paper
             pil = Image.alpha_composite(canvas, pil)
         return _as_mnist(np.asarray(pil.convert("L")))
     arr = np.asarray(image)
+    if arr.ndim >= 2 and max(arr.shape[:2]) > DIGIT_MAX_SIDE:  # a huge drawing: every k-th pixel
+        step = -(-max(arr.shape[:2]) // DIGIT_MAX_SIDE)
+        arr = arr[::step, ::step]
     if arr.ndim == 3 and arr.shape[-1] == 4:  # drawing: strokes on a transparent canvas
         rgb, alpha = arr[..., :3].astype(np.float32), arr[..., 3:].astype(np.float32) / 255.0
         arr = (rgb * alpha + 255.0 * (1 - alpha)).mean(-1)
@@ -196,11 +276,11 @@ def classify_digit(
 
     _check_choice(checkpoint, CHECKPOINTS["mdeq"], "checkpoint")
     _check_choice(solver, SOLVERS, "solver")
-    max_iter = _check_int(max_iter, 1, 200, "iteration budget")
-    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
-    held_out = _check_int(held_out, 10, 1000, "held-out digits")
+    max_iter = clamp_int(max_iter, "max_iter", "iteration budget")
+    tol = clamp_float(tol, "tol", "tolerance")
+    held_out = clamp_int(held_out, "held_out", "held-out digits")
     digit = digit_from_input(image)
-    with LOCK, torch.no_grad():
+    with _lock(checkpoint), torch.no_grad():
         model = _model(checkpoint)
         model.set_deq(f_solver=solver, f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
         start = time.perf_counter()
@@ -238,7 +318,13 @@ def _tokenizer(name: str):
     return load_tokenizer(_model(name))
 
 
-MAX_PROMPT_CHARS = 2_000
+def _decoding(model) -> tuple[bool, float, int, float]:
+    """(sample?, temperature, top-k, repetition penalty) from the checkpoint's generation config."""
+    config = model.generation_config
+    sample = bool(config.do_sample)
+    temperature = float(config.temperature or 1.0)
+    top_k = int(config.top_k or 0) or 50  # transformers' default top-k
+    return sample, temperature, top_k, float(config.repetition_penalty or 1.0)
 
 
 def generate_text(
@@ -250,7 +336,8 @@ def generate_text(
     seed: int = 0,
     checkpoint: str = CHECKPOINTS["deq_transformer"][0],
 ):
-    """Sample a continuation token by token (temperature 0.7, top-k 20), each step continuing from the cached
+    """Sample a continuation token by token with the checkpoint's own decoding (its generation_config.json:
+    temperature, top-k, repetition penalty; `_decoding`), each step continuing from the cached
     memory and fixed point. Returns ([(token, "NFE n")...] for highlighting, an NFE-per-token figure,
     Markdown summary)."""
     from matplotlib.figure import Figure
@@ -261,19 +348,29 @@ def generate_text(
         raise ValueError("the prompt is empty")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ValueError(
-            f"the prompt has {len(prompt):,} characters; the app takes at most {MAX_PROMPT_CHARS:,}"
+            f"the prompt has {len(prompt):,} characters; the app takes at most {MAX_PROMPT_TOKENS} tokens"
         )
-    max_new_tokens = _check_int(max_new_tokens, 1, 64, "new tokens")
-    max_iter = _check_int(max_iter, 1, 100, "iteration budget")
-    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
-    seed = _check_int(seed, 0, 2**31 - 1, "seed")
+    max_new_tokens = clamp_int(max_new_tokens, "new_tokens", "new tokens")
+    max_iter = clamp_int(max_iter, "max_iter", "iteration budget")
+    tol = clamp_float(tol, "tol", "tolerance")
+    seed = clamp_int(seed, "seed", "seed")
+    deadline = Deadline()
     tok = _tokenizer(checkpoint)
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     if ids.numel() == 0:
         raise ValueError("the prompt is empty after tokenization")
+    if ids.shape[1] > MAX_PROMPT_TOKENS:
+        # the prompt's tokens are solved together: attention and solver memory grow with their number
+        raise ValueError(
+            f"the prompt is {ids.shape[1]:,} tokens ({len(prompt):,} characters) for this model's "
+            f"tokenizer; the app takes at most {MAX_PROMPT_TOKENS}"
+        )
     gen = torch.Generator().manual_seed(seed)
+    sample, temperature, top_k, penalty = _decoding(_model(checkpoint))
+    chosen: list[int] = []
     pieces, nfes = [], []
-    with LOCK, torch.no_grad():
+    stopped = ""
+    with _lock(checkpoint), torch.no_grad():
         model = _model(checkpoint)
         model.set_deq(f_solver=solver, f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
         start = time.perf_counter()
@@ -281,9 +378,20 @@ def generate_text(
         prompt_nfe = int(out.deq_stats.nfe)
         cache, logits = out.past_key_values, out.logits[0, -1]
         for _ in range(max_new_tokens):
-            scores = logits.float() / 0.7
-            top = torch.topk(scores, 20)
-            choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
+            if deadline.left() <= 0:
+                stopped = (f" Stopped after {len(nfes)} of {max_new_tokens} tokens: the app's "
+                           f"{deadline.seconds:g} s per request.")
+                break
+            scores = logits.float().clone()
+            if penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor, on prompt and output
+                seen = torch.cat([ids[0], torch.tensor(chosen, dtype=torch.long)]).unique()
+                scores[seen] = torch.where(scores[seen] < 0, scores[seen] * penalty, scores[seen] / penalty)
+            if not sample:
+                choice = scores.argmax().view(1)
+            else:
+                top = torch.topk(scores / temperature, min(top_k, scores.numel()))
+                choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
+            chosen.append(int(choice))
             out = model(choice.view(1, 1), past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[0, -1]
             pieces.append(tok.decode(choice.tolist()))
@@ -296,11 +404,15 @@ def generate_text(
     ax.set_xlabel("generated token")
     ax.set_ylabel("f-evaluations")
     ax.legend(fontsize=8)
+    nfes = nfes or [0]
     highlighted = [(prompt, None)] + [(p, f"NFE {n}") for p, n in zip(pieces, nfes)]
     summary = (
+        "Decoding (the checkpoint's generation_config.json): "
+        + (f"sampling, temperature {temperature:g}, top-k {top_k}" if sample else "greedy")
+        + (f", repetition penalty {penalty:g}" if penalty != 1.0 else "") + f", seed {seed}. "
         f"Prompt: {ids.shape[1]} tokens solved together in {prompt_nfe} f-evaluations. "
         f"{len(nfes)} new tokens: mean {np.mean(nfes):.1f} f-evaluations per token (each token's "
-        f"solve starts from the cached fixed point), {elapsed:.2f} s in all."
+        f"solve starts from the cached fixed point), {elapsed:.2f} s in all.{stopped}"
     )
     return highlighted, fig, summary
 
@@ -326,19 +438,21 @@ def _frames_from_files(files: Any) -> list[torch.Tensor]:
         raise ValueError(f"{len(paths)} frames; the app takes at most {MAX_FRAMES}")
     frames, size = [], None
     for path in paths:
-        image = read_image(path, "frame").convert("RGB")
+        image = read_image(path, "frame")
         if size is None:
             size = image.size
+            if min(size) < FLOW_MIN_SIDE:
+                raise ValueError(f"frame {path.name!r} is {size[0]}x{size[1]}; frames must be at least "
+                                 f"{FLOW_MIN_SIDE} pixels on each side")
+            scale = min(1.0, FLOW_MAX_SIDE / max(size))
+            new = (max(1, round(size[0] * scale)), max(1, round(size[1] * scale)))
         elif image.size != size:
             raise ValueError(
                 f"frame {path.name!r} is {image.size[0]}x{image.size[1]}, the first frame "
                 f"{paths[0].name!r} is {size[0]}x{size[1]}: all frames must have one size"
             )
-        frames.append(image)
-    scale = min(1.0, FLOW_MAX_SIDE / max(size))
-    if scale < 1.0:
-        new = (max(1, round(size[0] * scale)), max(1, round(size[1] * scale)))
-        frames = [f.resize(new, resample=3) for f in frames]
+        # shrunk as soon as it is decoded: only small frames are held (memory per request)
+        frames.append(image.convert("RGB").resize(new, resample=3) if new != size else image.convert("RGB"))
     # uint8 (1, 3, H, W), as `deqzoo predict` hands frames to the model
     return [torch.from_numpy(np.array(f)).permute(2, 0, 1)[None] for f in frames]
 
@@ -367,11 +481,13 @@ def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[floa
     from deqzoo.tasks.flow import colour_key, epe
 
     _check_choice(checkpoint, CHECKPOINTS["deq_flow"], "checkpoint")
-    with LOCK, torch.no_grad():
+    deadline = Deadline()
+    with _lock(checkpoint), torch.no_grad():
         model = _model(checkpoint)
         start = time.perf_counter()
         cold_flows, cold = model.estimate_sequence(frames, reuse=False)
         cold_time = time.perf_counter() - start
+        deadline.check("the flow of these frames")
         start = time.perf_counter()
         warm_flows, warm = model.estimate_sequence(frames, reuse=True)
         warm_time = time.perf_counter() - start
@@ -440,11 +556,11 @@ def render_inr(
     from deqzoo.tasks.implicit2 import load_image
 
     _check_choice(checkpoint, CHECKPOINTS["implicit2"], "checkpoint")
-    zoom = _check_float(zoom, 1.0, 1000.0, "zoom")
-    cx = _check_float(center_x, -1.0, 1.0, "centre x")
-    cy = _check_float(center_y, -1.0, 1.0, "centre y")
-    resolution = _check_int(resolution, 16, 512, "resolution")
-    with LOCK, torch.no_grad():
+    zoom = clamp_float(zoom, "zoom", "zoom")
+    cx = clamp_float(center_x, "centre", "centre x")
+    cy = clamp_float(center_y, "centre", "centre y")
+    resolution = clamp_int(resolution, "resolution", "resolution")
+    with _lock(checkpoint), torch.no_grad():
         model = _model(checkpoint)
         low, high = (float(v) for v in model.config.coordinate_range)
         mid, half = (low + high) / 2, (high - low) / 2
@@ -493,12 +609,13 @@ def ddim_compare(
     chain as one fixed point). Returns (DDIM images, DEQ-DDIM images, Markdown with the counters)."""
     from diffusers import DDIMPipeline, DDIMScheduler
 
-    steps = _check_int(steps, 2, 100, "steps T")
-    seed = _check_int(seed, 0, 2**31 - 1, "seed")
-    batch = _check_int(batch, 1, 8, "images")
+    steps = clamp_int(steps, "ddim_steps", "steps T")
+    seed = clamp_int(seed, "seed", "seed")
+    batch = clamp_int(batch, "ddim_images", "images")
     _check_choice(solver, ("anderson", "fixed_point"), "solver")
-    tol = _check_float(tol, 1e-6, 1.0, "tolerance")
-    with LOCK, torch.no_grad():
+    tol = clamp_float(tol, "ddim_tol", "tolerance")
+    deadline = Deadline()
+    with _lock(CHECKPOINTS["ddim"][0]), torch.no_grad():
         pipe = _model(CHECKPOINTS["ddim"][0])
         baseline = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
         baseline.set_progress_bar_config(disable=True)
@@ -516,6 +633,7 @@ def ddim_compare(
             ddim_time, ddim_calls = time.perf_counter() - start, len(calls)
         finally:
             hook.remove()
+        deadline.check("DDIM sampling")
         start = time.perf_counter()
         out = pipe(
             batch_size=batch,
@@ -557,12 +675,14 @@ def ignn_chains(
     from deqzoo.tasks.chains import chains_settings, make_chains
 
     _check_choice(checkpoint, CHECKPOINTS["ignn"], "checkpoint")
-    chain_length = _check_int(chain_length, 2, 1000, "chain length")
-    with LOCK, torch.no_grad():
+    chain_length = clamp_int(chain_length, "chain_length", "chain length")
+    with _lock(checkpoint), torch.no_grad():
         model = _model(checkpoint)
         default_budget = model.config.deq["f_max_iter"]
         budget = (
-            default_budget if max_iter in (None, "") else _check_int(max_iter, 1, 1000, "iteration budget")
+            default_budget
+            if max_iter in (None, "")
+            else clamp_int(max_iter, "chain_budget", "iteration budget")
         )
         model.set_deq(f_max_iter=budget, on_nonconvergence="ignore")
         # the card's graph at another length; every node is classified, so no split is drawn
@@ -598,17 +718,20 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     budget and tolerance. Returns (residual figure, Markdown table)."""
     from deqzoo.tasks import mnist, residual_figure
 
-    max_iter = _check_int(max_iter, 1, 100, "iteration budget")
-    tol = _check_float(tol, 1e-8, 1.0, "tolerance")
-    images = _check_int(images, 10, 1000, "held-out digits")
+    max_iter = clamp_int(max_iter, "max_iter", "iteration budget")
+    tol = clamp_float(tol, "tol", "tolerance")
+    images = clamp_int(images, "held_out", "held-out digits")
+    deadline = Deadline()
     base_name, hyper_name = CHECKPOINTS["mdeq"][0], CHECKPOINTS["hypersolver"][0]
     x, y = mnist.interleaved_test_split(images)
     results, curves = [], {}
-    with LOCK, torch.no_grad():
+    # the tab's own copy of the base model: a race does not wait for (or change) the MDEQ tab's model
+    with _lock("hypersolver-tab"), torch.no_grad():
         for label, model in (
-            ("Anderson", _model(base_name)),
+            ("Anderson", _model(base_name, slot="hypersolver-tab")),
             ("hypersolver", _model(base_name, hyper_name)),
         ):
+            deadline.check("the race")
             changes = dict(f_max_iter=max_iter, f_tol=tol, on_nonconvergence="ignore")
             if label == "Anderson":
                 changes["f_solver"] = "anderson"
@@ -628,7 +751,9 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     table = (
         "| solver | NFE | converged | accuracy | wall time |\n|---|---|---|---|---|\n"
         + "\n".join(results)
-        + f"\n\nThe hypersolver ({hyper_name}) ships its learned initializer (`use: initializer`): the same "
+        + f"\n\n{images} held-out digits, budget {max_iter}, tolerance {tol:g}; one batch each, one call "
+        "timed."
+        + f" The hypersolver ({hyper_name}) ships its learned initializer (`use: initializer`): the same "
         "Anderson starts from h_φ(input injection) instead of zeros. It pays only if it reaches the "
         "tolerance in less wall time; its card reports 0.68× Anderson-default's on held-out digits."
     )
@@ -637,6 +762,15 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
 
 def warm_up() -> None:
     """Load every checkpoint and run every tab once (first calls pay for imports and kernel compilation)."""
+    global _WARMING_UP
+    _WARMING_UP = True
+    try:
+        _warm_up()
+    finally:
+        _WARMING_UP = False
+
+
+def _warm_up() -> None:
     classify_digit(sample_digit(3))
     generate_text("The for statement is used to", max_new_tokens=2)
     flow_example()

@@ -4,6 +4,7 @@ endpoint (``api_name``), so `gradio_client` reaches each tab without a browser."
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,19 +15,37 @@ from deqzoo.tasks.pystd_lm import DEMO_PROMPT
 from . import families as F
 
 _SOLVER_HELP = "the fixed-point solver the model's equilibrium is found with"
+_LOG = logging.getLogger("deqzoo_app")
 
 
 def _errors(fn: Callable) -> Callable:
-    """A bad input becomes a `gr.Error` with the library's message (shown in the page, sent to clients)."""
+    """A bad input becomes a `gr.Error` with the library's message (shown in the page, sent to clients, no
+    traceback printed: it is the user's input, not the server, at fault); anything else becomes a short
+    message too, its traceback logged once on the server."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
         try:
             return fn(*args)
-        except (ValueError, OSError) as err:
-            raise gr.Error(str(err)) from err
+        except (ValueError, OSError) as err:  # TimeoutError included
+            raise gr.Error(str(err), print_exception=False) from None
+        except Exception as err:
+            _LOG.exception("deqzoo app: %s failed", getattr(fn, "__name__", "a request"))
+            raise gr.Error(f"the request failed ({type(err).__name__}); the server logged it",
+                           print_exception=False) from None
 
     return wrapped
+
+
+def _slider(limit: str, value: float, step: float, label: str, **kwargs: Any) -> gr.Slider:
+    """A slider over `F.LIMITS[limit]`: the range the server clamps API values to."""
+    low, high = F.LIMITS[limit]
+    return gr.Slider(low, high, value=value, step=step, label=label, **kwargs)
+
+
+def _click(button: gr.Button, fn: Callable, inputs: list, outputs: list, api_name: str, group: str) -> None:
+    # one request per tab at a time (its models' solver settings are per request), tabs side by side
+    button.click(_errors(fn), inputs, outputs, api_name=api_name, concurrency_id=group, concurrency_limit=1)
 
 
 def _budget_controls(max_iter: int, tol: float, solver: bool = True) -> list:
@@ -34,17 +53,12 @@ def _budget_controls(max_iter: int, tol: float, solver: bool = True) -> list:
     if solver:
         controls.append(gr.Dropdown(list(F.SOLVERS), value="anderson", label="solver", info=_SOLVER_HELP))
     controls.append(
-        gr.Slider(
-            1,
-            100,
-            value=max_iter,
-            step=1,
-            label="iteration budget (f_max_iter)",
-            info="test-time compute: the most f-evaluations one solve may take",
-        )
+        _slider("max_iter", max_iter, 1, "iteration budget (f_max_iter)",
+                info="test-time compute: the most f-evaluations one solve may take")
     )
+    low, high = F.LIMITS["tol"]
     controls.append(
-        gr.Number(value=tol, label="tolerance (f_tol, relative residual)", minimum=1e-8, maximum=1)
+        gr.Number(value=tol, label="tolerance (f_tol, relative residual)", minimum=low, maximum=high)
     )
     return controls
 
@@ -95,12 +109,8 @@ def _mdeq_tab() -> None:
         labels, fig, text, image = F.classify_digit(source, checkpoint, solver, max_iter, tol)
         return labels, fig, text, image
 
-    run.click(
-        _errors(classify),
-        [sketch, upload, example, checkpoint, *controls],
-        [probs, plot, summary, seen],
-        api_name="classify_digit",
-    )
+    _click(run, classify, [sketch, upload, example, checkpoint, *controls], [probs, plot, summary, seen],
+           "classify_digit", "mdeq")
 
 
 def _transformer_tab() -> None:
@@ -113,7 +123,7 @@ def _transformer_tab() -> None:
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(DEMO_PROMPT, label="prompt", lines=2)
-            tokens = gr.Slider(1, 64, value=24, step=1, label="new tokens")
+            tokens = _slider("new_tokens", 24, 1, "new tokens")
             seed = gr.Number(0, label="seed", precision=0)
         with gr.Column():
             controls = _budget_controls(30, 1e-3)
@@ -126,9 +136,7 @@ def _transformer_tab() -> None:
     def generate(prompt, tokens, seed, solver, max_iter, tol):
         return F.generate_text(prompt, tokens, solver, max_iter, tol, seed)
 
-    run.click(
-        _errors(generate), [prompt, tokens, seed, *controls], [text, plot, summary], api_name="generate"
-    )
+    _click(run, generate, [prompt, tokens, seed, *controls], [text, plot, summary], "generate", "transformer")
 
 
 def _flow_tab() -> None:
@@ -159,8 +167,8 @@ def _flow_tab() -> None:
         plot = gr.Plot(label="residual per iteration")
         summary = gr.Markdown(elem_id="flow-summary")
     outputs = [first, second, flows, wheel, plot, summary]
-    run.click(_errors(lambda files: F.flow_frames(files)), [frames], outputs, api_name="flow_frames")
-    example.click(_errors(lambda: F.flow_example()), [], outputs, api_name="flow_example")
+    _click(run, lambda files: F.flow_frames(files), [frames], outputs, "flow_frames", "flow")
+    _click(example, lambda: F.flow_example(), [], outputs, "flow_example", "flow")
 
 
 def _implicit2_tab() -> None:
@@ -173,21 +181,17 @@ def _implicit2_tab() -> None:
         checkpoint = gr.Dropdown(
             F.CHECKPOINTS["implicit2"], value=F.CHECKPOINTS["implicit2"][0], label="checkpoint"
         )
-        zoom = gr.Slider(1, 64, value=4, step=0.5, label="zoom")
-        cx = gr.Slider(-1, 1, value=0.0, step=0.01, label="centre x (column)")
-        cy = gr.Slider(-1, 1, value=-0.2, step=0.01, label="centre y (row)")
-        res = gr.Slider(32, 512, value=128, step=16, label="render resolution")
+        zoom = _slider("zoom", 4, 0.5, "zoom")
+        cx = _slider("centre", 0.0, 0.01, "centre x (column)")
+        cy = _slider("centre", -0.2, 0.01, "centre y (row)")
+        res = _slider("resolution", 128, 16, "render resolution")
     run = gr.Button("Render", variant="primary")
     with gr.Row():
         render = gr.Image(label="implicit representation", interactive=False, height=300)
         reference = gr.Image(label="fitted pixels, same window", interactive=False, height=300)
     summary = gr.Markdown(elem_id="implicit2-summary")
-    run.click(
-        _errors(F.render_inr),
-        [checkpoint, zoom, cx, cy, res],
-        [render, reference, summary],
-        api_name="render_inr",
-    )
+    _click(run, F.render_inr, [checkpoint, zoom, cx, cy, res], [render, reference, summary], "render_inr",
+           "implicit2")
 
 
 def _ddim_tab() -> None:
@@ -197,21 +201,17 @@ def _ddim_tab() -> None:
         "the number of batched chain evaluations."
     )
     with gr.Row():
-        steps = gr.Slider(2, 50, value=10, step=1, label="steps T")
+        steps = _slider("ddim_steps", 10, 1, "steps T")
         seed = gr.Number(0, label="seed", precision=0)
-        batch = gr.Slider(1, 8, value=2, step=1, label="images")
+        batch = _slider("ddim_images", 2, 1, "images")
         solver = gr.Dropdown(["anderson", "fixed_point"], value="anderson", label="solver")
         tol = gr.Number(1e-3, label="tolerance")
     run = gr.Button("Sample with both", variant="primary")
     ddim = gr.Image(label="DDIM (diffusers)", interactive=False)
     deq = gr.Image(label="DEQ-DDIM", interactive=False)
     summary = gr.Markdown(elem_id="ddim-summary")
-    run.click(
-        _errors(F.ddim_compare),
-        [steps, seed, batch, solver, tol],
-        [ddim, deq, summary],
-        api_name="ddim_compare",
-    )
+    _click(run, F.ddim_compare, [steps, seed, batch, solver, tol], [ddim, deq, summary], "ddim_compare",
+           "ddim")
 
 
 def _ignn_tab() -> None:
@@ -221,8 +221,8 @@ def _ignn_tab() -> None:
         "node of each chain knows the chain's class; every node must be classified."
     )
     with gr.Row():
-        length = gr.Slider(2, 400, value=100, step=1, label="chain length")
-        budget = gr.Slider(1, 400, value=140, step=1, label="iteration budget (fixed-point steps)")
+        length = _slider("chain_length", 100, 1, "chain length")
+        budget = _slider("chain_budget", 140, 1, "iteration budget (fixed-point steps)")
     run = gr.Button("Classify every node", variant="primary")
     picture = gr.Image(
         label="one row per chain, one column per position: green right, red wrong", interactive=False
@@ -230,7 +230,7 @@ def _ignn_tab() -> None:
     with gr.Row():
         plot = gr.Plot(label="accuracy by position")
         summary = gr.Markdown(elem_id="ignn-summary")
-    run.click(_errors(F.ignn_chains), [length, budget], [picture, plot, summary], api_name="ignn_chains")
+    _click(run, F.ignn_chains, [length, budget], [picture, plot, summary], "ignn_chains", "ignn")
 
 
 def _hyper_tab() -> None:
@@ -241,14 +241,12 @@ def _hyper_tab() -> None:
     )
     with gr.Row():
         controls = _budget_controls(30, 1e-4, solver=False)
-        images = gr.Slider(10, 1000, value=200, step=10, label="held-out digits")
+        images = _slider("held_out", 200, 10, "held-out digits")
     run = gr.Button("Race", variant="primary")
     with gr.Row():
         plot = gr.Plot(label="residual per iteration")
         summary = gr.Markdown(elem_id="hyper-summary")
-    run.click(
-        _errors(F.hyper_vs_anderson), [*controls, images], [plot, summary], api_name="hyper_vs_anderson"
-    )
+    _click(run, F.hyper_vs_anderson, [*controls, images], [plot, summary], "hyper_vs_anderson", "hypersolver")
 
 
 TABS = {

@@ -33,7 +33,9 @@ def test_pydoc_predict_is_seeded_and_scored():
     gmean = float(probs.log().mean().exp())
     assert f"geometric mean {gmean:.4f}, min {float(probs.min()):.4f}" in first
     # the demo's sample is not greedy's degenerate loop
-    greedy, _ = pydoc_lm._generate(model, pydoc_lm.DEMO_PROMPT, decoding={"do_sample": False})
+    # greedy proper: the checkpoint's generation_config.json carries a repetition penalty, switched off here
+    greedy, _ = pydoc_lm._generate(model, pydoc_lm.DEMO_PROMPT,
+                                   decoding={"do_sample": False, "repetition_penalty": 1.0})
     sampled, _ = pydoc_lm._generate(model, pydoc_lm.DEMO_PROMPT)
     words = sampled.split()
     assert len(set(words)) / len(words) > len(set(greedy.split())) / len(greedy.split())

@@ -1,9 +1,10 @@
-"""Repository tooling: (re)generate `deqzoo/hub/catalog.json` from `model_cards/*/` and the README's table.
+"""Repository tooling: (re)generate `deqzoo/hub/catalog.json` from `model_cards/*/`, and the two tables made
+from it (README.md's, docs/hub.md's).
 
 Run after adding or retraining a checkpoint, from the repository root::
 
-    python -m utils.catalog            # write the catalog and refresh README.md's checkpoint table
-    python -m utils.catalog --check    # exit 1 if the catalog on disk is out of date
+    python -m utils.catalog            # write the catalog, refresh README.md's and docs/hub.md's tables
+    python -m utils.catalog --check    # exit 1 if the catalog or either table is out of date
 """
 
 from __future__ import annotations
@@ -137,27 +138,63 @@ def write_catalog(catalog: dict[str, Any], path: Path = CATALOG_PATH) -> Path:
 README_START, README_END = "<!-- catalog:start -->", "<!-- catalog:end -->"
 
 
-def catalog_markdown(catalog: dict[str, Any]) -> str:
-    """The README's checkpoint table."""
-    lines = ["| Checkpoint | Task | Parameters | Headline result (data set) | Size |",
-             "|---|---|---|---|---|"]
+def _hypersolver_rows(catalog: dict[str, Any], root: Path) -> list[tuple[str, str, int, str, float]]:
+    """(id, card location, parameters, base model, size in MB) per hypersolver, read from its folder."""
+    from safetensors import safe_open
+
+    rows = []
+    for hid, entry in sorted((catalog.get("hypersolvers") or {}).items()):
+        folder = Path(entry["location"])
+        folder = folder if folder.is_absolute() else root / folder
+        with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as handle:
+            parameters = sum(_numel(handle.get_slice(k).get_shape()) for k in handle.keys())
+        rows.append((hid, entry["location"], parameters, entry.get("model_id") or "?",
+                     entry["size_bytes"] / 1e6))
+    return rows
+
+
+def catalog_markdown(catalog: dict[str, Any], root: Path = REPO_ROOT) -> str:
+    """The README's checkpoint table (links to the cards in the clone), then its hypersolvers, if any."""
+    lines = ["| Checkpoint | Parameters | Headline result (data set) | Size |", "|---|---|---|---|"]
     for cid, entry in sorted(catalog["checkpoints"].items()):
         metrics = entry.get("headline") or \
             ", ".join(f"{k} {v}" for k, v in (entry.get("metrics") or {}).items())
-        lines.append(f"| [`{cid}`]({entry['location']}/README.md) | {entry.get('task')} | "
+        lines.append(f"| [`{cid}`]({entry['location']}/README.md) | "
                      f"{entry.get('parameters', 0):,} | {metrics} | {entry['size_bytes'] / 1e6:.2f} MB |")
     if not catalog["checkpoints"]:
-        lines.append("| (none yet) | | | | |")
+        lines.append("| (none yet) | | | |")
+    hyper = _hypersolver_rows(catalog, root)
+    if hyper:
+        lines += ["", "Hypersolvers: " + "; ".join(
+            f"[`{hid}`]({location}/README.md) for `{base}` ({parameters:,} parameters, {size:.2f} MB)"
+            for hid, location, parameters, base, size in hyper) + "."]
     return "\n".join(lines)
 
 
-def update_readme(catalog: dict[str, Any], readme: Path) -> bool:
-    """Replace the table between the catalog markers in `readme`; returns True if the file changed."""
+def docs_catalog_markdown(catalog: dict[str, Any], root: Path = REPO_ROOT) -> str:
+    """docs/hub.md's tables, from the same catalog as the README's: every metric of every checkpoint (links
+    to the Hub repositories: the site has no copy of the cards), then every hypersolver."""
+    lines = ["| Checkpoint | Task | Parameters | Metrics | Size |", "|---|---|---|---|---|"]
+    for cid, entry in sorted(catalog["checkpoints"].items()):
+        metrics = ", ".join(f"{k} {v}" for k, v in (entry.get("metrics") or {}).items())
+        lines.append(f"| [`{cid}`](https://huggingface.co/{cid}) | {entry.get('task')} | "
+                     f"{entry.get('parameters', 0):,} | {metrics} | {entry['size_bytes'] / 1e6:.2f} MB |")
+    hyper = _hypersolver_rows(catalog, root)
+    if hyper:
+        lines += ["", "| Hypersolver | For checkpoint | Parameters | Size |", "|---|---|---|---|"]
+        lines += [f"| [`{hid}`](https://huggingface.co/{hid}) | `{base}` | {parameters:,} | {size:.2f} MB |"
+                  for hid, _, parameters, base, size in hyper]
+    return "\n".join(lines)
+
+
+def update_readme(catalog: dict[str, Any], readme: Path, render=catalog_markdown) -> bool:
+    """Replace the table between the catalog markers in `readme` (or docs/hub.md, with
+    `render=docs_catalog_markdown`); returns True if the file changed."""
     text = readme.read_text()
     start, end = text.find(README_START), text.find(README_END)
     if start < 0 or end < start:
         raise ValueError(f"{readme}: no {README_START} ... {README_END} markers")
-    new = f"{text[:start]}{README_START}\n{catalog_markdown(catalog)}\n{text[end:]}"
+    new = f"{text[:start]}{README_START}\n{render(catalog)}\n{text[end:]}"
     if new != text:
         readme.write_text(new)
     return new != text
@@ -170,20 +207,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the catalog on disk is out of date")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md",
                         help="README whose catalog table is refreshed (skipped if it has no markers)")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="docs page whose catalog tables are refreshed (default: docs/hub.md when the "
+                             "catalog is the repository's own)")
     parser.add_argument("--skip-incomplete", action="store_true",
                         help="leave out folders still missing config.json, model.safetensors or README.md")
     args = parser.parse_args(argv)
     catalog = build_catalog(args.cards_dir, skip_incomplete=args.skip_incomplete)
+    if args.docs is None and args.cards_dir == CARDS_DIR and args.output == CATALOG_PATH:
+        args.docs = REPO_ROOT / "docs" / "hub.md"
+    pages = [(path, render) for path, render in ((args.readme, catalog_markdown),
+                                                 (args.docs, docs_catalog_markdown))
+             if path is not None and path.is_file() and README_START in path.read_text()]
     if args.check:
         current = json.loads(args.output.read_text()) if args.output.is_file() else None
         if current != catalog:
             print(f"{args.output} is out of date; run `python -m utils.catalog`")
             return 1
+        for path, render in pages:
+            text = path.read_text()
+            if f"{README_START}\n{render(catalog)}\n{README_END}" not in text:
+                print(f"{path}'s catalog table is out of date; run `python -m utils.catalog`")
+                return 1
         print(f"{args.output} is up to date ({len(catalog['checkpoints'])} checkpoints)")
         return 0
     write_catalog(catalog, args.output)
-    if args.readme.is_file() and README_START in args.readme.read_text():
-        update_readme(catalog, args.readme)
+    for path, render in pages:
+        update_readme(catalog, path, render)
     total = sum(e["size_bytes"] for e in catalog["checkpoints"].values())
     print(f"wrote {args.output}: {len(catalog['checkpoints'])} checkpoints, {total / 1e6:.2f} MB")
     for entry in catalog["checkpoints"].values():

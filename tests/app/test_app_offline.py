@@ -63,3 +63,21 @@ def test_read_image_checks_before_decoding(tmp_path):
         F.read_image(big)
     with pytest.raises(ValueError, match="no frames"):
         F.flow_frames([])
+
+
+def test_numbers_from_callers_that_bypass_the_page_are_clamped_to_its_ranges():
+    # Gradio refuses a value outside a slider's range; a direct caller of the functions gets the range's edge
+    assert F.clamp_int(10**12, "new_tokens", "new tokens") == F.LIMITS["new_tokens"][1]
+    assert F.clamp_int(-5, "ddim_steps", "steps T") == F.LIMITS["ddim_steps"][0]
+    assert F.clamp_float(1e-30, "tol", "tolerance") == F.LIMITS["tol"][0]
+    assert F.clamp_float(float("inf"), "zoom", "zoom") == F.LIMITS["zoom"][1]
+    for bad in (float("nan"), "many", None, True):
+        with pytest.raises(ValueError, match="new tokens must be a number"):
+            F.clamp_int(bad, "new_tokens", "new tokens")
+
+
+def test_prompt_is_counted_in_tokens_before_any_solve():
+    with pytest.raises(ValueError, match=r"8,000 tokens \(2,000 characters\).*at most 256"):
+        F.generate_text("\U0001F600" * 2000, 8)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        F.generate_text("   ", 8)

@@ -67,3 +67,18 @@ def test_readme_quickstart_runs_and_warns_once(tmp_path, monkeypatch):
     assert len(ours) == 1 and "f_max_iter=3" in str(ours[0].message)
     assert namespace["model"].config.on_nonconvergence == "raise"
     assert (tmp_path / "my-mdeq" / "config.json").is_file()
+
+
+def test_readme_and_docs_catalogs_are_current_and_complete():
+    """Both tables come from one catalog (utils/catalog.py); each lists every checkpoint and hypersolver."""
+    from deqzoo.hub.catalog import load_catalog
+    from utils.catalog import main as catalog_main
+
+    assert catalog_main(["--check"]) == 0, "run `python -m utils.catalog`"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    docs = (ROOT / "docs" / "hub.md").read_text(encoding="utf-8")
+    assert len(readme) <= 8000, len(readme)
+    ids = list(load_catalog()) + [f"deqzoo/{p.name}" for p in (ROOT / "model_cards").glob("hyperdeq-*")]
+    assert any("hyperdeq" in i for i in ids)
+    for cid in ids:
+        assert f"[`{cid}`]" in readme and f"[`{cid}`]" in docs, cid
