@@ -153,10 +153,10 @@ class DEQPreTrainedModel(PreTrainedModel):
                         max_parameters: int | None = None, strict: bool = True, **kwargs):
         """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents is passed to it
         (``output_loading_info``, ``ignore_mismatched_sizes``, ``state_dict``, ``dtype``, ``device_map``,
-        ``subfolder``, ``variant``, ``revision``, base-model checkpoints into task heads, ...). deqzoo adds
-        what transformers lacks (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to their
-        verified folder (also offline), Hub downloads of safe files only, safetensors only, no remote code,
-        JSON limits, a parameter budget, weights' headers checked against the model before anything is
+        ``subfolder``, ``variant``, ``revision``, base-model checkpoints into task heads, ...). deqzoo
+        adds what transformers lacks (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to
+        their verified folder (also offline), Hub downloads of safe files only, safetensors only, no remote
+        code, JSON limits, a parameter budget, weights' headers checked against the model before anything is
         allocated, and strict loading: missing or unexpected keys refuse the load naming them, except a task
         head that a checkpoint of another class cannot hold (``strict=False``: transformers' lenient report).
         After it, ``deq={...}`` overrides solver settings.

@@ -288,7 +288,7 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
     config = kwargs.pop("config", None)
     folder = None
     if name_or_path is None:
-        if config is None or isinstance(config, (str, os.PathLike, dict)) or kwargs.get("state_dict") is None:
+        if isinstance(config, (str, os.PathLike, dict, type(None))) or kwargs.get("state_dict") is None:
             raise TypeError(f"{model_cls.__name__}.from_pretrained(None, ...) needs both config= and "
                             "state_dict= (there is no checkpoint folder to read them from)")
     else:
@@ -312,8 +312,8 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
             and model_cls.__name__ in (config.architectures or []) and is_shipped(folder)):
         # The catalog's files (sha256 checked) into the class they were saved from, with their config:
         # tests/hub/test_hub_zoo.py runs `precheck` strictly on each shipped checkpoint, so its meta-device
-        # build (most of deqzoo's CPU share here) would find nothing to refuse or bridge. The budget (the caller
-        # may lower it) is still checked, on the tensors in the file.
+        # build (most of deqzoo's CPU share here) would find nothing to refuse or bridge. The budget (the
+        # caller may lower it) is still checked, on the tensors in the file.
         check_budget(header_state(folder)[0].values(), str(folder / "config.json"), max_parameters)
         bridge = None
     else:
