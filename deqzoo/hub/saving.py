@@ -284,10 +284,10 @@ def _refuse_folders_in_the_way(target: Path, produced: set[str]) -> None:
     for rel in sorted({*produced, *stale}):
         path = target / rel
         if _real_dir(path) or any(p.exists() and not p.is_dir() for p in path.parents if target in p.parents):
+            what = "directory" if _real_dir(path) else "file on its path"
             raise FileExistsError(
-                f"{path}: this save writes the file {rel} but the folder holds a "
-                f"{'directory' if _real_dir(path) else 'file on its path'} of that name; a save never replaces "
-                "anything but files of the checkpoint: move or rename it, or save elsewhere")
+                f"{path}: this save writes the file {rel} but the folder holds a {what} of that name; a save "
+                "never replaces anything but files of the checkpoint: move or rename it, or save elsewhere")
 
 
 def _swap_in(tmp: Path, target: Path, produced: set[str]) -> None:

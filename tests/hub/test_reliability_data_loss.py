@@ -181,8 +181,8 @@ def test_a_user_directory_named_like_a_checkpoint_file_refuses_the_save_before_a
     (run / name).mkdir(parents=True)
     (run / name / "mine.txt").write_text("user data")
     (run / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match=f"{name}: this save writes the file {name} but the folder holds "
-                                              "a directory of that name"):
+    expected = f"{name}: this save writes the file {name} but the folder holds a directory of that name"
+    with pytest.raises(FileExistsError, match=expected):
         model.save_pretrained(run)
     assert (run / name / "mine.txt").read_text() == "user data"
     assert sorted(p.name for p in run.iterdir()) == sorted([name, "notes.txt"])
