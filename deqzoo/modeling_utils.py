@@ -33,6 +33,10 @@ class DEQPreTrainedModel(PreTrainedModel):
     config_class = DEQPretrainedConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
+    # Every zoo loss is a batch mean and no forward reads `num_items_in_batch`: declared, so transformers'
+    # Trainer divides the loss by the gradient accumulation and does not multiply it by the number of
+    # processes (which it does for models that take **kwargs and sum over tokens themselves)
+    accepts_loss_kwargs = False
 
     def post_init(self):
         super().post_init()
