@@ -154,11 +154,6 @@ class DEQPretrainedConfig(PretrainedConfig):
                               f"{self.on_nonconvergence!r}")
         _solver_settings(self.deq)
 
-    def check_overrides(self, changes: dict[str, Any]) -> None:
-        """Check values about to be set on this config (``from_pretrained(..., key=value)``) as a config built
-        with them would be; the loader calls it through the config, so hub.loading imports nothing here."""
-        type(self).from_dict({**self.to_dict(), **changes})
-
     @property
     def deq_config(self) -> DEQConfig:
         """The engine's settings; its ``on_nonconvergence`` follows the model's policy (the model warns)."""

@@ -212,8 +212,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
         >>> import deqzoo
         >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", deq={"f_max_iter": 12})  # doctest: +SKIP
     """
-    hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only", "force_download")
-           if k in kwargs}
+    hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "force_download",
+                                  "endpoint") if k in kwargs}  # transformers reads them too: kept in kwargs
     name = str(name_or_path)
     if not Path(name).exists() and canonical_name(name) in model_names_table():
         name_or_path = f"deqzoo/{canonical_name(name)}"  # an alias or the bare name of a published model
@@ -224,12 +224,14 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
         if not hint:
             raise
         raise type(err)(f"{err}{hint}") from err
-    if not (directory / "config.json").exists() and (directory / "model_index.json").is_file():
-        return _load_pipeline(directory, **kwargs)  # a diffusers repository: the DEQ-DDIM pipeline
-    config_path = confined(directory, "config.json", directory)
+    subfolder = kwargs.get("subfolder") or ""
+    folder = confined(directory, subfolder, f"subfolder={subfolder!r}") if subfolder else directory
+    if not (folder / "config.json").exists() and (folder / "model_index.json").is_file():
+        return _load_pipeline(folder, **kwargs)  # a diffusers repository: the DEQ-DDIM pipeline
+    config_path = confined(folder, "config.json", folder)
     if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
-    raw = read_json(config_path)
+        raise CheckpointError(f"{folder}: no config.json")
+    raw = read_json(config_path)  # the one read: passed on as config= (the class's loader takes its dict)
     model_type = raw.get("model_type")
     if not isinstance(model_type, str):
         raise CheckpointError(f"{config_path}: key 'model_type' must be a string naming the family, "
@@ -244,11 +246,12 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
         raise CheckpointError(f"{config_path}: key 'architectures' must be a list of class names, "
                               f"got {architectures!r}")
     cls = _model_class(family, architectures=architectures)
-    model = cls.from_pretrained(directory, deq=deq, **kwargs)
-    model.name_or_path = str(name_or_path)
+    result = cls.from_pretrained(directory, config=raw, deq=deq, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True: (model, info)
+    model.name_or_path = model.config.name_or_path = str(name_or_path)
     if hypersolver is not None:
         model.set_hypersolver(hypersolver)
-    return model
+    return result
 
 
 def _load_pipeline(directory: Path, **kwargs: Any):

@@ -33,6 +33,10 @@ class DEQPreTrainedModel(PreTrainedModel):
     config_class = DEQPretrainedConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
+    # Every zoo loss is a batch mean and no forward reads `num_items_in_batch`: declared, so transformers'
+    # Trainer divides the loss by the gradient accumulation and does not multiply it by the number of
+    # processes (which it does for models that take **kwargs and sum over tokens themselves)
+    accepts_loss_kwargs = False
 
     def post_init(self):
         super().post_init()
@@ -150,14 +154,16 @@ class DEQPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
-                        max_parameters: int | None = None, **kwargs):
-        """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents works as there
+                        max_parameters: int | None = None, strict: bool = True, **kwargs):
+        """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents is passed to it
         (``output_loading_info``, ``ignore_mismatched_sizes``, ``state_dict``, ``dtype``, ``device_map``,
-        ``subfolder``, ``variant``, base-model checkpoints into task heads, ...). deqzoo adds, before it runs
-        (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to their verified folder (also
-        offline), Hub downloads of safe files only, safetensors only (no pickle path), no remote code,
-        validated config and parameter budget, weights' headers checked against the model with errors naming
-        the file and both shapes; after it, ``deq={...}`` overrides solver settings.
+        ``subfolder``, ``variant``, ``revision``, base-model checkpoints into task heads, ...). deqzoo
+        adds what transformers lacks (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to
+        their verified folder (also offline), Hub downloads of safe files only, safetensors only, no remote
+        code, JSON limits, a parameter budget, weights' headers checked against the model before anything is
+        allocated, and strict loading: missing or unexpected keys refuse the load naming them, except a task
+        head that a checkpoint of another class cannot hold (``strict=False``: transformers' lenient report).
+        After it, ``deq={...}`` overrides solver settings.
 
         Example:
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
@@ -165,9 +171,9 @@ class DEQPreTrainedModel(PreTrainedModel):
         """
         from .hub.loading import prepare_pretrained
 
-        directory, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path,
-                                                       max_parameters=max_parameters, **kwargs)
-        result = super().from_pretrained(directory, *model_args, config=config, **kwargs)
+        path, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path, strict=strict,
+                                                  max_parameters=max_parameters, **kwargs)
+        result = super().from_pretrained(path, *model_args, config=config, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
         if pretrained_model_name_or_path is not None:
             model.name_or_path = model.config.name_or_path = str(pretrained_model_name_or_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,39 @@ def embedded_entry(name: str) -> dict[str, Any] | None:
     return None
 
 
+# (path, size, mtime, ctime, inode) -> sha256 of the files this process has hashed. ctime cannot be set back
+# by the user, so an edit in place with the mtime restored misses the cache; as git does for its index, a file
+# whose ctime is within the filesystem's timestamp granularity of the hash ("racily clean") is not cached.
+_HASHED: dict[tuple, str] = {}
+_RACY_NS = 2_000_000_000
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, hashed once per process while the file is unchanged.
+
+    Example:
+        >>> from deqzoo.hub.catalog import load_catalog, embedded_folder
+        >>> folder = embedded_folder(load_catalog()["deqzoo/mdeq-tiny-mnist"])
+        >>> len(file_sha256(folder / "config.json"))
+        64
+    """
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if key in _HASHED:
+        return _HASHED[key]
+    digest = sha256_file(path)
+    if time.time_ns() - st.st_ctime_ns > _RACY_NS:
+        _HASHED[key] = digest
+    return digest
+
+
 def verify_embedded(entry: dict[str, Any], folder: Path) -> None:
     """Check every file's sha256 against the catalog; raise naming the first file that differs."""
     for rel, expected in entry["files"].items():
         path = folder / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the catalog for {entry['id']} but missing")
-        # hashed on every load (embedded files are a few MB): a cache keyed by size and mtime would accept a
-        # file edited in place with its mtime restored
-        actual = sha256_file(path)
+        actual = file_sha256(path)
         if actual != expected:
             raise CheckpointError(
                 f"{path}: sha256 {actual} does not match the catalog ({expected}) for {entry['id']}; "
@@ -233,96 +258,78 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     return found
 
 
-# The keywords transformers' PreTrainedModel.from_pretrained reads itself (5.x); any other keyword naming a
-# config attribute overrides it, as in transformers, and anything else is an error naming it.
-TRANSFORMERS_KEYWORDS = frozenset({
-    "config", "cache_dir", "ignore_mismatched_sizes", "force_download", "local_files_only", "token",
-    "revision", "use_safetensors", "weights_only", "fusion_config", "disable_mmap", "state_dict", "proxies",
-    "tqdm_class",
-    "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype", "device_map", "max_memory",
-    "offload_folder", "offload_buffers", "quantization_config", "subfolder", "_commit_hash", "variant",
-    "adapter_kwargs", "adapter_name", "generation_config", "gguf_file", "distributed_config", "device_mesh",
-    "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config",
-    "key_mapping", "attn_implementation", "experts_implementation", "low_cpu_mem_usage", "code_revision",
-    "user_agent", "mirror", "resume_download", "from_tf", "from_flax", "local_files_only_fallback"})
-_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "endpoint", "proxies")
+# Keywords of transformers' from_pretrained that would load something other than a safetensors checkpoint.
 _REFUSED = {"gguf_file": "GGUF files are not safetensors",
-            "from_tf": "TensorFlow checkpoints are not safetensors",
-            "from_flax": "Flax checkpoints are not safetensors",
             "adapter_kwargs": "adapters name another model to load",
             "quantization_config": "deqzoo models are not quantised"}
 
 
 def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, *,
-                       max_parameters: int | None = None, **kwargs: Any) -> tuple[str | None, Any, dict]:
+                       max_parameters: int | None = None, strict: bool = True, **kwargs: Any
+                       ) -> tuple[str | None, Any, dict]:
     """What deqzoo does before transformers' ``from_pretrained`` runs; returns (local folder or None, the
-    validated config, the keywords left for transformers).
+    validated config, the keywords for transformers, every one of the caller's passed through).
 
     The name resolves to a local folder (`resolve`: directory, embedded checkpoint with sha256 check, HF
-    cache, Hub with safe files only; ``subfolder`` confined to it). Refused with an error naming the cause,
-    before anything is allocated: pickle-only or non-safetensors loading, keywords that would load other
-    formats or another model (``gguf_file``, adapters), an ``adapter_config.json`` in the folder, a config
-    that fails validation (types, ranges), a model above the parameter budget, weights whose headers do not
-    match the model (mis-shaped keys unless ``ignore_mismatched_sizes``, dtypes that need more than a float
-    cast). Config attributes given as keywords override the config (validated like ``__init__``)."""
+    cache, Hub with safe files only). The config is read with size and depth limits (``config=`` may be
+    that file's dict, already read) and overridden by keywords naming its attributes, as transformers'
+    Auto classes do; validated like ``__init__``. Refused with an error naming the cause, before anything
+    is allocated: non-safetensors loading, keywords that would load other formats or another model, an
+    ``adapter_config.json``, a model above the parameter budget, weights whose headers do not match the
+    model (`precheck`: with ``strict``, missing or unexpected keys too, except a task head that a checkpoint
+    of another class cannot hold)."""
     if kwargs.get("use_safetensors", True) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
     for key, why in _REFUSED.items():
-        if kwargs.pop(key, None):
+        if kwargs.get(key):
             raise CheckpointError(f"{model_cls.__name__}.from_pretrained: {key}= is not supported ({why}; "
                                   "deqzoo loads safetensors checkpoints only)")
-    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-    subfolder = kwargs.pop("subfolder", "") or ""
+    endpoint = kwargs.pop("endpoint", None)  # deqzoo's own: where `resolve` downloads from
     config = kwargs.pop("config", None)
-    directory = None
+    folder = None
     if name_or_path is None:
-        if config is None or kwargs.get("state_dict") is None:
+        if isinstance(config, (str, os.PathLike, dict, type(None))) or kwargs.get("state_dict") is None:
             raise TypeError(f"{model_cls.__name__}.from_pretrained(None, ...) needs both config= and "
                             "state_dict= (there is no checkpoint folder to read them from)")
     else:
-        directory = resolve(name_or_path, **hub)
-        if subfolder:
-            directory = confined(directory, subfolder, f"subfolder={subfolder!r}")
-            if not directory.is_dir():
-                raise CheckpointError(f"{directory}: subfolder={subfolder!r} is not a folder of the "
-                                      "checkpoint")
-        if (directory / "adapter_config.json").exists():
-            raise CheckpointError(f"{directory / 'adapter_config.json'}: adapter checkpoints name another "
+        directory = resolve(name_or_path, endpoint=endpoint,
+                            **{k: kwargs[k] for k in _RESOLVE_KEYWORDS if k in kwargs})
+        name_or_path = str(directory)
+        subfolder = kwargs.get("subfolder") or ""
+        folder = confined(directory, subfolder, f"subfolder={subfolder!r}") if subfolder else directory
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: subfolder={subfolder!r} is not a folder of the checkpoint")
+        if (folder / "adapter_config.json").exists():
+            raise CheckpointError(f"{folder / 'adapter_config.json'}: adapter checkpoints name another "
                                   "model to load; deqzoo does not load them")
-    own_config = config is None and directory is not None
-    if config is None:
-        config = load_config(model_cls.config_class, directory)
+    pristine = False
+    if config is None or isinstance(config, dict):  # a dict: the folder's config.json as the caller read it
+        config, kwargs, pristine = load_config(model_cls.config_class, folder, raw=config, **kwargs)
     elif isinstance(config, (str, os.PathLike)):
-        config = load_config(model_cls.config_class, Path(config))
-    else:
-        config = copy.deepcopy(config)
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in TRANSFORMERS_KEYWORDS}
-    unknown = sorted(k for k in overrides if not hasattr(config, k))
-    if unknown:
-        raise TypeError(f"{model_cls.__name__}.from_pretrained got an unexpected keyword argument "
-                        f"{unknown[0]!r}")
-    if overrides and hasattr(config, "check_overrides"):  # a deqzoo config checks them like its __init__
-        config.check_overrides(overrides)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    if (own_config and not (overrides or subfolder or kwargs.get("variant"))
-            and kwargs.get("state_dict") is None and model_cls.__name__ in (config.architectures or [])
-            and is_shipped(directory)):
-        # The catalog's files (sha256 just checked) into the class they were saved from, with their config:
-        # tests/hub/test_hub_zoo.py runs `precheck` on each shipped checkpoint, so its meta-device build (most
-        # of deqzoo's CPU share here) would find nothing to refuse or bridge. The budget (the caller may lower
-        # it) is still checked, on the tensors in the file (buffers rebuilt from the config are not in it).
-        check_budget(header_state(directory)[0].values(), str(directory / "config.json"), max_parameters)
+        config, kwargs, _ = load_config(model_cls.config_class, Path(config), **kwargs)
+    state_dict = kwargs.get("state_dict")
+    if (pristine and state_dict is None and not kwargs.get("variant")
+            and model_cls.__name__ in (config.architectures or []) and is_shipped(folder)):
+        # The catalog's files (sha256 checked) into the class they were saved from, with their config:
+        # tests/hub/test_hub_zoo.py runs `precheck` strictly on each shipped checkpoint, so its meta-device
+        # build (most of deqzoo's CPU share here) would find nothing to refuse or bridge. The budget (the
+        # caller may lower it) is still checked, on the tensors in the file.
+        check_budget(header_state(folder)[0].values(), str(folder / "config.json"), max_parameters)
         bridge = None
     else:
-        bridge = precheck(model_cls, config, directory if kwargs.get("state_dict") is None else None,
-                          max_parameters=max_parameters, variant=kwargs.get("variant"),
+        bridge = precheck(model_cls, config, folder if state_dict is None else None, state=state_dict,
+                          max_parameters=max_parameters, variant=kwargs.get("variant"), strict=strict,
                           ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes", False))
     if bridge:  # base model <-> task head: transformers' own bridging misses weight-norm's renamed keys
-        kwargs["state_dict"] = _bridge_prefix(bridge, load_state_dict(directory, kwargs.get("variant")))
-        directory = None  # transformers takes either a folder or tensors
+        kwargs["state_dict"] = _bridge_prefix(bridge, load_state_dict(folder, kwargs.get("variant")))
+        kwargs.pop("subfolder", None)
+        name_or_path = None  # transformers takes either a folder or tensors
     kwargs.update(use_safetensors=True, trust_remote_code=False)  # config.json's auto_map never runs
-    return (str(directory) if directory is not None else None), config, kwargs
+    return name_or_path, config, kwargs
+
+
+# `resolve`'s own keywords (transformers reads them too: they are passed on)
+_RESOLVE_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -345,11 +352,12 @@ def header_state(directory: Path, variant: str | None = None) -> tuple[dict[str,
     return state, files
 
 
-def precheck(model_cls: type, config: Any, directory: Path | None, *, max_parameters: int | None = None,
-             ignore_mismatched_sizes: bool = False, variant: str | None = None) -> torch.nn.Module | None:
+def precheck(model_cls: type, config: Any, directory: Path | None, *, state: dict | None = None,
+             max_parameters: int | None = None, ignore_mismatched_sizes: bool = False,
+             variant: str | None = None, strict: bool = True) -> torch.nn.Module | None:
     """Build the model on the meta device (nothing allocated) and check its size against the budget and its
-    keys, shapes and dtypes against the safetensors headers, before the real model or any tensor exists.
-    Returns the meta model when the checkpoint's keys need base-model bridging (`_bridge_prefix`)."""
+    keys, shapes and dtypes against the safetensors headers (or the given `state`), before the real model or
+    any tensor exists. Returns the meta model when the checkpoint's keys need base-model bridging."""
     source = str(Path(directory) / "config.json") if directory is not None else "the given config"
     try:
         with torch.device("meta"):
@@ -357,13 +365,31 @@ def precheck(model_cls: type, config: Any, directory: Path | None, *, max_parame
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{source}: {err}") from err
     check_budget([*meta_model.parameters(), *meta_model.buffers()], source, max_parameters)
-    if directory is not None:
-        state, files = header_state(directory, variant)
-        bridged = _bridge_prefix(meta_model, state)
-        check_state_dict(meta_model, bridged, ", ".join(files) or source,
-                         strict=False, ignore_mismatched_sizes=ignore_mismatched_sizes)
-        return meta_model if bridged is not state else None
-    return None
+    if directory is None and state is None:
+        return None
+    state, files = header_state(directory, variant) if directory is not None else (state, ["state_dict="])
+    bridged = _bridge_prefix(meta_model, state)
+    found = check_state_dict(meta_model, bridged, ", ".join(files) or source, strict=False,
+                             ignore_mismatched_sizes=ignore_mismatched_sizes)
+    if strict:
+        _refuse_missing_or_unexpected(meta_model, config, found, ", ".join(files))
+    return meta_model if bridged is not state else None
+
+
+def _refuse_missing_or_unexpected(model: torch.nn.Module, config: Any, found: dict[str, list],
+                                  source: str) -> None:
+    """Strict loading: missing or unexpected keys refuse the load, naming them. A task head is new when the
+    checkpoint comes from another class (``config.architectures`` names another: a base model's checkpoint
+    into a head, transformers' re-heading): its keys, outside the base model, are only reported."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    other_class = bool(config.architectures) and type(model).__name__ not in config.architectures
+    found = {**found, "mismatched_keys": [], "mistyped_keys": []}
+    for kind in ("missing_keys", "unexpected_keys"):
+        found[kind] = [k for k in found[kind] if not (other_class and not k.startswith(prefix))]
+    if found["missing_keys"] or found["unexpected_keys"]:
+        raise CheckpointMismatchError(
+            mismatch_report(model, found, source) + "\n  (pass strict=False to load anyway: the missing "
+            "weights are newly initialised and reported, as transformers does)")
 
 
 def _bridge_prefix(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -382,18 +408,30 @@ def _bridge_prefix(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> di
     return state
 
 
-def load_config(config_cls: type, directory: Path):
-    """The config of a checkpoint folder, read with size/depth limits and validated (types, ranges) before
-    anything is built; errors name the file and the key."""
+def load_config(config_cls: type, directory: Path, *, raw: dict | None = None, **kwargs: Any
+                ) -> tuple[Any, dict[str, Any], bool]:
+    """(config, the keywords it did not take, whether none overrode it) of a checkpoint folder.
+
+    ``config.json`` (or `raw`, its dict as already read) is read with size and depth limits and validated
+    (types, ranges) before anything is built, errors naming the file and the key; keywords naming a config
+    attribute override it (transformers' ``from_dict(..., return_unused_kwargs=True)``, as its Auto classes
+    do), checked like ``__init__``."""
     path = confined(directory, "config.json", directory)
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
-    data = read_json(path)
+    if raw is None:
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: no config.json")
+        raw = read_json(path)
     want = getattr(config_cls, "model_type", "")
-    if want and data.get("model_type") != want:
-        raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} but {config_cls.__name__} "
+    if want and raw.get("model_type") != want:
+        raise CheckpointError(f"{path}: model_type {raw.get('model_type')!r} but {config_cls.__name__} "
                               f"expects {want!r}")
     try:
-        return config_cls.from_dict(data)
+        config = config_cls.from_dict(copy.deepcopy(raw))
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise CheckpointError(f"{path}: {err}") from err
+    if not kwargs:
+        return config, kwargs, True
+    config, unused = config_cls.from_dict(copy.deepcopy(raw), return_unused_kwargs=True, **kwargs)
+    if len(unused) < len(kwargs) and callable(getattr(config, "validate", None)):
+        config.validate()  # the overrides together, as __init__ checks them
+    return config, unused, len(unused) == len(kwargs)

@@ -1,26 +1,40 @@
-"""Upload a checkpoint directory to the Hub (or any endpoint speaking its API) through huggingface_hub.
+"""Upload a checkpoint directory to the Hub (or any endpoint speaking its API) through huggingface_hub, in one
+commit of the files an allow-list names as a checkpoint's.
 
 The options are those of transformers' ``PreTrainedModel.push_to_hub`` (commit message and description,
-revision, create_pr, private, tags, token), each passed to huggingface_hub; only the files a checkpoint needs
-are uploaded (see :func:`checkpoint_upload_files`).
+revision, create_pr, private, tags, token), each passed to huggingface_hub; what the allow-list leaves out
+(optimizer state, logs, ``credentials.json``, ``notes.txt``) is named in a warning (and by ``deqzoo push``).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import os
 from pathlib import Path
 
 from .safetensors_io import weight_files
 from .validation import is_network_error, read_json
 
-# Top-level files a checkpoint repository consists of: configs (config.json, generation/preprocessor/
-# tokenizer/scheduler configs, model_index.json, safetensors indexes), weights, tokenizer vocabularies, card.
-_CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".tiktoken")
-# Text files are uploaded by name only: the vocabularies transformers' tokenizers write (vocab.txt for
-# WordPiece, merges.txt for BPE). Any other *.txt (secrets.txt, wandb-key.txt, notes) stays local.
-_TOKENIZER_TEXT_FILES = ("vocab.txt", "merges.txt")
-_CARD_ASSET_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp")
+logger = logging.getLogger("deqzoo")
 CARD_NAME = "README.md"
+# The files a checkpoint repository consists of, by name (top level, and inside a diffusers component folder
+# such as unet/ or scheduler/): card, configs, weights and their index, tokenizer / processor / scheduler
+# files, and the training records deqzoo's cards report. A JSON file is not a config because of its suffix:
+# credentials.json or secret_token.json stays local.
+CHECKPOINT_FILES = (
+    CARD_NAME, "config.json", "generation_config.json", "model_index.json", "*.safetensors",
+    "*.safetensors.index*.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken",
+    "chat_template.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", "scheduler_config.json",
+    "train_log.json", "trainer_state.json", "*_results.json", "measurements.json", "bench_*.json")
+# Files the card links by name are part of the repository too (its figures, a results table).
+_CARD_LINKED_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".json")
+
+
+def _allowed(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_FILES)
 
 
 def _component_dirs(directory: Path, card_text: str) -> set[str]:
@@ -34,21 +48,20 @@ def _component_dirs(directory: Path, card_text: str) -> set[str]:
 
 
 def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """(files to upload, stray files left out) of a checkpoint folder, as sorted POSIX relative paths.
+    """(files to upload, files left out) of a checkpoint folder, as sorted POSIX relative paths.
 
-    Uploaded: top-level configs, weights and tokenizer files (``*.json``, ``*.safetensors``, ``vocab.txt``,
-    ``merges.txt``, ``*.model``, ``*.tiktoken``), ``README.md`` and the images it references; the same kinds
-    of file inside subfolders that are repository components (named in ``model_index.json`` or referenced by
-    the card as ``name/``). Everything else (optimizer state, pickles, logs, hidden files, scratch folders)
-    stays local.
+    Uploaded: the files `CHECKPOINT_FILES` names, at the top level and inside subfolders that are repository
+    components (named in ``model_index.json`` or referenced by the card as ``name/``), and the figures and
+    JSON files the card names. Everything else (optimizer state, pickles, logs, credentials, notes, hidden
+    files, scratch folders, links leading out) stays local.
 
     Example:
         >>> import tempfile, pathlib
         >>> d = pathlib.Path(tempfile.mkdtemp())
-        >>> for name in ("config.json", "model.safetensors", "optimizer.pt", "notes.log"):
+        >>> for name in ("config.json", "model.safetensors", "optimizer.pt", "credentials.json"):
         ...     _ = (d / name).write_text("x")
         >>> checkpoint_upload_files(d)
-        (['config.json', 'model.safetensors'], ['notes.log', 'optimizer.pt'])
+        (['config.json', 'model.safetensors'], ['credentials.json', 'optimizer.pt'])
     """
     directory = Path(directory)
     card = directory / CARD_NAME
@@ -65,11 +78,10 @@ def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], li
         if hidden or not path.resolve().is_relative_to(root):  # a link never exports a file from outside
             keep = False
         elif len(parts) == 1:
-            keep = (rel.name in (CARD_NAME, *_TOKENIZER_TEXT_FILES) or rel.suffix in _CHECKPOINT_SUFFIXES
-                    or (rel.suffix.lower() in _CARD_ASSET_SUFFIXES and rel.name in card_text))
+            linked = rel.suffix.lower() in _CARD_LINKED_SUFFIXES and rel.name in card_text
+            keep = _allowed(rel.name) or linked
         else:
-            keep = len(parts) == 2 and parts[0] in components and (
-                rel.suffix in _CHECKPOINT_SUFFIXES or rel.name in _TOKENIZER_TEXT_FILES)
+            keep = len(parts) == 2 and parts[0] in components and _allowed(rel.name)
         (upload if keep else stray).append(rel.as_posix())
     return upload, stray
 
@@ -118,7 +130,8 @@ def push_folder(
     exist; ``refs/pr/N`` commits to an open pull request); ``create_pr=True`` opens a pull request against it
     instead of committing; ``tags`` are added to the card's metadata in the uploaded README.md; ``private``
     applies when the repository is created. Only the files :func:`checkpoint_upload_files` selects are
-    uploaded, and a folder whose weights are pickles is refused before any request.
+    uploaded (the others are named in a warning), and a folder whose weights are pickles is refused before
+    any request.
     `endpoint` defaults to $HF_ENDPOINT read at call time, then huggingface_hub's default.
 
     Example:
@@ -136,13 +149,18 @@ def push_folder(
         weight_files(directory)  # refuses pickle-only folders
     if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags)):
         raise ValueError(f"tags must be a list of non-empty strings, got {tags!r}")
-    files, _ = checkpoint_upload_files(directory)
+    files, left_out = checkpoint_upload_files(directory)
+    if left_out:
+        logger.warning("%s: not uploading %d file(s) a checkpoint does not consist of: %s", directory,
+                       len(left_out), ", ".join(left_out))
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
     api = HfApi(endpoint=endpoint, token=token)
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
         if revision is not None and not revision.startswith("refs/pr/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
+        # one create_commit, not upload_folder: huggingface_hub's upload_folder (with hf_xet) commits a folder
+        # in batches, so a reader could see half a checkpoint, and it opens pull requests against main only
         operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(directory / name))
                       for name in files if not (tags and name == CARD_NAME)]
         if tags:

@@ -260,6 +260,7 @@ def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, l
             produced = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*")
                         if (p.is_file() or p.is_symlink()) and p.name != PRODUCED}
             _write(tmp / PRODUCED, sorted(produced))
+            _refuse_folders_in_the_way(target, produced)
             umask = os.umask(0)
             os.umask(umask)  # mkdtemp (and transformers' writer) make owner-only entries: the usual modes
             for path in [*tmp.rglob("*"), tmp]:  # before any user file is linked in (the folder then takes
@@ -272,6 +273,21 @@ def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, l
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _refuse_folders_in_the_way(target: Path, produced: set[str]) -> None:
+    """A folder of the user's where this save writes or replaces a file (a directory named model.safetensors):
+    refused before anything of the user's moves; a save replaces files only."""
+    if not target.is_dir():
+        return
+    stale = [e.name for e in os.scandir(target) if WEIGHT_FILE.fullmatch(e.name)]
+    for rel in sorted({*produced, *stale}):
+        path = target / rel
+        if _real_dir(path) or any(p.exists() and not p.is_dir() for p in path.parents if target in p.parents):
+            what = "directory" if _real_dir(path) else "file on its path"
+            raise FileExistsError(
+                f"{path}: this save writes the file {rel} but the folder holds a {what} of that name; a save "
+                "never replaces anything but files of the checkpoint: move or rename it, or save elsewhere")
 
 
 def _swap_in(tmp: Path, target: Path, produced: set[str]) -> None:

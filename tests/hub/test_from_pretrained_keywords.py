@@ -20,13 +20,17 @@ def test_output_loading_info_returns_the_model_and_its_report(toy_checkpoint):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_missing_and_unexpected_keys_are_reported_not_raised(toy_checkpoint):
+def test_missing_and_unexpected_keys_refuse_unless_strict_false_which_reports_them(toy_checkpoint):
     directory, model = toy_checkpoint
     state = {k: v.clone() for k, v in model.state_dict().items()}
     del state["head.bias"]
     state["extra.weight"] = torch.zeros(2)
     save_file(state, directory / "model.safetensors")
-    loaded, info = type(model).from_pretrained(directory, output_loading_info=True)
+    for load in (type(model).from_pretrained, deqzoo.from_pretrained):
+        with pytest.raises(CheckpointError, match=r"missing keys \(1\): head.bias") as err:
+            load(directory, output_loading_info=True)
+        assert "unexpected keys (1): extra.weight" in str(err.value) and "strict=False" in str(err.value)
+    loaded, info = type(model).from_pretrained(directory, output_loading_info=True, strict=False)
     assert set(info["missing_keys"]) == {"head.bias"} and set(info["unexpected_keys"]) == {"extra.weight"}
     assert torch.equal(loaded.head.weight, model.head.weight)  # what the file holds is loaded
 

@@ -442,3 +442,29 @@ def test_hypersolver_weights_link_leading_out_is_refused(tmp_path):
     (tmp_path / "hs" / "model.safetensors").symlink_to(tmp_path / "outside" / "model.safetensors")
     with pytest.raises(HyperSolverError, match="link leading outside"):
         HyperSolver.from_pretrained(tmp_path / "hs")
+
+
+SECRET_LOOKING = ("credentials.json", "secret_token.json", "notes.txt")
+
+
+def test_push_leaves_secret_looking_files_out_and_says_so(fake_hub, toy_checkpoint, capsys, caplog):
+    """Issue 57: every top-level *.json counted as a config, so credentials.json and secret_token.json were
+    committed without notice. Both `push_folder` and `deqzoo push` leave them out and name them."""
+    from deqzoo.hub.push import push_folder
+
+    hub, _ = fake_hub
+    directory, _ = toy_checkpoint
+    needed = {p.name for p in directory.iterdir()}
+    for name in SECRET_LOOKING:
+        (directory / name).write_text('{"token": "hf_secret"}')
+    with caplog.at_level("WARNING", logger="deqzoo"):
+        push_folder(directory, repo_id="henry/toy-secrets")
+    assert set(hub.repos["henry/toy-secrets"]) == needed
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(name in warned for name in SECRET_LOOKING) and "not uploading 3 file(s)" in warned
+
+    assert cli_main(["push", str(directory), "--repo-id", "henry/toy-secrets-cli"]) == 0
+    out = capsys.readouterr().out
+    assert "not uploading 3 file(s)" in out and all(name in out for name in SECRET_LOOKING)
+    assert set(hub.repos["henry/toy-secrets-cli"]) == needed
+    assert not any(b"hf_secret" in data for repo in hub.repos.values() for data in repo.values())

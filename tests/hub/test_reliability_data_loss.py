@@ -168,3 +168,22 @@ def test_converted_checkpoint_written_next_to_source_keeps_it(tmp_path):
     out = converter_module("ignn_swiftieh").convert(src, release / "converted")
     assert src.read_bytes() == src_fixture.read_bytes()
     assert deqzoo.from_pretrained(out) is not None
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00002.safetensors", "config.json"])
+def test_a_user_directory_named_like_a_checkpoint_file_refuses_the_save_before_anything_moves(tmp_path, name):
+    """Issue 57: a directory named model.safetensors was moved into a hidden .NAME.deqzoo-tmp-* folder in the
+    parent, with a message giving the wrong reason."""
+    import deqzoo
+
+    model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
+    run = tmp_path / "run"
+    (run / name).mkdir(parents=True)
+    (run / name / "mine.txt").write_text("user data")
+    (run / "notes.txt").write_text("keep")
+    expected = f"{name}: this save writes the file {name} but the folder holds a directory of that name"
+    with pytest.raises(FileExistsError, match=expected):
+        model.save_pretrained(run)
+    assert (run / name / "mine.txt").read_text() == "user data"
+    assert sorted(p.name for p in run.iterdir()) == sorted([name, "notes.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no hidden sibling left behind

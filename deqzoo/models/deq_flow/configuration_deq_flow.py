@@ -85,6 +85,7 @@ class DEQFlowConfig(DEQPretrainedConfig):
     """
 
     model_type = "deq_flow"
+    attribute_map = {"hidden_size": "hidden_dim"}  # the name ecosystem tools read: the ConvGRU state width
     default_deq = DEFAULT_DEQ
 
     encoder_layers: _Widths = ranged(1, 4096, default=(64, 64, 96, 128))

@@ -83,6 +83,8 @@ class MDEQConfig(DEQPretrainedConfig):
     """
 
     model_type = "mdeq"
+    # the names ecosystem tools read: input image channels, the width of the pooled features the head reads
+    attribute_map = {"num_channels": "in_channels", "hidden_size": "final_chansize"}
 
     in_channels: int = ranged(1, 1024, default=3)
     branch_channels: _Ints = ranged(1, 65536, default=(24, 24))
@@ -115,6 +117,7 @@ class MDEQConfig(DEQPretrainedConfig):
     jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
 
     def __post_init__(self, **kwargs: Any) -> None:
+        self.in_channels = kwargs.pop("num_channels", self.in_channels)  # the alias, before it is read below
         channels = self.branch_channels = list(self.branch_channels)
         self.num_blocks = list(self.num_blocks) if self.num_blocks is not None else [1] * len(channels)
         self.big_kernels = list(self.big_kernels) if self.big_kernels is not None else [0] * len(channels)

@@ -308,9 +308,6 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
     base_model_prefix = "mdeq"
     main_input_name = "pixel_values"
     _no_split_modules = ["MDEQModule"]
-    # our losses are batch means: the Trainer must not rescale them as token-summed losses (it would
-    # multiply them by the number of DDP processes)
-    accepts_loss_kwargs = False
 
     def post_init(self):
         super().post_init()
