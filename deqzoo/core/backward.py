@@ -232,10 +232,10 @@ def unrolled(g, x_star, ctx: BackwardContext):
             pd, zd = prev.detach(), z.detach()
             last_abs = torch.linalg.vector_norm(zd - pd, dim=1)
             last_rel = last_abs / (torch.linalg.vector_norm(zd, dim=1) + 1e-12)
-            stop = tracker.update(pd, zd, last_abs)
+            tracker.update(pd, zd, last_abs)
         if end in ctx.keep_steps:
             kept[end] = z
-        if stop:
+        if tracker.done:  # every sample stopped (converged, non-finite or diverged)
             break
     stats = tracker.stats(done)
     stats.abs_residual, stats.rel_residual = last_abs, last_rel
