@@ -165,7 +165,8 @@ class AnswerStable(StopRule):
         self._count: torch.Tensor | None = None
 
     def start(self, batch: int, device: torch.device) -> None:
-        self._last, self._count, self._batch = None, torch.zeros(batch, dtype=torch.long, device=device), batch
+        self._last, self._batch = None, batch
+        self._count = torch.zeros(batch, dtype=torch.long, device=device)
 
     def __call__(self, step: Step) -> torch.Tensor:
         y = self.output(step.state()).reshape(step.rows.shape[0], -1)
@@ -197,5 +198,5 @@ def check_rules(halt: Sequence[StopRule] | StopRule | None) -> tuple[StopRule, .
     rules = (halt,) if isinstance(halt, StopRule) else tuple(halt)
     for r in rules:
         if not isinstance(r, StopRule):
-            raise TypeError(f"halt: expected StopRule instances (deqzoo.core.halting), got {type(r).__name__}")
+            raise TypeError(f"halt: expected StopRules (deqzoo.core.halting), got {type(r).__name__}")
     return rules

@@ -228,8 +228,8 @@ class _Tracker:
         iterate) and the solver's own `extra` entries. `nfe` defaults to the largest per-row count."""
         if self.keep_steps:
             extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
-        extra = {"compacted": self.rowwise, "nonfinite": self.nonfinite.cpu(), "diverged": self.diverged.cpu(),
-                 **extra}  # fmt: skip
+        flags = {"nonfinite": self.nonfinite.cpu(), "diverged": self.diverged.cpu()}
+        extra = {"compacted": self.rowwise, **flags, **extra}
         x0 = self.x0
         res = self.best.to(x0.dtype if x0.dtype in (torch.float32, torch.float64) else x0.dtype)
         nfe_rows = self.nfe.cpu()

@@ -30,10 +30,11 @@ def hyperanderson(
 ):
     """HyperAnderson: Anderson's update over the last m + 1 iterates with α and β from the learned `net`.
 
-    Same contract as every built-in solver (`._contract`): per-sample best iterate, freezing of
-    converged samples, trace, divergence and non-finite stops per sample, ``keep_steps``, ``halt`` rules and
-    compaction of the iterating rows (the shared `_Tracker`). History buffers (m + 1 slots) are kept per row; the network sees the compressed
-    residuals oldest first. ``stats.extra["beta"]`` is the mean β of each step (what the network chose).
+    Same contract as every built-in solver (`._contract`): per-sample best iterate, per-sample stops
+    (converged, non-finite, diverged, budget, ``halt`` rules), ``keep_steps``, compaction of the rows still
+    iterating (the shared `_Tracker`). History buffers (m + 1 slots) are kept per row; the network sees the
+    compressed residuals oldest first. ``stats.extra["beta"]`` is the mean β of each step (what the network
+    chose).
     """
     if net is None or not callable(getattr(net, "compress", None)) or not callable(getattr(net, "mix", None)):
         raise TypeError(

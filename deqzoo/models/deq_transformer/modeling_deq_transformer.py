@@ -23,6 +23,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ...core import DEQ, SolverStats
+from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
@@ -529,10 +530,14 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
                     hidden.append(z)
             stats = _explicit_stats(z, len(self.layers))
         else:
-            def f(s):
-                return self.func(s, z_hist, u, pos, mask)
+            def f(s, rows=None):  # rows: the sequences still iterating (deqzoo.core.halting.rowwise)
+                if rows is None:
+                    return self.func(s, z_hist, u, pos, mask)
+                return self.func(s, z_hist[rows], u[rows], pos, mask)
 
-            z, stats = self.deq(f, z0)
+            # row-independent in eval mode (no dropout masks shared over the batch): stopped sequences
+            # leave f's batch
+            z, stats = self.deq(f if self.training else rowwise(f), z0)
             jac_loss = getattr(stats, "jac_loss", None)
             if c.final_f_step:
                 with self._recording(want_attn) as attentions:
