@@ -242,6 +242,18 @@ class _Tracker:
         )  # fmt: skip
 
 
+def bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
+    """torch.bmm (or baddbmm with `c`, `beta`) whose rounding does not depend on the batch size: a batch of
+    one runs as a batch of two (torch runs a single matrix through another kernel, whose sums round
+    differently), so a sample's arithmetic is the same alone, in a batch, or the last of a compacted one."""
+    one = a.shape[0] == 1
+    if one:
+        a, b = torch.cat((a, a)), torch.cat((b, b))
+        c = None if c is None else torch.cat((c, c))
+    out = torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b, beta=beta)
+    return out[:1] if one else out
+
+
 def compact(keep: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
     """Each tensor's rows where `keep` holds (None stays None): a solver's state follows its rows."""
     return tuple(None if t is None else t[keep] for t in tensors)

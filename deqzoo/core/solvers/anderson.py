@@ -14,6 +14,7 @@ from ._contract import (
     _grown,
     _into,
     _Tracker,
+    bmm,
     compact,
     register_solver,
 )
@@ -78,7 +79,7 @@ def anderson(
         if keep is not None:
             x, gi, G, Y, H = compact(keep, x, gi, G, Y, H)
             n_rows = x.shape[0]
-        row = torch.bmm(G[:, :n], gi.unsqueeze(2)).view(n_rows, n).double()  # g_j · g_slot, filled slots
+        row = bmm(G[:, :n], gi.unsqueeze(2)).view(n_rows, n).double()  # g_j · g_slot, filled slots
         H[:, slot, :n] = row
         H[:, :n, slot] = row
         if n > 1:
@@ -87,7 +88,7 @@ def anderson(
             plain = torch.zeros_like(alpha)
             plain[:, slot] = 1.0  # a failed system: plain damped step
             alpha = torch.where(ok, alpha, plain)
-            x = torch.bmm(alpha.to(x.dtype).unsqueeze(1), Y[:, :n]).view(n_rows, d)
+            x = bmm(alpha.to(x.dtype).unsqueeze(1), Y[:, :n]).view(n_rows, d)
         else:
             x = Y[:, slot].clone()
     return tracker.result(), tracker.stats()

@@ -14,6 +14,7 @@ from ._contract import (
     _into,
     _sq_norms,
     _Tracker,
+    bmm,
     compact,
     register_solver,
 )
@@ -51,17 +52,17 @@ class InverseJacobian:
         y64 = y.double()
         if self.rank < 2:
             return -y64.to(y.dtype)
-        r = torch.bmm(self.S[:, :-1], y64[:, :, None]) * self.live[:, :, None]  # s_k · y
+        r = bmm(self.S[:, :-1], y64[:, :, None]) * self.live[:, :, None]  # s_k · y
         c = torch.linalg.solve_triangular(self.T, -r, upper=False)
-        return torch.baddbmm(y64[:, None], c.mT, self.S[:, 1:], beta=-1.0)[:, 0].to(y.dtype)
+        return bmm(c.mT, self.S[:, 1:], y64[:, None], beta=-1.0)[:, 0].to(y.dtype)
 
     def rmatvec(self, y: torch.Tensor) -> torch.Tensor:
         y64 = y.double()
         if self.rank < 2:
             return -y64.to(y.dtype)
-        q = torch.bmm(self.S[:, 1:], y64[:, :, None]) * self.live[:, :, None]  # s_{k+1} · y
+        q = bmm(self.S[:, 1:], y64[:, :, None]) * self.live[:, :, None]  # s_{k+1} · y
         d = torch.linalg.solve_triangular(self.T.mT, q, upper=True)
-        return -torch.baddbmm(y64[:, None], d.mT, self.S[:, :-1])[:, 0].to(y.dtype)
+        return -bmm(d.mT, self.S[:, :-1], y64[:, None])[:, 0].to(y.dtype)
 
 
 # `m=None` (full memory) stores at most this many steps, then restarts as limited memory does: the history
@@ -146,7 +147,7 @@ def broyden(
         s = (factor * torch.where(restart[:, None], -g64, w)).to(x.dtype)  # rounded once
         slot = torch.where(restart | (count == m), 0, count)
         S[idx, slot] = s.double()
-        row = torch.bmm(S, S[idx, slot][:, :, None])[:, :, 0]  # the new step's Gram row
+        row = bmm(S, S[idx, slot][:, :, None])[:, :, 0]  # the new step's Gram row
         M[idx, slot] = row
         M[idx, :, slot] = row
         count = slot + 1

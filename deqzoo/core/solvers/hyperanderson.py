@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from ..hyper import BASES, FORMS, HyperNet, step
-from ._contract import _empty_result, _sq_norms, _Tracker, compact, register_solver
+from ._contract import _empty_result, _sq_norms, _Tracker, bmm, compact, register_solver
 
 
 @register_solver("hyperanderson")
@@ -70,7 +70,7 @@ def hyperanderson(
         rows = x.shape[0]
         X[:, slot] = x
         if H is not None:  # one Gram row per step, O(n·D), as Anderson
-            row = torch.bmm(G[:, :n], gx.unsqueeze(2)).view(rows, n).double()
+            row = bmm(G[:, :n], gx.unsqueeze(2)).view(rows, n).double()
             H[:, slot, :n] = row
             H[:, :n, slot] = row
         feat = net.compress(gx).to(x.device)
