@@ -13,6 +13,10 @@ Options come from ``DEQConfig.b_mode_kwargs``:
   unrolled damped steps, "npg" = truncated damped Neumann series of the adjoint; Geng et al., 2021).
 - ``shine``: ``refine`` (default 0): extra ``b_solver`` steps started from the SHINE estimate.
 - ``unrolled``: ``checkpoint`` (default 0 = off; n = recompute segments of n steps in backward).
+- ``truncated``: ``k`` (default 1), ``supervise`` (default False): not IFT. The gradient of the last k plain
+  steps f from the detached forward answer (HRM/TRM's 1-step gradient at k = 1); with ``supervise=True``
+  the k states are also returned in ``stats.extra["supervised_states"]`` (oldest first, each with its
+  graph) for a loss on each (deep supervision). ``stats.extra["gradient"]`` names the approximation.
 - ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8): f_max_iter coupled reversible steps
   replace the forward solve, with exact gradients in O(1) memory (deqzoo.core.reversible).
 """
@@ -39,6 +43,7 @@ MODE_KWARGS: dict[str, set[str]] = {
     "phantom": {"k", "tau", "variant"},
     "shine": {"refine"},
     "unrolled": {"checkpoint"},
+    "truncated": {"k", "supervise"},
 }
 
 
@@ -176,6 +181,23 @@ def phantom(g, x_star, ctx: BackwardContext):
             return acc if tau == 1.0 else acc * tau
 
     return _adjoint_hook(g, x_star, ctx, neumann)
+
+
+@register_backward("truncated")
+def truncated(g, x_star, ctx: BackwardContext):
+    """Truncated backpropagation, not implicit differentiation: k differentiable steps of f from the detached
+    forward answer; the gradient is that of the last k steps only (deep-supervision style)."""
+    kw = ctx.config.b_mode_kwargs
+    k, supervise = int(kw.get("k", 1)), bool(kw.get("supervise", False))
+    z, states = x_star.detach(), []
+    for _ in range(k):
+        z = g(z)
+        states.append(z)
+    if ctx.stats is not None:
+        ctx.stats.extra["gradient"] = f"truncated: last {k} step(s) backpropagated (not IFT)"
+        if supervise:
+            ctx.stats.extra["supervised_states"] = states
+    return z
 
 
 @register_backward("shine")

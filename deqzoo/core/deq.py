@@ -212,6 +212,9 @@ class DEQ(nn.Module):
             if defer_graphs:
                 return self._deferred(g, x_star, ctx, keep, cfg, packer)
             x = mode(g, x_star, ctx)
+            if "supervised_states" in stats.extra:  # b_mode "truncated" with supervise=True
+                flat = stats.extra["supervised_states"]
+                stats.extra["supervised_states"] = [packer.unflatten(s) for s in flat]
         if cfg.jac_reg_samples > 0:
             stats.jac_loss = self._jac_loss(g, x_star if ctx.kept is None else x, ctx)
         if keep:

@@ -197,3 +197,43 @@ def test_row_independent_families_answer_each_sample_as_alone(family, dtype):
             # float32 problems above are bitwise equal.
             assert float((a - b).norm() / b.norm().clamp_min(1e-30)) < 3e-5
         assert _flags(st, i) == _flags(si, 0), (i, _flags(st, i), _flags(si, 0))
+
+
+# ------------------------------------------------------------------------------------ training options
+
+
+def test_truncated_backward_is_autograd_through_the_last_k_steps_and_says_so():
+    """b_mode "truncated": the gradient equals autograd through k plain steps of f from the detached answer
+    (an independent unroll), with and without the supervised states; the stats name it as not IFT."""
+    from deqzoo.core import DEQ, DEQConfig
+
+    torch.manual_seed(0)
+    W = (0.3 * torch.randn(6, 6, dtype=torch.float64)).requires_grad_()
+    x = torch.randn(3, 6, dtype=torch.float64)
+
+    def f(z):
+        return torch.tanh(z @ W.T + x)
+
+    for k in (1, 3):
+        deq = DEQ(DEQConfig(f_solver="anderson", f_max_iter=60, f_tol=1e-12, b_mode="truncated",
+                            b_mode_kwargs={"k": k, "supervise": True}))  # fmt: skip
+        z, st = deq(f, torch.zeros(3, 6, dtype=torch.float64))
+        assert "not IFT" in st.extra["gradient"] and len(st.extra["supervised_states"]) == k
+        loss = z.square().sum() + sum(s.sum() for s in st.extra["supervised_states"])
+        (gw,) = torch.autograd.grad(loss, W)
+        with torch.no_grad():
+            zs, _ = solve(f, torch.zeros(3, 6, dtype=torch.float64), max_iter=60, tol=1e-12)
+        ref, states = zs.detach(), []
+        for _ in range(k):
+            ref = f(ref)
+            states.append(ref)
+        (gr,) = torch.autograd.grad(ref.square().sum() + sum(s.sum() for s in states), W)
+        torch.testing.assert_close(gw, gr, rtol=1e-12, atol=1e-14)
+
+
+def test_random_budget_per_sample():
+    f, z0 = _problem(torch.float64)
+    torch.manual_seed(3)
+    _, st = solve(f, z0, solver="fixed_point", max_iter=80, tol=1e-14, halt=[Budget.random(2, 6)])
+    steps = st.nfe_per_sample
+    assert ((steps >= 1) & (steps <= 6)).all() and len(set(steps[:5].tolist())) > 1
