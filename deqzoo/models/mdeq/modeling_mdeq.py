@@ -441,9 +441,14 @@ class MDEQModel(MDEQPreTrainedModel):
         if z0 is None:
             z0 = tuple(x.new_zeros(x.shape[0], *s) for s in self.state_shapes(x.shape[-2], x.shape[-1]))
 
+        gathered: list = [None, None]  # (rows, injection rows): the rows change only when samples stop
+
         def f(zs, rows=None):  # rows: the samples still iterating (deqzoo.core.halting.rowwise)
-            inj = injection if rows is None else [None if t is None else t[rows] for t in injection]
-            return self.fullstage(zs, inj)
+            if rows is None:
+                return self.fullstage(zs, injection)
+            if gathered[0] is not rows:
+                gathered[:] = rows, [None if t is None else t[rows] for t in injection]
+            return self.fullstage(zs, gathered[1])
 
         # row-independent in eval mode (GroupNorm, no dropout): stopped samples leave f's batch
         zs, stats = self.deq(f if self.training else rowwise(f), tuple(z0))
