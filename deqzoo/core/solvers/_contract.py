@@ -119,7 +119,8 @@ class _Tracker:
     batch with the stopped rows at their answer) and hands each step's (x, f(x)) to `update`, which returns
     None while every row goes on, or a (n,) bool mask of the rows that go on: the solver then compacts its
     state with it (`compact`). `done` is True once no row iterates. One host synchronisation per step (the
-    number of rows that stop).
+    number of rows that stop). The tracker's own per-row state is compacted too: the whole batch's arrays
+    are written only when rows stop (and by `result` / `stats`), so a step costs a few small ops.
 
     `update` also accepts whole-batch tensors (B rows) from a solver that keeps the whole batch (GMRES, the
     unrolled backward): it reads the iterating rows from them.
@@ -132,13 +133,17 @@ class _Tracker:
         _check_solve_args(max_iter, tol, stop_mode)
         b, dev = x0.shape[0], x0.device
         self.x0, self.batch, self.max_iter = x0, b, int(max_iter)
+        # the whole batch (rows are written as they stop) ...
         self.best_x = x0.clone(memory_format=torch.contiguous_format)
         self.best = torch.full((2, b), math.inf, dtype=torch.float64, device=dev)
         self.nfe = torch.zeros(b, dtype=torch.long, device=dev)
         self.nonfinite = torch.zeros(b, dtype=torch.bool, device=dev)
         self.diverged = torch.zeros(b, dtype=torch.bool, device=dev)
+        # ... and the iterating rows, in the order of `rows`
         self.rows = torch.arange(b, device=dev)
         self.n = b
+        self.best_x_c, self.best_c, self.nfe_c = x0, self.best.clone(), self.nfe.clone()
+        self.stopped_max = torch.zeros((), dtype=torch.float64, device=dev)  # the stopped rows' largest best
         self.done = False
         self.trace: list[torch.Tensor] = []
         self.tol, self.stop_mode, self.name, self.steps = tol, stop_mode, name, 0
@@ -179,59 +184,71 @@ class _Tracker:
     def update_sq(self, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
                   fx: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
         """As `update`, with the per-row squared norms (float64 tensors on the device)."""
-        rows, best = self.rows, self.best
         a = g_sq.sqrt()
         rel = a / (f_sq.sqrt() + 1e-12)
         r = rel if self.rel else a
-        self.nfe[rows] += 1
-        nfe = self.nfe[rows]
+        self.nfe_c = self.nfe_c + 1
         finite = torch.isfinite(r)
-        best_r = best[1 if self.rel else 0, rows]
-        improved = finite & (r < best_r)
-        diverged = finite & (a > self.div_factor * best[0, rows].clamp_min(1e-30))
-        best[:, rows] = torch.where(improved, torch.stack((a, rel)), best[:, rows])
-        self.best_x.index_copy_(0, rows, torch.where(improved[:, None], x, self.best_x[rows]))
-        best_r = torch.where(improved, r, best_r)
+        improved = finite & (r < self.best_c[1 if self.rel else 0])
+        diverged = finite & (a > self.div_factor * self.best_c[0].clamp_min(1e-30))
+        self.best_c = torch.where(improved, torch.stack((a, rel)), self.best_c)
+        self.best_x_c = torch.where(improved[:, None], x, self.best_x_c)
+        best_r = self.best_c[1 if self.rel else 0]
         # the step's trace entry: the largest residual over the batch (stopped rows at their best), NaN if
         # a row's residual is not finite
-        entry = torch.maximum(best[1 if self.rel else 0].masked_fill(torch.isinf(best[0]), 0.0).amax(),
-                              torch.where(finite, r, math.nan).amax())  # fmt: skip
-        self.trace.append(entry)
-        stop = (best_r < self.tol) | ~finite | diverged | (nfe >= self.max_iter)
+        self.trace.append(torch.maximum(torch.where(finite, r, math.nan).amax(), self.stopped_max))
+        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe_c >= self.max_iter)
         if self.rules:
             from ..halting import Step
 
-            step = Step(x, fx if fx is not None else x, rows, nfe, a, rel, self.unflatten)
+            step = Step(x, fx if fx is not None else x, self.rows, self.nfe_c, a, rel, self.unflatten)
             for rule in self.rules:
                 stop = stop | rule(step)
-        self.nonfinite[rows] |= ~finite
-        self.diverged[rows] |= diverged
         self.steps += 1
         if self.keep_steps and self.steps in self.keep_steps:
-            self.kept[self.steps] = self.best_x.clone()
+            self.kept[self.steps] = self.best_x.index_copy(0, self.rows, self.best_x_c)
         n_stop = int(stop.sum())  # the step's one host synchronisation
         if n_stop == 0:
             return None
+        rows = self.rows[stop]
+        self.nonfinite[rows] = ~finite[stop]
+        self.diverged[rows] = diverged[stop]
+        self._write(stop, rows)
+        gone = best_r[stop]
+        self.stopped_max = torch.maximum(self.stopped_max, gone.masked_fill(torch.isinf(gone), 0.0).amax())
         keep = ~stop
-        self.rows = rows[keep]
+        self.rows = self.rows[keep]
+        self.best_c, self.best_x_c, self.nfe_c = self.best_c[:, keep], self.best_x_c[keep], self.nfe_c[keep]
         self.n -= n_stop
         self.done = self.n == 0
         return keep
 
+    def _write(self, sel: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """The whole batch's arrays at `rows`, from the iterating rows selected by `sel` (None: all)."""
+        if sel is None:
+            best, best_x, nfe = self.best_c, self.best_x_c, self.nfe_c
+        else:
+            best, best_x, nfe = self.best_c[:, sel], self.best_x_c[sel], self.nfe_c[sel]
+        self.best[:, rows] = best
+        self.best_x.index_copy_(0, rows, best_x)
+        self.nfe[rows] = nfe
+
     def result(self) -> torch.Tensor:
         """The best iterates (a tensor of the solver's own, never the caller's x0)."""
+        if self.n:
+            self._write(None, self.rows)
         return self.best_x
 
     def stats(self, nfe: int | None = None, **extra) -> SolverStats:
         """The statistics of the solve: the per-row best residuals and evaluation counts, the trace, the
         flags, the copies kept for fixed-point correction (steps after the solve ended keep the final best
         iterate) and the solver's own `extra` entries. `nfe` defaults to the largest per-row count."""
+        best_x = self.result()
         if self.keep_steps:
-            extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
+            extra = {"kept": {k: self.kept.get(k, best_x) for k in self.keep_steps}, **extra}
         flags = {"nonfinite": self.nonfinite.cpu(), "diverged": self.diverged.cpu()}
         extra = {"compacted": self.rowwise, **flags, **extra}
-        x0 = self.x0
-        res = self.best.to(x0.dtype if x0.dtype in (torch.float32, torch.float64) else x0.dtype)
+        res = self.best.to(self.x0.dtype)
         nfe_rows = self.nfe.cpu()
         return SolverStats(
             nfe=int(nfe_rows.max()) if nfe is None else nfe, abs_residual=res[0], rel_residual=res[1],
