@@ -13,6 +13,7 @@ from ._contract import (
     _empty_result,
     _grown,
     _into,
+    _sq_norms,
     _Tracker,
     bmm,
     compact,
@@ -73,7 +74,7 @@ def anderson(
         slot, n = k % cap, min(k + 1, cap)
         gi = torch.sub(fx, x, out=G[:, slot])
         torch.add(fx, gi, alpha=-(1.0 - tau), out=Y[:, slot])
-        keep = tracker.update(x, fx)
+        keep = tracker.update_sq(x, *_sq_norms(gi, fx), fx)
         if tracker.done:
             break
         if keep is not None:
