@@ -80,7 +80,9 @@ def anderson(
         if keep is not None:
             x, gi, G, Y, H = compact(keep, x, gi, G, Y, H)
             n_rows = x.shape[0]
-        row = bmm(G[:, :n], gi.unsqueeze(2)).view(n_rows, n).double()  # g_j · g_slot, filled slots
+        # g_slot · g_j over the filled slots, as a row times the window (a matrix times a column runs ~10x
+        # slower on CPU)
+        row = bmm(gi.unsqueeze(1), G[:, :n].transpose(1, 2)).view(n_rows, n).double()
         H[:, slot, :n] = row
         H[:, :n, slot] = row
         if n > 1:

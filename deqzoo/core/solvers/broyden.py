@@ -52,7 +52,7 @@ class InverseJacobian:
         y64 = y.double()
         if self.rank < 2:
             return -y64.to(y.dtype)
-        r = bmm(self.S[:, :-1], y64[:, :, None]) * self.live[:, :, None]  # s_k · y
+        r = bmm(y64[:, None], self.S[:, :-1].mT).mT * self.live[:, :, None]  # s_k · y (a row times the steps)
         c = torch.linalg.solve_triangular(self.T, -r, upper=False)
         return bmm(c.mT, self.S[:, 1:], y64[:, None], beta=-1.0)[:, 0].to(y.dtype)
 
@@ -60,7 +60,7 @@ class InverseJacobian:
         y64 = y.double()
         if self.rank < 2:
             return -y64.to(y.dtype)
-        q = bmm(self.S[:, 1:], y64[:, :, None]) * self.live[:, :, None]  # s_{k+1} · y
+        q = bmm(y64[:, None], self.S[:, 1:].mT).mT * self.live[:, :, None]  # s_{k+1} · y
         d = torch.linalg.solve_triangular(self.T.mT, q, upper=True)
         return -bmm(d.mT, self.S[:, :-1], y64[:, None])[:, 0].to(y.dtype)
 
@@ -147,7 +147,7 @@ def broyden(
         s = (factor * torch.where(restart[:, None], -g64, w)).to(x.dtype)  # rounded once
         slot = torch.where(restart | (count == m), 0, count)
         S[idx, slot] = s.double()
-        row = bmm(S, S[idx, slot][:, :, None])[:, :, 0]  # the new step's Gram row
+        row = bmm(S[idx, slot][:, None], S.mT)[:, 0]  # the new step's Gram row
         M[idx, slot] = row
         M[idx, :, slot] = row
         count = slot + 1

@@ -70,7 +70,7 @@ def hyperanderson(
         rows = x.shape[0]
         X[:, slot] = x
         if H is not None:  # one Gram row per step, O(n·D), as Anderson
-            row = bmm(G[:, :n], gx.unsqueeze(2)).view(rows, n).double()
+            row = bmm(gx.unsqueeze(1), G[:, :n].transpose(1, 2)).view(rows, n).double()
             H[:, slot, :n] = row
             H[:, :n, slot] = row
         feat = net.compress(gx).to(x.device)
