@@ -530,10 +530,14 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
                     hidden.append(z)
             stats = _explicit_stats(z, len(self.layers))
         else:
+            gathered: list = [None, None, None]  # (rows, memory rows, injection rows), per row set
+
             def f(s, rows=None):  # rows: the sequences still iterating (deqzoo.core.halting.rowwise)
                 if rows is None:
                     return self.func(s, z_hist, u, pos, mask)
-                return self.func(s, z_hist[rows], u[rows], pos, mask)
+                if gathered[0] is not rows:
+                    gathered[:] = rows, z_hist[rows], u[rows]
+                return self.func(s, gathered[1], gathered[2], pos, mask)
 
             # row-independent in eval mode (no dropout masks shared over the batch): stopped sequences
             # leave f's batch
