@@ -24,17 +24,11 @@ step() {  # LIMIT_SECONDS NAME COMMAND...
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import sys, torch, transformers, huggingface_hub, diffusers, torchdeq, numba
+$PY -c "import sys, torch, transformers, huggingface_hub, diffusers, torchdeq
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__,
       'huggingface_hub', huggingface_hub.__version__, 'diffusers', diffusers.__version__,
-      'torchdeq', torchdeq.__version__ if hasattr(torchdeq, '__version__') else '0.1.0', 'numba', numba.__version__,
+      'torchdeq', torchdeq.__version__ if hasattr(torchdeq, '__version__') else '0.1.0',
       'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-# The host-side solver kernels (numba: Anderson's mixing systems, the per-sample bookkeeping) compile once per
-# install, in the background on first use; until then the torch path runs their Python functions, slowly at
-# large batches. A fresh machine measures that cold start unless they are compiled first:
-[[ ${GPU_COLD:-0} == 1 ]] || step 120 kernels $PY -c "import time; t = time.perf_counter()
-from deqzoo.core import _kernels
-print('fused kernels ready:', _kernels.warm_up(block=True), f'in {time.perf_counter() - t:.1f} s')"
 step 90 solvers $PY -m benchmarks.solvers --device cuda --out "$OUT/solvers_cuda.json"
 step 100 models-b32 $PY -m benchmarks.torchdeq_models --device cuda --rounds 5 \
     --out "$OUT/torchdeq_models_cuda_b32.json"

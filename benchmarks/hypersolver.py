@@ -506,9 +506,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from deqzoo.core import _kernels
-
-    _kernels.warm_up(block=True)  # no solve may run the torch path while the kernels compile
     override = dict(s.split("=", 1) for s in args.hypersolver)
     results = []
     for key in args.models:

@@ -19,10 +19,9 @@ range over rounds of the share and the ratio. Times are CPU time of the (single)
 `time.thread_time`: on a shared machine wall time mostly measures the other processes. Runs are
 interleaved (every library and solver once per round) and the median over rounds is reported, because the
 machine is shared. TorchDEQ runs with its defaults (Anderson m=6, lam=1e-4; full-memory Broyden), ours with
-deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden), i.e. on CPU the fused numba kernels
-(``DEQZOO_KERNELS=0`` benchmarks the torch path instead); both stop on the per-sample maximum relative
-residual. A first, unrecorded round compiles or loads the kernels and fills the buffer pools (of both
-libraries' first solves); the medians and ranges are over the rounds after it.
+deqzoo's defaults (Anderson m=6, relative lam=1e-5; full-memory Broyden), its one torch implementation per
+solver; both stop on the per-sample maximum relative residual. A first, unrecorded round warms up both
+libraries' first solves; the medians and ranges are over the rounds after it.
 TorchDEQ receives the same flat f (TorchDEQ's own DEQ core flattens tuple states too).
 Writes JSON (default ``bench_results/solvers.json``) and prints a table.
 """
@@ -38,7 +37,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deqzoo.core import _kernels
 from deqzoo.core.solvers import get_solver
 from deqzoo.core.state import StatePacker
 
@@ -178,7 +176,6 @@ def run(
             torch.cuda.synchronize()
             return time.perf_counter()
 
-    _kernels.warm_up(block=True)  # compiled (or loaded) before any round: the fused path is what is measured
     try:
         import torchdeq  # noqa: F401
 

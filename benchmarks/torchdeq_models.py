@@ -75,14 +75,19 @@ class _Recorder(nn.Module):
     def forward(self, f, z0, **kwargs):
         self.f_seconds, self.calls = 0.0, 0
 
-        def timed(z):  # the profile: how much of the call is f_θ itself (the same module on every side)
+        from deqzoo.core.halting import is_rowwise, rowwise
+
+        marked = is_rowwise(f)
+
+        def timed(z, rows=None):  # the profile: how much of the call is f_θ itself (the same module on every
+            # side); a row-subset f (deqzoo.core.halting.rowwise) stays one, as the model marked it
             t = time.perf_counter()
-            out = f(z)
+            out = f(z, rows) if marked else f(z)
             self.f_seconds += time.perf_counter() - t
             self.calls += 1
             return out
 
-        z, stats = self.inner(timed, z0, **kwargs)
+        z, stats = self.inner(rowwise(timed) if marked else timed, z0, **kwargs)
         self.last, self.nfe = (f, z), stats.nfe
         if self.cuda:  # f's timer read only launch time
             self.f_seconds = math.nan

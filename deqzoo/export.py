@@ -1,7 +1,7 @@
 """Export DEQ models (``torch.export``, ONNX, ``torch.jit.trace``) under fixed-iteration inference.
 
 A DEQ's usual forward solve cannot be traced: its stopping test, best-iterate bookkeeping and statistics read
-tensor values on the host every step, and on CPU it may run compiled numba kernels. Exported programs
+tensor values on the host every step. Exported programs
 instead run **fixed-iteration inference**: every DEQ in the model takes exactly ``max_iter`` damped
 fixed-point steps ``z <- (1 - tau) z + tau f(z)`` from its usual initial state (the engine's
 :func:`deqzoo.core.backward.phantom_steps`, pure torch), with no stopping test. That is the documented

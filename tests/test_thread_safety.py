@@ -30,15 +30,6 @@ def _same_under_threads(jobs) -> None:
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=lambda m, i=i: f"call {i}: {m}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_compiled():
-    from deqzoo.core import _kernels
-
-    # the solvers switch from their torch path to the fused kernels once these compile in the background
-    # (same method, other float order): settle that first, so serial and threaded calls take one path
-    _kernels.warm_up(block=True)
-
-
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     threads = torch.get_num_threads()

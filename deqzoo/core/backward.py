@@ -13,6 +13,10 @@ Options come from ``DEQConfig.b_mode_kwargs``:
   unrolled damped steps, "npg" = truncated damped Neumann series of the adjoint; Geng et al., 2021).
 - ``shine``: ``refine`` (default 0): extra ``b_solver`` steps started from the SHINE estimate.
 - ``unrolled``: ``checkpoint`` (default 0 = off; n = recompute segments of n steps in backward).
+- ``truncated``: ``k`` (default 1), ``supervise`` (default False): not IFT. The gradient of the last k plain
+  steps f from the detached forward answer (HRM/TRM's 1-step gradient at k = 1); with ``supervise=True``
+  the k states are also returned in ``stats.extra["supervised_states"]`` (oldest first, each with its
+  graph) for a loss on each (deep supervision). ``stats.extra["gradient"]`` names the approximation.
 - ``reversible``: ``beta`` (coupling in (0, 2), not 1; default 0.8), ``segment`` (steps between kept states)
   and ``rebuild_tol`` (recompute threshold): f_max_iter coupled reversible steps replace the forward solve,
   with exact gradients holding states every ``segment`` steps, no graphs (deqzoo.core.reversible).
@@ -41,6 +45,7 @@ MODE_KWARGS: dict[str, set[str]] = {
     "phantom": {"k", "tau", "variant"},
     "shine": {"refine"},
     "unrolled": {"checkpoint"},
+    "truncated": {"k", "supervise"},
 }
 
 
@@ -182,6 +187,23 @@ def phantom(g, x_star, ctx: BackwardContext):
     return _adjoint_hook(g, x_star, ctx, neumann)
 
 
+@register_backward("truncated")
+def truncated(g, x_star, ctx: BackwardContext):
+    """Truncated backpropagation, not implicit differentiation: k differentiable steps of f from the detached
+    forward answer; the gradient is that of the last k steps only (deep-supervision style)."""
+    kw = ctx.config.b_mode_kwargs
+    k, supervise = int(kw.get("k", 1)), bool(kw.get("supervise", False))
+    z, states = x_star.detach(), []
+    for _ in range(k):
+        z = g(z)
+        states.append(z)
+    if ctx.stats is not None:
+        ctx.stats.extra["gradient"] = f"truncated: last {k} step(s) backpropagated (not IFT)"
+        if supervise:
+            ctx.stats.extra["supervised_states"] = states
+    return z
+
+
 @register_backward("shine")
 def shine(g, x_star, ctx: BackwardContext):
     """SHINE (Ramzi et al., 2022): the adjoint from the forward Broyden inverse-Jacobian estimate,
@@ -236,10 +258,10 @@ def unrolled(g, x_star, ctx: BackwardContext):
             pd, zd = prev.detach(), z.detach()
             last_abs = torch.linalg.vector_norm(zd - pd, dim=1)
             last_rel = last_abs / (torch.linalg.vector_norm(zd, dim=1) + 1e-12)
-            stop = tracker.update(pd, zd, last_abs)
+            tracker.update(pd, zd, last_abs)
         if end in ctx.keep_steps:
             kept[end] = z
-        if stop:
+        if tracker.done:  # every sample stopped (converged, non-finite or diverged)
             break
     stats = tracker.stats(done)
     stats.abs_residual, stats.rel_residual = last_abs, last_rel

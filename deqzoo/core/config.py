@@ -75,6 +75,8 @@ class DEQConfig:
     draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
     ``f_final_step`` returns f(z) from the solver's best z where that point's residual, measured with one more
     evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point).
+    ``f_compact`` (default True): when f is marked `deqzoo.core.halting.rowwise`, call it on the samples
+    still iterating only (False: on the whole batch every step, the stopped samples at their answer).
 
     Backward: ``b_mode`` ("ift", "phantom", "jacobian_free", "shine", "unrolled", "reversible" or a
     registered mode; "reversible" replaces the solve by f_max_iter coupled steps, see deqzoo.core.reversible),
@@ -113,6 +115,7 @@ class DEQConfig:
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
     f_final_step: bool = False
+    f_compact: bool = True
     # backward
     b_mode: str = "ift"
     b_solver: str = "anderson"
@@ -136,6 +139,8 @@ class DEQConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.f_final_step, bool):
             raise TypeError(f"DEQConfig.f_final_step must be a bool, got {self.f_final_step!r}")
+        if not isinstance(self.f_compact, bool):
+            raise TypeError(f"DEQConfig.f_compact must be a bool, got {self.f_compact!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS
         from .solvers import SOLVERS, solver_kwarg_names
         from .solvers._contract import _check_tau

@@ -12,6 +12,7 @@ from torch import nn
 from .backward import BACKWARD_MODES, BackwardContext, phantom_steps
 from .caps import check_gmres_memory
 from .config import DEQConfig
+from .halting import is_rowwise, rowwise
 from .norm import checked_once
 from .regularize import jacobian_reg
 from .solvers import final_step, get_solver
@@ -137,21 +138,24 @@ class DEQ(nn.Module):
             return int(torch.randint(cfg.f_max_iter_min, cfg.f_max_iter + 1, ()).item())
         return cfg.f_max_iter
 
-    def forward(self, f, z0: State, *, defer_graphs: bool = False) -> tuple[State, SolverStats]:
-        return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs)
+    def forward(self, f, z0: State, *, defer_graphs: bool = False, halt=None) -> tuple[State, SolverStats]:
+        return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs, halt=halt)
 
     def solve_with(
-        self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None, defer_graphs: bool = False
+        self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None, defer_graphs: bool = False,
+        halt=None,
     ) -> tuple[State, SolverStats]:
         """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
         that solves with per-call settings, e.g. a hypersolver, is safe across threads).
 
         `max_iter` overrides the forward budget for this call (no f_max_iter_min randomization); the solve
-        still stops at cfg.f_tol. ``max_iter=0`` runs no solve: z0 is taken as z* (Implicit²'s training
-        forward from a reused fixed point, `FixedPointCache(hit_max_iter=0)`); with autograd the backward
-        mode's differentiable step f(z0) is the output (modes "ift", "jacobian_free", phantom "npg"),
-        without it f(z0) is (stats.nfe = 1). No tolerance is checked then: the statistics report the
-        residual of z0, ||f(z0) - z0|| (/ ||f(z0)||), measured from that one f call.
+        still stops at cfg.f_tol. ``halt`` adds per-sample stop rules to the forward solve
+        (`deqzoo.core.halting`); an f marked `deqzoo.core.halting.rowwise` is called on the samples still
+        iterating only (unless cfg.f_compact is False). ``max_iter=0`` runs no solve: z0 is taken as z*
+        (Implicit²'s training forward from a reused fixed point, `FixedPointCache(hit_max_iter=0)`); with
+        autograd the backward mode's differentiable step f(z0) is the output (modes "ift", "jacobian_free",
+        phantom "npg"), without it f(z0) is (stats.nfe = 1). No tolerance is checked then: the statistics
+        report the residual of z0, ||f(z0) - z0|| (/ ||f(z0)||), measured from that one f call.
 
         Example:
             >>> import torch
@@ -167,9 +171,14 @@ class DEQ(nn.Module):
                 f"DEQ: the {cfg.f_solver!r} forward solve cannot be traced or exported: its stopping test "
                 "and statistics read tensor values every step. Export under fixed-iteration inference "
                 "instead: deqzoo.export.exportable(model) (see deqzoo.export)")
+        marked = is_rowwise(f)
+        if marked and not cfg.f_compact:
+            f, marked = (lambda inner: lambda z: inner(z, None))(f), False  # the whole batch every step
         if self.compile_options is not None:
             f = torch.compile(f, **self.compile_options)  # compiled code is cached per code object: one
             # compilation serves every later call of the same model function (guards: shapes, dtypes)
+            if marked:
+                f = rowwise(f)
         packer = StatePacker(z0)
         x0 = packer.flatten(z0)
         packer.check_finite(x0)
@@ -210,6 +219,8 @@ class DEQ(nn.Module):
                 kwargs["keep_steps"] = solver_keep
             if cfg.f_solver == "gmres":  # its basis grows with the budget: refused before any allocation
                 check_gmres_memory("f_max_iter", max_iter, x0)
+            if halt is not None:
+                kwargs["halt"] = halt
             with torch.no_grad(), checked_once():  # weight norms checked once per solve, not per f call
                 run = get_solver(cfg.f_solver)
                 if cfg.f_final_step:
@@ -224,6 +235,9 @@ class DEQ(nn.Module):
             if defer_graphs:
                 return self._deferred(g, x_star, ctx, keep, cfg, packer)
             x = mode(g, x_star, ctx)
+            if "supervised_states" in stats.extra:  # b_mode "truncated" with supervise=True
+                flat = stats.extra["supervised_states"]
+                stats.extra["supervised_states"] = [packer.unflatten(s) for s in flat]
         if cfg.jac_reg_samples > 0:
             stats.jac_loss = self._jac_loss(g, x_star if ctx.kept is None else x, ctx)
         if keep:

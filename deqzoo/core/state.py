@@ -46,19 +46,22 @@ class StatePacker:
 
     def flatten(self, z: State) -> torch.Tensor:
         tensors = [z] if self.is_tensor else list(z)
-        # explicit sizes, not -1: a batch of zero samples has no size to infer
+        # explicit sizes, not -1: a batch of zero samples has no size to infer; the batch is the tensors'
+        # own (a subset of rows in a compacted solve)
+        b = int(tensors[0].shape[0]) if tensors[0].dim() else self.batch
         if len(tensors) == 1:
-            return tensors[0].reshape(self.batch, self.sizes[0])
-        return torch.cat([t.reshape(self.batch, n) for t, n in zip(tensors, self.sizes)], dim=1)
+            return tensors[0].reshape(b, self.sizes[0])
+        return torch.cat([t.reshape(b, n) for t, n in zip(tensors, self.sizes)], dim=1)
 
     def unflatten(self, x: torch.Tensor) -> State:
         """The structured state of a (B, D) matrix. Every tensor is contiguous: a part of a tuple state is a
         column block of the matrix (a strided view) that a convolution would otherwise copy on each use
         inside f; one copy here serves them all."""
+        b = x.shape[0]
         if self.is_tensor:
-            return x.reshape(self.shapes[0])
+            return x.reshape(b, *self.shapes[0][1:])
         parts = torch.split(x, self.sizes, dim=1)
-        return self.container(p.contiguous().reshape(s) for p, s in zip(parts, self.shapes))
+        return self.container(p.contiguous().reshape(b, *s[1:]) for p, s in zip(parts, self.shapes))
 
     def check_finite(self, x: torch.Tensor, what: str = "z0") -> None:
         # max |x| is NaN or Inf exactly when some entry is; a fifth of the cost of isfinite(x).all()
@@ -66,8 +69,9 @@ class StatePacker:
             bad = (~torch.isfinite(x)).any(1).nonzero()[:, 0].tolist()
             raise ValueError(f"{what} contains non-finite values (NaN or Inf) in batch sample(s) {bad[:10]}")
 
-    def check(self, out: State, where: str = "f") -> None:
-        """Raise a clear error if `out` does not have this state's structure, shapes and dtype."""
+    def check(self, out: State, where: str = "f", batch: int | None = None) -> None:
+        """Raise a clear error if `out` does not have this state's structure, shapes and dtype (`batch`: the
+        rows f was called on, when fewer than the state's)."""
         want = "a tensor" if self.is_tensor else f"a {self.container.__name__} of {len(self.shapes)} tensors"
         if isinstance(out, torch.Tensor) != self.is_tensor or not isinstance(
             out, (torch.Tensor, tuple, list)
@@ -81,10 +85,11 @@ class StatePacker:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{where} returned {_describe(t)} as state tensor {i}, expected a tensor")
-            if tuple(t.shape) != self.shapes[i]:
+            want = self.shapes[i] if batch is None else (batch, *self.shapes[i][1:])
+            if tuple(t.shape) != want:
                 raise ValueError(
                     f"{where} returned shape {tuple(t.shape)} for state tensor {i}, but z0 has "
-                    f"shape {self.shapes[i]}"
+                    f"shape {want}" + ("" if batch is None else f" (the {batch} rows it was called on)")
                 )
             if t.dtype != self.dtype:
                 raise TypeError(
@@ -92,11 +97,24 @@ class StatePacker:
                 )
 
     def wrap(self, f: Callable[[State], State]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """f on flat (B, D) matrices; checks the structure, shapes and dtype of every output."""
+        """f on flat (B, D) matrices; checks the structure, shapes and dtype of every output. When f is
+        `deqzoo.core.halting.rowwise` (it accepts ``f(z, rows)``), so is the result, on flat rows."""
+        from .halting import is_rowwise
 
-        def g(x: torch.Tensor) -> torch.Tensor:
-            out = f(self.unflatten(x))
-            self.check(out)
-            return self.flatten(out)
+        if is_rowwise(f):
 
+            def g(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                out = f(self.unflatten(x), rows)
+                self.check(out, batch=None if rows is None else x.shape[0])
+                return self.flatten(out)
+
+            g.rowwise = True
+        else:
+
+            def g(x: torch.Tensor) -> torch.Tensor:
+                out = f(self.unflatten(x))
+                self.check(out)
+                return self.flatten(out)
+
+        g.unflatten = self.unflatten
         return g

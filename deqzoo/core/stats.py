@@ -12,7 +12,8 @@ class SolverStats:
     """Outcome of one fixed-point solve.
 
     Attributes:
-        nfe: number of f evaluations.
+        nfe: number of f evaluations: the largest per-sample count (the solve's steps), as before per-sample
+            halting; the total work is ``nfe_per_sample.sum()`` rows of f.
         abs_residual: per-sample ||f(z) - z|| at the returned iterate, shape (B,).
         rel_residual: per-sample ||f(z) - z|| / ||f(z)|| at the returned iterate, shape (B,).
         trace: per-step maximum residual (in the solve's stop mode), shape (steps,).
@@ -22,6 +23,9 @@ class SolverStats:
         tol: the tolerance asked for.
         nonfinite: True when f produced non-finite values and the solve stopped early.
         diverged: True when the residual grew far beyond its best value and the solve stopped early.
+        nfe_per_sample: per-sample f evaluations, shape (B,) (None for solves without per-sample counts).
+        extra: solver extras; built-in solvers add ``compacted`` (f was called on the iterating rows only),
+            ``nonfinite`` and ``diverged`` (per-sample bool tensors: which samples stopped for that reason).
     """
 
     nfe: int
@@ -37,6 +41,7 @@ class SolverStats:
     jac_loss: torch.Tensor | None = None
     states: list | None = None
     extra: dict = field(default_factory=dict)
+    nfe_per_sample: torch.Tensor | None = None
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> SolverStats:
         """The statistics of the samples at `index` (an int keeps a batch dimension of one, as pipelines
@@ -60,6 +65,7 @@ class SolverStats:
             abs_residual=self.abs_residual[index],
             rel_residual=self.rel_residual[index],
             converged=self.converged[index],
+            nfe_per_sample=self.nfe_per_sample[index] if self.nfe_per_sample is not None else None,
             states=[per_sample(s) for s in self.states] if self.states is not None else None,
         )
 

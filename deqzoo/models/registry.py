@@ -32,7 +32,9 @@ class Family:
     wrapper kind serving it, or why no head is exported; `export_refused`: head class name -> why it is not;
     `export_prepare`: "module:function" run as ``prepare(model, graph)`` on the fixed-iteration copy (a graph
     head's returns the map from the dense operator to its ``graph`` argument); `onnx_refused`: why ONNX export
-    is refused.
+    is refused. `row_independent`: when the family's f is row-independent, so that its forward solve hands f
+    the samples still iterating only (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has
+    batch-coupled dropout masks or batch statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
     """
 
     model_type: str
@@ -53,6 +55,7 @@ class Family:
     export_refused: dict[str, str] = field(default_factory=dict)
     export_prepare: str | None = None
     onnx_refused: str = ""
+    row_independent: str = "no"
 
     def load(self, path: str):
         module, _, attr = path.partition(":")
@@ -78,6 +81,7 @@ _DT = f"{_M}.deq_transformer"
 FAMILIES: list[Family] = [
     Family(
         model_type="mdeq",
+        row_independent="eval",
         config=f"{_M}.mdeq.configuration_mdeq:MDEQConfig",
         models={
             "AutoModel": f"{_M}.mdeq.modeling_mdeq:MDEQModel",
@@ -110,6 +114,7 @@ FAMILIES: list[Family] = [
     ),
     Family(
         model_type="deq_transformer",
+        row_independent="eval",
         config=f"{_DT}.configuration_deq_transformer:DEQTransformerConfig",
         models={
             "AutoModel": f"{_DT}.modeling_deq_transformer:DEQTransformerModel",

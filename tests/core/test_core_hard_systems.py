@@ -1,6 +1,6 @@
 """Anderson and Broyden on ill-conditioned non-normal linear systems z = A z + b, against dense float64
 references written here (a dense inverse-Jacobian good Broyden; Anderson with the same memory and
-regularization solved by numpy), on both implementations: the fused CPU kernels and the torch path.
+regularization solved by numpy), on the solvers' torch implementation.
 
 A = Q (diag λ + c N / √d) Qᵀ with λ spread over [0, 0.95] and c setting the non-normality (c = 0: symmetric):
 - "gaussian": N Gaussian, A rescaled to spectral radius 0.95; I - A has condition number 20 and more;
@@ -24,21 +24,15 @@ the float32 map seen by a float64 Broyden (observed up to 1.59x the first). Tria
 float32: I - A has condition number 1e8, so float32 iterates (eps 6e-8) cannot carry the secant information
 along its small singular directions; even the dense float64 Broyden on the exact float64 map, with only its
 iterates rounded to float32, needs up to 6x its NFE there (`test_float32_iterates_alone_exceed_the_bound`).
-The family also runs with the kernels compiled for a generic x86-64 (`test_generic_cpu_kernels`, another
-vector width and so another reduction order) and with the float32 inputs perturbed at their rounding level
+The family also runs with the float32 inputs perturbed at their rounding level
 (`test_float32_broyden_is_not_on_an_edge`)."""
 
-import os
-import subprocess
-import sys
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from deqzoo.core import _kernels
 from deqzoo.core.solvers import anderson, broyden
 
 D, BATCH = 128, 3
@@ -149,12 +143,10 @@ def broyden_bound(kind: str, dtype: torch.dtype, c: float, seed: int) -> float:
     return 1.3 * max(ref + _perturbed_reference(c, seed, tol, kind))
 
 
-@pytest.fixture(params=["fused", "torch"])
-def path(request, monkeypatch):
-    if request.param == "fused" and not _kernels.AVAILABLE:
-        pytest.skip("numba is not installed")
-    monkeypatch.setattr(_kernels, "ENABLED", request.param == "fused")
-    return request.param
+@pytest.fixture
+def path():
+    """One implementation per solver (torch); a fixture so each test names what it runs."""
+    return "torch"
 
 
 CASES = [
@@ -224,22 +216,3 @@ def test_float32_iterates_alone_exceed_the_bound():
         nfe = [_dense_broyden_on(lambda x, A=A, r=r: A @ x + r, 1e-5, float32_iterates=True) for r in b]
         worst = max(worst, max(MAX_ITER if n is None else n for n in nfe) / max(ref))
     assert worst > 2.0, worst
-
-
-@pytest.mark.generic_cpu
-def test_generic_cpu_kernels(tmp_path):
-    """The fused cases of this file again, in a child process whose kernels are compiled for a generic x86-64
-    (`NUMBA_CPU_NAME=generic`: 128-bit vectors, so other reduction orders than the host's) into a cache of its
-    own (the shared cache keeps the host's build). About 30 s of CPU (a fresh compile): it runs with
-    ``pytest -m generic_cpu tests/core`` (a step of `.ci/run`), not in the default run (see conftest.py)."""
-    if not _kernels.AVAILABLE:
-        pytest.skip("numba is not installed")
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    code = (
-        "import sys, numba, pytest; assert numba.config.CPU_NAME == 'generic', numba.config.CPU_NAME; "
-        f"sys.exit(pytest.main([{__file__!r}, '-q', '-k', 'fused', '-p', 'no:cacheprovider']))"
-    )
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]

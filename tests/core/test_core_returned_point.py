@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from deqzoo.core import DEQ, DEQConfig, _kernels, solve
+from deqzoo.core import DEQ, DEQConfig, solve
 
 SOLVERS = ["fixed_point", "anderson", "broyden", "gmres"]
 D = 48
 
 
-@pytest.fixture(params=["fused", "torch"])
-def path(request, monkeypatch):
-    monkeypatch.setattr(_kernels, "ENABLED", request.param == "fused")
-    return request.param
+@pytest.fixture
+def path():
+    """One implementation per solver (torch); a fixture so each test names what it runs."""
+    return "torch"
 
 
 def _map(kind: str, dtype: torch.dtype, seed: int = 0):

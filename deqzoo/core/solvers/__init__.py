@@ -3,24 +3,22 @@
 
 A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)`` where ``g`` maps
 (B, D) to (B, D) and runs without autograd. Every built-in solver keeps per-sample statistics and returns,
-per sample, the iterate with the lowest residual seen; a sample whose residual is below tol is frozen there
-(its next iterates are its best one, its history is no longer updated), so its result does not depend on the
-rest of its batch. f is called on a new tensor every step, never on a buffer the solver writes while f holds
-it, so f may keep its inputs (the fused path recycles an iterate's array only when nothing outside the solver
-holds the iterate, a view, an array or an autograd graph of it); f's output is checked (shape, dtype) on every
-call. Built-ins also accept ``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for
-fixed-point correction) and ``div_factor`` (stop when the largest absolute residual exceeds ``div_factor``
-times the largest best one: divergence). Memory grows with the work done (histories of min(m, steps taken)
-entries), never with max_iter. An empty batch (B = 0) returns an empty result without calling f.
+per sample, the iterate with the lowest residual seen. Each sample stops on its own (`deqzoo.core.halting`):
+below tol, a non-finite residual, divergence (its absolute residual above ``div_factor`` times its own best
+one), its budget (max_iter, or a ``halt`` rule's), or a ``halt`` stop rule. A stopped sample leaves the
+solver's state (its history rows are dropped), and, when g is marked `deqzoo.core.halting.rowwise`, f's
+batch: g is called as ``g(x, rows)`` on the iterating rows only. So a sample's answer, its NFE
+(``stats.nfe_per_sample``) and its flags do not depend on the rest of its batch. f is called on a new tensor
+every step, so f may keep its inputs; f's output is checked (shape, dtype) on every call. Built-ins also
+accept ``keep_steps`` (iterations at which to keep a copy of the best iterate so far, for fixed-point
+correction). Memory grows with the work done (histories of min(m, steps taken) entries), never with
+max_iter. An empty batch (B = 0) returns an empty result without calling f.
 
 Registered: ``fixed_point`` (damped), ``anderson`` (incremental Gram matrix), ``broyden`` (good Broyden on
 the inverse Jacobian, full or limited memory; exposes its inverse estimate for SHINE), ``gmres`` (Krylov, for
 affine maps such as the adjoint system of implicit differentiation), ``hyperanderson`` (learned weights).
 
-On CPU float32/float64 states, ``anderson`` and ``broyden`` run each step as one fused numba kernel, a
-backend of the same method over the same representation (`deqzoo.core._kernels` says what the two paths
-share), with their histories from a per-thread pool (`deqzoo.core.workspace`); the tests check that both
-paths agree per sample to rounding.
+One implementation per method, in torch on the state's device (CPU and accelerators alike).
 """
 
 import functools
@@ -68,6 +66,8 @@ def solve(
     z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
     structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned
     (``final=True``: or f of it, where one more evaluation shows it is better; see `final_step`).
+    An f marked with `deqzoo.core.halting.rowwise` is called on the iterating rows only, ``f(z, rows)``;
+    ``halt=[...]`` adds per-sample stop rules (`deqzoo.core.halting`) to the built-in solvers.
 
     Example:
         >>> import torch

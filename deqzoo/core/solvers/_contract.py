@@ -1,6 +1,5 @@
-"""The contract every solver keeps, shared by all of them: the registry, argument and output checks, the
-per-step bookkeeping (`_Tracker`, whose decisions are `_kernels.track` on every path), the statistics, and
-the fused CPU backend's driver (`_fused_solve`) with its pooled histories.
+"""The contract every solver keeps, shared by all of them: the registry, argument and output checks, and the
+per-row bookkeeping (`_Tracker`: best iterates, stops, compaction of the iterating rows, the statistics).
 
 A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStats)`` where ``g`` maps
 (B, D) to (B, D) and runs without autograd (see `deqzoo.core.solvers`).
@@ -10,13 +9,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
-from .. import workspace
 from ..stats import SolverStats
 
 SOLVERS: dict[str, Callable] = {}
@@ -89,33 +86,6 @@ def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
     return fx
 
 
-def _readable(fx, x: torch.Tensor) -> np.ndarray:
-    """f's output as a numpy array the fused kernels may read (checked on every call).
-
-    An allow-list, checked positively: a plain dense CPU tensor of the state's shape and dtype (exactly
-    torch.Tensor, strided, C-contiguous, a real data pointer, a storage holding every element; `Tensor.numpy`
-    refuses negated, conjugated, zero and grad-requiring tensors by raising) is read in place. Anything else
-    goes through `_check_output` (clear errors) and is copied into a fresh plain tensor by torch, which
-    resolves views, negation, conjugation, zero tensors, subclasses, sparse and mkldnn layouts."""
-    try:
-        if (
-            type(fx) is torch.Tensor
-            and fx.dtype is x.dtype
-            and fx.shape == x.shape
-            and fx.is_cpu
-            and fx.layout is torch.strided
-            and fx.is_contiguous()
-        ):
-            storage, need = fx.untyped_storage(), (fx.storage_offset() + fx.numel()) * fx.element_size()
-            if storage.data_ptr() != 0 and storage.nbytes() >= need:
-                return fx.numpy()
-    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
-        pass  # torch refused to describe or share it (e.g. a wrapper without storage): copy it below
-    out = torch.empty(x.shape, dtype=x.dtype)
-    out.copy_(_check_output(fx, x).detach())
-    return out.numpy()
-
-
 def _empty_result(
     x0: torch.Tensor, name: str, tol: float, stop_mode: str
 ) -> tuple[torch.Tensor, SolverStats]:
@@ -133,206 +103,183 @@ def _grown(cap: int, k: int, m: int) -> int:
 
 
 def _into(new, old):
-    """`new` (a history grown to a larger capacity: an array or tensor, each axis at least as long as old's)
-    holding `old` in its leading corner; both paths grow their histories through it."""
+    """`new` (a history grown to a larger capacity, each axis at least as long as old's) holding `old` in its
+    leading corner."""
     new[tuple(slice(0, n) for n in old.shape)] = old
     return new
 
 
 class _Tracker:
-    """The torch path's per-step bookkeeping: per-sample best iterate and residuals, freezing, trace, stop.
+    """Per-row bookkeeping of a solve, in torch on the state's device: each row's best iterate and
+    residuals, its evaluation count, its stop (converged, non-finite, diverged, budget, a `halt` rule), the
+    trace, and the set of rows still iterating (`rows`).
 
-    A step hands over per-sample |f(x) - x|² and |f(x)|² (one small device-to-host transfer); the decisions
-    are `_kernels.track`, the same function the fused kernels run, so both paths stop, freeze and report
-    alike. Only the masked copy of improved best iterates and the freezing of the next iterate run on the
-    device.
+    A solver keeps its own state (iterate, histories) for the iterating rows only, in the order of `rows`.
+    It calls f through `call` (the iterating rows only when f is `halting.rowwise`; otherwise the whole
+    batch with the stopped rows at their answer) and hands each step's (x, f(x)) to `update`, which returns
+    None while every row goes on, or a (n,) bool mask of the rows that go on: the solver then compacts its
+    state with it (`compact`). `done` is True once no row iterates. One host synchronisation per step (the
+    number of rows that stop). The tracker's own per-row state is compacted too: the whole batch's arrays
+    are written only when rows stop (and by `result` / `stats`), so a step costs a few small ops.
+
+    `update` also accepts whole-batch tensors (B rows) from a solver that keeps the whole batch (GMRES, the
+    unrolled backward): it reads the iterating rows from them.
     """
 
     def __init__(self, x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str,
-                 keep_steps: Iterable[int] = (), div_factor: float = 1e6):  # fmt: skip
+                 keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None, g=None):  # fmt: skip
+        from ..halting import check_rules, is_rowwise
+
         _check_solve_args(max_iter, tol, stop_mode)
-        b = x0.shape[0]
-        self.x0 = x0
+        b, dev = x0.shape[0], x0.device
+        self.x0, self.batch, self.max_iter = x0, b, int(max_iter)
+        # the whole batch (rows are written as they stop) ...
         self.best_x = x0.clone(memory_format=torch.contiguous_format)
-        self.best = np.full((2, b), np.inf)
-        self.active = np.ones(b, np.int64)
-        self.improved = np.zeros(b, np.bool_)
-        self.go = np.zeros(b, np.int64)
-        self.n_go = b
-        self.all_active = True
-        self.trace: list[float] = []
+        self.best = torch.full((2, b), math.inf, dtype=torch.float64, device=dev)
+        self.nfe = torch.zeros(b, dtype=torch.long, device=dev)
+        self.nonfinite = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.diverged = torch.zeros(b, dtype=torch.bool, device=dev)
+        # ... and the iterating rows, in the order of `rows`
+        self.rows = torch.arange(b, device=dev)
+        self.n = b
+        self.best_x_c, self.best_c, self.nfe_c = x0, self.best.clone(), self.nfe.clone()
+        self.stopped_max = torch.zeros((), dtype=torch.float64, device=dev)  # the stopped rows' largest best
+        self.done = False
+        self.trace: list[torch.Tensor] = []
         self.tol, self.stop_mode, self.name, self.steps = tol, stop_mode, name, 0
         self.rel = stop_mode == "rel"
         self.keep_steps = sorted({int(k) for k in keep_steps})
         self.kept: dict[int, torch.Tensor] = {}
         self.div_factor = div_factor
-        self.flags = 0
-        from .. import _kernels  # numba loads with the first solve, not with the model
-        self._track = _kernels.host(_kernels.track)
+        self.rules = check_rules(halt)
+        for rule in self.rules:
+            rule.start(b, dev)
+        self.rowwise = g is not None and is_rowwise(g)
+        self.unflatten = getattr(g, "unflatten", None)
+
+    def call(self, g, x: torch.Tensor) -> torch.Tensor:
+        """f of the iterating rows' iterate x (n, D), checked."""
+        if self.n == self.batch:
+            return _check_output(g(x, None) if self.rowwise else g(x), x)
+        if self.rowwise:
+            return _check_output(g(x, self.rows), x)
+        full = self.best_x.index_copy(0, self.rows, x)  # stopped rows at their answer
+        return _check_output(g(full), full)[self.rows]
 
     def update(self, x: torch.Tensor, fx: torch.Tensor | None, abs_r: torch.Tensor | None = None,
-               fx_norm: torch.Tensor | None = None) -> bool:  # fmt: skip
-        """Record iterate x with f(x) = fx (or the norms abs_r = |fx - x|, fx_norm = |fx|). Returns True when
-        the solve should stop (converged, non-finite or diverged)."""
+               fx_norm: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """Record iterate x with f(x) = fx (or the norms abs_r = |fx - x|, fx_norm = |fx|) for the iterating
+        rows. Returns None when every row goes on, else the (n,) mask of rows that go on."""
+        if x.shape[0] != self.n:  # whole-batch tensors
+            x = x[self.rows]
+            fx = None if fx is None else fx[self.rows]
+            abs_r = None if abs_r is None else abs_r[self.rows]
+            fx_norm = None if fx_norm is None else fx_norm[self.rows]
         if abs_r is None:
-            abs_r = torch.linalg.vector_norm(fx - x, dim=1)
+            abs_r = torch.linalg.vector_norm(fx - x, dim=1, dtype=torch.float64)
         if fx_norm is None:
-            fx_norm = torch.linalg.vector_norm(fx, dim=1)
-        host = _to_host(torch.stack((abs_r, fx_norm)))
-        return self.update_sq(x, host[0] ** 2, host[1] ** 2)
+            fx_norm = torch.linalg.vector_norm(fx, dim=1, dtype=torch.float64)
+        return self.update_sq(x, abs_r.double().square(), fx_norm.double().square(), fx)
 
-    def update_sq(self, x: torch.Tensor, g_sq: np.ndarray, f_sq: np.ndarray) -> bool:
-        """As `update`, with the per-sample squared norms on the host (float64)."""
-        self.flags, t, self.n_go = self._track(
-            g_sq, f_sq, self.best, self.active, self.improved, self.go, self.rel, self.tol, self.div_factor
-        )
-        self.trace.append(float(t))
-        if self.improved.all():
-            self.best_x.copy_(x)
-        elif self.improved.any():
-            mask = torch.from_numpy(self.improved).to(x.device, non_blocking=True)[:, None]
-            self.best_x = torch.where(mask, x, self.best_x)
-        self.all_active = bool(self.active.all())
+    def update_sq(self, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
+                  fx: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """As `update`, with the per-row squared norms (float64 tensors on the device)."""
+        a = g_sq.sqrt()
+        rel = a / (f_sq.sqrt() + 1e-12)
+        r = rel if self.rel else a
+        self.nfe_c = self.nfe_c + 1
+        finite = torch.isfinite(r)
+        improved = finite & (r < self.best_c[1 if self.rel else 0])
+        diverged = finite & (a > self.div_factor * self.best_c[0].clamp_min(1e-30))
+        self.best_c = torch.where(improved, torch.stack((a, rel)), self.best_c)
+        self.best_x_c = torch.where(improved[:, None], x, self.best_x_c)
+        best_r = self.best_c[1 if self.rel else 0]
+        # the step's trace entry: the largest residual over the batch (stopped rows at their best), NaN if
+        # a row's residual is not finite
+        self.trace.append(torch.maximum(torch.where(finite, r, math.nan).amax(), self.stopped_max))
+        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe_c >= self.max_iter)
+        if self.rules:
+            from ..halting import Step
+
+            step = Step(x, fx if fx is not None else x, self.rows, self.nfe_c, a, rel, self.unflatten)
+            for rule in self.rules:
+                stop = stop | rule(step)
         self.steps += 1
         if self.keep_steps and self.steps in self.keep_steps:
-            self.kept[self.steps] = self.best_x.clone()
-        return self.flags != 0
+            self.kept[self.steps] = self.best_x.index_copy(0, self.rows, self.best_x_c)
+        n_stop = int(stop.sum())  # the step's one host synchronisation
+        if n_stop == 0:
+            return None
+        rows = self.rows[stop]
+        self.nonfinite[rows] = ~finite[stop]
+        self.diverged[rows] = diverged[stop]
+        self._write(stop, rows)
+        gone = best_r[stop]
+        self.stopped_max = torch.maximum(self.stopped_max, gone.masked_fill(torch.isinf(gone), 0.0).amax())
+        keep = ~stop
+        self.rows = self.rows[keep]
+        self.best_c, self.best_x_c, self.nfe_c = self.best_c[:, keep], self.best_x_c[keep], self.nfe_c[keep]
+        self.n -= n_stop
+        self.done = self.n == 0
+        return keep
 
-    def stepping(self, device: torch.device) -> torch.Tensor:
-        """(B,) bool on the device: the samples that take a step now."""
-        mask = np.zeros(self.active.shape[0], np.bool_)
-        mask[self.go[: self.n_go]] = True
-        return torch.from_numpy(mask).to(device, non_blocking=True)
-
-    def next_iterate(self, xn: torch.Tensor) -> torch.Tensor:
-        """xn with every frozen sample at its best iterate."""
-        if self.all_active:
-            return xn
-        mask = torch.from_numpy(self.active.astype(np.bool_)).to(xn.device, non_blocking=True)[:, None]
-        return torch.where(mask, xn, self.best_x)
+    def _write(self, sel: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """The whole batch's arrays at `rows`, from the iterating rows selected by `sel` (None: all)."""
+        if sel is None:
+            best, best_x, nfe = self.best_c, self.best_x_c, self.nfe_c
+        else:
+            best, best_x, nfe = self.best_c[:, sel], self.best_x_c[sel], self.nfe_c[sel]
+        self.best[:, rows] = best
+        self.best_x.index_copy_(0, rows, best_x)
+        self.nfe[rows] = nfe
 
     def result(self) -> torch.Tensor:
         """The best iterates (a tensor of the solver's own, never the caller's x0)."""
+        if self.n:
+            self._write(None, self.rows)
         return self.best_x
 
-    def stats(self, nfe: int, **extra) -> SolverStats:
-        """The statistics of the solve (both paths): the per-sample best residuals, the trace, the flags,
-        the copies kept for fixed-point correction (steps after the solve ended keep the final best
-        iterate) and the solver's own `extra` entries."""
-        from .. import _kernels  # numba loads with the first solve, not with the model
-
+    def stats(self, nfe: int | None = None, **extra) -> SolverStats:
+        """The statistics of the solve: the per-row best residuals and evaluation counts, the trace, the
+        flags, the copies kept for fixed-point correction (steps after the solve ended keep the final best
+        iterate) and the solver's own `extra` entries. `nfe` defaults to the largest per-row count."""
+        best_x = self.result()
         if self.keep_steps:
-            extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
-        x0 = self.x0
-        res = torch.from_numpy(self.best.astype(_NUMPY_DTYPES.get(x0.dtype, np.float64))).to(x0.device)
-        if x0.dtype not in _NUMPY_DTYPES:
-            res = res.to(x0.dtype)
+            extra = {"kept": {k: self.kept.get(k, best_x) for k in self.keep_steps}, **extra}
+        flags = {"nonfinite": self.nonfinite.cpu(), "diverged": self.diverged.cpu()}
+        extra = {"compacted": self.rowwise, **flags, **extra}
+        res = self.best.to(self.x0.dtype)
+        nfe_rows = self.nfe.cpu()
         return SolverStats(
-            nfe=nfe, abs_residual=res[0], rel_residual=res[1],
-            trace=torch.tensor(self.trace, dtype=torch.float64),
-            converged=torch.from_numpy(self.best[1 if self.rel else 0] < self.tol), solver=self.name,
-            stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.flags & _kernels.NONFINITE),
-            diverged=bool(self.flags & _kernels.DIVERGED), extra=extra,
+            nfe=int(nfe_rows.max()) if nfe is None else nfe, abs_residual=res[0], rel_residual=res[1],
+            trace=torch.stack(self.trace).cpu() if self.trace else torch.zeros(0, dtype=torch.float64),
+            converged=(self.best[1 if self.rel else 0] < self.tol).cpu(), solver=self.name,
+            stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.nonfinite.any()),
+            diverged=bool(self.diverged.any()), extra=extra, nfe_per_sample=nfe_rows,
         )  # fmt: skip
 
 
-def _to_host(t: torch.Tensor) -> np.ndarray:
-    """The one device-to-host transfer of a step (zero-copy on CPU), as float64."""
-    t = t.detach()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    return t.cpu().numpy().astype(np.float64, copy=False)
+def bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
+    """torch.bmm (or baddbmm with `c`, `beta`) whose rounding does not depend on the batch size: a batch of
+    one runs as a batch of two (torch runs a single matrix through another kernel, whose sums round
+    differently), so a sample's arithmetic is the same alone, in a batch, or the last of a compacted one."""
+    one = a.shape[0] == 1
+    if one:
+        a, b = torch.cat((a, a)), torch.cat((b, b))
+        c = None if c is None else torch.cat((c, c))
+    out = torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b, beta=beta)
+    return out[:1] if one else out
+
+
+def compact(keep: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
+    """Each tensor's rows where `keep` holds (None stays None): a solver's state follows its rows."""
+    return tuple(None if t is None else t[keep] for t in tensors)
 
 
 def _check_tau(tau: float, what: str = "damping tau") -> None:
     """A damping factor in (0, 1] (solvers, and DEQConfig's fields, which name themselves in `what`)."""
     if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating)) or not 0 < tau <= 1:
         raise ValueError(f"{what} must be in (0, 1], got {tau!r}")
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _fused_solve(step, g, x0: torch.Tensor, hist: Callable[[int], tuple], consts: tuple, *, name: str,
-                 max_iter: int, tol: float, stop_mode: str, keep_steps: Iterable[int],
-                 div_factor: float) -> tuple[torch.Tensor, SolverStats]:  # fmt: skip
-    """Run a fused kernel step ``step(k, fx, x, xn, best_x, *hist(k), best, active, *consts, rel, tol,
-    div_factor) -> (flags, trace entry, n_go)`` from x0 until its flags say stop. ``hist(k)`` returns the
-    solver's history arrays with room for step k. Every iterate is a new tensor; its buffer is recycled for a
-    later iterate only when nothing but the solver held it (`_Iterates`), so f may keep its input."""
-    iterates = _Iterates(tuple(x0.shape), _NUMPY_DTYPES[x0.dtype])
-    xa = iterates.take()
-    x = torch.from_numpy(xa)
-    x.copy_(x0)
-    t = _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor)  # the kernel updates its state
-    best_np = t.best_x.numpy()
-    for k in range(max_iter):
-        arrays = hist(k)
-        # between two calls of f as little as possible runs here: f evicts the caches, and then every
-        # Python-level operation costs several times its warm price
-        fa = _readable(g(x), x)
-        xna = iterates.take()  # never x's buffer: the solver holds x
-        t.flags, entry, _ = step(k, fa, xa, xna, best_np, *arrays, t.best, t.active, *consts, t.rel, tol,
-                                 div_factor)  # fmt: skip
-        t.trace.append(entry)
-        if t.flags:
-            break  # steps in `keep_steps` from here on keep the final best iterate
-        if k + 1 in t.keep_steps:
-            t.kept[k + 1] = t.best_x.clone()
-        del fa  # f's output may be a view of x: dropped, so that only f's own references keep x
-        x = torch.from_numpy(xna)  # the previous iterate's tensor goes now unless something else holds it
-        xa = xna
-    return t.best_x, t.stats(k + 1)
-
-
-class _Iterates:
-    """The fused path's iterate buffers, recycled with public APIs only.
-
-    Each iterate is a fresh numpy view of one of our buffers, wrapped by ``torch.from_numpy`` (its storage
-    then holds the view). A view of the iterate, a ``.numpy()`` array of it, an autograd graph that saved it:
-    each holds the storage, so the view lives. The solver keeps only a weak reference to the view: once it
-    is dead nothing outside the solver holds that iterate, and its buffer takes a later one without f ever
-    seeing memory change under a reference it kept. An f that keeps its inputs just costs a new buffer a step.
-    """
-
-    def __init__(self, shape: tuple, dtype):
-        self.shape, self.dtype = shape, dtype
-        self.buffers: list[np.ndarray] = []
-        self.views: list[weakref.ref] = []
-
-    def take(self) -> np.ndarray:
-        for i, ref in enumerate(self.views):
-            if ref() is None:
-                view = self.buffers[i].view()
-                self.views[i] = weakref.ref(view)
-                return view
-        buf = np.empty(self.shape, self.dtype)
-        view = buf.view()
-        self.buffers.append(buf)
-        self.views.append(weakref.ref(view))
-        return view
-
-
-class _Pooled:
-    """A solver's history arrays lent by the workspace pool for one solve and grown in place as steps are
-    taken (capacity min(m, steps), doubling), then given back with their capacity."""
-
-    def __init__(self, key: tuple, make: Callable[[int], tuple], m: int, first: int = 8):
-        self.key, self.make, self.m = key, make, m
-        got = workspace.take(key)
-        self.arrays, self.cap = got if got is not None else (make(min(m, first)), min(m, first))
-
-    def __call__(self, k: int) -> tuple:
-        """The arrays with room for step k (grown through `_into` when the steps taken outgrow them)."""
-        cap = _grown(self.cap, k, self.m)
-        if cap != self.cap:
-            self.arrays = tuple(_into(new, old) for new, old in zip(self.make(cap), self.arrays))
-            self.cap = cap
-        return self.arrays
-
-    def give_back(self) -> None:
-        workspace.give(self.key, (self.arrays, self.cap), sum(a.nbytes for a in self.arrays))
-
 
 
 def _sq_norms(gx: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
@@ -350,40 +297,59 @@ def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.T
 
     A solve ends at its best iterate x, and has evaluated f(x) (the best iterate is usually the last one f
     saw). f(x) is often a better point than x (f contracts near the fixed point), but its residual is not
-    known without one more evaluation. This keeps the last (x, f(x)) pair f was called with, evaluates f once
-    at f(x) for the samples whose answer is that x, and returns per sample whichever of x and f(x) has the
-    lower residual, with that point's own residual, measured, in the statistics (nfe counts the evaluation).
-    A sample whose answer is not the last iterate keeps it (its f value is not at hand).
+    known without one more evaluation. This keeps, per row, the last (x, f(x)) pair f was called with,
+    evaluates f once at f(x) for the rows whose answer is that x, and returns per sample whichever of x and
+    f(x) has the lower residual, with that point's own residual, measured, in the statistics (nfe and
+    nfe_per_sample count the evaluation). A sample whose answer is not its last iterate keeps it.
     """
-    last: list[torch.Tensor] = []
+    from ..halting import is_rowwise
 
-    def recorded(x: torch.Tensor) -> torch.Tensor:
-        fx = g(x)
-        last[:] = (x, fx)
+    b = x0.shape[0]
+    rowwise = is_rowwise(g)
+    last_x, last_fx = x0.new_full(x0.shape, math.nan), x0.new_full(x0.shape, math.nan)
+
+    def recorded(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        fx = g(x, rows) if rowwise else g(x)
+        if isinstance(fx, torch.Tensor) and fx.shape == x.shape:
+            if rows is None:
+                last_x.copy_(x), last_fx.copy_(fx)
+            else:
+                last_x[rows], last_fx[rows] = x, fx
         return fx
 
+    recorded.rowwise = rowwise
+    recorded.unflatten = getattr(g, "unflatten", None)
     x, stats = solver(recorded, x0, **kwargs)
-    if not last or x.shape[0] == 0:
+    if b == 0:
         return x, stats
-    x_last, fx_last = last
-    fx_last = _check_output(fx_last, x)
-    at_last = (x == x_last).all(1)
-    if not bool(at_last.any()):
+    at_last = (x == last_x).all(1)
+    sel = at_last.nonzero()[:, 0]
+    if sel.numel() == 0:
         return x, stats
-    cand = torch.where(at_last[:, None], fx_last, x)
-    del last[:]
-    fc = _check_output(g(cand), cand)
-    sq = _to_host(_sq_norms(fc - cand, fc))
-    abs_c = np.sqrt(sq[0])
-    rel_c = abs_c / (np.sqrt(sq[1]) + 1e-12)  # as the solvers' bookkeeping (`_kernels.track`)
+    cand = last_fx[sel]
+    if rowwise:
+        fc = _check_output(g(cand, sel if sel.numel() < b else None), cand)
+    else:
+        full = x.index_copy(0, sel, cand)
+        fc = _check_output(g(full), full)[sel]
+    sq = _sq_norms(fc - cand, fc)
+    abs_c = sq[0].sqrt()
+    rel_c = abs_c / (sq[1].sqrt() + 1e-12)  # as the solvers' bookkeeping (`_Tracker.update_sq`)
     new = rel_c if stats.stop_mode == "rel" else abs_c
-    better_np = at_last.cpu().numpy() & np.isfinite(new) & (new < stats.residual.double().cpu().numpy())
-    better = torch.from_numpy(better_np)
-    dev = better.to(x.device)
-    x = torch.where(dev[:, None], cand, x)
-    stats.abs_residual = torch.where(dev, torch.from_numpy(abs_c).to(stats.abs_residual), stats.abs_residual)
-    stats.rel_residual = torch.where(dev, torch.from_numpy(rel_c).to(stats.rel_residual), stats.rel_residual)
+    old = stats.residual[sel].double()
+    take = torch.isfinite(new) & (new < old)
+    better = torch.zeros(b, dtype=torch.bool, device=x.device)
+    better[sel] = take
+    x = x.clone()
+    x[sel] = torch.where(take[:, None], cand, x[sel])
+    for name, val in (("abs_residual", abs_c), ("rel_residual", rel_c)):
+        cur = getattr(stats, name).clone()
+        cur[sel] = torch.where(take, val.to(cur), cur[sel])
+        setattr(stats, name, cur)
     stats.converged = (stats.residual.double().cpu() < stats.tol).to(torch.bool)
     stats.nfe += 1
-    stats.extra["final_step"] = better
+    if stats.nfe_per_sample is not None:
+        stats.nfe_per_sample = stats.nfe_per_sample.clone()
+        stats.nfe_per_sample[sel.cpu()] += 1
+    stats.extra["final_step"] = better.cpu()
     return x, stats

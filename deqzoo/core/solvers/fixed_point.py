@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ._contract import _check_output, _check_solve_args, _check_tau, _empty_result, _Tracker, register_solver
+from ._contract import _check_solve_args, _check_tau, _empty_result, _Tracker, register_solver
 
 
 @register_solver("fixed_point")
@@ -21,21 +21,22 @@ def fixed_point(
     tau: float = 1.0,
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
+    halt=None,
 ):
-    """Damped fixed-point iteration x <- (1 - tau) x + tau g(x)."""
+    """Damped fixed-point iteration x <- (1 - tau) x + tau g(x), each sample stopping on its own (the rows
+    still iterating are the only ones f sees when g is `deqzoo.core.halting.rowwise`)."""
     _check_tau(tau)
     _check_solve_args(max_iter, tol, stop_mode)
     if x0.shape[0] == 0:
         return _empty_result(x0, "fixed_point", tol, stop_mode)
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "fixed_point", keep_steps, div_factor)
-    x, nfe = x0.clone(), 0
-    for _ in range(max_iter):
-        fx = g(x)
-        fx = _check_output(fx, x)
-        nfe += 1
-        if tracker.update(x, fx) or nfe == max_iter:
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "fixed_point", keep_steps, div_factor, halt, g)
+    x = x0.clone()
+    while True:
+        fx = tracker.call(g, x)
+        keep = tracker.update(x, fx)
+        if tracker.done:
             break
-        x = tracker.next_iterate(fx.clone() if tau == 1.0 else torch.lerp(x, fx, tau))
-    return tracker.result(), tracker.stats(nfe)
-
-
+        if keep is not None:
+            x, fx = x[keep], fx[keep]
+        x = fx.clone() if tau == 1.0 else torch.lerp(x, fx, tau)
+    return tracker.result(), tracker.stats()

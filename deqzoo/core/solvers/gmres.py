@@ -22,6 +22,7 @@ def gmres(
     stop_mode: str = "rel",
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
+    halt=None,
 ):
     """GMRES for an affine map g(x) = M x + c (solves (I - M) x = c), e.g. the adjoint system of IFT.
 
@@ -39,20 +40,21 @@ def gmres(
     if b == 0:
         return _empty_result(x0, "gmres", tol, stop_mode)
     tiny, eps = torch.finfo(x0.dtype).tiny, torch.finfo(x0.dtype).eps
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "gmres", keep_steps)
+    # GMRES keeps the whole batch (its Krylov bases advance together); rows stop (freeze) on their own
+    tracker = _Tracker(x0, max_iter, tol, stop_mode, "gmres", keep_steps, halt=halt)
     k_max = max(min(max_iter - 1, MAX_BASIS), 1)  # memory is bounded by the cap, never by max_iter
     gx0 = g(x0)
     gx0 = _check_output(gx0, x0)
     nfe = 1
     r0 = gx0 - x0  # residual of (I - M) x = c at x0
-    stop = tracker.update(x0, gx0, torch.linalg.vector_norm(r0, dim=1))
+    tracker.update(x0, gx0, torch.linalg.vector_norm(r0, dim=1))
     beta = torch.linalg.vector_norm(r0, dim=1)
     basis = [torch.nan_to_num(r0 / beta.clamp_min(tiny)[:, None])]
     Hs = torch.zeros(b, 1, 0, dtype=torch.float64, device=x0.device)  # grows with the steps
     e1 = beta.double()[:, None, None]
     x = x0
     for j in range(k_max):
-        if stop or nfe >= max_iter:
+        if tracker.done or nfe >= max_iter:
             break
         vj = basis[j]
         fv = g(vj + x0)
@@ -81,13 +83,14 @@ def gmres(
         res = torch.linalg.vector_norm(e - Hs @ y, dim=(1, 2)).to(x0.dtype)
         # ||g(x)|| >= ||x|| - residual: a conservative denominator for the relative residual
         fx_norm = (torch.linalg.vector_norm(x, dim=1) - res).clamp_min(0)
-        stop = tracker.update(x, None, res, fx_norm)
+        tracker.update(x, None, res, fx_norm)
     # measure the true residual at the returned iterate (one more evaluation, keeps the stats honest)
     x_best = tracker.result()
     fx = g(x_best)
     fx = _check_output(fx, x_best)
     nfe += 1
     stats = tracker.stats(nfe)
+    stats.nfe_per_sample = stats.nfe_per_sample + 1
     abs_r = torch.linalg.vector_norm(fx - x_best, dim=1)
     stats.abs_residual = abs_r
     stats.rel_residual = abs_r / (torch.linalg.vector_norm(fx, dim=1) + 1e-12)

@@ -23,6 +23,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ...core import DEQ, SolverStats
+from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
@@ -529,10 +530,18 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
                     hidden.append(z)
             stats = _explicit_stats(z, len(self.layers))
         else:
-            def f(s):
-                return self.func(s, z_hist, u, pos, mask)
+            gathered: list = [None, None, None]  # (rows, memory rows, injection rows), per row set
 
-            z, stats = self.deq(f, z0)
+            def f(s, rows=None):  # rows: the sequences still iterating (deqzoo.core.halting.rowwise)
+                if rows is None:
+                    return self.func(s, z_hist, u, pos, mask)
+                if gathered[0] is not rows:
+                    gathered[:] = rows, z_hist[rows], u[rows]
+                return self.func(s, gathered[1], gathered[2], pos, mask)
+
+            # row-independent in eval mode (no dropout masks shared over the batch): stopped sequences
+            # leave f's batch
+            z, stats = self.deq(f if self.training else rowwise(f), z0)
             jac_loss = getattr(stats, "jac_loss", None)
             if c.final_f_step:
                 with self._recording(want_attn) as attentions:

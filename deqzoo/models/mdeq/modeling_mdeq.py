@@ -35,6 +35,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithNoAttention, ImageClassifierOutputWithNoAttention
 
 from ...core import DEQ, SolverStats
+from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
@@ -437,10 +438,17 @@ class MDEQModel(MDEQPreTrainedModel):
         if z0 is None:
             z0 = tuple(x.new_zeros(x.shape[0], *s) for s in self.state_shapes(x.shape[-2], x.shape[-1]))
 
-        def f(zs):
-            return self.fullstage(zs, injection)
+        gathered: list = [None, None]  # (rows, injection rows): the rows change only when samples stop
 
-        zs, stats = self.deq(f, tuple(z0))
+        def f(zs, rows=None):  # rows: the samples still iterating (deqzoo.core.halting.rowwise)
+            if rows is None:
+                return self.fullstage(zs, injection)
+            if gathered[0] is not rows:
+                gathered[:] = rows, [None if t is None else t[rows] for t in injection]
+            return self.fullstage(zs, gathered[1])
+
+        # row-independent in eval mode (GroupNorm, no dropout): stopped samples leave f's batch
+        zs, stats = self.deq(f if self.training else rowwise(f), tuple(z0))
         zs = tuple(zs)
         hidden = zs if self._flag(output_hidden_states, "output_hidden_states") else None
         return self._output(MDEQModelOutput(deq_stats=stats, last_hidden_state=zs[0], hidden_states=hidden),
