@@ -1,7 +1,7 @@
 """Run many "fresh interpreter" jobs for the price of one interpreter start-up (a test helper, not a test).
 
 Usage: ``python tests/_fresh_runner.py jobs.json results.json``. The parent imports the heavy third-party
-libraries in ``PRELOAD`` once (torch and its lazily imported submodules, numpy, scipy, numba...: ~5 s of the
+libraries in ``PRELOAD`` once (torch and its lazily imported submodules, numpy, scipy...: ~5 s of the
 ~6.5 s a fresh ``python`` + deqzoo model import costs on 2 CPU cores), then forks one child per job. Each
 child therefore starts as a fresh interpreter would after ``import torch``: no deqzoo, transformers, timm or
 diffusers module is loaded (deqzoo registers with transformers and timm through import hooks, so their
@@ -40,7 +40,7 @@ import traceback
 PRELOAD = (
     "numpy", "torch", "torch._dynamo", "torch.distributed.tensor", "torch.fx.experimental.symbolic_shapes",
     "torch.nn.functional", "torchvision", "scipy", "scipy.sparse", "scipy.linalg", "scipy.optimize",
-    "scipy.special", "numba", "llvmlite", "safetensors.torch", "huggingface_hub", "accelerate", "jinja2",
+    "scipy.special", "safetensors.torch", "huggingface_hub", "accelerate", "jinja2",
     "tqdm", "tqdm.auto", "PIL.Image", "sympy",
 )
 
