@@ -46,20 +46,21 @@ def _mixed(batch: int, hard: float, easy_range, hard_range, log_hard: bool, g) -
     return p[torch.randperm(batch, generator=g)]
 
 
-def _synthetic(batch: int, d: int, hard: float, seed: int = 0):
+def _synthetic(batch: int, d: int, hard: float, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     # a two-layer f, z <- tanh(a_i Qᵀ relu(Q z) + c_i), Q (4d, d) with orthonormal columns: Lipschitz <= a_i,
     # and an f that costs more than the solver's step, as a model's does
     Q = torch.linalg.qr(torch.randn(4 * d, d, generator=g, dtype=torch.float64))[0]
     a = _mixed(batch, hard, (0.1, 0.8), (0.9, 0.97), False, g)[:, None]
     c = torch.randn(batch, d, generator=g, dtype=torch.float64)
+    Q, a, c = Q.to(device), a.to(device), c.to(device)
 
     def f(z, rows=None):
         ai, ci = (a, c) if rows is None else (a[rows], c[rows])
         return torch.tanh(ai * (torch.relu(z @ Q.T) @ Q) + ci)
 
     cfg = dict(f_solver="fixed_point", f_max_iter=2000, f_tol=1e-8)
-    z0 = torch.zeros(batch, d, dtype=torch.float64)
+    z0 = torch.zeros(batch, d, dtype=torch.float64, device=device)
 
     def run(compact: bool):
         deq = DEQ(DEQConfig(**cfg, f_compact=compact))
@@ -71,7 +72,8 @@ def _synthetic(batch: int, d: int, hard: float, seed: int = 0):
                  **cfg, "dtype": "float64"}  # fmt: skip
 
 
-def _mdeq(batch: int, max_noise: float, hard: float, max_iter: int, tol: float, seed: int = 0):
+def _mdeq(batch: int, max_noise: float, hard: float, max_iter: int, tol: float, seed: int = 0,
+          device: str = "cpu"):
     import deqzoo
     from deqzoo.tasks import mnist
 
@@ -81,6 +83,7 @@ def _mdeq(batch: int, max_noise: float, hard: float, max_iter: int, tol: float, 
     g = torch.Generator().manual_seed(seed)
     sigma = _mixed(x.shape[0], hard, (0.0, 0.5), (3.0, max_noise), True, g).float()
     x = x + sigma[:, None, None, None] * torch.randn(x.shape, generator=g)
+    model, x = model.to(device), x.to(device)
     cfg = dict(f_max_iter=max_iter, f_tol=tol)
 
     def run(compact: bool):
@@ -100,14 +103,21 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-300)).max())
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a GPU run's time is the work's, not the launches'
+
+
 def bench(name: str, run, rounds: int) -> dict:
     run(True), run(False)  # warm-up (allocator, first-call costs), not recorded
     times = {"compacted": [], "uncompacted": []}
     outs = {}
     for _ in range(rounds):
         for mode in ("compacted", "uncompacted"):  # interleaved
+            _sync()
             t = time.perf_counter()
             out, st = run(mode == "compacted")
+            _sync()
             times[mode].append(time.perf_counter() - t)
             outs[mode] = (out, st)
     (zc, sc), (zu, su) = outs["compacted"], outs["uncompacted"]
@@ -158,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="bench_output/halting.json")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
     for name in args.problems:
         if name == "mdeq":
-            run, setup = _mdeq(args.batch_size, args.max_noise, args.noisy_fraction, args.max_iter, args.tol)
+            run, setup = _mdeq(args.batch_size, args.max_noise, args.noisy_fraction, args.max_iter, args.tol,
+                               device=args.device)
         else:
-            run, setup = _synthetic(args.batch_size, args.dim, args.noisy_fraction)
+            run, setup = _synthetic(args.batch_size, args.dim, args.noisy_fraction, device=args.device)
         r = bench(name, run, args.rounds)
         r["setup"] = setup
         results.append(r)
@@ -175,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
               f"output diff {r['max_rel_output_diff']:.1e}", file=sys.stderr)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=1))
+    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "device": args.device,
+                               "results": results}, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
