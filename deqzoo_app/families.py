@@ -2,7 +2,7 @@
 takes plain values (paths, numbers, strings) and returns arrays, matplotlib figures and Markdown, and raises
 `ValueError` with a message naming the input at fault (the UI shows it as is).
 
-Data, image reading and figures are the library's (`deqzoo.tasks`: the held-out MNIST split, the fitted
+Data and figures are the repository's (`examples/`: the held-out MNIST split, the fitted
 Implicit² picture, the chains graph, the residual plot, the flow colours), from installed packages only, so
 the app runs offline and shows what `deqzoo eval` and `deqzoo predict` compute.
 """
@@ -99,7 +99,7 @@ def _check_float(value: Any, low: float, high: float, what: str) -> float:
 def read_image(path: str | Path, what: str = "image"):
     """Open an uploaded image safely: size in bytes and pixels checked before decoding, mode checked, a
     decompression bomb or an unreadable file is a ValueError naming the file. Returns a loaded PIL image."""
-    from deqzoo.tasks import open_image
+    from deqzoo.predict import open_image
 
     path = Path(path)
     if not path.is_file():
@@ -115,7 +115,7 @@ def read_image(path: str | Path, what: str = "image"):
 # ----------------------------------------------------------------------------------------------------------
 def sample_digit(digit: int) -> np.ndarray:
     """The first held-out image of a digit (28x28 uint8, white on black): `deqzoo demo`'s sample."""
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     digit = _check_int(digit, 0, 9, "digit")
     return mnist.sample_images()[0][digit]
@@ -192,7 +192,8 @@ def classify_digit(
 ):
     """One digit -> (class probabilities, residual figure, Markdown summary with the held-out accuracy, NFE
     and time of `held_out` MNIST digits at the same solver settings, the digit as the model sees it)."""
-    from deqzoo.tasks import mnist, residual_figure
+    from examples.demo import residual_figure
+    from examples.mdeq import mnist
 
     _check_choice(checkpoint, CHECKPOINTS["mdeq"], "checkpoint")
     _check_choice(solver, SOLVERS, "solver")
@@ -233,7 +234,7 @@ def classify_digit(
 # ----------------------------------------------------------------------------------------------------------
 @cache
 def _tokenizer(name: str):
-    from deqzoo.tasks.pydoc_lm import load_tokenizer
+    from deqzoo.predict import load_tokenizer
 
     return load_tokenizer(_model(name))
 
@@ -363,8 +364,8 @@ def example_video(n_frames: int = 4, shift: tuple[int, int] = (3, 2), size: tupl
 def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[float, float] | None):
     from torchvision.utils import flow_to_image
 
-    from deqzoo.tasks import residual_figure
-    from deqzoo.tasks.flow import colour_key, epe
+    from examples.demo import residual_figure
+    from examples.deq_flow.flow import colour_key, epe
 
     _check_choice(checkpoint, CHECKPOINTS["deq_flow"], "checkpoint")
     with LOCK, torch.no_grad():
@@ -437,7 +438,7 @@ def render_inr(
     the picture, centred at (center_x, center_y) in [-1, 1] (x = column, y = row). Returns (render, the
     fitted pixels of the same window, Markdown)."""
     from deqzoo.models.implicit2 import coordinate_grid
-    from deqzoo.tasks.implicit2 import load_image
+    from examples.implicit2.images import load_image
 
     _check_choice(checkpoint, CHECKPOINTS["implicit2"], "checkpoint")
     zoom = _check_float(zoom, 1.0, 1000.0, "zoom")
@@ -554,7 +555,7 @@ def ignn_chains(
     green = right, red = wrong; accuracy-by-position figure; Markdown)."""
     from matplotlib.figure import Figure
 
-    from deqzoo.tasks.chains import chains_settings, make_chains
+    from examples.ignn.chains import chains_settings, make_chains
 
     _check_choice(checkpoint, CHECKPOINTS["ignn"], "checkpoint")
     chain_length = _check_int(chain_length, 2, 1000, "chain length")
@@ -596,7 +597,8 @@ def ignn_chains(
 def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     """The MNIST checkpoint solved by Anderson and by its trained hypersolver on held-out digits, at the same
     budget and tolerance. Returns (residual figure, Markdown table)."""
-    from deqzoo.tasks import mnist, residual_figure
+    from examples.demo import residual_figure
+    from examples.mdeq import mnist
 
     max_iter = _check_int(max_iter, 1, 100, "iteration budget")
     tol = _check_float(tol, 1e-8, 1.0, "tolerance")

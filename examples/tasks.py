@@ -1,12 +1,15 @@
-"""Task modules: data, `evaluate`, `demo` and `predict` for each kind of checkpoint.
+"""The evaluation and demo programs of each task, by the name a model card's `deqzoo_task` gives.
 
-A model card's `deqzoo_task` metadata selects one of the tasks registered here by name; it never names code to
+`deqzoo eval` and `deqzoo demo` run these from a clone (they read data sets and draw figures: repository
+programs, not part of the installed package); `deqzoo predict` is the package's (:mod:`deqzoo.predict`). A
+task module has `evaluate(model, *, limit=None, progress=True) -> dict` and `demo(model[, output_dir]) ->
+(summary, SolverStats)`. A card's value selects one of the modules registered here; it never names code to
 import. A new task costs its module and one entry in `TASKS`.
 
 Example:
-    >>> from deqzoo.tasks import TASKS, task_module
-    >>> "mnist" in TASKS
-    True
+    >>> from examples.tasks import TASKS, task_module
+    >>> task_module("mnist").__name__
+    'examples.mdeq.mnist'
 """
 
 from __future__ import annotations
@@ -14,20 +17,17 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ._demo import residual_figure  # public: `deqzoo demo`'s residual plot, which the app draws too
-from ._files import open_image  # public: an image file checked before decoding (`predict`, the app)
-
-__all__ = ["TASKS", "open_image", "register_task", "residual_figure", "task_module", "task_name"]
+__all__ = ["TASKS", "register_task", "task_module"]
 
 # name -> module; the only modules a checkpoint's card can select
 TASKS: dict[str, str] = {
-    "mnist": "deqzoo.tasks.mnist",
-    "pydoc_lm": "deqzoo.tasks.pydoc_lm",
-    "pystd_lm": "deqzoo.tasks.pystd_lm",
-    "chains": "deqzoo.tasks.chains",
-    "ddim_digits": "deqzoo.tasks.ddim_digits",
-    "implicit2": "deqzoo.tasks.implicit2",
-    "flow": "deqzoo.tasks.flow",
+    "mnist": "examples.mdeq.mnist",
+    "pydoc_lm": "examples.deq_transformer.pydoc_lm",
+    "pystd_lm": "examples.deq_transformer.pystd_lm",
+    "chains": "examples.ignn.chains",
+    "ddim_digits": "examples.deq_ddim.ddim_digits",
+    "implicit2": "examples.implicit2.images",
+    "flow": "examples.deq_flow.flow",
 }
 
 
@@ -38,17 +38,8 @@ def register_task(name: str, module: str) -> None:
     TASKS[name] = module
 
 
-def task_name(value: object) -> str:
-    """The registered task a card's `deqzoo_task` value selects (short name or the module's full name)."""
-    if isinstance(value, str):
-        if value in TASKS:
-            return value
-        for name, module in TASKS.items():  # cards written before the registry named the module
-            if module == value:
-                return name
-    raise ValueError(f"deqzoo_task {value!r} is not a registered task; registered tasks: {sorted(TASKS)}")
-
-
-def task_module(value: object) -> ModuleType:
-    """Import the module of the registered task a card's `deqzoo_task` value selects."""
-    return importlib.import_module(TASKS[task_name(value)])
+def task_module(name: object) -> ModuleType:
+    """Import the module of the registered task a card's `deqzoo_task` value names."""
+    if not isinstance(name, str) or name not in TASKS:
+        raise ValueError(f"deqzoo_task {name!r} is not a registered task; registered tasks: {sorted(TASKS)}")
+    return importlib.import_module(TASKS[name])

@@ -26,7 +26,7 @@ class Family:
     `names`: each published model's canonical name (its hub id's short name) -> (architecture preset,
     older spellings kept as aliases); `timm`: timm model name -> canonical name or preset (timm names are
     Python identifiers); `hypersolver_state`: the state kind a HyperDEQ hypersolver serves ("multires",
-    "sequence"; None: "vector"); `task`: the `deqzoo.tasks` name that evaluates its checkpoints; `extra`: the
+    "sequence"; None: "vector"); `task`: the task (a card's `deqzoo_task`) of its checkpoints; `extra`: the
     pip extra the family needs beyond deqzoo's own dependencies (None: none), with `requires`, the modules
     that extra provides. :mod:`deqzoo.export` reads `export`: head class name (its subclasses too) -> the
     wrapper kind serving it, or why no head is exported; `export_refused`: head class name -> why it is not;

@@ -10,7 +10,7 @@ perplexity = exp(mean next-token NLL over every predicted token), mean NFE = mea
 per chunk (explicit models report their layer count).
 
 Example:
-    >>> from deqzoo.tasks import pydoc_lm
+    >>> from examples.deq_transformer import pydoc_lm
     >>> train, held_out = pydoc_lm.split_topics()
     >>> len(held_out) > 0 and not set(train) & set(held_out)
     True
@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core import SolverStats
-from ._demo import DemoSummary
+from deqzoo.core import SolverStats
+from deqzoo.predict import DECODINGS, generate_text, load_tokenizer
+from examples.demo import DemoSummary
 
 DEMO_PROMPT = "The for statement is used to"
-# The card's recommended decoding: greedy decoding of a model this small loops ("the in the in ..."); sampling
-# from the top 20 tokens at temperature 0.7 with a repetition penalty reads like text. Seeded: reproducible.
-DECODING: dict = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.2}
-DECODING_SEED = 0
+DECODING = DECODINGS["pydoc_lm"]  # the card's recommended decoding (deqzoo.predict's)
 _HELD_OUT_BELOW = 26  # first sha256 byte threshold: 26/256 ~ 10% of topics
 
 
@@ -66,28 +63,6 @@ def split_text(split: str) -> str:
 def token_stream(tokenizer, split: str) -> torch.Tensor:
     """All token ids of one split as a 1-D LongTensor."""
     return torch.tensor(tokenizer(split_text(split))["input_ids"], dtype=torch.long)
-
-
-def load_tokenizer(model):
-    """The tokenizer saved with the checkpoint the model was loaded from."""
-    from transformers import AutoTokenizer
-
-    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
-    if path and not (Path(path) / "tokenizer.json").is_file():
-        from ..hub import resolve  # a hub id (e.g. the embedded checkpoint): its local directory
-
-        try:
-            path = str(resolve(path))
-        except Exception:  # noqa: BLE001 - reported below with the name that failed
-            pass
-    if not path or not (Path(path) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
-                                "model from a checkpoint directory that contains its tokenizer")
-    from ..integrations.transformers import register_family  # AutoTokenizer may read config.json's type
-    from ..models.registry import family_for
-
-    register_family(family_for(model.config.model_type))
-    return AutoTokenizer.from_pretrained(path)
 
 
 @torch.no_grad()
@@ -126,34 +101,6 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     return {"perplexity": round(math.exp(nll / count), 4), "mean_nfe": round(sum(nfes) / len(nfes), 4)}
 
 
-# Documented limit of `deqzoo predict` for the language model (a few pages of text).
-MAX_PROMPT_CHARS = 20_000
-
-
-def _generate(model, text: str, max_new_tokens: int = 24, decoding: dict | None = None,
-              seed: int = DECODING_SEED, scores: bool = False):
-    """`generate()` with the recommended decoding (or `decoding`), sampling from a private seeded generator
-    state so the text is reproducible and the caller's RNG is left as it was."""
-    tok = load_tokenizer(model)
-    ids = tok(text, return_tensors="pt")["input_ids"]
-    if ids.numel() == 0:
-        raise ValueError("the prompt is empty after tokenization")
-    model.eval()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        out = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                             pad_token_id=pad, output_logits=scores,
-                             **(DECODING if decoding is None else decoding))
-    new = out.sequences[0, ids.shape[1]:]
-    text_out = tok.decode(new, skip_special_tokens=True)
-    if not scores:
-        return text_out, out.past_key_values
-    # the model's own distribution (before temperature / top-k / repetition penalty) at each sampled token
-    probs = torch.stack([F.softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, new.tolist())])
-    return text_out, out.past_key_values, probs
-
-
 def demo(model) -> tuple[str, SolverStats]:
     """Continuation of a fixed prompt with the recommended decoding (`DECODING`, seed `DECODING_SEED`):
     (prompt + continuation on one line, the prompt's stats)."""
@@ -161,36 +108,9 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     with torch.no_grad():
         stats = model(tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]).deq_stats
-    text, _ = _generate(model, DEMO_PROMPT)
+    text, _ = generate_text(model, DEMO_PROMPT)
     words = " ".join(text.split())
     metric = f'"...{words[:30]}..."' if len(words) > 30 else f'"...{words}"'  # no score: a sample of it
     return DemoSummary((DEMO_PROMPT + text).replace("\n", " "), metric), stats
 
 
-def predict(model, input: str, decoding: dict | None = None) -> str:
-    """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path), then
-    the model's own probability of each sampled token (geometric mean and minimum), on the next line.
-
-    Prompts are limited to MAX_PROMPT_CHARS characters, checked before anything is read or tokenized."""
-    path = Path(input)
-    if len(input) < 4096 and path.is_file():
-        size = path.stat().st_size
-        if size > 4 * MAX_PROMPT_CHARS:  # at most 4 bytes per character in UTF-8
-            raise ValueError(f"{path}: {size:,} bytes; predict takes a prompt of at most "
-                             f"{MAX_PROMPT_CHARS:,} characters (MAX_PROMPT_CHARS)")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
-    else:
-        text = input
-    if len(text) > MAX_PROMPT_CHARS:
-        raise ValueError(f"the prompt has {len(text):,} characters; predict takes at most "
-                         f"{MAX_PROMPT_CHARS:,} (MAX_PROMPT_CHARS)")
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    continuation, _, probs = _generate(model, text, decoding=decoding, scores=True)
-    if probs.numel() == 0:
-        return continuation
-    return (f"{continuation}\n[{probs.numel()} tokens; model probability per token: geometric mean "
-            f"{float(probs.log().mean().exp()):.4f}, min {float(probs.min()):.4f}]")

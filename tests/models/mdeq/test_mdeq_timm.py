@@ -92,7 +92,7 @@ def _stratified_held_out(per_class: int = 20):
     """The first `per_class` held-out digits of each class (the split is ordered by class, 100 each)."""
     import numpy as np
 
-    from deqzoo.tasks.mnist import load_split
+    from examples.mdeq.mnist import load_split
 
     x, y = load_split("test")
     keep = np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(10)])
@@ -106,7 +106,7 @@ def test_rgb_images_through_timms_own_transform_classify_as_the_originals():
     processor (the card's path), and each RGB batch equals the processor's "L" conversion."""
     from PIL import Image
 
-    from deqzoo.tasks.mnist import to_pixel_values
+    from examples.mdeq.mnist import to_pixel_values
 
     _ = deqzoo.register()
     net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
