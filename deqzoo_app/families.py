@@ -19,6 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from deqzoo.hub.catalog import load_catalog
+from deqzoo.models.registry import app_checkpoints
+
 __all__ = [
     "CHECKPOINTS",
     "LOCK",
@@ -37,15 +40,11 @@ __all__ = [
     "warm_up",
 ]
 
-CHECKPOINTS = {
-    "mdeq": ["deqzoo/mdeq-tiny-mnist", "deqzoo/lipschitz-mdeq-tiny-mnist"],
-    "deq_transformer": ["deqzoo/deq-transformer-small-pystd", "deqzoo/deq-transformer-tiny-pydoc"],
-    "deq_flow": ["deqzoo/deq-flow-cpu-synth"],
-    "implicit2": ["deqzoo/implicit2-isiren-camera", "deqzoo/implicit2-igabor-mfn-camera"],
-    "ddim": ["deqzoo/ddim-digits-16"],
-    "ignn": ["deqzoo/ignn-chains"],
-    "hypersolver": ["deqzoo/hyperdeq-mdeq-tiny-mnist"],
-}
+# {family: the checkpoints its tab offers, the default first}: the families' declarations (`Family.app`),
+# and the embedded hypersolvers trained for the MDEQ tab's default (the hypersolver tab's pair)
+CHECKPOINTS = app_checkpoints()
+CHECKPOINTS["hypersolver"] = [h for h, e in sorted(load_catalog(section="hypersolvers").items())
+                              if e.get("model_id") == CHECKPOINTS["mdeq"][0]]
 SOLVERS = ("anderson", "broyden", "fixed_point")
 MAX_IMAGE_PIXELS = 4096 * 4096  # checked from the header, before decoding (as `deqzoo predict` does)
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -500,7 +499,7 @@ def ddim_compare(
     _check_choice(solver, ("anderson", "fixed_point"), "solver")
     tol = _check_float(tol, 1e-6, 1.0, "tolerance")
     with LOCK, torch.no_grad():
-        pipe = _model(CHECKPOINTS["ddim"][0])
+        pipe = _model(CHECKPOINTS["deq_ddim"][0])
         baseline = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
         baseline.set_progress_bar_config(disable=True)
         calls = []

@@ -103,7 +103,7 @@ def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch)
         assert im.size == (61, 48) and im.mode == "RGB"
     again = estimate_flow(model, f"{paths[0]},{paths[1]}")
     assert "flow_f0_f1-1.png" in again  # the first file is kept
-    with pytest.raises(ValueError, match="expected 'FIRST,SECOND'"):
+    with pytest.raises(ValueError, match="expected FIRST SECOND image paths"):
         estimate_flow(model, str(paths[0]))
     Image.fromarray((torch.rand(40, 40, 3).numpy() * 255).astype("uint8")).save(tmp_path / "small.png")
     with pytest.raises(ValueError, match=r"\(48, 61\).*\(40, 40\)"):
