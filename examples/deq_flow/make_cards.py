@@ -779,7 +779,7 @@ numbers; the memory and reuse measurements of this implementation are in the DEQ
 
 {convergence}
 
-**Use.** `deqzoo predict deqzoo/{name} first.png,second.png` writes the flow as a colour PNG
+**Use.** `deqzoo predict deqzoo/{name} first.png second.png` writes the flow as a colour PNG
 (`torchvision.utils.flow_to_image`), `deqzoo predict deqzoo/{name} FOLDER` one per consecutive pair of the
 video frames in FOLDER (with the checkpoint's reuse, below); `model(image1, image2)` takes (B, C, H, W) float
 in [0, 1] or uint8, grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back);

@@ -82,7 +82,7 @@ There is no transformers pipeline for graphs; use the model directly:
 
 ```python
 import deqzoo
-from examples.ignn.chains import make_chains
+from deqzoo.predict import make_chains
 
 model = deqzoo.from_pretrained("deqzoo/ignn-chains").eval()
 ds = make_chains(chain_length=100)
