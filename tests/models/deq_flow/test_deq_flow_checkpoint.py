@@ -12,7 +12,7 @@ import torch
 import deqzoo
 from deqzoo.hub.cards import read_model_card
 from deqzoo.hub.loading import resolve
-from deqzoo.predict import estimate_flow
+from deqzoo.predict import estimate_flow, video_frames
 from examples.deq_flow import flow
 from examples.deq_flow.video import synthetic_video
 
@@ -158,7 +158,7 @@ def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monke
         estimate_flow(model, str(lone))
     for name in ("f10.png", "f2.png", "f1.png"):  # unpadded frame numbers: natural order, not string order
         Image.fromarray(frames[0].permute(1, 2, 0).numpy()).save(lone / name)
-    assert [p.name for p in flow._video_frames(lone)] == ["a.png", "f1.png", "f2.png", "f10.png"]
+    assert [p.name for p in video_frames(lone)] == ["a.png", "f1.png", "f2.png", "f10.png"]
 
 
 def test_demo_writes_pngs(tmp_path):
