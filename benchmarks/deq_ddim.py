@@ -159,7 +159,7 @@ def bench_inversion(pipe, T: int, n: int, budget: float, lrs: list[float]) -> di
     and from the same equilibrium start (so the two gradient phases compare from one point). Each method is
     reported at its best learning rate (lowest final MSE); every run is kept."""
     from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import _mse01
-    from deqzoo.tasks.ddim_digits import load_split
+    from examples.deq_ddim.ddim_digits import load_split
 
     x, _ = load_split("inversion")
     target = x[:n].to(pipe.unet.device)

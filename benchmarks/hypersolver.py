@@ -134,7 +134,7 @@ def _metric(task: str, outs, labels) -> float:
 def _held_out(model, task: str, limit: int):
     """Forward calls over held-out inputs and their targets (labels / next tokens)."""
     if task == "mnist":
-        from deqzoo.tasks import mnist
+        from examples.mdeq import mnist
 
         x, y = mnist.load_split("test")
         order = np.argsort(np.arange(len(y)) % 100, kind="stable")[:limit]  # classes interleaved
@@ -144,7 +144,7 @@ def _held_out(model, task: str, limit: int):
             pixels = mnist.to_pixel_values(x[s : s + 100], model)
             runs.append(lambda pixels=pixels: model(pixel_values=pixels))
         return runs, torch.from_numpy(y)
-    from deqzoo.tasks import pydoc_lm
+    from examples.deq_transformer import pydoc_lm
 
     ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), "held_out")
     seg = model.config.tgt_len

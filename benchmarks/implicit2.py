@@ -136,7 +136,7 @@ def _settings(args) -> list[dict[str, Any]]:
                         "input_scale": paper_input_scale(f, args.size), "warmup": 2,
                         "time_after": _time_after(args.time_after), "rounds": args.time_rounds})
     if "gen" in groups:
-        from deqzoo.tasks.implicit2 import IMAGES
+        from examples.implicit2.images import IMAGES
 
         for image in IMAGES:
             for imp in (True, False):
@@ -262,8 +262,8 @@ def run_one(setting: dict[str, Any], out_dir: Path, seed: int, save_dir: Path | 
     import torch
 
     torch.set_num_threads(1)
-    from deqzoo.tasks.implicit2 import image_data, psnr
     from examples.implicit2.fitting import fit
+    from examples.implicit2.images import image_data, psnr
 
     data = image_data(setting["image"], int(setting["size"]), setting["split"])
     if setting["group"] == "time":

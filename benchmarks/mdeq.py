@@ -134,7 +134,7 @@ def measure(zoo: Path | None, *, solver: str = "anderson", f_max_iter: int = 30,
     """One solver setting: both models on the same batches; returns the side-by-side row."""
     import torch
 
-    from deqzoo.hub.converters import converter_module
+    from conversion import converter_module
 
     conv = converter_module("mdeq_torchdeq")
     torch.manual_seed(seed)

@@ -171,7 +171,7 @@ def _case(name: str, quick: bool, device: str = "cpu", batch: int | None = None)
 
     torch.manual_seed(0)
     if name.startswith("mdeq"):
-        from deqzoo.tasks import mnist
+        from examples.mdeq import mnist
 
         model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").to(device)
         x, y = mnist.load_split("test")
@@ -193,7 +193,7 @@ def _case(name: str, quick: bool, device: str = "cpu", batch: int | None = None)
                 m.zero_grad(set_to_none=True)
                 m(pixel_values=pixels, labels=labels).loss.backward()
         return model, model.mdeq if hasattr(model, "mdeq") else _backbone(model), run
-    from deqzoo.tasks import pydoc_lm
+    from examples.deq_transformer import pydoc_lm
 
     model = deqzoo.from_pretrained("deqzoo/deq-transformer-tiny-pydoc").eval().to(device)
     ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), "held_out")

@@ -634,7 +634,7 @@ The weights are the original authors'; no metric was re-measured by this convers
     meta = build_metadata(
         model_id=f"deqzoo/{short}",
         pipeline_tag=info["task"],
-        task_module="deqzoo.tasks.mdeq_converted",
+        task_module="mdeq_converted",
         datasets=[dataset],
         dataset_name=dataset,
         metrics=[],

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {"ModelInfo": "factory", "create_model": "factory", "from_pretrained": "factory",
          "list_models": "factory"}
 _SUBMODULES = {"cli", "core", "export", "factory", "hub", "integrations", "modeling_utils", "models",
-               "pipelines", "tasks"}
+               "pipelines", "predict"}
 
 if TYPE_CHECKING:  # static tools see the real names
     from .factory import ModelInfo, create_model, from_pretrained, list_models

@@ -1,8 +1,8 @@
-"""The `deqzoo` command: list, info, predict, eval, convert, push, bench, demo.
+"""The `deqzoo` command: list, info, predict, push (the installed package's), and eval, demo, bench, app,
+convert, train-hypersolver (programs of the repository, run from a clone).
 
-`deqzoo demo` is the main job: it loads every embedded checkpoint offline, runs each on shipped sample inputs
-with every registered solver, prints a table that fits 100 columns and writes the task's figures, one
-residual-vs-iteration PNG per model that solves (tolerance drawn) and index.html showing them all.
+The clone is found from the package's own location (an editable install: `deqzoo/` inside a clone holding
+`examples/tasks.py`), never from the working directory; a wheel's install says how to get a clone.
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ import json
 import os
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 from deqzoo.errors import DeqzooError
-
-DEMO_SOLVERS = ("fixed_point", "anderson", "broyden")
 
 
 class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
-def _table(rows: list[list[str]], header: list[str], width: int | None = None,
+def format_table(rows: list[list[str]], header: list[str], width: int | None = None,
            shrink: dict[int, int] | None = None) -> str:
     """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
     -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
@@ -67,20 +64,9 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
-def _task_module(directory: Path, meta: dict[str, Any]):
-    from deqzoo.tasks import task_module
-
-    name = meta.get("deqzoo_task")
-    if not name:
-        raise CLIError(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key "
-                         "naming the task")
-    try:
-        return task_module(name)
-    except ValueError as err:
-        raise CLIError(f"{directory / 'README.md'}: {err}") from None
-
-
-def _load(name: str, deq: dict[str, Any] | None = None):
+def load_checkpoint(name: str, deq: dict[str, Any] | None = None):
+    """(model, directory, card metadata, card metrics) of a checkpoint, loaded quietly (a command prints its
+    own output)."""
     from transformers.utils import logging as hf_logging
 
     import deqzoo
@@ -111,7 +97,7 @@ def cmd_list(args) -> int:
              (headlines.get(m.name) or _fmt_metrics(m.metrics)) if m.kind == "checkpoint" else m.description]
             for m in models]
     header = ["name", "kind", "model_type", "task", "params", "headline result (data set) / description"]
-    print(_table(rows, header) if rows else "no models registered")
+    print(format_table(rows, header) if rows else "no models registered")
     for model_type, reason in unavailable_families().items():
         print(f"(family {model_type} unavailable: {reason})")
     return 0
@@ -141,8 +127,17 @@ def cmd_info(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    model, directory, meta, _ = _load(args.name)
-    print(_task_module(directory, meta).predict(model, args.input))
+    from deqzoo.predict import predict
+
+    model, directory, meta, _ = load_checkpoint(args.name)
+    if not meta.get("deqzoo_task"):
+        raise CLIError(f"{directory / 'README.md'}: the model card has no `deqzoo_task` key naming the task")
+    try:
+        print(predict(model, meta["deqzoo_task"], args.input))
+    except ValueError as err:
+        if "registered task" in str(err):
+            raise CLIError(f"{directory / 'README.md'}: {err}") from None
+        raise
     return 0
 
 
@@ -158,11 +153,13 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_eval(args) -> int:
+    demo = _clone_program("examples/demo.py", "examples.demo", _from_a_clone("eval", "[demo]"))
+    names = list(dict.fromkeys(args.name))  # a name given twice is evaluated once
     # every name is loaded (and checked) before any evaluation: a typo in the second of a pair fails at once
-    loaded = [_load(name) for name in args.name]
-    for name, (model, directory, meta, _) in zip(args.name, loaded):
-        results = _task_module(directory, meta).evaluate(model, limit=args.limit,
-                                                         progress=not args.no_progress)
+    loaded = [load_checkpoint(name) for name in names]
+    for name, (model, directory, meta, _) in zip(names, loaded):
+        task = demo.task_of(directory, meta)
+        results = task.evaluate(model, limit=args.limit, progress=not args.no_progress)
         if len(loaded) > 1:  # several: each one's results under its name (a card and its twin side by side)
             print(name)
         for key, value in results.items():
@@ -171,9 +168,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from deqzoo.hub.converters import conversion_formats
-
-    formats = conversion_formats()
+    conversion = _clone_program("conversion/__init__.py", "conversion", _from_a_clone("convert", ""))
+    formats = conversion.conversion_formats()
     if args.format is None or args.format == "list":
         print("\n".join(sorted(formats)) or "no converters in this install")
         return 0
@@ -219,12 +215,19 @@ def cmd_push(args) -> int:
 
 
 def _clone_root() -> Path | None:
-    """The deqzoo clone the command runs in (the current directory or one above it): benchmarks and training
-    programs are scripts of the repository, not part of the installed package."""
-    for folder in (Path.cwd(), *Path.cwd().parents):
-        if (folder / "benchmarks" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
-            return folder
-    return None
+    """The clone this package runs from (an editable install), found from the package's own location: the
+    folder above `deqzoo/` when it holds the repository's programs; None for an installed wheel."""
+    import deqzoo
+
+    root = Path(deqzoo.__file__).resolve().parent.parent
+    is_clone = (root / "examples" / "tasks.py").is_file() and (root / "pyproject.toml").is_file()
+    return root if is_clone else None
+
+
+def _from_a_clone(command: str, extra: str) -> str:
+    return (f"`deqzoo {command}` runs a program of the deqzoo repository; this command is not in the wheel. "
+            f"Run it from a clone: git clone <the deqzoo repository> && cd deqzoo && "
+            f"pip install -e \".{extra}\" && deqzoo {command} ...")
 
 
 def _import_from_clone(root: Path | None, module: str):
@@ -235,7 +238,7 @@ def _import_from_clone(root: Path | None, module: str):
 
 
 def _clone_program(marker: str, module: str, refusal: str):
-    """`module` of the clone the command runs in, which must hold the file `marker`; else CLIError."""
+    """`module` of the clone, which must hold the file `marker`; else CLIError(refusal)."""
     root = _clone_root()
     if root is None or not (root / marker).is_file():
         raise CLIError(refusal)
@@ -262,9 +265,7 @@ def cmd_bench(args, rest: list[str]) -> int:
     # other code
     if args.name not in known and f"benchmarks.{args.name}" not in sys.modules:
         if _benchmarks_folder() is None:
-            raise CLIError(f"unknown benchmark {args.name!r}: the benchmarks are scripts of the repository "
-                           "(benchmarks/), not part of the installed package; run `deqzoo bench` from the "
-                           "root of a clone (git clone ... && pip install -e \".[bench]\")")
+            raise CLIError(f"unknown benchmark {args.name!r}: " + _from_a_clone("bench", "[bench]"))
         raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
     folder = _benchmarks_folder()
     module = _import_from_clone(None if folder is None else folder.parent, f"benchmarks.{args.name}")
@@ -275,170 +276,13 @@ def cmd_train_hypersolver(rest: list[str]) -> int:
     """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
     code, not part of the installed package)."""
     train = _clone_program("examples/hypersolver/train.py", "examples.hypersolver.train",
-                           "train-hypersolver runs examples/hypersolver/train.py of a deqzoo clone; run it "
-                           "from the root of a clone (git clone ... && pip install -e .)")
+                           _from_a_clone("train-hypersolver", ""))
     return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
 
 
-def _task_demo(task, model, output_dir: Path):
-    """A task's demo; tasks that write files (renders, sample grids) put them in the demo's folder."""
-    import inspect
-
-    if "output_dir" in inspect.signature(task.demo).parameters:
-        return task.demo(model, output_dir=output_dir)
-    return task.demo(model)
-
-
-# `deqzoo demo`'s table: one row per model and solver, at most DEMO_WIDTH characters wide (a 100-column
-# terminal); the full lines go to summary.json and index.html.
-DEMO_HEADER = ["model", "solver", "metric", "NFE", "residual", "converged", "time"]
-DEMO_WIDTH = 100
-_NO_SOLVE = "no solve"
-
-
-def _converged(stats) -> str:
-    done, total = int(stats.converged.sum()), int(stats.converged.numel())
-    return "yes" if done == total else "no" if done == 0 else f"{done}/{total}"
-
-
-def _demo_row(name: str, solver: str, card: bool, summary: str, stats, seconds: float) -> dict[str, Any]:
-    """One solve of a model's demo as a record (summary.json, index.html) and, by `_demo_cells`, a table row;
-    a model without a solve says so instead of showing 0 evaluations and residual 0."""
-    from deqzoo.tasks._demo import demo_metric, has_solve
-
-    row: dict[str, Any] = {"model": name, "solver": solver if has_solve(stats) else _NO_SOLVE, "card": card,
-                           "metric": demo_metric(summary), "prediction": str(summary),
-                           "time_s": round(seconds, 2)}
-    if has_solve(stats):
-        row.update(NFE=int(stats.nfe), residual=float(stats.residual.max()), stop_mode=stats.stop_mode,
-                   tol=float(stats.tol), converged=_converged(stats))
-    else:
-        row.update(NFE=None, residual=None, stop_mode=None, tol=None, converged=None)
-    return row
-
-
-def _demo_cells(row: dict[str, Any]) -> list[str]:
-    short = row["model"].split("/", 1)[1] if row["model"].startswith("deqzoo/") else row["model"]
-    if row.get("failed"):
-        return [short, "-", row["metric"], "-", "-", "-", "-"]
-    # a pipeline's solvers ("anderson+fixed_point") may wrap after their "+"
-    solver = row["solver"].replace("+", "+ ") + ("*" if row["card"] and row["solver"] != _NO_SOLVE else "")
-    if row["NFE"] is None:
-        return [short, solver, row["metric"], "-", "-", "-", f"{row['time_s']:.2f}s"]
-    return [short, solver, row["metric"], str(row["NFE"]), f"{row['residual']:.1e} {row['stop_mode']}",
-            row["converged"], f"{row['time_s']:.2f}s"]
-
-
-def demo_table(rows: list[dict[str, Any]], width: int = DEMO_WIDTH) -> str:
-    """The demo's table (model names without the `deqzoo/` prefix; * marks the card's solver) within
-    `width` columns: the model and metric columns wrap when needed."""
-    return _table([_demo_cells(r) for r in rows], DEMO_HEADER, width, shrink={2: 20, 1: 12, 0: 16})
-
-
-_DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solvers rerun the same demo for "
-              "the residual plot. residual: the largest over the batch, in the solve's stop mode (abs/rel); "
-              "converged: below the card's f_tol.")
-
-
-def _pngs(folder: Path) -> dict[Path, int]:
-    return {p: p.stat().st_mtime_ns for p in folder.glob("*.png")}
-
-
-def run_demo(
-    names: list[str], output_dir: Path, progress: bool = True
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Run each checkpoint's task demo with its card's solver and every other registered solver, write one
-    residual plot per model that solves (tolerance drawn) and `index.html` (the table and every PNG written
-    now); returns (one record per model and solver, failures)."""
-    import tempfile
-
-    from tqdm.auto import tqdm
-
-    from deqzoo.core import SOLVERS
-    from deqzoo.tasks._demo import has_solve, residual_figure, save_figure, write_index
-
-    rows: list[dict[str, Any]] = []
-    failures: list[str] = []
-    images: dict[str, list[Path]] = {}
-    solvers = [s for s in DEMO_SOLVERS if s in SOLVERS]
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for name in tqdm(names, desc="demo", unit="model", disable=not progress):
-        try:
-            model, directory, meta, _ = _load(name)
-            task = _task_module(directory, meta)
-            before = _pngs(output_dir)
-            start = time.perf_counter()
-            summary, stats = _task_demo(task, model, output_dir)
-            elapsed = time.perf_counter() - start
-            written = sorted(p for p, t in _pngs(output_dir).items() if before.get(p) != t)
-            images[str(name)] = written
-            if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
-                rows.append(_demo_row(str(name), getattr(stats, "solver", ""), True, summary, stats, elapsed))
-                continue
-            default = model.config.deq_config
-            # a reversible DEQ's forward is its coupled iteration, not f_solver: the row names what ran
-            card_solver = "reversible" if default.b_mode == "reversible" else default.f_solver
-            rows.append(_demo_row(str(name), card_solver, True, summary, stats, elapsed))
-            if not has_solve(stats):  # an explicit network (the RAFT twin): no solver to compare, no plot
-                continue
-            traces = {f"{default.f_solver} (card)": stats}
-            policy = model.config.on_nonconvergence
-            # the comparison runs write their task files elsewhere: the folder shows the card's solve
-            with tempfile.TemporaryDirectory(prefix="deqzoo-demo-") as scratch:
-                # a reversible DEQ runs its own coupled iteration whatever f_solver says: nothing to compare
-                others = [] if default.b_mode == "reversible" else solvers
-                for solver in tqdm(others, desc=name, leave=False, disable=not progress):
-                    if solver == default.f_solver:
-                        continue
-                    # the comparison solvers are drawn, residuals and all: one that misses the card's
-                    # tolerance is what the plot shows, not a warning about the card's own settings
-                    model.set_deq(f_solver=solver, on_nonconvergence="ignore")
-                    start = time.perf_counter()
-                    solver_summary, solver_stats = _task_demo(task, model, Path(scratch))
-                    row = _demo_row(str(name), solver, False, solver_summary, solver_stats,
-                                    time.perf_counter() - start)
-                    row["prediction"] = row["prediction"].replace(scratch, "(not kept)")  # files deleted
-                    rows.append(row)
-                    traces[solver] = solver_stats
-            model.set_deq(f_solver=default.f_solver, on_nonconvergence=policy)
-            png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"
-            images[str(name)].append(save_figure(residual_figure(traces, f"{name}: forward solve"), png))
-        except Exception as err:  # noqa: BLE001 - report every model, then fail
-            failures.append(f"{name}: {type(err).__name__}: {err}")
-            rows.append({"model": str(name), "failed": True, "metric": f"FAILED: {type(err).__name__}",
-                         "prediction": f"FAILED: {type(err).__name__}: {err}"})
-    page_rows = [_demo_cells(r) + [r["prediction"]] for r in rows]
-    write_index(output_dir / "index.html", [*DEMO_HEADER, "full output"], page_rows, images,
-                intro=_DEMO_NOTE)
-    return rows, failures
-
-
 def cmd_demo(args) -> int:
-    import torch
-
-    from deqzoo.hub.catalog import load_catalog
-    from deqzoo.models.registry import require
-
-    # the demo runs every task's data and plots: refuse up front, naming the extra, instead of N failures
-    require("demo", ("matplotlib", "PIL", "sklearn", "skimage", "cv2", "mlxtend", "torchvision", "diffusers"),
-            "deqzoo demo")
-    torch.manual_seed(0)
-    names = args.names or sorted(load_catalog())
-    if not names:
-        print("deqzoo demo: no embedded checkpoints in the catalog (deqzoo/hub/catalog.json) yet; "
-              "nothing to run. "
-              "Add a folder under model_cards/ and run `python -m utils.catalog`.")
-        return 0
-    output_dir = Path(args.output_dir)
-    rows, failures = run_demo(names, output_dir, progress=not args.no_progress)
-    print(demo_table(rows))
-    print(textwrap.fill(_DEMO_NOTE, DEMO_WIDTH))
-    print("the plots and the full table (open in a browser):")
-    print(f"  {output_dir / 'index.html'}")  # the only line as long as the user's path
-    (output_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    for failure in failures:
-        print(f"error: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    demo = _clone_program("examples/demo.py", "examples.demo", _from_a_clone("demo", "[demo]"))
+    return demo.main(args.names, args.output_dir, progress=not args.no_progress)
 
 
 def cmd_app(args) -> int:
@@ -468,15 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p = sub.add_parser("predict", help="run a checkpoint on an input (path or text)")
     p.add_argument("name", help="checkpoint id (deqzoo list) or folder")
-    p.add_argument("input", help="by the checkpoint's task: an image path (classification); a text or text "
-                   "file (language); a chain length or JSON graph (graphs); FIRST,SECOND[,OUT.png] images or "
-                   "a FOLDER[,OUTDIR] of video frames (optical flow); HxW[:OUT.png] (implicit "
-                   "representations); OUT.png (diffusion). Details: the task module's predict() docstring")
-    p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task module")
+    p.add_argument("input", nargs="+", help="by the checkpoint's task: an image path (classification); a "
+                   "text or text file (language); a chain length or JSON graph (graphs); FIRST SECOND "
+                   "[OUT.png] images or a FOLDER [OUTDIR] of video frames (optical flow); HxW[:OUT.png] "
+                   "(implicit representations); OUT.png (diffusion). Details: deqzoo.predict's docstrings")
+    p = sub.add_parser("eval", help="evaluate a checkpoint with its card's task (from a clone: examples/)")
     p.add_argument("name", nargs="+", help="a checkpoint, or several: each one's results under its name")
     p.add_argument("--limit", type=_positive_int, default=None, help="evaluate on the first N examples")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists)")
+    p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists; "
+                       "from a clone: conversion/)")
     p.add_argument("format", nargs="?")
     p.add_argument("src", nargs="?")
     p.add_argument("out", nargs="?")
@@ -498,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "from the root of a clone)")
                        + ". `deqzoo bench NAME --help` shows a benchmark's own options.")
     p.add_argument("name", help="one of: " + (", ".join(benchmark_names()) or "(none here)"))
-    p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver")
+    p = sub.add_parser("demo", help="run every embedded checkpoint offline and plot residuals per solver "
+                       "(from a clone: examples/demo.py)")
     p.add_argument("names", nargs="*", help="checkpoints (default: all embedded)")
     p.add_argument("--output-dir", default="demo_output")
     p.add_argument("--no-progress", action="store_true")

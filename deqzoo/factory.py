@@ -22,6 +22,7 @@ from .models.registry import (
     family_for,
     model_names_table,
     require,
+    timm_names,
 )
 
 
@@ -64,52 +65,46 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
     return classes["AutoModel"]
 
 
-# One name per model. A published model's canonical name is its checkpoint's short name (hub id
-# "deqzoo/<name>"); create_model, from_pretrained and timm accept it, and older spellings stay as aliases.
-# timm names are the canonical ones with "_" for "-". The table is derived from the families' declarations.
-# canonical name -> (architecture preset, aliases)
-MODEL_NAMES: dict[str, tuple[str | None, tuple[str, ...]]] = model_names_table()
+# One name per model: a published model's name is its checkpoint's short name (hub id "deqzoo/<name>");
+# create_model, from_pretrained and timm take it (timm with "_" for "-"); no aliases. The table is derived
+# from the families' declarations (`Family.names`: name -> the architecture preset it instantiates).
 
 
 def canonical_name(name: str) -> str:
-    """The canonical spelling of a model name (hub id, preset, alias or timm spelling); unknown names pass
-    through unchanged.
+    """A published model's name from its hub id or timm spelling; other names pass through unchanged.
 
     Example:
-        >>> canonical_name("mdeq-mnist-tiny"), canonical_name("deqzoo/mdeq-tiny-mnist")
-        ('mdeq-tiny-mnist', 'mdeq-tiny-mnist')
-        >>> canonical_name("mdeq_lipschitz_tiny_mnist")
-        'lipschitz-mdeq-tiny-mnist'
+        >>> canonical_name("deqzoo/mdeq-tiny-mnist"), canonical_name("lipschitz_mdeq_tiny_mnist")
+        ('mdeq-tiny-mnist', 'lipschitz-mdeq-tiny-mnist')
     """
-    short = name[len("deqzoo/"):] if name.startswith("deqzoo/") else name
-    short = short.replace("_", "-")
-    for canonical, (_, aliases) in model_names_table().items():
-        if short == canonical or short in aliases:
-            return canonical
-    return name
+    short = (name[len("deqzoo/"):] if name.startswith("deqzoo/") else name).replace("_", "-")
+    return short if short in model_names_table() else name
+
+
+def _published_id(name: str) -> str | None:
+    """ "deqzoo/<name>" when `name` (bare, hub id or timm spelling) is an embedded checkpoint; read from the
+    catalog, so no family is imported."""
+    short = (name[len("deqzoo/"):] if name.startswith("deqzoo/") else name).replace("_", "-")
+    return f"deqzoo/{short}" if "/" not in short and f"deqzoo/{short}" in load_catalog() else None
 
 
 def model_names() -> list[dict[str, Any]]:
-    """The name table: canonical name, hub id, architecture preset, timm name (MDEQ) and aliases.
+    """The name table: each published model's name, hub id, architecture preset and timm name (MDEQ).
 
     Example:
         >>> row = next(r for r in model_names() if r["name"] == "mdeq-tiny-mnist")
-        >>> row["hub_id"], row["preset"], row["timm"], row["aliases"]
-        ('deqzoo/mdeq-tiny-mnist', 'mdeq-mnist-tiny', 'mdeq_tiny_mnist', ['mdeq-mnist-tiny'])
+        >>> row["hub_id"], row["preset"], row["timm"]
+        ('deqzoo/mdeq-tiny-mnist', 'mdeq-mnist-tiny', 'mdeq_tiny_mnist')
     """
-    timm_names = {name for family in declared_families().values() for name in family.timm}
-    rows = []
-    for canonical, (preset, aliases) in model_names_table().items():
-        timm_name = canonical.replace("-", "_")
-        rows.append({"name": canonical, "hub_id": f"deqzoo/{canonical}", "preset": preset,
-                     "timm": timm_name if timm_name in timm_names else None, "aliases": list(aliases)})
-    return rows
+    in_timm = {name for family in declared_families().values() for name in timm_names(family)}
+    return [{"name": name, "hub_id": f"deqzoo/{name}", "preset": preset,
+             "timm": name.replace("-", "_") if name.replace("-", "_") in in_timm else None}
+            for name, preset in model_names_table().items()]
 
 
 def _known_names() -> list[str]:
     names = [p for f in available_families().values() for p in _architectures(f)]
-    table = model_names_table()
-    names += list(table) + [a for _, aliases in table.values() for a in aliases]
+    names += list(model_names_table())
     names += [cid.split("/", 1)[1] for cid in load_catalog() if "/" in cid]
     return sorted(set(names))
 
@@ -134,7 +129,7 @@ def _find_preset(name: str):
     canonical = canonical_name(name)
     for family in declared_families().values():
         if canonical in family.names:
-            name = family.names[canonical][0]
+            name = family.names[canonical]
             family = family_for(family.model_type)
             return family, _architectures(family).get(name)
     for family in available_families().values():
@@ -215,12 +210,14 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "force_download",
                                   "endpoint") if k in kwargs}  # transformers reads them too: kept in kwargs
     name = str(name_or_path)
-    if not Path(name).exists() and canonical_name(name) in model_names_table():
-        name_or_path = f"deqzoo/{canonical_name(name)}"  # an alias or the bare name of a published model
+    if not Path(name).exists() and (published := _published_id(name)):
+        name_or_path = published  # the bare name (or timm spelling) of an embedded checkpoint
     try:
         directory = resolve(name_or_path, **hub)
     except Exception as err:
-        hint = "" if Path(name).exists() else did_you_mean(name)
+        models = [n for n, preset in model_names_table().items() if preset == name]  # a preset's name
+        hint = ("" if Path(name).exists() else f" {name!r} is an architecture preset (create_model); the "
+                f"published models built on it: {models}" if models else did_you_mean(name))
         if not hint:
             raise
         raise type(err)(f"{err}{hint}") from err

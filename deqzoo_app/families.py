@@ -2,7 +2,7 @@
 takes plain values (paths, numbers, strings) and returns arrays, matplotlib figures and Markdown, and raises
 `ValueError` with a message naming the input at fault (the UI shows it as is).
 
-Data, image reading and figures are the library's (`deqzoo.tasks`: the held-out MNIST split, the fitted
+Data and figures are the repository's (`examples/`: the held-out MNIST split, the fitted
 Implicit² picture, the chains graph, the residual plot, the flow colours), from installed packages only, so
 the app runs offline and shows what `deqzoo eval` and `deqzoo predict` compute.
 """
@@ -18,6 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from deqzoo.hub.catalog import load_catalog
+from deqzoo.models.registry import app_checkpoints
 
 __all__ = [
     "CHECKPOINTS",
@@ -42,15 +45,11 @@ __all__ = [
     "warm_up",
 ]
 
-CHECKPOINTS = {
-    "mdeq": ["deqzoo/mdeq-tiny-mnist", "deqzoo/lipschitz-mdeq-tiny-mnist"],
-    "deq_transformer": ["deqzoo/deq-transformer-small-pystd", "deqzoo/deq-transformer-tiny-pydoc"],
-    "deq_flow": ["deqzoo/deq-flow-cpu-synth"],
-    "implicit2": ["deqzoo/implicit2-isiren-camera", "deqzoo/implicit2-igabor-mfn-camera"],
-    "ddim": ["deqzoo/ddim-digits-16"],
-    "ignn": ["deqzoo/ignn-chains"],
-    "hypersolver": ["deqzoo/hyperdeq-mdeq-tiny-mnist"],
-}
+# {family: the checkpoints its tab offers, the default first}: the families' declarations (`Family.app`),
+# and the embedded hypersolvers trained for the MDEQ tab's default (the hypersolver tab's pair)
+CHECKPOINTS = app_checkpoints()
+CHECKPOINTS["hypersolver"] = [h for h, e in sorted(load_catalog(section="hypersolvers").items())
+                              if e.get("model_id") == CHECKPOINTS["mdeq"][0]]
 SOLVERS = ("anderson", "broyden", "fixed_point")
 MAX_IMAGE_PIXELS = 4096 * 4096  # checked from the header, before decoding (as `deqzoo predict` does)
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -172,7 +171,7 @@ def clamp_float(value: Any, limit: str, what: str) -> float:
 def read_image(path: str | Path, what: str = "image"):
     """Open an uploaded image safely: size in bytes and pixels checked before decoding, mode checked, a
     decompression bomb or an unreadable file is a ValueError naming the file. Returns a loaded PIL image."""
-    from deqzoo.tasks import open_image
+    from deqzoo.predict import open_image
 
     path = Path(path)
     if not path.is_file():
@@ -191,7 +190,7 @@ def read_image(path: str | Path, what: str = "image"):
 # ----------------------------------------------------------------------------------------------------------
 def sample_digit(digit: int) -> np.ndarray:
     """The first held-out image of a digit (28x28 uint8, white on black): `deqzoo demo`'s sample."""
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     digit = clamp_int(digit, "digit", "digit")
     return mnist.sample_images()[0][digit]
@@ -272,7 +271,8 @@ def classify_digit(
 ):
     """One digit -> (class probabilities, residual figure, Markdown summary with the held-out accuracy, NFE
     and time of `held_out` MNIST digits at the same solver settings, the digit as the model sees it)."""
-    from deqzoo.tasks import mnist, residual_figure
+    from examples.demo import residual_figure
+    from examples.mdeq import mnist
 
     _check_choice(checkpoint, CHECKPOINTS["mdeq"], "checkpoint")
     _check_choice(solver, SOLVERS, "solver")
@@ -313,7 +313,7 @@ def classify_digit(
 # ----------------------------------------------------------------------------------------------------------
 @cache
 def _tokenizer(name: str):
-    from deqzoo.tasks.pydoc_lm import load_tokenizer
+    from deqzoo.predict import load_tokenizer
 
     return load_tokenizer(_model(name))
 
@@ -477,8 +477,8 @@ def example_video(n_frames: int = 4, shift: tuple[int, int] = (3, 2), size: tupl
 def _run_flow(frames: list[torch.Tensor], checkpoint: str, true_flow: tuple[float, float] | None):
     from torchvision.utils import flow_to_image
 
-    from deqzoo.tasks import residual_figure
-    from deqzoo.tasks.flow import colour_key, epe
+    from examples.demo import residual_figure
+    from examples.deq_flow.flow import colour_key, epe
 
     _check_choice(checkpoint, CHECKPOINTS["deq_flow"], "checkpoint")
     deadline = Deadline()
@@ -553,7 +553,7 @@ def render_inr(
     the picture, centred at (center_x, center_y) in [-1, 1] (x = column, y = row). Returns (render, the
     fitted pixels of the same window, Markdown)."""
     from deqzoo.models.implicit2 import coordinate_grid
-    from deqzoo.tasks.implicit2 import load_image
+    from examples.implicit2.images import load_image
 
     _check_choice(checkpoint, CHECKPOINTS["implicit2"], "checkpoint")
     zoom = clamp_float(zoom, "zoom", "zoom")
@@ -615,8 +615,8 @@ def ddim_compare(
     _check_choice(solver, ("anderson", "fixed_point"), "solver")
     tol = clamp_float(tol, "ddim_tol", "tolerance")
     deadline = Deadline()
-    with _lock(CHECKPOINTS["ddim"][0]), torch.no_grad():
-        pipe = _model(CHECKPOINTS["ddim"][0])
+    with _lock(CHECKPOINTS["deq_ddim"][0]), torch.no_grad():
+        pipe = _model(CHECKPOINTS["deq_ddim"][0])
         baseline = DDIMPipeline(unet=pipe.unet, scheduler=DDIMScheduler.from_config(pipe.scheduler.config))
         baseline.set_progress_bar_config(disable=True)
         calls = []
@@ -672,7 +672,7 @@ def ignn_chains(
     green = right, red = wrong; accuracy-by-position figure; Markdown)."""
     from matplotlib.figure import Figure
 
-    from deqzoo.tasks.chains import chains_settings, make_chains
+    from examples.ignn.chains import chains_settings, make_chains
 
     _check_choice(checkpoint, CHECKPOINTS["ignn"], "checkpoint")
     chain_length = clamp_int(chain_length, "chain_length", "chain length")
@@ -716,7 +716,8 @@ def ignn_chains(
 def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     """The MNIST checkpoint solved by Anderson and by its trained hypersolver on held-out digits, at the same
     budget and tolerance. Returns (residual figure, Markdown table)."""
-    from deqzoo.tasks import mnist, residual_figure
+    from examples.demo import residual_figure
+    from examples.mdeq import mnist
 
     max_iter = clamp_int(max_iter, "max_iter", "iteration budget")
     tol = clamp_float(tol, "tol", "tolerance")

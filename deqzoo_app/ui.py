@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from deqzoo.tasks.pystd_lm import DEMO_PROMPT
+from examples.deq_transformer.pystd_lm import DEMO_PROMPT
 
 from . import families as F
 

@@ -12,10 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from deqzoo.cli import DEMO_WIDTH, _demo_row, demo_table, run_demo
 from deqzoo.core import SolverStats, solve
-from deqzoo.tasks import flow
-from deqzoo.tasks._demo import DemoSummary, has_solve, residual_figure, write_index
+from examples.demo import (
+    DEMO_WIDTH,
+    DemoSummary,
+    _demo_row,
+    demo_table,
+    has_solve,
+    residual_figure,
+    run_demo,
+    write_index,
+)
+from examples.deq_flow import flow
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("torchvision")
@@ -88,7 +96,7 @@ def test_demo_table_fits_100_columns_and_keeps_every_word():
             groups.append([])
         groups[-1].append(line)
     parsed = [["".join(line[a:b].replace(" ", "") for line in group) for a, b in spans] for group in groups]
-    from deqzoo.cli import _demo_cells
+    from examples.demo import _demo_cells
 
     assert parsed == [[c.replace(" ", "") for c in _demo_cells(r)] for r in rows]
     words = table.split()

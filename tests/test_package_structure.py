@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "deqzoo"
-# links into the clone (model_cards/, conversion/), not library modules
-LINKED = ("_model_cards", "conversion")
+# a link into the clone (model_cards/), not library modules
+LINKED = ("_model_cards",)
 
 
 def _modules() -> dict[str, Path]:
@@ -174,3 +174,11 @@ def test_every_deqzoo_error_derives_from_deqzoo_error():
                 checked.append(node.name)
     assert {"CheckpointError", "ConfigError", "HyperSolverError", "HyperSolverConfigError", "CLIError",
             "SaveInProgressError", "MissingExtraError"} <= set(checked), checked
+
+
+def test_no_link_in_the_package_but_the_embedded_checkpoints_and_no_repository_programs():
+    """The package is the library: no link into the clone except deqzoo/_model_cards (setup.py copies the
+    catalog's files there in a wheel), no deqzoo/tasks or deqzoo/conversion (examples/, conversion/)."""
+    links = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*") if p.is_symlink())
+    assert links == ["deqzoo/_model_cards"]
+    assert not (PACKAGE / "tasks").exists() and not (PACKAGE / "conversion").exists()

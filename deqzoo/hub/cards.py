@@ -46,7 +46,7 @@ def build_metadata(
             raise ValueError(f"metrics[{i}]={metric!r} lacks key(s) {sorted(missing)}; "
                              "each needs type, name, value")
     if not task_module or not all(part.isidentifier() for part in task_module.split(".")):
-        raise ValueError(f"task_module must be a dotted module name (deqzoo.tasks.<name>), "
+        raise ValueError(f"task_module must be a dotted module name (examples.<family>.<name>), "
                          f"got {task_module!r}")
     all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
     # written by hand, not with huggingface_hub's ModelCardData: its to_dict() reorders the keys and drops

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
 from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
-from ..models.registry import declared_family
+from ..models.registry import declared_family, timm_names
 
 __all__ = ["MDEQTimm", "TIMM_MODELS", "timm_name"]
 
@@ -57,26 +57,17 @@ _LUMA = (0.299, 0.587, 0.114)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def _timm_models() -> dict[str, tuple[str, str | None]]:
-    """timm name -> (deqzoo preset, deqzoo checkpoint id or None), from the MDEQ family's declaration."""
-    family = declared_family("mdeq")
-    table = {}
-    for timm_model, name in family.timm.items():
-        preset, _ = family.names.get(name, (name, ()))
-        table[timm_model] = (preset, f"deqzoo/{name}" if name in family.names else None)
-    return table
-
-
-TIMM_MODELS: dict[str, tuple[str, str | None]] = _timm_models()
+# timm name -> (deqzoo preset, deqzoo checkpoint id or None), derived from the MDEQ family's declaration
+TIMM_MODELS: dict[str, tuple[str, str | None]] = timm_names(declared_family("mdeq"))
 
 
 def timm_name(name: str) -> str:
-    """The timm model name for any deqzoo spelling (hub id, preset, alias); unknown names raise with
-    did-you-mean suggestions (timm's own error for an unknown name lists none).
+    """The timm model name of a deqzoo model or preset name (hub id or bare name); unknown names raise
+    with did-you-mean suggestions (timm's own error for an unknown name lists none).
 
     Example:
-        >>> timm_name("deqzoo/mdeq-tiny-mnist"), timm_name("mdeq-mnist-tiny")
-        ('mdeq_tiny_mnist', 'mdeq_tiny_mnist')
+        >>> timm_name("deqzoo/mdeq-tiny-mnist"), timm_name("mdeq-cifar-tiny")
+        ('mdeq_tiny_mnist', 'mdeq_cifar_tiny')
     """
     from ..factory import canonical_name, did_you_mean
 

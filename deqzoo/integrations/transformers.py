@@ -22,6 +22,7 @@ from ..models.registry import (
     MissingExtraError,
     declare_family,
     declared_families,
+    declared_family,
     forget_family,
     require,
 )
@@ -50,7 +51,7 @@ def register_family(family: Family) -> None:
         >>> transformers.AutoConfig.for_model("ignn").model_type
         'ignn'
     """
-    if family.model_type not in declared_families() or declared_families()[family.model_type] is not family:
+    if declared_family(family.model_type) is not family:  # reads only that model type's package
         declare_family(family)
     require(family.extra, family.requires, f"the {family.model_type} family")
     config_cls = family.load(family.config)

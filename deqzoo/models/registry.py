@@ -1,17 +1,22 @@
-"""The families of the zoo: ONE declaration per family; every other table of names is derived from these.
+"""The families of the zoo: the `Family` dataclass, and the declarations collected from the family packages.
 
-A family is its two files (``configuration_<family>.py``, ``modeling_<family>.py``) and one `Family` entry
-here (or one :func:`deqzoo.integrations.transformers.register_family` call for a family shipped elsewhere).
-The name table (`deqzoo.factory.model_names`), timm's entries (`deqzoo.integrations.timm`), the hypersolver's
-state kinds (`deqzoo.hypersolver.attach`), the heads `deqzoo.export` serves and the Auto registrations are all
-read from the declarations. This module imports nothing heavy: classes are "module:attribute" strings imported
-on demand.
+A family is its two files (``configuration_<family>.py``, ``modeling_<family>.py``) and ONE declaration, the
+``FAMILY`` of its package's ``__init__.py`` (``deqzoo/models/<family>/``, found here by listing the package:
+no table to edit), or one :func:`deqzoo.integrations.transformers.register_family` call for a family shipped
+elsewhere. The name table (`deqzoo.factory.model_names`), timm's entries (:func:`timm_names`), the app's
+checkpoints (:func:`app_checkpoints`), the hypersolver's state kinds, the heads `deqzoo.export` serves and the
+Auto registrations are all read from the declarations. Nothing heavy is imported: a family package's
+``__init__`` holds its declaration and imports its modules on first use, and a model type's declaration is
+read from the package of that name, so loading one checkpoint imports only its family.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import pkgutil
 from dataclasses import dataclass, field
+from functools import cache
 
 from ..errors import DeqzooError
 
@@ -23,18 +28,19 @@ class Family:
     `models` maps a transformers Auto class name (e.g. "AutoModelForImageClassification") to the model class;
     `heads` names model classes with no transformers Auto class (found through config.architectures);
     `architectures` is the module attribute holding named presets: {name: {"task": ..., "config": {...}}};
-    `names`: each published model's canonical name (its hub id's short name) -> (architecture preset,
-    older spellings kept as aliases); `timm`: timm model name -> canonical name or preset (timm names are
-    Python identifiers); `hypersolver_state`: the state kind a HyperDEQ hypersolver serves ("multires",
-    "sequence"; None: "vector"); `task`: the `deqzoo.tasks` name that evaluates its checkpoints; `extra`: the
-    pip extra the family needs beyond deqzoo's own dependencies (None: none), with `requires`, the modules
-    that extra provides. :mod:`deqzoo.export` reads `export`: head class name (its subclasses too) -> the
-    wrapper kind serving it, or why no head is exported; `export_refused`: head class name -> why it is not;
-    `export_prepare`: "module:function" run as ``prepare(model, graph)`` on the fixed-iteration copy (a graph
-    head's returns the map from the dense operator to its ``graph`` argument); `onnx_refused`: why ONNX export
-    is refused. `row_independent`: when the family's f is row-independent, so that its forward solve hands f
-    the samples still iterating only (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has
-    batch-coupled dropout masks or batch statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
+    `names`: each published model's one name (its hub id's short name, ``deqzoo/<name>``) -> the architecture
+    preset it instantiates; timm's names are derived from these (``-`` -> ``_``) for a family with a
+    `timm_module`; `app`: the published models the app shows (the first is its default); `hypersolver_state`:
+    the state kind a HyperDEQ hypersolver serves ("multires", "sequence"; None: "vector"); `task`: the task
+    (a card's `deqzoo_task`) of its checkpoints; `extra`: the pip extra the family needs beyond deqzoo's own
+    dependencies (None: none), with `requires`, the modules that extra provides. :mod:`deqzoo.export` reads
+    `export`: head class name (its subclasses too) -> the wrapper kind serving it, or why no head is
+    exported; `export_refused`: head class name -> why it is not; `export_prepare`: "module:function" run as
+    ``prepare(model, graph)`` on the fixed-iteration copy (a graph head's returns the map from the dense
+    operator to its ``graph`` argument); `onnx_refused`: why ONNX export is refused. `row_independent`: when the
+    family's f is row-independent, so that its forward solve hands f the samples still iterating only
+    (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has batch-coupled dropout masks or batch
+    statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
     """
 
     model_type: str
@@ -45,8 +51,8 @@ class Family:
     tokenizer: str | None = None
     timm_module: str | None = None
     heads: dict[str, str] = field(default_factory=dict)
-    names: dict[str, tuple[str | None, tuple[str, ...]]] = field(default_factory=dict)
-    timm: dict[str, str] = field(default_factory=dict)
+    names: dict[str, str | None] = field(default_factory=dict)
+    app: tuple[str, ...] = ()
     hypersolver_state: str | None = None
     task: str | None = None
     extra: str | None = None
@@ -69,134 +75,52 @@ class PipelineFamily:
 
     name: str
     loader: str  # "module:function" taking (directory, **kwargs)
-    names: dict[str, tuple[str | None, tuple[str, ...]]] = field(default_factory=dict)
+    names: dict[str, str | None] = field(default_factory=dict)
+    app: tuple[str, ...] = ()
     task: str | None = None
     extra: str | None = None
     requires: tuple[str, ...] = ()
 
 
-_M = "deqzoo.models"
-_DT = f"{_M}.deq_transformer"
-
-FAMILIES: list[Family] = [
-    Family(
-        model_type="mdeq",
-        row_independent="eval",
-        config=f"{_M}.mdeq.configuration_mdeq:MDEQConfig",
-        models={
-            "AutoModel": f"{_M}.mdeq.modeling_mdeq:MDEQModel",
-            "AutoModelForImageClassification": f"{_M}.mdeq.modeling_mdeq:MDEQForImageClassification",
-            "AutoModelForSemanticSegmentation": f"{_M}.mdeq.modeling_mdeq:MDEQForSemanticSegmentation",
-        },
-        architectures=f"{_M}.mdeq.configuration_mdeq:ARCHITECTURES",
-        image_processor=f"{_M}.mdeq.image_processing_mdeq:MDEQImageProcessor",
-        timm_module="deqzoo.integrations.timm",
-        names={
-            "mdeq-tiny-mnist": ("mdeq-mnist-tiny", ("mdeq-mnist-tiny",)),
-            "mdeq-tiny-mnist-reversible": ("mdeq-mnist-tiny", ()),  # same architecture, b_mode="reversible"
-            "lipschitz-mdeq-tiny-mnist": ("lipschitz-mdeq-mnist-tiny",
-                                          ("lipschitz-mdeq-mnist-tiny", "mdeq-lipschitz-tiny-mnist")),
-        },
-        timm={
-            "mdeq_cifar_tiny": "mdeq-cifar-tiny",
-            "mdeq_cifar_large": "mdeq-cifar-large",
-            "mdeq_imagenet_small": "mdeq-imagenet-small",
-            "mdeq_imagenet_large": "mdeq-imagenet-large",
-            "mdeq_imagenet_xl": "mdeq-imagenet-xl",
-            "mdeq_tiny_mnist": "mdeq-tiny-mnist",
-            "mdeq_tiny_mnist_reversible": "mdeq-tiny-mnist-reversible",
-            "lipschitz_mdeq_tiny_mnist": "lipschitz-mdeq-tiny-mnist",
-            "mdeq_lipschitz_tiny_mnist": "lipschitz-mdeq-tiny-mnist",  # alias (the first spelling)
-        },
-        hypersolver_state="multires",
-        task="mnist",
-        export={"MDEQForImageClassification": "image classifier"},
-    ),
-    Family(
-        model_type="deq_transformer",
-        row_independent="eval",
-        config=f"{_DT}.configuration_deq_transformer:DEQTransformerConfig",
-        models={
-            "AutoModel": f"{_DT}.modeling_deq_transformer:DEQTransformerModel",
-            "AutoModelForCausalLM": f"{_DT}.modeling_deq_transformer:DEQTransformerForCausalLM",
-        },
-        architectures=f"{_DT}.configuration_deq_transformer:ARCHITECTURES",
-        names={"deq-transformer-tiny-pydoc": ("deq-transformer-tiny", ()),
-               "deq-transformer-small-pystd": ("deq-transformer-small", ()),
-               "deq-transformer-small-pystd-explicit": ("deq-transformer-small-explicit", ())},
-        hypersolver_state="sequence",
-        task="pydoc_lm",
-        export={"DEQTransformerForCausalLM": "causal LM"},
-        # measured (deqzoo.export's docstring, tests/test_export.py)
-        onnx_refused="its fixed-point map is not contractive, so fixed iteration amplifies rounding "
-                     "differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 from eager at "
-                     "batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above 1e-4. Use "
-                     "export_program (torch.export) or trace, which run torch's kernels",
-    ),
-    Family(
-        model_type="ignn",
-        config=f"{_M}.ignn.configuration_ignn:IGNNConfig",
-        models={"AutoModel": f"{_M}.ignn.modeling_ignn:IGNNModel"},
-        # transformers has no Auto class for graph tasks: the heads are found by config.architectures
-        heads={
-            "IGNNForNodeClassification": f"{_M}.ignn.modeling_ignn:IGNNForNodeClassification",
-            "IGNNForGraphClassification": f"{_M}.ignn.modeling_ignn:IGNNForGraphClassification",
-        },
-        architectures=f"{_M}.ignn.configuration_ignn:ARCHITECTURES",
-        names={"ignn-chains": ("ignn-chains", ())},
-        task="chains",
-        export={"IGNNForNodeClassification": "graph node classifier"},
-        export_refused={"IGNNForGraphClassification": "graph pooling takes the number of graphs from the "
-                                                      "batch vector's values"},
-        export_prepare=f"{_M}.ignn.modeling_ignn:prepare_export",
-    ),
-    Family(
-        model_type="implicit2",
-        config=f"{_M}.implicit2.configuration_implicit2:Implicit2Config",
-        models={"AutoModel": f"{_M}.implicit2.modeling_implicit2:Implicit2Model"},
-        # no Auto class for coordinate-to-signal networks: heads found by config.architectures
-        heads={"Implicit2ForSignalRepresentation": (
-            f"{_M}.implicit2.modeling_implicit2:Implicit2ForSignalRepresentation")},
-        architectures=f"{_M}.implicit2.configuration_implicit2:ARCHITECTURES",
-        names={"implicit2-isiren-camera": ("implicit2-isiren-1l256d", ()),
-               "implicit2-igabor-mfn-camera": ("implicit2-igabor-mfn-1l256d", ())},
-        task="implicit2",
-        export={"Implicit2ForSignalRepresentation": "signal"},
-    ),
-    Family(
-        model_type="deq_flow",
-        config=f"{_M}.deq_flow.configuration_deq_flow:DEQFlowConfig",
-        models={"AutoModel": f"{_M}.deq_flow.modeling_deq_flow:DEQFlowModel"},
-        # no Auto class for optical flow: the head is found by config.architectures
-        heads={"DEQFlowForOpticalFlow": f"{_M}.deq_flow.modeling_deq_flow:DEQFlowForOpticalFlow"},
-        architectures=f"{_M}.deq_flow.configuration_deq_flow:ARCHITECTURES",
-        names={"deq-flow-cpu-synth": ("deq-flow-cpu", ()), "deq-flow-cpu-raft-baseline": ("raft-cpu", ()),
-               "deq-flow-cpu-synth-20k": ("deq-flow-cpu", ()),
-               "deq-flow-cpu-raft-baseline-20k": ("raft-cpu", ())},
-        task="flow",
-        extra="vision",  # torchvision's RAFT blocks
-        requires=("torchvision",),
-        export="its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
-               "upsampling are not checked for a dynamic image size or batch",
-    ),
-]
-
 PIPELINES: list[PipelineFamily] = [
     PipelineFamily(
         name="deq_ddim",
         loader="deqzoo.pipelines.deq_ddim:load_repository",
-        names={"ddim-digits-16": (None, ())},  # a diffusers repository: its UNet is built by diffusers
+        names={"ddim-digits-16": None},  # a diffusers repository: its UNet is built by diffusers
+        app=("ddim-digits-16",),
         task="ddim_digits",
         extra="diffusion",
         requires=("diffusers",),
     ),
 ]
 
+_PACKAGE = __name__.rpartition(".")[0]  # deqzoo.models
 _EXTRA_FAMILIES: dict[str, Family] = {}  # declared at run time (a plugin's family, a test's toy family)
 
 
+def _family_of_package(name: str) -> Family | None:
+    """The `FAMILY` a package of deqzoo.models declares (importing its light ``__init__`` only)."""
+    module = importlib.import_module(f"{_PACKAGE}.{name}")
+    family = getattr(module, "FAMILY", None)
+    return family if isinstance(family, Family) else None
+
+
+@cache
+def _builtin_families() -> dict[str, Family]:
+    """{model_type: declaration} of every package under deqzoo/models that declares a `FAMILY`."""
+    package = importlib.import_module(_PACKAGE)
+    found = (_family_of_package(info.name) for info in pkgutil.iter_modules(package.__path__) if info.ispkg)
+    return {family.model_type: family for family in found if family is not None}
+
+
+def __getattr__(name: str):
+    if name == "FAMILIES":  # our own declarations, collected on first use
+        return list(_builtin_families().values())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def declare_family(family: Family) -> None:
-    """Add a family declared outside this file: listed, created, loaded and registered like ours."""
+    """Add a family declared outside deqzoo/models: listed, created, loaded and registered like ours."""
     _EXTRA_FAMILIES[family.model_type] = family
 
 
@@ -207,17 +131,24 @@ def forget_family(model_type: str) -> None:
 
 def declared_families() -> dict[str, Family]:
     """{model_type: declaration} of every family: ours, then those declared at run time."""
-    return {**{f.model_type: f for f in FAMILIES}, **_EXTRA_FAMILIES}
+    return {**_builtin_families(), **_EXTRA_FAMILIES}
 
 
 def declared_family(model_type: str) -> Family | None:
-    return declared_families().get(model_type)
+    """The declaration of `model_type`; only the package of that name is imported when it declares it."""
+    if model_type in _EXTRA_FAMILIES:
+        return _EXTRA_FAMILIES[model_type]
+    if model_type.isidentifier() and importlib.util.find_spec(f"{_PACKAGE}.{model_type}") is not None:
+        family = _family_of_package(model_type)
+        if family is not None and family.model_type == model_type:
+            return family
+    return _builtin_families().get(model_type)
 
 
 def family_for(model_type: str) -> Family:
     """The declaration of a model_type, its extra checked (MissingExtraError names it); imports nothing of the
-    family. The error for an unknown type lists the known ones."""
-    family = declared_families().get(model_type)
+    family's models. The error for an unknown type lists the known ones."""
+    family = declared_family(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ValueError(f"Unknown deqzoo model_type {model_type!r}; known model types: "
                          f"{sorted(declared_families())}")
@@ -242,12 +173,45 @@ def unavailable_families() -> dict[str, str]:
     return reasons
 
 
-def model_names_table() -> dict[str, tuple[str | None, tuple[str, ...]]]:
-    """canonical name -> (architecture preset, aliases), over every declaration (families and pipelines)."""
-    table: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+def model_names_table() -> dict[str, str | None]:
+    """Each published model's name -> its architecture preset, over every declaration (families and
+    pipelines)."""
+    table: dict[str, str | None] = {}
     for item in [*declared_families().values(), *PIPELINES]:
         table.update(item.names)
     return table
+
+
+def timm_names(family: Family) -> dict[str, tuple[str, str | None]]:
+    """timm name -> (preset, hub id or None) of a family with a timm module, derived from its names: each
+    published model under its own name (``-`` -> ``_``), then each image-classification preset (timm's kind
+    of model) that no published model names.
+
+    Example:
+        >>> table = timm_names(declared_family("mdeq"))
+        >>> table["mdeq_tiny_mnist"], table["mdeq_cifar_tiny"]
+        (('mdeq-mnist-tiny', 'deqzoo/mdeq-tiny-mnist'), ('mdeq-cifar-tiny', None))
+    """
+    if not family.timm_module:
+        return {}
+    table = {name.replace("-", "_"): (preset, f"deqzoo/{name}") for name, preset in family.names.items()}
+    used = set(family.names.values())
+    for preset, spec in family.load(family.architectures).items():
+        if preset not in used and spec.get("task") == "image-classification":
+            table.setdefault(preset.replace("-", "_"), (preset, None))
+    return table
+
+
+def app_checkpoints() -> dict[str, list[str]]:
+    """{model_type or pipeline name: the hub ids the app shows, its default first}, from the declarations.
+
+    Example:
+        >>> app_checkpoints()["mdeq"][0]
+        'deqzoo/mdeq-tiny-mnist'
+    """
+    items = [*declared_families().values(), *PIPELINES]
+    return {getattr(item, "model_type", None) or item.name: [f"deqzoo/{n}" for n in item.app]
+            for item in items if item.app}
 
 
 class MissingExtraError(DeqzooError, ImportError):

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python examples/deq_ddim/train_classifier.py --out model_cards/ddim-digits-16/evaluator
 
-Data: `deqzoo.tasks.ddim_digits.load_split("classifier_train")` (397 held-out images the diffusion model never
+Data: `ddim_digits.load_split("classifier_train")` (397 held-out images the diffusion model never
 saw), random +-1 pixel shifts; reports accuracy on `classifier_test` (200 images). Writes `config.json`
 (`{"width": ...}`) and `model.safetensors`. Seeded; about a minute on one CPU thread.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deqzoo.tasks.ddim_digits import DigitClassifier, load_split
+from examples.deq_ddim.ddim_digits import DigitClassifier, load_split
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ at step 1520; the command above replays exactly those 1520 steps.)
 
 Resumable: the work folder holds `resume.safetensors` (model, EMA, optimizer moments, RNG) and `resume.json`
 (step, elapsed seconds); rerunning the same command continues where it stopped. The data split is
-`deqzoo.tasks.ddim_digits.load_split("train")` (1,200 images); the seed fixes init, batches and noise.
+`examples.deq_ddim.ddim_digits.load_split("train")` (1,200 images); the seed fixes init, batches and noise.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from deqzoo.tasks.ddim_digits import RESOLUTION, load_split
+from examples.deq_ddim.ddim_digits import RESOLUTION, load_split
 
 UNET_CONFIG = dict(
     sample_size=RESOLUTION,

@@ -3,7 +3,7 @@
     PYTHONPATH=. python examples/deq_flow/curves.py /work/runs/deq_flow/deq /work/runs/deq_flow/raft \
         --out examples/deq_flow/results/curves_issue32
 
-Every OUT/snapshots/step-XXXXXX/ of every run is evaluated with `deqzoo.tasks.flow.evaluate` at its card's
+Every OUT/snapshots/step-XXXXXX/ of every run is evaluated with `flow.evaluate` at its card's
 settings (DEQ-Flow: make_cards.INFERENCE_DEQ, the solver settings `deqzoo/deq-flow-cpu-synth` ships with;
 the explicit RAFT twin as trained, 12 updates) on the held-out pairs and the motorcycle pair. The result is
 cached in the snapshot as eval.json, keyed by the settings, so a rerun only evaluates new snapshots (a
@@ -39,7 +39,7 @@ from typing import Any
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
-from deqzoo.tasks.flow import EVAL_SIZE, evaluate
+from examples.deq_flow.flow import EVAL_SIZE, evaluate
 
 if __package__ in (None, ""):  # run as a script: make_cards is next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))

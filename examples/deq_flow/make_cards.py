@@ -5,7 +5,7 @@
         examples/deq_flow/results/bench_b_192.json examples/deq_flow/results/bench_reuse.json
 
 Copies OUT/model/{config.json, model.safetensors} of each run into model_cards/<name>/ (the DEQ's solver set
-to its inference settings), evaluates both with `deqzoo.tasks.flow.evaluate` (exactly what `deqzoo eval`
+to its inference settings), evaluates both with `examples.deq_flow.flow.evaluate` (exactly what `deqzoo eval`
 prints), plots the training curves and writes both cards with the side-by-side table.
 """
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
 
         op_section = card_subsection(json.loads(args.operating_point.read_text()))
     import deqzoo
-    from deqzoo.tasks.flow import evaluate
+    from examples.deq_flow.flow import evaluate
     from utils.cards import write_model_card
 
     deq_dir = _copy(args.deq_run, deq_name, INFERENCE_DEQ, {"sequence_reuse": args.sequence_reuse})
@@ -738,8 +738,8 @@ for the same number of steps. It is the baseline the DEQ-Flow card compares agai
 
 BODY = """{what}
 
-**Data.** `deqzoo.tasks.flow` renders FlyingChairs-like pairs from scikit-image's bundled photographs: a
-background (astronaut, coffee, rocket, immunohistochemistry, hubble_deep_field, brick, grass, gravel, coins,
+**Data.** `examples/deq_flow/flow.py` renders FlyingChairs-like pairs from scikit-image's bundled photographs:
+a background (astronaut, coffee, rocket, immunohistochemistry, hubble_deep_field, brick, grass, gravel, coins,
 moon, camera, cell, page) moved by a random affine map plus a smooth random deformation, and 1-3 elliptical
 "chairs" cut from other photographs or lfw faces moving by their own affine maps; frame 2 gets a small
 brightness/contrast change and noise. The flow is exact by construction (maps composed and inverted, the
@@ -779,7 +779,7 @@ numbers; the memory and reuse measurements of this implementation are in the DEQ
 
 {convergence}
 
-**Use.** `deqzoo predict deqzoo/{name} first.png,second.png` writes the flow as a colour PNG
+**Use.** `deqzoo predict deqzoo/{name} first.png second.png` writes the flow as a colour PNG
 (`torchvision.utils.flow_to_image`), `deqzoo predict deqzoo/{name} FOLDER` one per consecutive pair of the
 video frames in FOLDER (with the checkpoint's reuse, below); `model(image1, image2)` takes (B, C, H, W) float
 in [0, 1] or uint8, grayscale/RGB/RGBA, any size (padded to a multiple of 8 and cropped back);

@@ -11,7 +11,7 @@ solves rarely stop before the cap) and the twin as trained (12 updates), on
 * validation pairs, which choose k: --val-pairs training-distribution pairs
   (`synthetic_pair(seed, split="train")`, seeds from 10**7: training draws pair i of step s as seed
   8 s + i < 160,000, so it never sees them);
-* the held-out pairs and the motorcycle pair (`deqzoo.tasks.flow.evaluate`, what the cards report), which
+* the held-out pairs and the motorcycle pair (`examples.deq_flow.flow.evaluate`, what the cards report), which
   do not: choosing k on the pairs that are then reported would flatter the DEQ.
 
 Time per pair of each k and of the twin is measured at the last common snapshot: batches of 25 validation
@@ -36,7 +36,7 @@ import torch
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
-from deqzoo.tasks.flow import epe, model_flow, synthetic_batch
+from examples.deq_flow.flow import epe, model_flow, synthetic_batch
 
 if __package__ in (None, ""):  # run as a script: its neighbours are importable from its folder
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,4 +1,4 @@
-"""Train DEQ-Flow (or its explicit RAFT twin) on the synthetic FlyingChairs-like pairs of `deqzoo.tasks.flow`.
+"""Train DEQ-Flow (or its explicit RAFT twin) on the synthetic FlyingChairs-like pairs of `flow.py`.
 
 The recipe follows DEQ-Flow's Algorithm (Bai et al., 2022) at CPU scale: the forward solve by plain
 fixed-point iteration (f_max_iter 24), a one-step phantom gradient, fixed-point correction on 3 states
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import deqzoo
 from deqzoo.models.deq_flow import two_stage_backward
-from deqzoo.tasks.flow import epe, synthetic_batch
+from examples.deq_flow.flow import epe, synthetic_batch
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

@@ -1,4 +1,4 @@
-"""A held-out synthetic video with exact flow, rendered from the layers of `deqzoo.tasks.flow` (the data of
+"""A held-out synthetic video with exact flow, rendered from the layers of `flow.py` (the data of
 `benchmarks/deq_flow.py`'s frame-to-frame reuse runs; moved out of the installed package, which evaluates
 on pairs only).
 
@@ -23,7 +23,17 @@ import numpy as np
 import torch
 
 # the scene machinery of the task's pairs: a video is rendered exactly as they are
-from deqzoo.tasks.flow import _LFW_TRAIN, Map, _affine, _faces, _flow, _inverse_map, _Layer, _render, _texture
+from examples.deq_flow.flow import (
+    _LFW_TRAIN,
+    Map,
+    _affine,
+    _faces,
+    _flow,
+    _inverse_map,
+    _Layer,
+    _render,
+    _texture,
+)
 
 
 def synthetic_video(
@@ -70,7 +80,7 @@ def _maps(ms: list[np.ndarray]) -> tuple[list[Map], list[Map]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deqzoo.tasks.flow import flow_png
+    from examples.deq_flow.flow import flow_png
 
     parser = argparse.ArgumentParser(description="Write a synthetic video's frames and exact flows as PNGs.")
     parser.add_argument("--frames", type=int, default=8)

@@ -4,7 +4,7 @@
     pydoc \\
         /tmp/deq-jr-pydoc --json /tmp/pydoc_compare.json
 
-Each row is exactly what ``deqzoo.tasks.pydoc_lm.evaluate`` returns for that directory.
+Each row is exactly what ``examples.deq_transformer.pydoc_lm.evaluate`` returns for that directory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm
+from examples.deq_transformer import pydoc_lm
 
 
 def unigram_perplexity(tokenizer) -> float:

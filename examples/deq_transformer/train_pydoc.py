@@ -20,7 +20,7 @@ The byte-level BPE tokenizer (``tokenizers``, 1024 tokens) is trained on the tra
 into the checkpoint, so ``AutoTokenizer`` and ``pipeline("text-generation")`` load it.
 
 ``--corpus pydoc+stdlib`` trains on the pydoc topics plus the standard library's source
-(``deqzoo/tasks/pystd_lm.py``: data, split, evaluation); the commands of
+(``examples/deq_transformer/pystd_lm.py``: data, split, evaluation); the commands of
 ``model_cards/deq-transformer-small-pystd`` and its explicit twin are in that card. Long runs save a
 resumable state (model, Adam moments, RNG, step; safetensors + JSON) every ``--save-every`` steps into
 ``--state-dir`` and continue from it with ``--resume`` (the memory of past equilibria restarts empty).
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm, pystd_lm
+from examples.deq_transformer import pydoc_lm, pystd_lm
 
 EOS = "<|endoftext|>"
 TRAIN_DEQ = {"f_solver": "anderson", "f_max_iter": 14, "f_tol": 1e-3, "b_mode": "ift", "b_solver": "anderson",

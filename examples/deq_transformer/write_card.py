@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm
+from deqzoo.predict import generate_text
+from examples.deq_transformer import pydoc_lm
 from utils.cards import write_model_card
 
 # measured after training (the run did not record its time); see the HyperDEQ hypersolver's card
@@ -65,7 +66,7 @@ def generation_solves(model) -> dict:
     model.set_deq(on_nonconvergence="ignore")  # counted here, not warned about
     try:
         for prompt in generation_prompts():
-            pydoc_lm._generate(model, prompt)
+            generate_text(model, prompt)
     finally:
         handle.remove()
         model.set_deq(on_nonconvergence=policy)
@@ -174,7 +175,7 @@ training topics only. {n_params:,} parameters.
 
 **Data.** The {len(train_topics) + len(held_topics)} pydoc help topics are split by topic: a topic is held out
 when the first byte of sha256(topic name) is below 26 ({len(held_topics)} held-out topics:
-{", ".join(held_topics)}; see `deqzoo/tasks/pydoc_lm.py`). Evaluation runs over the held-out token
+{", ".join(held_topics)}; see `examples/deq_transformer/pydoc_lm.py`). Evaluation runs over the held-out token
 stream in chunks of {cfg.tgt_len} tokens with the memory of past equilibria carried over ({cfg.mem_len}
 positions); perplexity is over every predicted token, mean NFE is the forward-solve f evaluations per
 chunk ({cfg.deq['f_solver']},

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm, pystd_lm
+from examples.deq_transformer import pydoc_lm, pystd_lm
 from utils.cards import write_model_card
 
 IDS = ("deqzoo/deq-transformer-small-pystd", "deqzoo/deq-transformer-small-pystd-explicit")
@@ -262,7 +262,7 @@ floor to {pystd_lm.NEW_TOKENS} tokens drawn i.i.d. from the training unigram dis
 {what} {meta['params']:,} parameters; byte-level BPE tokenizer (`tokenizers`, {cfg.vocab_size} tokens) trained
 on the training split only and shared by both checkpoints, so their perplexities are comparable.
 
-**Data** (`deqzoo/tasks/pystd_lm.py`; everything ships with CPython): the {len(train) + len(held)} documents
+**Data** (`examples/deq_transformer/pystd_lm.py`, from CPython): the {len(train) + len(held)} documents
 of Python {platform.python_version()}: its {n_topics} `pydoc_data.topics` help topics plus
 {len(train) + len(held) - n_topics} of its standard library's `.py` files (`sysconfig.get_paths()["stdlib"]`,
 without `test`/`tests` folders, `idlelib`, `site-packages`, `pydoc_data` and `encodings`). A whole document

@@ -75,7 +75,7 @@ def model_batches(
     if task == "mnist":
         import numpy as np
 
-        from deqzoo.tasks import mnist
+        from examples.mdeq import mnist
 
         x, _ = mnist.load_split(split)
         order = np.random.default_rng(seed).permutation(len(x)) if split == "train" else np.arange(len(x))
@@ -88,7 +88,7 @@ def model_batches(
             out.append(lambda pixels=pixels: model(pixel_values=pixels))
         return out
     if task == "pydoc_lm":
-        from deqzoo.tasks import pydoc_lm
+        from examples.deq_transformer import pydoc_lm
 
         ids = pydoc_lm.token_stream(pydoc_lm.load_tokenizer(model), split)
         seg = model.config.tgt_len

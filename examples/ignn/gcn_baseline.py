@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from train_chains import parse_args, train_gcn
 
-    from deqzoo.tasks.chains import make_chains
+    from examples.ignn.chains import make_chains
 
     recipe = parse_args(["--epochs", str(args.epochs), "--seed", str(args.seed), "--no-progress"])
     ds = make_chains(chain_length=args.length, seed=args.data_seed)

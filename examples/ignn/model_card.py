@@ -2,7 +2,7 @@
 
     python examples/ignn/model_card.py model_cards/ignn-chains /tmp/ignn_chains_curve.json
 
-The card's metrics are recomputed here with ``deqzoo.tasks.chains.evaluate`` on the saved checkpoint, so they
+The card's metrics are recomputed here with ``examples.ignn.chains.evaluate`` on the saved checkpoint, so they
 are exactly what ``deqzoo eval deqzoo/ignn-chains`` prints.
 """
 
@@ -30,7 +30,7 @@ def curve_table(rows: list[dict]) -> str:
 def budget_table(directory: Path, budgets=(12, 25, 50, 75, 100, 120, 140, 200)) -> str:
     """Held-out accuracy of the saved checkpoint against the forward solver budget (f_max_iter)."""
     from deqzoo.models.ignn import IGNNForNodeClassification
-    from deqzoo.tasks.chains import evaluate
+    from examples.ignn.chains import evaluate
 
     model = IGNNForNodeClassification.from_pretrained(directory)
     lines = ["| f_max_iter | test accuracy |", "|---|---|"]
@@ -49,7 +49,7 @@ synthetic **chains** task at chain length **{length}**: the longest length of th
 IGNN's held-out accuracy stayed >= 95%. A two-layer GCN trained with the same recipe reaches {gcn:.4f}
 at this length (chance 0.5).
 
-**Data.** `deqzoo.tasks.chains.make_chains(chain_length={length}, seed=42)`: 2 classes x 20 directed chains of
+**Data.** `deqzoo.predict.make_chains(chain_length={length}, seed=42)`: 2 classes x 20 directed chains of
 {length} nodes; only each chain's first node carries its class (one-hot in a 100-d feature, all other features
 zero); every node is labelled with its chain's class. Splits as the original loader (seed 42): 20 training
 nodes, 100 validation, 200 test (the held-out accuracy below).
@@ -82,7 +82,7 @@ There is no transformers pipeline for graphs; use the model directly:
 
 ```python
 import deqzoo
-from deqzoo.tasks.chains import make_chains
+from deqzoo.predict import make_chains
 
 model = deqzoo.from_pretrained("deqzoo/ignn-chains").eval()
 ds = make_chains(chain_length=100)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not curve_path.is_file():
         p.error(f"no curve file at {curve_path}")
     from deqzoo.models.ignn import IGNNForNodeClassification
-    from deqzoo.tasks.chains import evaluate
+    from examples.ignn.chains import evaluate
 
     model = IGNNForNodeClassification.from_pretrained(directory)
     metrics = evaluate(model, progress=False)

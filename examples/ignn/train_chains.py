@@ -1,6 +1,6 @@
 """Train IGNN and a two-layer GCN baseline on the synthetic chains task for chain lengths 10..100.
 
-For each length: build the chains dataset (deqzoo.tasks.chains.make_chains, seed 42, the original's splits:
+For each length: build the chains dataset (deqzoo.predict.make_chains, seed 42, the original's splits:
 20 train / 100 val / 200 test nodes), train both models with the original recipe (Adam lr 0.01, weight decay
 5e-4, dropout 0.5, hidden 16, per-parameter gradient clipping at 0.5, full-batch), and report held-out (test)
 accuracy at the end of training. With --save-dir, the IGNN of the longest length whose test accuracy is
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
 from deqzoo.models.ignn.modeling_ignn import augmented_normalized_adjacency
-from deqzoo.tasks.chains import evaluate, make_chains
+from examples.ignn.chains import evaluate, make_chains
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gcn_baseline import GCN  # noqa: E402

@@ -51,7 +51,7 @@ class Fitter:
         >>> import torch
         >>> from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
         >>> from examples.implicit2.fitting import Fitter
-        >>> from deqzoo.tasks.implicit2 import image_data
+        >>> from examples.implicit2.images import image_data
         >>> data = image_data("camera", 8)
         >>> model = Implicit2ForSignalRepresentation(Implicit2Config(hidden_size=16, filter_type="gabor"))
         >>> record = Fitter(model, data.train_coords, data.train_values).step()
@@ -192,7 +192,7 @@ def fit(
 
 def main(argv: list[str] | None = None) -> int:
     from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-    from deqzoo.tasks.implicit2 import image_data, psnr
+    from examples.implicit2.images import image_data, psnr
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--image", default="camera")

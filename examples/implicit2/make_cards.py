@@ -7,7 +7,7 @@
 
 Copies config.json + model.safetensors from OUT/models/<setting> into model_cards/<name>/ and writes
 README.md;
-the metrics are recomputed here with ``deqzoo.tasks.implicit2.evaluate`` on the copied checkpoint, so they are
+the metrics are recomputed here with ``images.evaluate`` on the copied checkpoint, so they are
 exactly what ``deqzoo eval deqzoo/<name>`` prints. A second bench directory (the side-by-side comparison)
 adds its table to the card.
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
-from deqzoo.tasks.implicit2 import evaluate
+from examples.implicit2.images import evaluate
 from utils.cards import write_model_card
 
 FORMULA = {
@@ -290,7 +290,7 @@ NeurIPS 2021) of scikit-image's `camera` image at {rec["size"]}x{rec["size"]}: o
 ({title}, {FORMULA[filt]}),
 head Φ(x) = W′z* + b′, {rec["params"]} parameters.
 
-**Data.** `deqzoo.tasks.implicit2.image_data("camera", {rec["size"]})`: `skimage.data.camera()` resized
+**Data.** `examples.implicit2.images.image_data("camera", {rec["size"]})`: `skimage.data.camera()` resized
 (anti-aliased) from 512 to {rec["size"]}, intensities mapped to [-1, 1], coordinates the grid over [-1, 1]²;
 PSNR on every pixel (representation), on intensities clamped to [0, 1] as the original.
 

@@ -1,7 +1,7 @@
 """Long, resumable fits of `camera` (issue #32): one network per process, its whole state saved every K steps.
 
 The networks are the implicit2 bench's representation settings (`benchmarks/implicit2.py`, the embedded
-cards' runs): the same data (`deqzoo.tasks.implicit2.image_data("camera", size)`), seed, initialisation,
+cards' runs): the same data (`examples.implicit2.images.image_data("camera", size)`), seed, initialisation,
 input scale, optimizer (full-batch Adam, lr 1e-3) and training step (`examples.implicit2.fitting.Fitter`:
 fixed-point reuse with a tolerance-checked solve, NPG T = 1, the spectral projection after every step):
 
@@ -234,8 +234,8 @@ def load_state(state: Path, fitter: Fitter, coords: torch.Tensor) -> tuple[int, 
 @torch.no_grad()
 def evaluate_psnr(model, data) -> tuple[float, float | None]:
     """PSNR (dB) over every pixel from a zero initial state and the solve's f-evaluations: what
-    `deqzoo.tasks.implicit2.evaluate` computes (unrounded)."""
-    from deqzoo.tasks.implicit2 import psnr
+    `examples.implicit2.images.evaluate` computes (unrounded)."""
+    from examples.implicit2.images import psnr
 
     model.eval()
     values, stats = model.values_at(data.test_coords)
@@ -287,7 +287,7 @@ def train(network: str, out: Path, steps: int, *, size: int = 256, image: str = 
     content."""
     from tqdm.auto import tqdm
 
-    from deqzoo.tasks.implicit2 import image_data
+    from examples.implicit2.images import image_data
 
     for name, v in (("steps", steps), ("save_every", save_every), ("eval_every", eval_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -27,11 +27,11 @@ from transformers import Trainer, TrainingArguments
 
 import deqzoo
 from deqzoo.models.mdeq import LipschitzProjectionCallback
-from deqzoo.tasks import mnist
+from examples.mdeq import mnist
 
 
 class MnistDataset(Dataset):
-    """The training split of deqzoo.tasks.mnist as Trainer-ready dicts."""
+    """The training split of examples/mdeq/mnist.py as Trainer-ready dicts."""
 
     def __init__(self, model, limit: int | None = None):
         x, y = mnist.load_split("train")

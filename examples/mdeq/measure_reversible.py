@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import deqzoo
-from deqzoo.tasks import mnist
+from examples.mdeq import mnist
 
 
 def peak_bytes(fn) -> int:

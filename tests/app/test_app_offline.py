@@ -22,10 +22,14 @@ def test_app_without_gradio_names_the_extra(monkeypatch, capsys):
 
 
 def test_app_outside_a_clone_says_it_ships_with_the_repository(monkeypatch, tmp_path, capsys):
-    # what an installed wheel gives (deqzoo_app/ is not in it; tests/hub/test_wheel.py runs the wheel's)
+    # what an installed wheel gives (deqzoo_app/ is not in it; tests/hub/test_wheel.py runs the wheel's): the
+    # clone is found from the package's location, so the package is placed outside one
+    import deqzoo
     from deqzoo.cli import main
 
-    monkeypatch.chdir(tmp_path)
+    installed = tmp_path / "site-packages" / "deqzoo"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(deqzoo, "__file__", str(installed / "__init__.py"))
     assert main(["app"]) == 2
     err = capsys.readouterr().err
     assert "ships with the deqzoo repository" in err and 'pip install -e ".[app]"' in err

@@ -65,10 +65,10 @@ def test_f_dtype_is_validated():
 
 
 def test_mdeq_tiny_mnist_accuracy_in_bfloat16_within_0_2_points_of_float32():
-    """The card's evaluation (deqzoo.tasks.mnist.evaluate) on the first 500 held-out images: bf16 f within
+    """The card's evaluation (examples.mdeq.mnist.evaluate) on the first 500 held-out images: bf16 f within
     0.2 points (one image) of float32. The full 1,000 images give 0.978 for both."""
     import deqzoo
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     acc = {}
     for f_dtype in (None, "bfloat16"):

@@ -1,6 +1,6 @@
 """examples/deq_flow/train.py --keep-every and examples/deq_flow/curves.py (issue #32): the long runs keep
 weights-only snapshots that an interrupted and resumed run writes exactly as an uninterrupted one, and the
-curves are `deqzoo.tasks.flow.evaluate` of those snapshots at the cards' settings, cached per snapshot."""
+curves are `flow.evaluate` of those snapshots at the cards' settings, cached per snapshot."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 import deqzoo
 from deqzoo.configuration_utils import ConfigError
-from deqzoo.tasks.flow import epe, evaluate, synthetic_batch
 from examples.deq_flow import curves
+from examples.deq_flow.flow import epe, evaluate, synthetic_batch
 from examples.deq_flow.make_cards import INFERENCE_DEQ, _curve_section, _deq_recipe, _log
 from examples.deq_flow.train import main as train
 

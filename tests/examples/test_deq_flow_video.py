@@ -1,4 +1,4 @@
-"""examples/deq_flow/video.py: the synthetic video's flows are exact (moved out of deqzoo.tasks.flow with its
+"""examples/deq_flow/video.py: the synthetic video's flows are exact (moved out of the package with its
 test, from tests/models/deq_flow/test_flow_task.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deqzoo.tasks.flow import warp
+from examples.deq_flow.flow import warp
 from examples.deq_flow.video import main, synthetic_video
 
 

@@ -1,4 +1,4 @@
-"""examples/implicit2/fitting.py: the implicit2 training loop (moved out of deqzoo.tasks.implicit2 with its
+"""examples/implicit2/fitting.py: the implicit2 training loop (moved out of the installed package with its
 tests, from tests/models/implicit2/test_implicit2_task.py)."""
 
 import warnings
@@ -8,8 +8,8 @@ import torch
 
 from deqzoo.modeling_utils import DEQNonConvergenceWarning
 from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-from deqzoo.tasks import implicit2 as task
 from examples.implicit2 import fitting
+from examples.implicit2 import images as task
 
 
 def _tiny(filter_type="gabor", implicit=True, image="camera", size=16, split="full"):

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from benchmarks.implicit2 import _build
 from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
-from deqzoo.tasks import implicit2 as task
 from examples.implicit2 import fitting
+from examples.implicit2 import images as task
 from examples.implicit2 import train_long as tl
 
 SIZE = 16

@@ -123,12 +123,15 @@ sys.modules.setdefault(TOY_MODULE, sys.modules[__name__])
 @pytest.fixture
 def toy_family():
     from deqzoo.integrations.transformers import register_family, unregister_family
-    from deqzoo.tasks import TASKS, register_task
+    from deqzoo.predict import PREDICTORS, register_predictor
+    from examples.tasks import TASKS, register_task
 
     register_family(TOY_FAMILY)
-    register_task(TOY_MODULE, TOY_MODULE)
+    register_task(TOY_MODULE, TOY_MODULE)  # evaluate / demo (a clone's programs)
+    register_predictor(TOY_MODULE, predict)  # `deqzoo predict` (the package's)
     yield TOY_FAMILY
     TASKS.pop(TOY_MODULE, None)
+    PREDICTORS.pop(TOY_MODULE, None)
     unregister_family(TOY_FAMILY.model_type)
 
 

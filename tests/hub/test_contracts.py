@@ -189,7 +189,7 @@ def test_a_reversible_deq_reports_its_residual_without_warning():
     reported in deq_stats, not warned about; the same model under an adaptive solver with too small a
     budget still warns (so the exemption is the solver's, not the model's)."""
     import deqzoo
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist-reversible")
     x = mnist.to_pixel_values(mnist.sample_images()[0][:4], model)
@@ -206,7 +206,7 @@ def test_a_reversible_deq_reports_its_residual_without_warning():
 
 def test_converged_solves_do_not_warn_and_policies_apply():
     import deqzoo
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", deq={"f_max_iter": 100})
     x = mnist.to_pixel_values(mnist.sample_images()[0][:4], model)

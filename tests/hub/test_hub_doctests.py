@@ -7,9 +7,9 @@ import pytest
 
 MODULES = ["deqzoo", "deqzoo.factory", "deqzoo.modeling_utils", "deqzoo.hub.cards", "deqzoo.hub.loading",
            "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers",
-           "deqzoo.hub.saving", "deqzoo.hub.validation", "deqzoo.tasks", "deqzoo.hub.push",
-           "deqzoo.export", "deqzoo.models.registry", "deqzoo.tasks._files", "deqzoo.core.hyper",
-           "deqzoo.core.deq", "deqzoo.core.stats", "deqzoo.hub.converters", "utils.cards"]
+           "deqzoo.hub.saving", "deqzoo.hub.validation", "examples.tasks", "deqzoo.hub.push",
+           "deqzoo.export", "deqzoo.models.registry", "deqzoo.predict", "deqzoo.core.hyper",
+           "deqzoo.core.deq", "deqzoo.core.stats", "utils.cards", "conversion"]
 
 
 @pytest.mark.parametrize("name", MODULES)

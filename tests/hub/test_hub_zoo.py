@@ -228,9 +228,10 @@ def test_cli_demo_comparison_solvers_do_not_warn_about_the_card(tmp_path):
     """The demo also runs the solvers the card does not use, for the plot; on the DEQ-Transformer plain
     fixed-point iteration stops at its 30 steps above the 1e-3 tolerance (asserted through the same solve),
     which the plot shows: it must not surface as a non-convergence warning."""
-    from deqzoo.cli import _load, run_demo
+    from deqzoo.cli import load_checkpoint as _load
     from deqzoo.modeling_utils import DEQNonConvergenceWarning
-    from deqzoo.tasks import pydoc_lm
+    from examples.demo import run_demo
+    from examples.deq_transformer import pydoc_lm
 
     name = "deqzoo/deq-transformer-tiny-pydoc"
     model = _load(name)[0]
@@ -253,7 +254,7 @@ def test_cli_demo_without_checkpoints_exits_zero(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_convert_discovers_formats(tmp_path, capsys, monkeypatch):
-    from deqzoo.hub import converters
+    import conversion as converters
 
     def convert(src, out, scale=1):
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""One name per model across hub id, preset and timm, aliases listed, did-you-mean on unknown names."""
+"""One name per model (hub id = published name, timm's derived from it), no aliases, did-you-mean on unknown
+names."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ import timm
 import torch
 
 import deqzoo
-from deqzoo.factory import MODEL_NAMES, canonical_name, did_you_mean, model_names
+from deqzoo.factory import canonical_name, did_you_mean, model_names
 from deqzoo.hub.catalog import load_catalog
 from deqzoo.hub.loading import resolve
 from deqzoo.integrations.timm import TIMM_MODELS, timm_name
+from deqzoo.models.registry import model_names_table
 
 
 def test_every_embedded_checkpoint_has_one_canonical_name():
-    assert {f"deqzoo/{n}" for n in MODEL_NAMES} == set(load_catalog())
+    assert {f"deqzoo/{n}" for n in model_names_table()} == set(load_catalog())
     for row in model_names():
+        assert set(row) == {"name", "hub_id", "preset", "timm"}  # no aliases
         assert canonical_name(row["hub_id"]) == row["name"]
-        assert all(canonical_name(a) == row["name"] for a in row["aliases"])
         if row["timm"]:
             assert row["timm"] == row["name"].replace("-", "_")
             assert TIMM_MODELS[row["timm"]][1] == row["hub_id"]
@@ -37,17 +39,24 @@ def test_canonical_name_builds_the_checkpoints_architecture(row):
     assert ours == published
 
 
-def test_aliases_and_timm_spellings_load_the_same_model():
+def test_the_name_and_its_timm_spelling_load_the_same_model_and_old_aliases_name_the_new_name():
     ref = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist").eval()
-    alias = deqzoo.from_pretrained("mdeq-mnist-tiny").eval()  # the preset's spelling
+    bare = deqzoo.from_pretrained("mdeq-tiny-mnist").eval()  # the hub id's short name
     x = torch.randn(1, 1, 28, 28)
     with torch.no_grad():
-        assert torch.equal(ref(x).logits, alias(x).logits)
+        assert torch.equal(ref(x).logits, bare(x).logits)
     assert timm_name("deqzoo/lipschitz-mdeq-tiny-mnist") == "lipschitz_mdeq_tiny_mnist"
-    net = timm.create_model(timm_name("lipschitz-mdeq-mnist-tiny"), pretrained=True).eval()
+    net = timm.create_model(timm_name("lipschitz-mdeq-tiny-mnist"), pretrained=True).eval()
     lip = deqzoo.from_pretrained("lipschitz-mdeq-tiny-mnist").eval()
     with torch.no_grad():
         assert torch.allclose(net(x), lip(x).logits, atol=1e-6)
+    # the spellings that were aliases before 0.1.0 are refused, naming the model's one name
+    with pytest.raises(Exception, match="Did you mean 'lipschitz-mdeq-tiny-mnist'"):
+        deqzoo.from_pretrained("mdeq-lipschitz-tiny-mnist")
+    built_on = r"architecture preset .*\['mdeq-tiny-mnist', 'mdeq-tiny-mnist-reversible'\]"
+    with pytest.raises(Exception, match=built_on):
+        deqzoo.from_pretrained("mdeq-mnist-tiny")
+    assert "mdeq_lipschitz_tiny_mnist" not in TIMM_MODELS
 
 
 def test_did_you_mean_on_unknown_names(monkeypatch):
@@ -72,4 +81,3 @@ def test_hub_guide_lists_the_name_table():
     for row in model_names():
         cells = [c.strip() for c in lines[row["name"]].split("|")[1:-1]]
         assert cells[:4] == [row["name"], row["hub_id"], row["preset"] or "", row["timm"] or ""], cells
-        assert all(a in cells[4] for a in row["aliases"]), cells

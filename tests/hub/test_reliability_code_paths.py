@@ -15,7 +15,7 @@ from deqzoo.cli import main as cli_main
 from deqzoo.hub import CheckpointError
 from deqzoo.hub.cards import read_model_card
 from deqzoo.hub.safetensors_io import weight_files
-from deqzoo.tasks import TASKS, task_module
+from examples.tasks import TASKS, task_module
 
 
 def _set_task(directory, value) -> None:
@@ -52,8 +52,10 @@ def test_task_values_outside_the_registry_are_refused(value):
         task_module(value)
 
 
-def test_legacy_full_module_name_of_a_registered_task_selects_it():
-    assert task_module(TASKS["mnist"]).__name__ == "deqzoo.tasks.mnist"
+def test_a_card_selects_a_registered_task_by_its_name_only():
+    assert task_module("mnist").__name__ == TASKS["mnist"] == "examples.mdeq.mnist"
+    with pytest.raises(ValueError, match="not a registered task"):
+        task_module(TASKS["mnist"])  # a module name is not a task name
 
 
 def test_bench_name_never_imports_other_modules(capsys):

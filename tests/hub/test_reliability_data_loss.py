@@ -120,7 +120,7 @@ def test_user_symlink_in_the_folder_survives_a_resave(tmp_path, toy_family):
 
 
 def _fake_converter(monkeypatch):
-    from deqzoo.hub import converters
+    import conversion as converters
 
     def convert(src, out):
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def test_convert_refuses_an_output_that_contains_its_source(tmp_path, capsys, wh
 
 
 def test_real_converter_refuses_an_output_containing_its_source(tmp_path):
-    from deqzoo.hub.converters import converter_module
+    from conversion import converter_module
 
     src = tmp_path / "release.pt"
     torch.save({"w": torch.zeros(1)}, src)
@@ -157,7 +157,7 @@ def test_real_converter_refuses_an_output_containing_its_source(tmp_path):
 
 def test_converted_checkpoint_written_next_to_source_keeps_it(tmp_path):
     """A converter's save into a sibling folder of the release keeps every file of the release folder."""
-    from deqzoo.hub.converters import converter_module
+    from conversion import converter_module
     from utils.catalog import REPO_ROOT
 
     src_fixture = REPO_ROOT / "conversion" / "fixtures" / "ignn" / "swiftieh_node_state_dict.pt"

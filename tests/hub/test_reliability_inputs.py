@@ -15,7 +15,7 @@ from deqzoo.models.deq_transformer import modeling_deq_transformer as lm_mod
 from deqzoo.models.ignn import IGNNConfig, IGNNModel
 from deqzoo.models.ignn import modeling_ignn as ignn_mod
 from deqzoo.models.mdeq import modeling_mdeq as mdeq_mod
-from deqzoo.tasks import chains, mnist, pydoc_lm
+from deqzoo.predict import classify_image, classify_nodes, complete_text
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +128,15 @@ def test_predict_on_a_2mb_text_file_is_refused_unread(lm, tmp_path):
     path.write_text("word " * 400_000)  # 2 MB
     start = time.perf_counter()
     with pytest.raises(ValueError, match="2,000,000 bytes; predict takes a prompt of at most 20,000"):
-        pydoc_lm.predict(lm, str(path))
+        complete_text(lm, str(path))
     assert time.perf_counter() - start < 1
 
 
 def test_predict_long_literal_prompt_and_empty_prompt(lm):
     with pytest.raises(ValueError, match="the prompt has 20,001 characters"):
-        pydoc_lm.predict(lm, "a" * 20_001)
+        complete_text(lm, "a" * 20_001)
     with pytest.raises(ValueError, match="the prompt is empty"):
-        pydoc_lm.predict(lm, "   ")
+        complete_text(lm, "   ")
 
 
 def test_predict_image_decompression_bomb(mdeq, tmp_path):
@@ -147,7 +147,7 @@ def test_predict_image_decompression_bomb(mdeq, tmp_path):
     assert path.stat().st_size < 100_000
     start = time.perf_counter()
     with pytest.raises(ValueError, match="bomb.png"):
-        mnist.predict(mdeq, str(path))
+        classify_image(mdeq, str(path))
     assert time.perf_counter() - start < 5
 
 
@@ -157,7 +157,7 @@ def test_predict_image_over_the_pixel_limit_is_not_decoded(mdeq, tmp_path):
     path = tmp_path / "big.png"
     Image.new("L", (5000, 4000)).save(path)
     with pytest.raises(ValueError, match="5000x4000 = 20,000,000 pixels, above the limit of 16,777,216"):
-        mnist.predict(mdeq, str(path))
+        classify_image(mdeq, str(path))
 
 
 @pytest.mark.parametrize("content", [b"not an image", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20, b""])
@@ -165,13 +165,13 @@ def test_predict_unreadable_image(mdeq, tmp_path, content):
     path = tmp_path / "digit.png"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="digit.png' is not a readable image"):
-        mnist.predict(mdeq, str(path))
+        classify_image(mdeq, str(path))
 
 
 def test_predict_chain_length_limit(ignn):
     start = time.perf_counter()
     with pytest.raises(ValueError, match="chain length 1000000000 is outside"):
-        chains.predict(ignn, "1000000000")
+        classify_nodes(ignn, "1000000000")
     assert time.perf_counter() - start < 1
 
 
@@ -186,4 +186,4 @@ def test_predict_bad_graph_file(ignn, tmp_path, graph, message):
     path = tmp_path / "graph.json"
     path.write_text(json.dumps(graph))
     with pytest.raises(ValueError, match=message):
-        chains.predict(ignn, str(path))
+        classify_nodes(ignn, str(path))

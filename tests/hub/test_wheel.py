@@ -1,8 +1,9 @@
-"""A regular (non-editable) install ships the embedded checkpoints: build the wheel, install it into a fresh
-virtual environment, and with HF_HUB_OFFLINE=1 and an empty Hugging Face cache load every embedded checkpoint
-and run `deqzoo demo`, from a folder outside the repository.
+"""A regular (non-editable) install ships the library and the embedded checkpoints, none of the repository's
+programs: build the wheel, install it into a fresh virtual environment, and with HF_HUB_OFFLINE=1 and an empty
+Hugging Face cache load every embedded checkpoint and run `deqzoo predict` on each, from a folder outside the
+repository; `deqzoo eval`, `demo`, `convert` and `app` say they run from a clone.
 
-Slow (the demo runs every checkpoint with every solver): marked `wheel`, run by CI in its own step
+Slow (a wheel, two environments, a prediction per checkpoint): marked `wheel`, run by CI in its own step
 (`pytest -m wheel`). Offline: the wheel is built without build isolation (setuptools from this environment)
 and installed with --no-index --no-deps; the new environment reaches its dependencies (torch, transformers,
 ...) through a path file naming this environment's site-packages, so nothing is downloaded. The deqzoo in
@@ -137,19 +138,34 @@ def test_wheel_carries_every_embedded_checkpoint(wheel_env):
             assert f"deqzoo/_model_cards/{folder}/{rel}" in names, (cid, rel)
 
 
-def test_wheel_carries_the_library_only_and_its_app_command_says_where_the_app_is(wheel_env):
-    """The Gradio app is a program of the repository (deqzoo_app/ beside app.py), not in the wheel; the
-    installed `deqzoo app` (Gradio reachable here) refuses, saying where the app ships and how to run it."""
+def wheel_python_lines(wheel: Path) -> int:
+    """Lines of Python the wheel ships (every .py file in it)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        return sum(archive.read(n).count(b"\n") for n in archive.namelist() if n.endswith(".py"))
+
+
+def test_wheel_carries_the_library_only_and_the_repository_commands_say_where_they_run(wheel_env):
+    """The repository's programs (the app, the evaluation and demo of examples/, the converters) are not in
+    the wheel; the installed `deqzoo app`, `demo`, `eval` and `convert` refuse, saying to run from a clone."""
     import zipfile
 
     python, _, work, env, wheel = wheel_env
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if not n.startswith(("deqzoo/", "deqzoo-"))] == []
+    assert [n for n in names if n.startswith(("deqzoo/tasks/", "deqzoo/conversion/"))] == []
+    print(f"the wheel ships {wheel_python_lines(wheel):,} lines of Python")
     script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
     proc = subprocess.run([str(script), "app"], cwd=work, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert "ships with the deqzoo repository" in proc.stderr and 'pip install -e ".[app]"' in proc.stderr
+    for argv in (["demo"], ["eval", "deqzoo/mdeq-tiny-mnist"], ["convert", "list"]):
+        proc = subprocess.run([str(script), *argv], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and "not in the wheel" in proc.stderr, (argv, proc.stderr[-2000:])
+        assert "git clone" in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
 
 
 def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
@@ -182,7 +198,7 @@ def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
 def test_wheel_without_extras_loads_what_needs_none_and_names_the_extra_for_the_rest(bare_env):
     """Without extras: no torchvision, timm, diffusers, matplotlib, data packages; every checkpoint whose
     family needs no extra loads (hypersolver included), the others refuse naming the extra to install, and
-    `deqzoo demo` refuses naming the `demo` extra."""
+    `deqzoo demo` refuses, saying it runs from a clone."""
     python, purelib, work, env, _ = bare_env
     code = (
         "import importlib.util, json, deqzoo\n"
@@ -214,15 +230,41 @@ def test_wheel_without_extras_loads_what_needs_none_and_names_the_extra_for_the_
     script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
     proc = subprocess.run([str(script), "demo", "--no-progress", "--output-dir", str(work / "demo")],
                           cwd=work, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 2 and 'pip install "deqzoo[demo]"' in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "not in the wheel" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_wheel_install_runs_the_demo_offline(wheel_env):
+def _predict_inputs(task: str, work: Path) -> list[str]:
+    """`deqzoo predict` arguments for a checkpoint of `task`, its files written into `work`."""
+    from PIL import Image
+
+    if task == "mnist":
+        Image.new("L", (28, 28), 255).save(work / "digit.png")
+        return [str(work / "digit.png")]
+    if task in ("pydoc_lm", "pystd_lm"):
+        return ["def is_even(n):"]
+    if task == "chains":
+        return ["12"]
+    if task == "implicit2":
+        return ["16x16:" + str(work / "render.png")]
+    if task == "ddim_digits":
+        return [str(work / "samples.png")]
+    if task == "flow":  # two image paths, as separate arguments
+        gen = __import__("numpy").random.default_rng(0)
+        frame = gen.integers(0, 255, (64, 64, 3), dtype="uint8")
+        Image.fromarray(frame).save(work / "a.png")
+        Image.fromarray(__import__("numpy").roll(frame, 2, axis=1)).save(work / "b.png")
+        return [str(work / "a.png"), str(work / "b.png")]
+    raise AssertionError(f"no predict input for task {task!r}")
+
+
+def test_wheel_install_predicts_with_every_checkpoint_offline(wheel_env):
+    """`deqzoo predict` (the package's own) runs every embedded checkpoint of the wheel, offline, from a
+    folder outside the repository."""
     python, _, work, env, _ = wheel_env
     script = python.parent / ("deqzoo.exe" if os.name == "nt" else "deqzoo")
-    proc = subprocess.run([str(script), "demo", "--no-progress", "--output-dir", str(work / "demo")],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    rows = json.loads((work / "demo" / "summary.json").read_text())
-    assert {row["model"] for row in rows} == set(load_catalog())
-    assert not any(row["prediction"].startswith("FAILED") for row in rows)
+    for cid, entry in sorted(load_catalog().items()):
+        folder = work / cid.replace("/", "_")
+        folder.mkdir()
+        argv = [str(script), "predict", cid, *_predict_inputs(entry["deqzoo_task"], folder)]
+        proc = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0 and proc.stdout.strip(), (cid, proc.stdout[-2000:], proc.stderr[-3000:])

@@ -26,7 +26,7 @@ LM, LM_HS = "deqzoo/deq-transformer-tiny-pydoc", "deqzoo/hyperdeq-deq-transforme
 
 
 def _pixels(n=4, size=28, seed=0):
-    from deqzoo.tasks import mnist
+    from examples.mdeq import mnist
 
     x, _ = mnist.load_split("test")
     pixels = mnist.to_pixel_values(x[:n], deqzoo.from_pretrained(MDEQ))

@@ -155,7 +155,7 @@ def test_unsupported_components_raise_naming_them(tmp_path):
 
 def test_inversion_improves_on_ddim_ode_inversion():
     torch.set_num_threads(1)
-    from deqzoo.tasks.ddim_digits import load_split
+    from examples.deq_ddim.ddim_digits import load_split
 
     pipe = DEQDDIMPipeline.from_pretrained(EMBEDDED)
     x, _ = load_split("inversion")
@@ -176,7 +176,7 @@ def test_docstring_examples():
     import doctest
 
     import deqzoo.pipelines.deq_ddim.pipeline_deq_ddim as integration
-    import deqzoo.tasks.ddim_digits as task
+    import examples.deq_ddim.ddim_digits as task
 
     for module in (integration, task):
         assert doctest.testmod(module).failed == 0, module.__name__

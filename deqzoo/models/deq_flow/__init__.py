@@ -1,22 +1,44 @@
 """DEQ-Flow family: deep equilibrium optical flow on torchvision's RAFT blocks, and its explicit RAFT twin."""
 
-from .configuration_deq_flow import ARCHITECTURES, DEQFlowConfig
-from .modeling_deq_flow import (
-    REUSE_MODES,
-    DEQFlowForOpticalFlow,
-    DEQFlowModel,
-    DEQFlowOutput,
-    DEQFlowPreTrainedModel,
-    forward_interpolate,
-    prepare_images,
-    sequence_loss,
-    unpad,
-    warp,
-)
-from .training import two_stage_backward
+import importlib
 
-__all__ = [
-    "ARCHITECTURES", "DEQFlowConfig", "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput",
-    "DEQFlowPreTrainedModel", "REUSE_MODES", "forward_interpolate", "prepare_images", "sequence_loss",
-    "two_stage_backward", "unpad", "warp",
-]
+from ..registry import Family
+
+_P = __name__
+FAMILY = Family(
+    model_type="deq_flow",
+    config=f"{_P}.configuration_deq_flow:DEQFlowConfig",
+    models={"AutoModel": f"{_P}.modeling_deq_flow:DEQFlowModel"},
+    # no Auto class for optical flow: the head is found by config.architectures
+    heads={"DEQFlowForOpticalFlow": f"{_P}.modeling_deq_flow:DEQFlowForOpticalFlow"},
+    architectures=f"{_P}.configuration_deq_flow:ARCHITECTURES",
+    names={"deq-flow-cpu-synth": "deq-flow-cpu", "deq-flow-cpu-raft-baseline": "raft-cpu",
+           "deq-flow-cpu-synth-20k": "deq-flow-cpu", "deq-flow-cpu-raft-baseline-20k": "raft-cpu"},
+    app=("deq-flow-cpu-synth",),  # the app's flow tab compares solves: DEQ-Flow, not the explicit twin
+    task="flow",
+    extra="vision",  # torchvision's RAFT blocks
+    requires=("torchvision",),
+    export="its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
+           "upsampling are not checked for a dynamic image size or batch",
+)
+
+_EXPORTS = {
+    "ARCHITECTURES": ".configuration_deq_flow", "DEQFlowConfig": ".configuration_deq_flow",
+    "two_stage_backward": ".training",
+    **{name: ".modeling_deq_flow" for name in (
+        "REUSE_MODES", "DEQFlowForOpticalFlow", "DEQFlowModel", "DEQFlowOutput", "DEQFlowPreTrainedModel",
+        "forward_interpolate", "prepare_images", "sequence_loss", "unpad", "warp")},
+}
+
+
+def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["FAMILY", *_EXPORTS]

@@ -1,4 +1,4 @@
-"""DEQ-Flow training: memory constant in the number of supervised states (moved from deqzoo.tasks.flow)."""
+"""DEQ-Flow training: memory constant in the number of supervised states (data: examples/deq_flow/flow.py)."""
 
 from __future__ import annotations
 

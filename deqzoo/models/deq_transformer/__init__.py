@@ -1,17 +1,50 @@
 """DEQ-Transformer language models (Bai et al. 2019; TorchDEQ's redesign) as config variants of one model."""
 
-from .configuration_deq_transformer import ARCHITECTURES, DEQTransformerConfig
-from .modeling_deq_transformer import (
-    DEQTransformerCache,
-    DEQTransformerCausalLMOutput,
-    DEQTransformerForCausalLM,
-    DEQTransformerModel,
-    DEQTransformerModelOutput,
-    DEQTransformerPreTrainedModel,
+import importlib
+
+from ..registry import Family
+
+_P = __name__
+FAMILY = Family(
+    model_type="deq_transformer",
+    row_independent="eval",
+    config=f"{_P}.configuration_deq_transformer:DEQTransformerConfig",
+    models={
+        "AutoModel": f"{_P}.modeling_deq_transformer:DEQTransformerModel",
+        "AutoModelForCausalLM": f"{_P}.modeling_deq_transformer:DEQTransformerForCausalLM",
+    },
+    architectures=f"{_P}.configuration_deq_transformer:ARCHITECTURES",
+    names={"deq-transformer-tiny-pydoc": "deq-transformer-tiny",
+           "deq-transformer-small-pystd": "deq-transformer-small",
+           "deq-transformer-small-pystd-explicit": "deq-transformer-small-explicit"},
+    app=("deq-transformer-small-pystd", "deq-transformer-tiny-pydoc"),
+    hypersolver_state="sequence",
+    task="pydoc_lm",
+    export={"DEQTransformerForCausalLM": "causal LM"},
+    # measured (deqzoo.export's docstring, tests/test_export.py)
+    onnx_refused="its fixed-point map is not contractive, so fixed iteration amplifies rounding "
+                 "differences: ONNX Runtime's kernels give logits 2.0e-3 / 0.17 / 3.5 from eager at "
+                 "batch 1 / 7 / 64 (eager float32 vs float64: 8e-3 / 0.19 / 5.5), far above 1e-4. Use "
+                 "export_program (torch.export) or trace, which run torch's kernels",
 )
 
-__all__ = [
-    "ARCHITECTURES", "DEQTransformerCache", "DEQTransformerCausalLMOutput", "DEQTransformerConfig",
-    "DEQTransformerForCausalLM", "DEQTransformerModel", "DEQTransformerModelOutput",
-    "DEQTransformerPreTrainedModel",
-]
+_EXPORTS = {
+    "ARCHITECTURES": ".configuration_deq_transformer",
+    "DEQTransformerConfig": ".configuration_deq_transformer",
+    **{name: ".modeling_deq_transformer" for name in (
+        "DEQTransformerCache", "DEQTransformerCausalLMOutput", "DEQTransformerForCausalLM",
+        "DEQTransformerModel", "DEQTransformerModelOutput", "DEQTransformerPreTrainedModel")},
+}
+
+
+def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["FAMILY", *_EXPORTS]

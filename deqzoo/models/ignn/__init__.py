@@ -1,19 +1,46 @@
 """IGNN family: implicit graph neural networks (node and graph classification)."""
 
-from .configuration_ignn import ARCHITECTURES, IGNNConfig
-from .modeling_ignn import (
-    IGNNForGraphClassification,
-    IGNNForNodeClassification,
-    IGNNGraph,
-    IGNNModel,
-    IGNNPreTrainedModel,
-    augmented_normalized_adjacency,
-    perron_frobenius_radius,
-    project_rows_l1,
+import importlib
+
+from ..registry import Family
+
+_P = __name__
+FAMILY = Family(
+    model_type="ignn",
+    config=f"{_P}.configuration_ignn:IGNNConfig",
+    models={"AutoModel": f"{_P}.modeling_ignn:IGNNModel"},
+    # transformers has no Auto class for graph tasks: the heads are found by config.architectures
+    heads={
+        "IGNNForNodeClassification": f"{_P}.modeling_ignn:IGNNForNodeClassification",
+        "IGNNForGraphClassification": f"{_P}.modeling_ignn:IGNNForGraphClassification",
+    },
+    architectures=f"{_P}.configuration_ignn:ARCHITECTURES",
+    names={"ignn-chains": "ignn-chains"},
+    app=("ignn-chains",),
+    task="chains",
+    export={"IGNNForNodeClassification": "graph node classifier"},
+    export_refused={"IGNNForGraphClassification": "graph pooling takes the number of graphs from the "
+                                                  "batch vector's values"},
+    export_prepare=f"{_P}.modeling_ignn:prepare_export",
 )
 
-__all__ = [
-    "ARCHITECTURES", "IGNNConfig", "IGNNForGraphClassification", "IGNNForNodeClassification", "IGNNGraph",
-    "IGNNModel", "IGNNPreTrainedModel", "augmented_normalized_adjacency", "perron_frobenius_radius",
-    "project_rows_l1",
-]
+_EXPORTS = {
+    "ARCHITECTURES": ".configuration_ignn", "IGNNConfig": ".configuration_ignn",
+    **{name: ".modeling_ignn" for name in (
+        "IGNNForGraphClassification", "IGNNForNodeClassification", "IGNNGraph", "IGNNModel",
+        "IGNNPreTrainedModel", "augmented_normalized_adjacency", "perron_frobenius_radius",
+        "project_rows_l1")},
+}
+
+
+def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["FAMILY", *_EXPORTS]

@@ -1,19 +1,40 @@
 """Implicit² family: implicit SIREN / Fourier / Gabor MFN representations and their explicit baselines."""
 
-from .configuration_implicit2 import ARCHITECTURES, Implicit2Config
-from .modeling_implicit2 import (
-    Implicit2Filter,
-    Implicit2ForSignalRepresentation,
-    Implicit2Layer,
-    Implicit2Model,
-    Implicit2ModelOutput,
-    Implicit2Output,
-    Implicit2PreTrainedModel,
-    coordinate_grid,
+import importlib
+
+from ..registry import Family
+
+_P = __name__
+FAMILY = Family(
+    model_type="implicit2",
+    config=f"{_P}.configuration_implicit2:Implicit2Config",
+    models={"AutoModel": f"{_P}.modeling_implicit2:Implicit2Model"},
+    # no Auto class for coordinate-to-signal networks: heads found by config.architectures
+    heads={"Implicit2ForSignalRepresentation": f"{_P}.modeling_implicit2:Implicit2ForSignalRepresentation"},
+    architectures=f"{_P}.configuration_implicit2:ARCHITECTURES",
+    names={"implicit2-isiren-camera": "implicit2-isiren-1l256d",
+           "implicit2-igabor-mfn-camera": "implicit2-igabor-mfn-1l256d"},
+    app=("implicit2-isiren-camera", "implicit2-igabor-mfn-camera"),
+    task="implicit2",
+    export={"Implicit2ForSignalRepresentation": "signal"},
 )
 
-__all__ = [
-    "ARCHITECTURES", "Implicit2Config", "Implicit2Filter", "Implicit2ForSignalRepresentation",
-    "Implicit2Layer", "Implicit2Model", "Implicit2ModelOutput", "Implicit2Output", "Implicit2PreTrainedModel",
-    "coordinate_grid",
-]
+_EXPORTS = {
+    "ARCHITECTURES": ".configuration_implicit2", "Implicit2Config": ".configuration_implicit2",
+    **{name: ".modeling_implicit2" for name in (
+        "Implicit2Filter", "Implicit2ForSignalRepresentation", "Implicit2Layer", "Implicit2Model",
+        "Implicit2ModelOutput", "Implicit2Output", "Implicit2PreTrainedModel", "coordinate_grid")},
+}
+
+
+def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["FAMILY", *_EXPORTS]

@@ -6,25 +6,52 @@ Example:
     0.9
 """
 
-from .configuration_mdeq import ARCHITECTURES, MDEQConfig
-from .lipschitz import conv_operator_norm, lipschitz_bound, project_lipschitz
-from .modeling_mdeq import (
-    MDEQForImageClassification,
-    MDEQForSemanticSegmentation,
-    MDEQModel,
-    MDEQPreTrainedModel,
+import importlib
+
+from ..registry import Family
+
+_P = __name__
+FAMILY = Family(
+    model_type="mdeq",
+    row_independent="eval",
+    config=f"{_P}.configuration_mdeq:MDEQConfig",
+    models={
+        "AutoModel": f"{_P}.modeling_mdeq:MDEQModel",
+        "AutoModelForImageClassification": f"{_P}.modeling_mdeq:MDEQForImageClassification",
+        "AutoModelForSemanticSegmentation": f"{_P}.modeling_mdeq:MDEQForSemanticSegmentation",
+    },
+    architectures=f"{_P}.configuration_mdeq:ARCHITECTURES",
+    image_processor=f"{_P}.image_processing_mdeq:MDEQImageProcessor",
+    timm_module="deqzoo.integrations.timm",
+    names={
+        "mdeq-tiny-mnist": "mdeq-mnist-tiny",
+        "mdeq-tiny-mnist-reversible": "mdeq-mnist-tiny",  # same architecture, b_mode="reversible"
+        "lipschitz-mdeq-tiny-mnist": "lipschitz-mdeq-mnist-tiny",
+    },
+    app=("mdeq-tiny-mnist", "lipschitz-mdeq-tiny-mnist"),
+    hypersolver_state="multires",
+    task="mnist",
+    export={"MDEQForImageClassification": "image classifier"},
 )
 
-__all__ = [
-    "ARCHITECTURES", "LipschitzProjectionCallback", "MDEQConfig", "MDEQForImageClassification",
-    "MDEQForSemanticSegmentation", "MDEQModel", "MDEQPreTrainedModel", "conv_operator_norm",
-    "lipschitz_bound", "project_lipschitz",
-]
+_EXPORTS = {
+    "ARCHITECTURES": ".configuration_mdeq", "MDEQConfig": ".configuration_mdeq",
+    "conv_operator_norm": ".lipschitz", "lipschitz_bound": ".lipschitz", "project_lipschitz": ".lipschitz",
+    "MDEQForImageClassification": ".modeling_mdeq", "MDEQForSemanticSegmentation": ".modeling_mdeq",
+    "MDEQModel": ".modeling_mdeq", "MDEQPreTrainedModel": ".modeling_mdeq",
+    # the Trainer callback's module imports transformers' Trainer: only on first use
+    "LipschitzProjectionCallback": ".lipschitz_callback",
+}
 
 
-def __getattr__(name: str):  # the Trainer callback's module imports transformers' Trainer: only on first use
-    if name == "LipschitzProjectionCallback":
-        from .lipschitz_callback import LipschitzProjectionCallback
-
-        return LipschitzProjectionCallback
+def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["FAMILY", *_EXPORTS]

@@ -12,7 +12,8 @@ import torch
 import deqzoo
 from deqzoo.hub.cards import read_model_card
 from deqzoo.hub.loading import resolve
-from deqzoo.tasks import flow
+from deqzoo.predict import estimate_flow, video_frames
+from examples.deq_flow import flow
 from examples.deq_flow.video import synthetic_video
 
 NAMES = ["deqzoo/deq-flow-cpu-synth", "deqzoo/deq-flow-cpu-raft-baseline"]
@@ -95,18 +96,18 @@ def test_predict_writes_a_colour_png_and_never_overwrites(tmp_path, monkeypatch)
         paths.append(tmp_path / f"f{i}.png")
         Image.fromarray(arr).save(paths[-1])
     monkeypatch.chdir(tmp_path)
-    line = flow.predict(model, f"{paths[0]},{paths[1]}")
+    line = estimate_flow(model, f"{paths[0]},{paths[1]}")
     out = tmp_path / "flow_f0_f1.png"
     assert "written to flow_f0_f1.png" in line and out.is_file()
     with Image.open(out) as im:
         assert im.size == (61, 48) and im.mode == "RGB"
-    again = flow.predict(model, f"{paths[0]},{paths[1]}")
+    again = estimate_flow(model, f"{paths[0]},{paths[1]}")
     assert "flow_f0_f1-1.png" in again  # the first file is kept
-    with pytest.raises(ValueError, match="expected 'FIRST,SECOND'"):
-        flow.predict(model, str(paths[0]))
+    with pytest.raises(ValueError, match="expected FIRST SECOND image paths"):
+        estimate_flow(model, str(paths[0]))
     Image.fromarray((torch.rand(40, 40, 3).numpy() * 255).astype("uint8")).save(tmp_path / "small.png")
     with pytest.raises(ValueError, match=r"\(48, 61\).*\(40, 40\)"):
-        flow.predict(model, f"{paths[0]},{tmp_path / 'small.png'}")
+        estimate_flow(model, f"{paths[0]},{tmp_path / 'small.png'}")
 
 
 def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monkeypatch):
@@ -125,7 +126,7 @@ def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monke
         Image.fromarray(frame.permute(1, 2, 0).numpy()).save(folder / f"frame{t:02d}.png")
     (folder / "notes.txt").write_text("not a frame")
     monkeypatch.chdir(tmp_path)
-    line = flow.predict(model, str(folder))
+    line = estimate_flow(model, str(folder))
     out = tmp_path / "flow_clip"
     written = sorted(out.iterdir())
     assert [p.name for p in written] == [f"flow_frame{t:02d}_frame{t + 1:02d}.png" for t in range(3)]
@@ -137,27 +138,27 @@ def test_predict_on_a_folder_of_frames_runs_the_video_with_reuse(tmp_path, monke
     later = sum(int(s.nfe) for s in stats[1:]) / 2
     assert f"{int(stats[0].nfe)} f-evaluations for the first pair, {later:.1f} per pair after it" in line
     assert later < stats[0].nfe  # the reused solves are cheaper than the first one
-    again = flow.predict(model, str(folder))
+    again = estimate_flow(model, str(folder))
     assert again.endswith("written to flow_clip-1") and len(list(out.iterdir())) == 3  # the first is kept
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.png").write_bytes(b"user's")
     with pytest.raises(ValueError, match="mine exists and is not empty"):
-        flow.predict(model, f"{folder},{tmp_path / 'mine'}")
+        estimate_flow(model, f"{folder},{tmp_path / 'mine'}")
     assert (tmp_path / "mine" / "keep.png").read_bytes() == b"user's"
     with pytest.raises(ValueError, match="keep.png is a file"):
-        flow.predict(model, f"{folder},{tmp_path / 'mine' / 'keep.png'}")
+        estimate_flow(model, f"{folder},{tmp_path / 'mine' / 'keep.png'}")
     assert (tmp_path / "mine" / "keep.png").read_bytes() == b"user's"
     Image.fromarray(frames[0, :, :40].permute(1, 2, 0).numpy()).save(folder / "frame99.png")
     with pytest.raises(ValueError, match=r"frame99.png is 40x64 .*frame00.png is 48x64"):
-        flow.predict(model, str(folder))
+        estimate_flow(model, str(folder))
     lone = tmp_path / "lone"
     lone.mkdir()
     Image.fromarray(frames[0].permute(1, 2, 0).numpy()).save(lone / "a.png")
     with pytest.raises(ValueError, match="holds 1 image"):
-        flow.predict(model, str(lone))
+        estimate_flow(model, str(lone))
     for name in ("f10.png", "f2.png", "f1.png"):  # unpadded frame numbers: natural order, not string order
         Image.fromarray(frames[0].permute(1, 2, 0).numpy()).save(lone / name)
-    assert [p.name for p in flow._video_frames(lone)] == ["a.png", "f1.png", "f2.png", "f10.png"]
+    assert [p.name for p in video_frames(lone)] == ["a.png", "f1.png", "f2.png", "f10.png"]
 
 
 def test_demo_writes_pngs(tmp_path):

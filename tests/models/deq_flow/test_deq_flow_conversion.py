@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import deqzoo
-from deqzoo.hub.converters import converter_module
+from conversion import converter_module
 
 ROOT = Path(__file__).resolve().parents[3]
 FIX = ROOT / "conversion" / "fixtures" / "deq_flow"
@@ -92,7 +92,7 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
 
 
 def test_cli_lists_the_formats():
-    from deqzoo.hub.converters import conversion_formats
+    from conversion import conversion_formats
 
     assert {"deq-flow-locuslab", "deq-flow-torchdeq"} <= set(conversion_formats())
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deqzoo.tasks import TASKS, flow
+from examples.deq_flow import flow
+from examples.tasks import TASKS
 
 
 def _warp_error(image1, image2, f, valid):
@@ -83,4 +84,4 @@ def test_max_shift_reaches_the_batches_and_the_held_out_set():
 
 
 def test_task_is_registered():
-    assert TASKS["flow"] == "deqzoo.tasks.flow"
+    assert TASKS["flow"] == "examples.deq_flow.flow"

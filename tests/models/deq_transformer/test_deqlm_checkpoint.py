@@ -10,7 +10,7 @@ import torch
 import deqzoo  # noqa: F401 - registers the family with the Auto classes
 from deqzoo.hub.cards import card_metrics, read_model_card
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm
+from examples.deq_transformer import pydoc_lm
 from examples.deq_transformer.compare_pydoc import unigram_perplexity
 
 CKPT = Path(__file__).resolve().parents[3] / "model_cards" / "deq-transformer-tiny-pydoc"

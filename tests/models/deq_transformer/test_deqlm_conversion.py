@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deqzoo.hub.converters import converter_module
+from conversion import converter_module
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 
 ROOT = Path(__file__).resolve().parents[3]

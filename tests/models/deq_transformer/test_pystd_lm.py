@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from deqzoo.hub.cards import card_metrics, read_model_card
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
-from deqzoo.tasks import pydoc_lm, pystd_lm
+from examples.deq_transformer import pydoc_lm, pystd_lm
 
 CARDS = Path(__file__).resolve().parents[3] / "model_cards"
 DEQ, TWIN = CARDS / "deq-transformer-small-pystd", CARDS / "deq-transformer-small-pystd-explicit"
@@ -241,7 +241,7 @@ def test_card_states_the_measured_generation_solves_at_the_cap(deq):
 
 def test_demo_runs_the_explicit_twin_without_a_solve(tmp_path):
     """The twin solves nothing: `deqzoo demo` shows its sample in one row, with no solver rows or plot."""
-    from deqzoo.cli import run_demo
+    from examples.demo import run_demo
 
     rows, failures = run_demo(["deqzoo/deq-transformer-small-pystd-explicit"], tmp_path, progress=False)
     assert not failures and len(rows) == 1 and rows[0]["solver"] == "no solve"

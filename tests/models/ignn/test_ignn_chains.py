@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deqzoo.tasks.chains import make_chains
+from examples.ignn.chains import make_chains
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[3]
@@ -58,7 +58,7 @@ def test_tiny_training_learns_chains():
 def test_checkpoint_matches_card():
     from deqzoo.hub.cards import card_metrics, read_model_card
     from deqzoo.models.ignn import IGNNForNodeClassification
-    from deqzoo.tasks.chains import demo, evaluate
+    from examples.ignn.chains import demo, evaluate
 
     model = IGNNForNodeClassification.from_pretrained(CARD)
     metrics = evaluate(model, progress=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deqzoo.hub.converters import converter_module
+from conversion import converter_module
 from deqzoo.models.ignn import IGNNForGraphClassification, IGNNForNodeClassification
 
 torch.set_num_threads(1)

@@ -17,7 +17,8 @@ def test_checkpoint_matches_its_card_and_renders_at_2x(card, tmp_path):
 
     from deqzoo.hub.cards import card_metrics, read_model_card
     from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
-    from deqzoo.tasks.implicit2 import evaluate, predict
+    from deqzoo.predict import render_signal as predict
+    from examples.implicit2.images import evaluate
 
     model = Implicit2ForSignalRepresentation.from_pretrained(card)
     metrics = evaluate(model, progress=False)
@@ -30,7 +31,7 @@ def test_checkpoint_matches_its_card_and_renders_at_2x(card, tmp_path):
     img = Image.open(out)
     assert img.size == (2 * size, 2 * size)
     # the 2x render, downsampled, is the fitted image (PSNR well above a flat image's)
-    from deqzoo.tasks.implicit2 import load_image, psnr
+    from examples.implicit2.images import load_image, psnr
 
     arr = torch.tensor(list(img.getdata()), dtype=torch.float32).reshape(2 * size, 2 * size) / 255
     down = torch.nn.functional.avg_pool2d(arr[None, None], 2)[0, 0]

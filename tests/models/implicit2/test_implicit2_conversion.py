@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deqzoo.hub.converters import converter_module
+from conversion import converter_module
 from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
-from deqzoo.tasks import implicit2 as task
+from deqzoo.predict import render_signal
+from examples.implicit2 import images as task
 
 
 def test_generalization_split_is_two_disjoint_quarters_of_the_grid():
@@ -58,15 +59,15 @@ def test_predict_writes_a_png_at_2x_and_never_overwrites(tmp_path):
 
     model = _tiny(size=8)
     out = tmp_path / "r.png"
-    msg = task.predict(model, f"2x:{out}")
+    msg = render_signal(model, f"2x:{out}")
     assert "16x16" in msg and Image.open(out).size == (16, 16)
     out.write_bytes(b"user file")
-    task.predict(model, f"3x5:{out}")
+    render_signal(model, f"3x5:{out}")
     assert out.read_bytes() == b"user file"  # untouched; the render went next to it
     assert Image.open(tmp_path / "r-1.png").size == (5, 3)
     for bad in ("huge", "0x5", f"2x:{tmp_path / 'a.jpg'}"):
         with pytest.raises(ValueError):
-            task.predict(model, bad)
+            render_signal(model, bad)
 
 
 def test_evaluate_needs_the_task_settings():

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import deqzoo
+from conversion import converter_module
 from deqzoo.core import solve
-from deqzoo.hub.converters import converter_module
 
 ROOT = Path(__file__).resolve().parents[3]
 FIX = ROOT / "conversion" / "fixtures" / "mdeq"

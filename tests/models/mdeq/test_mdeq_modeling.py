@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForImageClassification
 
 import deqzoo
-from deqzoo.hub.converters import converter_module
+from conversion import converter_module
 from deqzoo.models.mdeq import (
     ARCHITECTURES,
     MDEQConfig,

@@ -12,7 +12,8 @@ import deqzoo
 from deqzoo.hub import read_model_card, resolve
 from deqzoo.hub.cards import card_metrics
 from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
-from deqzoo.tasks import mnist
+from deqzoo.predict import classify_image, image_processor
+from examples.mdeq import mnist
 
 torch.set_num_threads(1)
 IDS = ["deqzoo/mdeq-tiny-mnist", "deqzoo/lipschitz-mdeq-tiny-mnist"]
@@ -100,20 +101,20 @@ def test_task_demo_and_predict(tmp_path):
     Image.fromarray(x[3], mode="L").save(path)
     logits = model(mnist.to_pixel_values(x[3:4], model)).logits[0]
     probs = logits.softmax(-1)
-    line = mnist.predict(model, str(path))
+    line = classify_image(model, str(path))
     assert line.startswith(f"{int(logits.argmax())} (top-3 probabilities: {int(logits.argmax())} ")
     assert f"{float(probs.max()):.4f}" in line and "solve converged" in line
     with pytest.raises(FileNotFoundError, match="no image file"):
-        mnist.predict(model, str(tmp_path / "missing.png"))
+        classify_image(model, str(tmp_path / "missing.png"))
     (tmp_path / "bad.png").write_text("not an image")
     with pytest.raises(ValueError, match="not a readable image"):
-        mnist.predict(model, str(tmp_path / "bad.png"))
+        classify_image(model, str(tmp_path / "bad.png"))
 
 
 # --- inputs as people give them: polarity, RGB / RGBA, digits the project did not make (issue 31) ---
 
 def _accuracy(model, images: np.ndarray, labels: np.ndarray, mode: str, **proc_kwargs) -> float:
-    proc = mnist._processor(model)
+    proc = image_processor(model)
     preds = []
     for s in range(0, len(labels), 100):
         batch = images[s : s + 100]

@@ -16,18 +16,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_models_are_registered_with_pretrained_tags_each_listed_once():
-    alias = "mdeq_lipschitz_tiny_mnist"  # the first spelling of lipschitz_mdeq_tiny_mnist
-    assert set(timm.list_models("*mdeq*")) == set(TIMM_MODELS) - {alias}
-    # issue 31: the alias was listed as a second pretrained model; each model is listed once now
+    assert set(timm.list_models("*mdeq*")) == set(TIMM_MODELS)
+    # one name per model: each published model under its name's timm spelling, no alias
     assert sorted(timm.list_models("*mdeq*", pretrained=True)) == [
-        "lipschitz_mdeq_tiny_mnist.deqzoo",  # canonical: the hub id's spelling
+        "lipschitz_mdeq_tiny_mnist.deqzoo",
         "mdeq_tiny_mnist.deqzoo",
         "mdeq_tiny_mnist_reversible.deqzoo",
     ]
-    with pytest.warns(UserWarning, match="deprecated"):  # the alias still creates the same model
-        net = timm.create_model(alias, pretrained=True)
-    reference = timm.create_model("lipschitz_mdeq_tiny_mnist", pretrained=True)
-    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), reference.state_dict().values()))
+    with pytest.raises(RuntimeError, match="Unknown model"):  # the first spelling, an alias before 0.1.0
+        timm.create_model("mdeq_lipschitz_tiny_mnist", pretrained=True)
     cfg = timm.models.get_pretrained_cfg("mdeq_tiny_mnist")
     assert cfg.hf_hub_id == "deqzoo/mdeq-tiny-mnist" and cfg.input_size == (1, 28, 28)
 
@@ -92,7 +89,7 @@ def _stratified_held_out(per_class: int = 20):
     """The first `per_class` held-out digits of each class (the split is ordered by class, 100 each)."""
     import numpy as np
 
-    from deqzoo.tasks.mnist import load_split
+    from examples.mdeq.mnist import load_split
 
     x, y = load_split("test")
     keep = np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(10)])
@@ -106,7 +103,7 @@ def test_rgb_images_through_timms_own_transform_classify_as_the_originals():
     processor (the card's path), and each RGB batch equals the processor's "L" conversion."""
     from PIL import Image
 
-    from deqzoo.tasks.mnist import to_pixel_values
+    from examples.mdeq.mnist import to_pixel_values
 
     _ = deqzoo.register()
     net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()

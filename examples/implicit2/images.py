@@ -18,7 +18,7 @@ A checkpoint names its image in ``config.task_specific_params["implicit2"]`` (im
 `demo` and `predict` read it there.
 
 Example:
-    >>> from deqzoo.tasks.implicit2 import image_data
+    >>> from examples.implicit2.images import image_data
     >>> data = image_data("camera", 32, "generalization")
     >>> data.train_coords.shape, data.train_values.shape, data.test_coords.shape
     (torch.Size([256, 2]), torch.Size([256, 1]), torch.Size([256, 2]))
@@ -27,17 +27,15 @@ Example:
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..core import SolverStats
-from ._demo import DemoSummary
-from ._files import free_path
+from deqzoo.core import SolverStats
+from deqzoo.predict import save_png, signal_settings
+from examples.demo import DemoSummary
 
 __all__ = [
     "IMAGES",
@@ -46,9 +44,8 @@ __all__ = [
     "evaluate",
     "image_data",
     "load_image",
-    "predict",
     "psnr",
-    "task_settings",
+    "signal_settings",
 ]
 
 # scikit-image's bundled images (no download); the generalization table runs over all of them
@@ -107,7 +104,7 @@ class ImageData:
 def image_data(name: str, size: int, split: str = "full") -> ImageData:
     """The task's data: ``split="full"`` trains and tests on every pixel; ``"generalization"`` trains on the
     even rows/columns and tests on the odd ones (disjoint quarters of the grid)."""
-    from ..models.implicit2 import coordinate_grid
+    from deqzoo.models.implicit2 import coordinate_grid
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
@@ -139,23 +136,11 @@ def psnr(values: torch.Tensor, target: torch.Tensor) -> float:
     return math.inf if mse == 0 else -10.0 * math.log10(mse)
 
 
-def task_settings(model) -> dict[str, Any]:
-    """The image, size and split a checkpoint was fitted on (``config.task_specific_params["implicit2"]``)."""
-    params = (getattr(model.config, "task_specific_params", None) or {}).get("implicit2")
-    if not params or "image" not in params or "size" not in params:
-        raise ValueError(
-            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; "
-            "it was not "
-            "fitted by the implicit2 task (see examples/implicit2/)"
-        )
-    return {"split": "full", **params}
-
-
 def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
     """PSNR (dB) of the representation on its task's test pixels (all pixels for a representation checkpoint)
     from a zero initial state, and the forward solve's f-evaluations; `limit` scores only the first N
     pixels."""
-    s = task_settings(model)
+    s = signal_settings(model)
     data = image_data(s["image"], int(s["size"]), s["split"])
     coords, target = data.test_coords, data.test_values
     if limit is not None:
@@ -168,18 +153,11 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     return result
 
 
-def _save_png(image: torch.Tensor, path: Path) -> None:
-    from PIL import Image
-
-    arr = (image.detach().cpu().numpy() * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
-    Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
-
-
 def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStats]:
     """Render the representation at twice its fitted resolution into `output_dir` (the demo's own folder; its
     render is replaced on every run) and report the PSNR at the fitted resolution; returns (summary line, the
     2x render's solve statistics)."""
-    s = task_settings(model)
+    s = signal_settings(model)
     size = int(s["size"])
     data = image_data(s["image"], size, s["split"])
     values, stats = model.eval().values_at(data.test_coords)
@@ -189,7 +167,7 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(getattr(model, "name_or_path", "") or "implicit2").name
     path = out_dir / f"{name}_{2 * size}x{2 * size}.png"
-    _save_png(image, path)
+    save_png(image, path)
     score = psnr(values, data.test_values)
     summary = DemoSummary(
         f"{s['image']} ({s['split']}, {size}x{size}): PSNR {score:.2f} dB; "
@@ -202,33 +180,3 @@ def demo(model, output_dir: str | Path = "demo_output") -> tuple[str, SolverStat
     return summary, st
 
 
-def predict(model, input: str) -> str:
-    """Render the representation to a PNG. INPUT is ``HxW`` (e.g. ``512x512``), ``Nx`` (e.g. ``2x``: N times
-    the fitted resolution), optionally followed by ``:PATH.png``; without a path the file is
-    ``implicit2_<image>_<H>x<W>.png`` in the current directory (a numbered name if that exists: an existing
-    file is never overwritten)."""
-    text = str(input).strip()
-    spec, _, target = text.partition(":")
-    spec = spec.lower()
-    s = task_settings(model)
-    try:
-        if spec.endswith("x") and spec[:-1].replace(".", "", 1).isdigit():
-            factor = float(spec[:-1])
-            h = w = int(round(factor * int(s["size"])))
-        else:
-            hs, ws = spec.split("x")
-            h, w = int(hs), int(ws)
-    except ValueError:
-        raise ValueError(
-            f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), optionally ':out.png'"
-        ) from None
-    if not (1 <= h <= 8192 and 1 <= w <= 8192):
-        raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
-    path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
-    start = time.perf_counter()
-    image = model.eval().render(h, w)
-    _save_png(image, path)
-    return f"rendered {s['image']} representation at {h}x{w} to {path} ({time.perf_counter() - start:.1f}s)"

@@ -14,7 +14,7 @@ nearest-neighbour L2 distance to the training set of the samples and of the 597 
 
 Example:
     >>> import deqzoo
-    >>> from deqzoo.tasks import ddim_digits
+    >>> from examples.deq_ddim import ddim_digits
     >>> pipe = deqzoo.from_pretrained("model_cards/ddim-digits-16")  # doctest: +SKIP
     >>> ddim_digits.evaluate(pipe, limit=64, progress=False)["confident_share"]  # doctest: +SKIP
     0.7
@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._demo import DemoSummary
+from deqzoo.predict import sample_grid
+from examples.demo import DemoSummary
 
 __all__ = [
     "RESOLUTION",
@@ -38,7 +39,6 @@ __all__ = [
     "evaluate",
     "load_classifier",
     "load_split",
-    "predict",
     "sample_grid",
 ]
 
@@ -172,23 +172,6 @@ def evaluate(
     }
 
 
-def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int = 10, seed: int = 0):
-    """Write an 8-wide PNG grid of `n` DEQ-DDIM samples (each upscaled 4x); returns (path, stats)."""
-    from PIL import Image
-    from torchvision.utils import make_grid
-
-    out = pipe(
-        batch_size=n,
-        generator=torch.Generator().manual_seed(seed),
-        num_inference_steps=num_inference_steps,
-        output_type="np",
-    )
-    imgs = torch.from_numpy((out.images[..., :1] * 255).round().astype(np.uint8)).permute(0, 3, 1, 2)
-    grid = make_grid(imgs, nrow=8, padding=1)[0].numpy()  # black 1-pixel lines between the digits
-    Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(path)
-    return Path(path), out.deq_stats
-
-
 def demo(pipe, output_dir: str | Path = "demo_output"):
     """Sample a grid of 16 digits (T = 10) into `output_dir` (the demo's own folder; its grid is replaced on
     every run); returns a summary line and the solve's stats."""
@@ -197,12 +180,3 @@ def demo(pipe, output_dir: str | Path = "demo_output"):
     return DemoSummary(f"16 digits sampled by DEQ-DDIM (T=10) -> {path}", "16 samples, T=10"), stats
 
 
-def predict(pipe, input: str) -> str:
-    """Write a grid of 64 samples to the PNG path `input` (created; an existing file is not overwritten)."""
-    path = Path(input)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: {input!r} must name a .png file to write the sample grid to")
-    if path.exists():
-        raise FileExistsError(f"predict: {input!r} exists; choose a new file name")
-    out, stats = sample_grid(pipe, path)
-    return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"

@@ -15,7 +15,7 @@ only `HELD_OUT_IMAGES` (and the last 50 lfw faces), images the training never se
 
 Example:
     >>> import torch
-    >>> from deqzoo.tasks.flow import synthetic_pair, warp
+    >>> from examples.deq_flow.flow import synthetic_pair, warp
     >>> p = synthetic_pair(0, size=(64, 64), split="train")
     >>> p.image1.shape, p.flow.shape, p.valid.dtype
     (torch.Size([3, 64, 64]), torch.Size([2, 64, 64]), torch.bool)
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
-from ._demo import DemoSummary, save_figure
-from ._files import free_path, open_image
+from deqzoo.models.deq_flow.modeling_deq_flow import warp  # re-exported: the data's checks use it
+from deqzoo.predict import flow_png
+from examples.demo import DemoSummary, save_figure
 
 __all__ = [
     "HELD_OUT_IMAGES",
@@ -51,7 +50,6 @@ __all__ = [
     "held_out_set",
     "model_flow",
     "motorcycle_pair",
-    "predict",
     "synthetic_batch",
     "synthetic_pair",
     "warp",
@@ -395,7 +393,6 @@ def epe(flow: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor | None = None)
 HELD_OUT_PAIRS = 100  # held-out synthetic pairs scored by `evaluate` (seeds 0..99 of the held-out split)
 EVAL_SIZE = (64, 64)
 MOTORCYCLE_SCALE = 0.25
-_MAX_PREDICT_PIXELS = 1024 * 1024  # the all-pairs correlation volume grows with (H·W/64)²
 
 
 def held_out_set(n: int = HELD_OUT_PAIRS, size: tuple[int, int] = EVAL_SIZE, max_shift: float | None = None):
@@ -493,18 +490,6 @@ def evaluate(
     return {k: round(v, 4) for k, v in result.items()}
 
 
-def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
-    """Write a (2, H, W) flow as a colour PNG (torchvision.utils.flow_to_image: hue = direction, saturation =
-    magnitude relative to the largest)."""
-    from PIL import Image
-    from torchvision.utils import flow_to_image
-
-    rgb = flow_to_image(flow.detach().float().cpu())
-    path = Path(path)
-    Image.fromarray(rgb.permute(1, 2, 0).numpy()).save(path)
-    return path
-
-
 def colour_key(size: int = 101) -> torch.Tensor:
     """The colour wheel of `flow_to_image` (uint8 (3, size, size)): the pixel at offset (dx, dy) from the
     centre has the colour of the flow (dx, dy) (image axes: y down) scaled so the rim is the largest flow;
@@ -576,7 +561,8 @@ def demo(model, output_dir: str | Path = "demo_output"):
     truth, prediction, colour key; `flow_figure`) into `output_dir` (replaced on every run); returns (summary
     line with the EPEs as its metric, the motorcycle solve's statistics: `SolverStats.no_solve()` for the
     explicit RAFT twin)."""
-    from ..core import SolverStats
+    from deqzoo.core import SolverStats
+
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = synthetic_pair(0, EVAL_SIZE, "held-out")
@@ -600,130 +586,3 @@ def demo(model, output_dir: str | Path = "demo_output"):
     return DemoSummary(summary, f"EPE {syn_epe:.2f} px held-out, {moto_epe:.2f} px motorcycle"), stats
 
 
-def _read_image(path: str) -> torch.Tensor:
-    """An image file as a uint8 (C, H, W) tensor (RGB, or RGBA where it has transparency), checked before
-    decoding (pixels against _MAX_PREDICT_PIXELS, decompression bombs, unreadable files)."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"predict: image {path!r} does not exist")
-    img = open_image(path, f"predict: {path}", max_pixels=_MAX_PREDICT_PIXELS)
-    arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
-    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
-
-
-def predict(model, input: str) -> str:
-    """Flow between two images, or along a video, as colour PNGs.
-
-    INPUT ``FIRST,SECOND`` (image paths), optionally ``,OUT.png``: one flow; without OUT the file is
-    ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists: an existing file
-    is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2 before frame10, are
-    the frames of a video), optionally ``,OUTDIR``: the flow of every consecutive pair with the checkpoint's
-    frame-to-frame reuse (``model.estimate_sequence(frames, reuse=True)``: ``config.sequence_reuse``, "none"
-    for a checkpoint that reuse makes worse), one PNG per pair in OUTDIR (a new or empty
-    folder; default ``flow_<folder>`` in the current directory, a numbered name if that exists)."""
-    parts = [p.strip() for p in str(input).split(",")]
-    if parts and parts[0] and Path(parts[0]).is_dir():
-        if len(parts) > 2 or not all(parts):
-            raise ValueError(f"predict input {input!r}: expected 'FOLDER' of frames, optionally ',OUTDIR'")
-        return _predict_video(model, Path(parts[0]), Path(parts[1]) if len(parts) == 2 else None)
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(
-            f"predict input {input!r}: expected 'FIRST,SECOND' image paths, optionally ',OUT.png'"
-        )
-    a, b = _read_image(parts[0]), _read_image(parts[1])
-    if a.shape[-2:] != b.shape[-2:]:
-        raise ValueError(
-            f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
-            f"{tuple(b.shape[-2:])}; the two frames must have the same size"
-        )
-    path = (
-        Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
-    )
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
-    with torch.no_grad():
-        out = model.eval()(a[None], b[None])
-    flow = out.flow[0]
-    flow_png(flow, path)
-    mag = torch.linalg.vector_norm(flow, dim=0)
-    nfe = f", {out.deq_stats.nfe} f-evaluations" if out.deq_stats is not None else ""
-    return (
-        f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): "
-        f"mean |flow| {float(mag.mean()):.2f} px, "
-        f"max {float(mag.max()):.2f} px{nfe}; written to {path}"
-    )
-
-
-_FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
-# The flows of a whole video are held until they are written: at most this many pixels over all frames
-# (256 MiB of float32 flow).
-_MAX_VIDEO_PIXELS = 32 * 1024 * 1024
-
-
-def _video_frames(folder: Path) -> list[Path]:
-    """The frames of a video folder in name order, checked (count, sizes) before any is decoded."""
-    from PIL import Image
-
-    frames = sorted(
-        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FRAME_SUFFIXES),
-        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],  # 2 before 10
-    )
-    if len(frames) < 2:
-        raise ValueError(
-            f"predict: {folder} holds {len(frames)} image(s) ({', '.join(_FRAME_SUFFIXES)}); a video needs "
-            "at least 2 frames"
-        )
-    sizes = []
-    for path in frames:
-        with Image.open(path) as img:  # reads the header only
-            sizes.append(img.size)
-            if img.size != sizes[0]:
-                raise ValueError(
-                    f"predict: {path} is {img.size[1]}x{img.size[0]} (H x W) but {frames[0]} is "
-                    f"{sizes[0][1]}x{sizes[0][0]}; every frame of a video must have the same size"
-                )
-    w, h = sizes[0]
-    if len(frames) * w * h > _MAX_VIDEO_PIXELS:
-        raise ValueError(
-            f"predict: {folder} holds {len(frames)} frames of {h}x{w}, {len(frames) * w * h:,} pixels in "
-            f"all; at most {_MAX_VIDEO_PIXELS:,} (the flows are held until written): split the video"
-        )
-    return frames
-
-
-class _LazyFrames:
-    """A video's frames, decoded when the solve asks for them (not all held at once)."""
-
-    def __init__(self, paths: list[Path]):
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return _read_image(str(self.paths[i]))
-
-
-def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
-    frames = _video_frames(folder)
-    if out_dir is None:
-        out_dir = free_path(Path(f"flow_{folder.resolve().name}"))
-    elif out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"predict: output folder {out_dir} is a file; choose a new folder")
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"predict: output folder {out_dir} exists and is not empty; choose a new one")
-    with torch.no_grad():
-        flows, stats = model.eval().estimate_sequence(_LazyFrames(frames), reuse=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for a, b, f in zip(frames, frames[1:], flows):
-        flow_png(f, free_path(out_dir / f"flow_{a.stem}_{b.stem}.png"))  # a.png and a.jpg: both kept
-    h, w = flows[0].shape[-2:]
-    nfe = ""
-    if stats[0] is not None:
-        later = [int(s.nfe) for s in stats[1:]]
-        nfe = f"; {int(stats[0].nfe)} f-evaluations for the first pair" + (
-            f", {sum(later) / len(later):.1f} per pair after it (each starts from the previous fixed point)"
-            if later
-            else ""
-        )
-    return f"{len(frames)} frames of {h}x{w} in {folder}: {len(flows)} flows{nfe}; written to {out_dir}"

@@ -18,7 +18,7 @@ document (each window scored from empty memory, chunk by chunk with memory as `p
 NFE per chunk, and the compile share of `compile_prompts` completions (`compile_share`).
 
 Example:
-    >>> from deqzoo.tasks import pystd_lm
+    >>> from examples.deq_transformer import pystd_lm
     >>> train, held_out = pystd_lm.split_names()
     >>> len(held_out) > 0 and not set(train) & set(held_out)
     True
@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..core import SolverStats
-from . import pydoc_lm
-from ._demo import DemoSummary
+from deqzoo.core import SolverStats
+from deqzoo.predict import DECODING_SEED, DECODINGS, generate_text
+from examples.demo import DemoSummary
+from examples.deq_transformer import pydoc_lm
 
 EOS = "<|endoftext|>"
 EVAL_WINDOW = 128  # tokens per held-out document scored for perplexity
@@ -47,9 +48,7 @@ MIN_FUNCTION_LINES = 8  # functions shorter than this give no prompt
 PROMPTS_PER_FILE = 2
 NUM_PROMPTS = 32
 NEW_TOKENS = 48
-# The card's decoding, for code and for the demo: seeded sampling; no repetition penalty (code repeats tokens)
-DECODING: dict = {"do_sample": True, "temperature": 0.7, "top_k": 20}
-DECODING_SEED = 0
+DECODING = DECODINGS["pystd_lm"]  # the card's decoding (deqzoo.predict's, which `deqzoo predict` uses)
 # Prompts end without their last newline: byte-level BPE merges a newline with the next line's indentation
 # ("\n    " is one token), so a prompt ending in a bare "\n" token would tell the model "column 0 follows".
 DEMO_PROMPT = 'def is_even(n):\n    """Return True if n is even."""'
@@ -191,7 +190,7 @@ def complete(model, prompt: str, *, decoding: dict | None = None, new_tokens: in
     """Exactly `new_tokens` tokens after `prompt` (end-of-text suppressed until then) with the card's
     decoding, sampled as `pydoc_lm`'s seeded generation does."""
     decoding = {**(DECODING if decoding is None else decoding), "min_new_tokens": new_tokens}
-    return pydoc_lm._generate(model, prompt, max_new_tokens=new_tokens, decoding=decoding, seed=seed)[0]
+    return generate_text(model, prompt, max_new_tokens=new_tokens, decoding=decoding, seed=seed)[0]
 
 
 def real_completion(tokenizer, continuation: str, new_tokens: int = NEW_TOKENS) -> str:
@@ -235,6 +234,3 @@ def demo(model) -> tuple[str, SolverStats]:
     return DemoSummary(" ".join((DEMO_PROMPT + text).split()), metric), stats
 
 
-def predict(model, input: str) -> str:
-    """As `pydoc_lm.predict` (24 tokens after a text or a text file's contents), with this card's decoding."""
-    return pydoc_lm.predict(model, input, decoding=DECODING)

@@ -7,7 +7,7 @@ budget, and the mean number of forward f evaluations (NFE) per batch of 100, at 
 
 Example:
     >>> import deqzoo
-    >>> from deqzoo.tasks import mnist
+    >>> from examples.mdeq import mnist
     >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist")
     >>> sorted(mnist.evaluate(model, limit=100, progress=False))
     ['accuracy', 'converged', 'mean_nfe']
@@ -16,15 +16,15 @@ Example:
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..core import SolverStats
-from ._demo import DemoSummary
+from deqzoo.core import SolverStats
+from deqzoo.predict import class_labels, image_processor
+from examples.demo import DemoSummary
 
-__all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "interleaved_test_split", "load_split", "predict",
+__all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "interleaved_test_split", "load_split",
            "sample_images", "to_pixel_values"]
 
 EVAL_BATCH_SIZE = 100
@@ -68,24 +68,13 @@ def interleaved_test_split(limit: int | None = None) -> tuple[np.ndarray, np.nda
     return x[order][:limit], y[order][:limit]
 
 
-def _processor(model):
-    from ..models.mdeq.image_processing_mdeq import MDEQImageProcessor
-
-    return MDEQImageProcessor.from_config(model.config)
-
-
 def to_pixel_values(images: np.ndarray, model) -> torch.Tensor:
     """uint8 images (N, 28, 28) -> pixel_values through the model's image processor (as the pipeline does)."""
     from PIL import Image
 
-    proc = _processor(model)
+    proc = image_processor(model)
     batch = proc([Image.fromarray(im, mode="L") for im in images], return_tensors="pt")["pixel_values"]
     return batch.to(torch.float32)
-
-
-def _labels(model) -> dict[int, str]:
-    id2label = getattr(model.config, "id2label", None) or {}
-    return {int(k): str(v) for k, v in id2label.items()}
 
 
 @torch.no_grad()
@@ -135,37 +124,10 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     out = model(pixel_values=to_pixel_values(x, model))
     pred = out.logits.argmax(-1).tolist()
-    names = _labels(model)
+    names = class_labels(model)
     shown = " ".join(names.get(p, str(p)) for p in pred)
     right = sum(int(p == t) for p, t in zip(pred, y.tolist()))
     summary = DemoSummary(f"digits 0-9 -> predicted {shown} ({right}/10 correct)", f"{right}/10 correct")
     return summary, out.deq_stats
 
 
-# Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.
-MAX_IMAGE_PIXELS = 4096 * 4096
-
-
-@torch.no_grad()
-def predict(model, input: str) -> str:
-    """Classify one image file (any size or mode; converted like the pipeline does).
-
-    Returns the label, the top-3 class probabilities and whether the solve converged, on one line.
-    """
-    from ._files import open_image
-
-    path = Path(input)
-    if not path.is_file():
-        raise FileNotFoundError(f"predict: no image file at {input!r}")
-    image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
-    model.eval()
-    pixels = _processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
-    out = model(pixel_values=pixels)
-    probs = torch.softmax(out.logits[0].float(), dim=-1)
-    top = torch.topk(probs, k=min(3, probs.numel()))
-    names = _labels(model)
-    ranked = [(names.get(int(i), str(int(i))), float(p)) for p, i in zip(top.values, top.indices)]
-    scores = ", ".join(f"{label} {p:.4f}" for label, p in ranked)
-    converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
-    return (f"{ranked[0][0]} (top-{len(ranked)} probabilities: {scores}; solve {converged}, "
-            f"nfe={out.deq_stats.nfe})")

@@ -1,0 +1,649 @@
+"""`deqzoo predict`: a checkpoint on a user's input, one function per task kind.
+
+A model card's ``deqzoo_task`` names the task (a key of `PREDICTORS`); it never names code to import. Data
+sets, evaluation and the demo of each task are programs of the repository (``examples/<family>/``, run by
+``deqzoo eval`` and ``deqzoo demo`` from a clone); this module is what an installed package needs to serve a
+user: read the input, checked before decoding, run the model, write the output without overwriting a file.
+
+Example:
+    >>> from deqzoo.predict import PREDICTORS
+    >>> sorted(PREDICTORS)[:3]
+    ['chains', 'ddim_digits', 'flow']
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def free_path(path: str | Path) -> Path:
+    """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "flow.png").write_bytes(b"mine")
+        >>> free_path(folder / "flow.png").name
+        'flow-1.png'
+    """
+    path = Path(path)
+    if not path.exists():
+        return path
+    for i in range(1, 10000):
+        candidate = path.with_name(f"{path.stem}-{i}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+    raise FileExistsError(f"{path}: 10,000 numbered files already exist beside it; choose another name")
+
+
+def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[str, ...] | None = None):
+    """A loaded PIL image from `path`, checked before decoding: the pixel count from the header against
+    `max_pixels`, the mode against `modes` (any when None); a decompression bomb or an unreadable file is a
+    ValueError. Every message starts with `label` (the command and file it is about).
+
+    Example:
+        >>> import tempfile
+        >>> from PIL import Image
+        >>> file = Path(tempfile.mkdtemp()) / "digit.png"
+        >>> Image.new("L", (28, 28)).save(file)
+        >>> open_image(file, "predict: 'digit.png'", max_pixels=4096 * 4096).size
+        (28, 28)
+    """
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)  # reads the header only
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"{label} is {width}x{height} = {width * height:,} pixels, above the "
+                                 f"limit of {max_pixels:,}; not decoded")
+            if modes is not None and image.mode not in modes:
+                raise ValueError(f"{label} has image mode {image.mode!r}; readable modes are "
+                                 f"{', '.join(modes)} (save it as an 8-bit PNG or JPEG)")
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ValueError(f"{label} is a decompression bomb ({err})") from err
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"{label} is not a readable image ({err})") from err
+    return image
+
+
+
+def image_processor(model):
+    """The MDEQ image processor a classification checkpoint's config describes."""
+    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
+    return MDEQImageProcessor.from_config(model.config)
+
+
+def class_labels(model) -> dict[int, str]:
+    """{class index: label} from the config's id2label."""
+    id2label = getattr(model.config, "id2label", None) or {}
+    return {int(k): str(v) for k, v in id2label.items()}
+
+
+# Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+@torch.no_grad()
+def classify_image(model, input: str) -> str:
+    """Classify one image file (any size or mode; converted like the pipeline does).
+
+    Returns the label, the top-3 class probabilities and whether the solve converged, on one line.
+    """
+    path = Path(input)
+    if not path.is_file():
+        raise FileNotFoundError(f"predict: no image file at {input!r}")
+    image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
+    model.eval()
+    pixels = image_processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
+    out = model(pixel_values=pixels)
+    probs = torch.softmax(out.logits[0].float(), dim=-1)
+    top = torch.topk(probs, k=min(3, probs.numel()))
+    names = class_labels(model)
+    ranked = [(names.get(int(i), str(int(i))), float(p)) for p, i in zip(top.values, top.indices)]
+    scores = ", ".join(f"{label} {p:.4f}" for label, p in ranked)
+    converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
+    return (f"{ranked[0][0]} (top-{len(ranked)} probabilities: {scores}; solve {converged}, "
+            f"nfe={out.deq_stats.nfe})")
+
+
+
+# The card's recommended decoding: greedy decoding of a model this small loops ("the in the in ..."); sampling
+# from the top 20 tokens at temperature 0.7 with a repetition penalty reads like text. Seeded: reproducible.
+# The code model (pystd_lm) samples without a repetition penalty: code repeats tokens.
+DECODINGS: dict[str, dict] = {
+    "pydoc_lm": {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.2},
+    "pystd_lm": {"do_sample": True, "temperature": 0.7, "top_k": 20},
+}
+DECODING_SEED = 0
+
+
+def load_tokenizer(model):
+    """The tokenizer saved with the checkpoint the model was loaded from."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if path and not (Path(path) / "tokenizer.json").is_file():
+        from .hub import resolve  # a hub id (e.g. the embedded checkpoint): its local directory
+
+        try:
+            path = str(resolve(path))
+        except Exception:  # noqa: BLE001 - reported below with the name that failed
+            pass
+    if not path or not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
+                                "model from a checkpoint directory that contains its tokenizer")
+    from .integrations.transformers import register_family  # AutoTokenizer may read config.json's type
+    from .models.registry import family_for
+
+    register_family(family_for(model.config.model_type))
+    return AutoTokenizer.from_pretrained(path)
+
+
+# Documented limit of `deqzoo predict` for the language model (a few pages of text).
+MAX_PROMPT_CHARS = 20_000
+
+
+def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | None = None,
+              seed: int = DECODING_SEED, scores: bool = False):
+    """`generate()` with the recommended decoding (or `decoding`), sampling from a private seeded generator
+    state so the text is reproducible and the caller's RNG is left as it was."""
+    tok = load_tokenizer(model)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty after tokenization")
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+                             pad_token_id=pad, output_logits=scores,
+                             **(DECODINGS["pydoc_lm"] if decoding is None else decoding))
+    new = out.sequences[0, ids.shape[1]:]
+    text_out = tok.decode(new, skip_special_tokens=True)
+    if not scores:
+        return text_out, out.past_key_values
+    # the model's own distribution (before temperature / top-k / repetition penalty) at each sampled token
+    probs = torch.stack([F.softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, new.tolist())])
+    return text_out, out.past_key_values, probs
+
+
+def complete_text(model, input: str, decoding: dict | None = None) -> str:
+    """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path), then
+    the model's own probability of each sampled token (geometric mean and minimum), on the next line.
+
+    Prompts are limited to MAX_PROMPT_CHARS characters, checked before anything is read or tokenized."""
+    path = Path(input)
+    if len(input) < 4096 and path.is_file():
+        size = path.stat().st_size
+        if size > 4 * MAX_PROMPT_CHARS:  # at most 4 bytes per character in UTF-8
+            raise ValueError(f"{path}: {size:,} bytes; predict takes a prompt of at most "
+                             f"{MAX_PROMPT_CHARS:,} characters (MAX_PROMPT_CHARS)")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+    else:
+        text = input
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt has {len(text):,} characters; predict takes at most "
+                         f"{MAX_PROMPT_CHARS:,} (MAX_PROMPT_CHARS)")
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    continuation, _, probs = generate_text(model, text, decoding=decoding, scores=True)
+    if probs.numel() == 0:
+        return continuation
+    return (f"{continuation}\n[{probs.numel()} tokens; model probability per token: geometric mean "
+            f"{float(probs.log().mean().exp()):.4f}, min {float(probs.min()):.4f}]")
+
+
+
+@dataclass
+class ChainsDataset:
+    """A chains graph: features (N, F), edges (2, E) source->target, labels (N,), and index splits."""
+
+    x: torch.Tensor
+    edge_index: torch.Tensor
+    labels: torch.Tensor
+    train_idx: torch.Tensor
+    val_idx: torch.Tensor
+    test_idx: torch.Tensor
+    num_classes: int
+    chains_per_class: int
+    chain_length: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.x.shape[0]
+
+    def adjacency(self) -> torch.Tensor:
+        """The same graph as a torch sparse COO adjacency (A[i, j] = 1 for the edge i -> j)."""
+        n = self.num_nodes
+        return torch.sparse_coo_tensor(
+            self.edge_index, torch.ones(self.edge_index.shape[1]), (n, n)
+        ).coalesce()
+
+
+def make_chains(
+    chain_length: int = 10,
+    *,
+    num_classes: int = 2,
+    chains_per_class: int = 20,
+    feature_dim: int = 100,
+    num_train: int = 20,
+    num_val: int = 100,
+    num_test: int = 200,
+    noise: float = 0.0,
+    seed: int = 42,
+) -> ChainsDataset:
+    """Build the chains dataset (deterministic in `seed`; defaults are the original's).
+
+    Node index of (class c, chain k, position p) is ``(c * chains_per_class + k) * chain_length + p``.
+    Features are row-normalized as the original's preprocessing does (rows summing to zero stay zero).
+
+    Example:
+        >>> ds = make_chains(chain_length=5, chains_per_class=2, num_train=4, num_val=2, num_test=4)
+        >>> ds.labels.tolist()[:10], ds.x[0, :2].tolist(), ds.x[1].abs().sum().item()
+        ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [1.0, 0.0], 0.0)
+    """
+    if chain_length < 2:
+        raise ValueError(f"chain_length must be >= 2, got {chain_length}")
+    if num_classes > feature_dim:
+        raise ValueError(f"feature_dim ({feature_dim}) must be >= num_classes ({num_classes})")
+    n_nodes = num_classes * chains_per_class * chain_length
+    if num_train + num_val + num_test > n_nodes:
+        raise ValueError(f"splits ({num_train}+{num_val}+{num_test}) exceed the {n_nodes} nodes")
+    rng = np.random.RandomState(seed)
+    feats = rng.uniform(-noise, noise, size=(num_classes, chains_per_class, chain_length, feature_dim))
+    feats[:, :, 0, :num_classes] += np.eye(num_classes).reshape(num_classes, 1, num_classes)
+    feats = feats.reshape(-1, feature_dim)
+    row_sum = feats.sum(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(row_sum != 0, 1.0 / row_sum, 0.0)
+    feats = feats * inv
+    labels = np.repeat(np.arange(num_classes), chains_per_class * chain_length)
+    order = np.arange(n_nodes)
+    rng.shuffle(order)
+    starts = np.arange(num_classes * chains_per_class)[:, None] * chain_length
+    src = (starts + np.arange(chain_length - 1)[None, :]).reshape(-1)
+    edge_index = torch.from_numpy(np.stack([src, src + 1])).long()
+    return ChainsDataset(
+        x=torch.from_numpy(feats).float(),
+        edge_index=edge_index,
+        labels=torch.from_numpy(labels).long(),
+        train_idx=torch.from_numpy(order[:num_train]).long(),
+        val_idx=torch.from_numpy(order[num_train : num_train + num_val]).long(),
+        test_idx=torch.from_numpy(order[num_train + num_val : num_train + num_val + num_test]).long(),
+        num_classes=num_classes,
+        chains_per_class=chains_per_class,
+        chain_length=chain_length,
+    )
+
+
+def chains_settings(model) -> dict[str, Any]:
+    """The dataset settings a checkpoint was trained on (``config.task_specific_params["chains"]``)."""
+    params = (getattr(model.config, "task_specific_params", None) or {}).get("chains")
+    if not params or "chain_length" not in params:
+        raise ValueError(
+            "this model's config has no task_specific_params['chains']['chain_length']; "
+            "it was not trained on the chains task (see examples/ignn/train_chains.py)"
+        )
+    return dict(params)
+
+
+def node_classifier(model):
+    """The node-classification head; a bare IGNNModel cannot classify nodes."""
+    if not hasattr(model, "classifier"):
+        raise ValueError(f"{type(model).__name__} has no node classifier; load a node-classification "
+                         "checkpoint (deqzoo.from_pretrained picks the head from config.architectures)")
+    return model
+
+
+# Documented limits of `deqzoo predict` for graphs: generated chain length, size of a graph JSON file.
+MAX_CHAIN_LENGTH = 100_000
+
+
+MAX_GRAPH_FILE_BYTES = 64 * 1024 * 1024
+
+
+def classify_nodes(model, input: str) -> str:
+    """Predict chain classes. INPUT is a chain length (e.g. ``"40"``: a fresh chains graph of that length,
+    generated with the checkpoint's other settings) or a path to a JSON graph file
+    ``{"x": [[...], ...], "edge_index": [[sources...], [targets...]]}`` (optional ``"edge_weight"``).
+
+    Returns one line per chain (class per node, start -> end, and the mean probability of the predicted
+    classes) for a length, or the predicted class and its probability per node for a file.
+    """
+    text = str(input).strip()
+    if text.isdigit():
+        if not 1 <= int(text) <= MAX_CHAIN_LENGTH:
+            raise ValueError(f"chain length {text} is outside [1, {MAX_CHAIN_LENGTH:,}] (MAX_CHAIN_LENGTH)")
+        settings = {**chains_settings(model), "chain_length": int(text)}
+        ds = make_chains(**settings)
+        with torch.no_grad():
+            out = node_classifier(model).eval()(ds.x, ds.edge_index)
+        conf, pred = out.logits.softmax(-1).max(-1)
+        stats = out.deq_stats
+        lines = []
+        for chain, (p, y, c) in enumerate(
+            zip(pred.view(-1, ds.chain_length), ds.labels.view(-1, ds.chain_length),
+                conf.view(-1, ds.chain_length))
+        ):
+            ok = (p == y).float().mean().item()
+            lines.append(
+                f"chain {chain:3d} (class {y[0].item()}): predicted {''.join(map(str, p.tolist()))} "
+                f"({ok:.0%} correct, mean probability {c.mean().item():.4f})"
+            )
+        acc = (pred == ds.labels).float().mean().item()
+        lines.append(f"all nodes: accuracy {acc:.4f}; {stats.nfe} f-evals")
+        return "\n".join(lines)
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(
+            f"predict input {text!r} is neither a chain length (an integer) nor an existing JSON file"
+        )
+    from .hub.validation import read_json
+
+    graph = read_json(path, max_bytes=MAX_GRAPH_FILE_BYTES, max_depth=4)
+    for key in ("x", "edge_index"):
+        if key not in graph:
+            raise ValueError(
+                f"{path}: missing key {key!r}; expected {{'x': [[...]], 'edge_index': [[...], [...]]}}"
+            )
+    try:
+        x = torch.tensor(graph["x"], dtype=torch.float32)
+        edge_index = torch.tensor(graph["edge_index"], dtype=torch.long)
+        weight = torch.tensor(graph["edge_weight"], dtype=torch.float32) if "edge_weight" in graph else None
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise ValueError(f"{path}: 'x', 'edge_index' and 'edge_weight' must be numeric arrays "
+                         f"(x: nodes x features, edge_index: 2 x edges) ({err})") from err
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"{path}: key 'edge_index' must be [[sources...], [targets...]], got shape "
+                         f"{tuple(edge_index.shape)}")
+    model = node_classifier(model).eval()
+    with torch.no_grad():
+        out = model(x, edge_index, weight)
+    probs = out.logits.softmax(-1).max(-1)
+    pred = probs.indices.tolist()
+    scores = [round(float(p), 4) for p in probs.values]
+    return (f"{path.name}: {len(pred)} nodes, predicted classes {pred}, their probabilities {scores}; "
+            f"{out.deq_stats.nfe} f-evals")
+
+
+
+def signal_settings(model) -> dict[str, Any]:
+    """The image, size and split a checkpoint was fitted on (``config.task_specific_params["implicit2"]``)."""
+    params = (getattr(model.config, "task_specific_params", None) or {}).get("implicit2")
+    if not params or "image" not in params or "size" not in params:
+        raise ValueError(
+            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; "
+            "it was not "
+            "fitted by the implicit2 task (see examples/implicit2/)"
+        )
+    return {"split": "full", **params}
+
+
+def save_png(image: torch.Tensor, path: Path) -> None:
+    """Write a (H, W, C) image in [0, 1] as an 8-bit PNG."""
+    from PIL import Image
+
+    arr = (image.detach().cpu().numpy() * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+    Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
+
+
+def render_signal(model, input: str) -> str:
+    """Render the representation to a PNG. INPUT is ``HxW`` (e.g. ``512x512``), ``Nx`` (e.g. ``2x``: N times
+    the fitted resolution), optionally followed by ``:PATH.png``; without a path the file is
+    ``implicit2_<image>_<H>x<W>.png`` in the current directory (a numbered name if that exists: an existing
+    file is never overwritten)."""
+    text = str(input).strip()
+    spec, _, target = text.partition(":")
+    spec = spec.lower()
+    s = signal_settings(model)
+    try:
+        if spec.endswith("x") and spec[:-1].replace(".", "", 1).isdigit():
+            factor = float(spec[:-1])
+            h = w = int(round(factor * int(s["size"])))
+        else:
+            hs, ws = spec.split("x")
+            h, w = int(hs), int(ws)
+    except ValueError:
+        raise ValueError(
+            f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), optionally ':out.png'"
+        ) from None
+    if not (1 <= h <= 8192 and 1 <= w <= 8192):
+        raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
+    path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"predict: output {path} must end in .png")
+    path = free_path(path)
+    start = time.perf_counter()
+    image = model.eval().render(h, w)
+    save_png(image, path)
+    return f"rendered {s['image']} representation at {h}x{w} to {path} ({time.perf_counter() - start:.1f}s)"
+
+
+
+def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int = 10, seed: int = 0):
+    """Write an 8-wide PNG grid of `n` DEQ-DDIM samples (each upscaled 4x); returns (path, stats)."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+
+    out = pipe(
+        batch_size=n,
+        generator=torch.Generator().manual_seed(seed),
+        num_inference_steps=num_inference_steps,
+        output_type="np",
+    )
+    imgs = torch.from_numpy((out.images[..., :1] * 255).round().astype(np.uint8)).permute(0, 3, 1, 2)
+    grid = make_grid(imgs, nrow=8, padding=1)[0].numpy()  # black 1-pixel lines between the digits
+    Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(path)
+    return Path(path), out.deq_stats
+
+
+def sample_digits(pipe, input: str) -> str:
+    """Write a grid of 64 samples to the PNG path `input` (created; an existing file is not overwritten)."""
+    path = Path(input)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"predict: {input!r} must name a .png file to write the sample grid to")
+    if path.exists():
+        raise FileExistsError(f"predict: {input!r} exists; choose a new file name")
+    out, stats = sample_grid(pipe, path)
+    return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"
+
+
+
+_MAX_PREDICT_PIXELS = 1024 * 1024  # the all-pairs correlation volume grows with (H·W/64)²
+
+
+def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
+    """Write a (2, H, W) flow as a colour PNG (torchvision.utils.flow_to_image: hue = direction, saturation =
+    magnitude relative to the largest)."""
+    from PIL import Image
+    from torchvision.utils import flow_to_image
+
+    rgb = flow_to_image(flow.detach().float().cpu())
+    path = Path(path)
+    Image.fromarray(rgb.permute(1, 2, 0).numpy()).save(path)
+    return path
+
+
+def read_image(path: str) -> torch.Tensor:
+    """An image file as a uint8 (C, H, W) tensor (RGB, or RGBA where it has transparency), checked before
+    decoding (pixels against _MAX_PREDICT_PIXELS, decompression bombs, unreadable files)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"predict: image {path!r} does not exist")
+    img = open_image(path, f"predict: {path}", max_pixels=_MAX_PREDICT_PIXELS)
+    arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+def estimate_flow(model, *inputs: str) -> str:
+    """Flow between two images, or along a video, as colour PNGs.
+
+    INPUTS ``FIRST SECOND`` (image paths; also ``FIRST,SECOND``), optionally ``OUT.png``: one flow; without
+    OUT the file is ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists:
+    an existing file is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2
+    before frame10, are the frames of a video), optionally ``OUTDIR``: the flow of every consecutive pair
+    with the checkpoint's frame-to-frame reuse (``model.estimate_sequence(frames, reuse=True)``:
+    ``config.sequence_reuse``, "none" for a checkpoint that reuse makes worse), one PNG per pair in OUTDIR
+    (a new or empty folder; default ``flow_<folder>`` here, a numbered name if that exists)."""
+    # one argument: the comma form (FIRST,SECOND); several: one path each (a comma may be in a path)
+    parts = [p.strip() for p in (inputs[0].split(",") if len(inputs) == 1 else inputs)]
+    input = " ".join(inputs)
+    if parts and parts[0] and Path(parts[0]).is_dir():
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"predict input {input!r}: expected FOLDER of frames, optionally OUTDIR")
+        return _predict_video(model, Path(parts[0]), Path(parts[1]) if len(parts) == 2 else None)
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"predict input {input!r}: expected FIRST SECOND image paths, optionally OUT.png"
+        )
+    a, b = read_image(parts[0]), read_image(parts[1])
+    if a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(
+            f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
+            f"{tuple(b.shape[-2:])}; the two frames must have the same size"
+        )
+    path = (
+        Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
+    )
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"predict: output {path} must end in .png")
+    path = free_path(path)
+    with torch.no_grad():
+        out = model.eval()(a[None], b[None])
+    flow = out.flow[0]
+    flow_png(flow, path)
+    mag = torch.linalg.vector_norm(flow, dim=0)
+    nfe = f", {out.deq_stats.nfe} f-evaluations" if out.deq_stats is not None else ""
+    return (
+        f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): "
+        f"mean |flow| {float(mag.mean()):.2f} px, "
+        f"max {float(mag.max()):.2f} px{nfe}; written to {path}"
+    )
+
+
+_FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+
+
+# The flows of a whole video are held until they are written: at most this many pixels over all frames
+# (256 MiB of float32 flow).
+_MAX_VIDEO_PIXELS = 32 * 1024 * 1024
+
+
+def video_frames(folder: Path) -> list[Path]:
+    """The frames of a video folder in name order, checked (count, sizes) before any is decoded."""
+    from PIL import Image
+
+    frames = sorted(
+        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FRAME_SUFFIXES),
+        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],  # 2 before 10
+    )
+    if len(frames) < 2:
+        raise ValueError(
+            f"predict: {folder} holds {len(frames)} image(s) ({', '.join(_FRAME_SUFFIXES)}); a video needs "
+            "at least 2 frames"
+        )
+    sizes = []
+    for path in frames:
+        with Image.open(path) as img:  # reads the header only
+            sizes.append(img.size)
+            if img.size != sizes[0]:
+                raise ValueError(
+                    f"predict: {path} is {img.size[1]}x{img.size[0]} (H x W) but {frames[0]} is "
+                    f"{sizes[0][1]}x{sizes[0][0]}; every frame of a video must have the same size"
+                )
+    w, h = sizes[0]
+    if len(frames) * w * h > _MAX_VIDEO_PIXELS:
+        raise ValueError(
+            f"predict: {folder} holds {len(frames)} frames of {h}x{w}, {len(frames) * w * h:,} pixels in "
+            f"all; at most {_MAX_VIDEO_PIXELS:,} (the flows are held until written): split the video"
+        )
+    return frames
+
+
+class _LazyFrames:
+    """A video's frames, decoded when the solve asks for them (not all held at once)."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return read_image(str(self.paths[i]))
+
+
+def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
+    frames = video_frames(folder)
+    if out_dir is None:
+        out_dir = free_path(Path(f"flow_{folder.resolve().name}"))
+    elif out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"predict: output folder {out_dir} is a file; choose a new folder")
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"predict: output folder {out_dir} exists and is not empty; choose a new one")
+    with torch.no_grad():
+        flows, stats = model.eval().estimate_sequence(_LazyFrames(frames), reuse=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for a, b, f in zip(frames, frames[1:], flows):
+        flow_png(f, free_path(out_dir / f"flow_{a.stem}_{b.stem}.png"))  # a.png and a.jpg: both kept
+    h, w = flows[0].shape[-2:]
+    nfe = ""
+    if stats[0] is not None:
+        later = [int(s.nfe) for s in stats[1:]]
+        nfe = f"; {int(stats[0].nfe)} f-evaluations for the first pair" + (
+            f", {sum(later) / len(later):.1f} per pair after it (each starts from the previous fixed point)"
+            if later
+            else ""
+        )
+    return f"{len(frames)} frames of {h}x{w} in {folder}: {len(flows)} flows{nfe}; written to {out_dir}"
+
+
+# task name (a card's `deqzoo_task`) -> its predict function (model, *inputs) -> one printable result
+PREDICTORS: dict[str, Callable[..., str]] = {
+    "mnist": classify_image,
+    "pydoc_lm": complete_text,
+    "pystd_lm": lambda model, input: complete_text(model, input, decoding=DECODINGS["pystd_lm"]),
+    "chains": classify_nodes,
+    "implicit2": render_signal,
+    "ddim_digits": sample_digits,
+    "flow": estimate_flow,
+}
+
+
+def register_predictor(task: str, predict: Callable[..., str]) -> None:
+    """Add a task's predict function (for code that ships its own task, e.g. a plugin or a test)."""
+    if not task or not isinstance(task, str) or not callable(predict):
+        raise ValueError(f"register_predictor needs a task name and a callable, got {task!r}, {predict!r}")
+    PREDICTORS[task] = predict
+
+
+def predict(model, task: object, inputs: list[str]) -> str:
+    """Run `model` on `inputs` with the predict function of `task` (a card's ``deqzoo_task`` value); one
+    input except for a task whose function takes several (optical flow: two images)."""
+    if not isinstance(task, str) or task not in PREDICTORS:
+        raise ValueError(f"deqzoo_task {task!r} is not a registered task; registered tasks: "
+                         f"{sorted(PREDICTORS)}")
+    function = PREDICTORS[task]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(function).parameters.values())
+    if len(inputs) != 1 and not variadic:
+        raise ValueError(f"the {task} task takes one INPUT, got {len(inputs)}: {inputs}")
+    return function(model, *inputs)
