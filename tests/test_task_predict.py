@@ -36,7 +36,8 @@ def test_pydoc_predict_is_seeded_and_scored():
     assert f"geometric mean {gmean:.4f}, min {float(probs.min()):.4f}" in first
     # the demo's sample is not greedy's degenerate loop
     # greedy proper: the checkpoint's generation_config.json carries a repetition penalty, switched off here
-    greedy, _ = generate_text(model, pydoc_lm.DEMO_PROMPT, decoding={"do_sample": False, "repetition_penalty": 1.0})
+    greedy_decoding = {"do_sample": False, "repetition_penalty": 1.0}
+    greedy, _ = generate_text(model, pydoc_lm.DEMO_PROMPT, decoding=greedy_decoding)
     sampled, _ = generate_text(model, pydoc_lm.DEMO_PROMPT)
     words = sampled.split()
     assert len(set(words)) / len(words) > len(set(greedy.split())) / len(greedy.split())
