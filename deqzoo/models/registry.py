@@ -39,8 +39,8 @@ class Family:
     ``prepare(model, graph)`` on the fixed-iteration copy (a graph head's returns the map from the dense
     operator to its ``graph`` argument); `onnx_refused`: why ONNX export is refused.
     `row_independent`: when the family's f is row-independent, so that its forward solve hands f the samples
-    still iterating only (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has batch-coupled dropout masks or batch
-    statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
+    still iterating only (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has batch-coupled
+    dropout masks or batch statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
     """
 
     model_type: str
