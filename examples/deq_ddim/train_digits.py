@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_ddim.ddim_digits import RESOLUTION, load_split
 
 UNET_CONFIG = dict(

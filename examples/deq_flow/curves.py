@@ -39,6 +39,9 @@ from typing import Any
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_flow.flow import EVAL_SIZE, evaluate
 
 if __package__ in (None, ""):  # run as a script: make_cards is next to this file

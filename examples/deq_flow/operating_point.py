@@ -36,6 +36,9 @@ import torch
 
 import deqzoo
 from deqzoo.hub.saving import write_whole
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_flow.flow import epe, model_flow, synthetic_batch
 
 if __package__ in (None, ""):  # run as a script: its neighbours are importable from its folder

@@ -35,6 +35,9 @@ from tqdm import tqdm
 
 import deqzoo
 from deqzoo.models.deq_flow import two_stage_backward
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_flow.flow import epe, synthetic_batch
 
 

@@ -17,12 +17,15 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 # the scene machinery of the task's pairs: a video is rendered exactly as they are
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_flow.flow import (
     _LFW_TRAIN,
     Map,

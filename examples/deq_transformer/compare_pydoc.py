@@ -12,10 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_transformer import pydoc_lm
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_transformer import pydoc_lm, pystd_lm
 
 EOS = "<|endoftext|>"

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
 from deqzoo.predict import generate_text
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_transformer import pydoc_lm
 from utils.cards import write_model_card
 

@@ -15,11 +15,15 @@ import argparse
 import json
 import math
 import platform
+import sys
 from pathlib import Path
 
 import torch
 
 from deqzoo.models.deq_transformer import DEQTransformerForCausalLM
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.deq_transformer import pydoc_lm, pystd_lm
 from utils.cards import write_model_card
 

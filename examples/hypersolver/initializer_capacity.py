@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODELS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "pydoc": "deqzoo/deq-transformer-tiny-pydoc"}
 BUDGETS = {"mdeq": (1, 2, 3, 4, 5, 6, 8, 10, 12), "pydoc": (1, 2, 4, 6, 8, 10, 12, 15, 20, 25, 30)}

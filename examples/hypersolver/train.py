@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from torch import nn
 from deqzoo.core.solvers import get_solver
 from deqzoo.hypersolver.configuration import HyperSolverConfig
 from deqzoo.hypersolver.modeling import HyperSolver
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.hypersolver._problems import Problem, default_config, initial_flat, record_problems, unroll
 
 __all__ = ["TrainResult", "collect_problems", "default_config", "model_batches", "train_hypersolver"]

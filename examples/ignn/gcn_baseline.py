@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 
 class GCN(nn.Module):
     """logits = Â · dropout(ReLU(Â X W₁ + b₁)) W₂ + b₂ with the sparse operator Â (rows = targets)."""

@@ -29,6 +29,9 @@ from tqdm import tqdm
 
 from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
 from deqzoo.models.ignn.modeling_ignn import augmented_normalized_adjacency
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.ignn.chains import evaluate, make_chains
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

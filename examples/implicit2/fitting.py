@@ -10,13 +10,18 @@ config's backward mode). `make_cards.py` and `benchmarks/implicit2.py` use it; r
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from deqzoo.core import FixedPointCache, SpectralProjector
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class _SavedBytes:

@@ -30,6 +30,9 @@ import numpy as np
 import torch
 
 from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.implicit2.images import evaluate
 from utils.cards import write_model_card
 

@@ -47,6 +47,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.implicit2 import _build, paper_input_scale
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.implicit2.fitting import Fitter
 
 NETWORKS: dict[str, dict[str, Any]] = {

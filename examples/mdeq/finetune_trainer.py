@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ from transformers import Trainer, TrainingArguments
 
 import deqzoo
 from deqzoo.models.mdeq import LipschitzProjectionCallback
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.mdeq import mnist
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import deqzoo
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.mdeq import mnist
 
 

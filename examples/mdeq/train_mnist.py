@@ -23,6 +23,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,9 @@ from tqdm.auto import tqdm
 import deqzoo
 from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
 from deqzoo.models.mdeq.lipschitz import project_lipschitz
+
+if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.mdeq import mnist
 
 PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny",
