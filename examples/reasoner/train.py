@@ -252,7 +252,8 @@ def main(argv=None) -> None:
                 explore = torch.rand(rows.numel()) < cfg.halt_exploration_prob
                 slots["min_steps"][rows] = explore * torch.randint(2, max(n_sup, 2) + 1, (rows.numel(),))
                 info["puzzles"] += rows.numel()
-        running = 0.98 * running + 0.02 * float(out_.loss) if step > 1 else float(out_.loss)
+        loss_value = float(out_.loss.detach())
+        running = 0.98 * running + 0.02 * loss_value if step > 1 else loss_value
         info["loss"] = running
         bar.update(1)
         bar.set_postfix(loss=f"{running:.3f}")

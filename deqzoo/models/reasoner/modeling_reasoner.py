@@ -154,18 +154,26 @@ class ReasonerModelOutput(DEQModelOutput):
 class ReasonerGridOutput(DEQModelOutput):
     """loss: deep-supervision loss (mean over the segments run of cross-entropy on the cells + 0.5 * BCE of
     the Q-head's halt logit against "the whole grid is right"); logits: (batch, seq_len, num_labels) at each
-    sample's last segment; q_halt_logits: (batch,) at that segment; steps: (batch,) segments each sample ran;
-    halted: (batch,) True where a halting rule stopped the sample before the budget; carry: (y, z) detached;
+    sample's last segment; q_halt_logits: (batch,) at that segment; steps: (batch,) segments each sample ran
+    (``steps < num_segments``: a halting rule stopped the sample before the budget); carry: (y, z) detached;
     hidden_states: (x, y, z) on request; deq_stats: the last segment's solve statistics (grad_mode "deq")."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     q_halt_logits: torch.Tensor | None = None
     steps: torch.Tensor | None = None
-    halted: torch.Tensor | None = None
     carry: tuple[torch.Tensor, torch.Tensor] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     deq_stats: SolverStats | None = None
+
+
+def _initial_state(width: int, which: int) -> torch.Tensor:
+    """The initial y (which=0) or z (1): a truncated-normal draw (std 1, cut at 2) as the originals' H_init /
+    L_init, but from a fixed generator, so it is the same vector for every model of that width (a buffer,
+    not trained; checkpoints carry their own)."""
+    state = torch.empty(width, device="cpu")  # the generator's device, also under a meta-device context
+    return nn.init.trunc_normal_(state, std=1.0, a=-2.0, b=2.0,
+                                 generator=torch.Generator().manual_seed(1_000_003 * (which + 1)))
 
 
 class ReasonerPreTrainedModel(DEQPreTrainedModel):
@@ -179,8 +187,8 @@ class ReasonerPreTrainedModel(DEQPreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         # the originals: truncated-normal LeCun init of every linear (std 1/sqrt(fan_in)), embeddings std
         # 1/sqrt(width) (scaled back up by sqrt(width) in the forward), zero prefix (puzzle) embedding,
-        # initial states drawn once with std 1, the Q-head zero with bias q_bias_init (-5: no sample halts
-        # before the head has learned); transformers' guarded init functions, so loaded weights are kept
+        # initial states std 1 (fixed draws: _initial_state), the Q-head zero with bias q_bias_init (-5: no
+        # sample halts before the head has learned); transformers' guarded init functions keep loaded weights
         std_embed = 1.0 / math.sqrt(self.config.hidden_size)
         if isinstance(module, nn.Linear):
             if getattr(module, "is_q_head", False):
@@ -197,8 +205,8 @@ class ReasonerPreTrainedModel(DEQPreTrainedModel):
             init.zeros_(module.prefix)
             if module.position is not None:
                 init.trunc_normal_(module.position, std=std_embed, a=-2 * std_embed, b=2 * std_embed)
-            init.trunc_normal_(module.y_init, std=1.0, a=-2.0, b=2.0)
-            init.trunc_normal_(module.z_init, std=1.0, a=-2.0, b=2.0)
+            init.copy_(module.y_init, _initial_state(module.y_init.numel(), 0))
+            init.copy_(module.z_init, _initial_state(module.z_init.numel(), 1))
 
 
 class ReasonerModel(ReasonerPreTrainedModel):
@@ -230,8 +238,8 @@ class ReasonerModel(ReasonerPreTrainedModel):
         # TRM: one network for both updates; HRM: a separate H network for the answer
         self.h_net = (ReasonerNetwork(config, config.h_layers or config.num_layers)
                       if config.architecture == "hrm" else None)
-        self.register_buffer("y_init", torch.zeros(d), persistent=True)
-        self.register_buffer("z_init", torch.zeros(d), persistent=True)
+        self.register_buffer("y_init", _initial_state(d, 0), persistent=True)
+        self.register_buffer("z_init", _initial_state(d, 1), persistent=True)
         self.deq = DEQ(config.deq_config)
         self.post_init()
 
@@ -242,19 +250,29 @@ class ReasonerModel(ReasonerPreTrainedModel):
         self.embed_tokens = value
 
     # ------------------------------------------------------------------------------------------- pieces
-    def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed_inputs(self, input_ids: torch.Tensor | None = None,
+                     inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """x: (batch, positions, hidden): the prefix then the scaled token embeddings (learned positions
-        added, scaled by 1/sqrt(2), as the originals)."""
+        added, scaled by 1/sqrt(2), as the originals). `inputs_embeds` (batch, seq_len, hidden) replaces the
+        token lookup (transformers' convention)."""
         cfg = self.config
-        if input_ids.dim() != 2 or input_ids.shape[1] != cfg.seq_len:
-            raise ValueError(f"input_ids must have shape (batch, seq_len={cfg.seq_len}), got "
-                             f"{tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        tokens = self.embed_tokens(input_ids)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[1:] != (cfg.seq_len, cfg.hidden_size):
+                raise ValueError(f"inputs_embeds must have shape (batch, seq_len={cfg.seq_len}, hidden_size="
+                                 f"{cfg.hidden_size}), got {tuple(inputs_embeds.shape)}")
+            tokens = inputs_embeds
+        else:
+            if input_ids.dim() != 2 or input_ids.shape[1] != cfg.seq_len:
+                raise ValueError(f"input_ids must have shape (batch, seq_len={cfg.seq_len}), got "
+                                 f"{tuple(input_ids.shape)}")
+            if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+                raise TypeError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            tokens = self.embed_tokens(input_ids)
         prefix = self.prefix.to(tokens.dtype).expand(tokens.shape[0], -1, -1)
         x = torch.cat([prefix, tokens], dim=1)
         if self.position is not None:
@@ -329,10 +347,11 @@ class ReasonerModel(ReasonerPreTrainedModel):
             return ReasonerCarry(self.answer_step(y, z, cos_sin), z), None
         raise ValueError(f"unknown grad_mode {mode!r}; expected one of one_step, last_cycle, full, deq")
 
-    def forward(self, input_ids: torch.Tensor, carry: ReasonerCarry | tuple | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, carry: ReasonerCarry | tuple | None = None,
                 num_segments: int | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None) -> ReasonerModelOutput | tuple:
-        x = self.embed_inputs(input_ids)
+                return_dict: bool | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> ReasonerModelOutput | tuple:
+        x = self.embed_inputs(input_ids, inputs_embeds)
         carry = self._carry(carry, x)
         stats = None
         for _ in range(self._segments(num_segments)):
@@ -443,15 +462,16 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
         p = self.config.num_prefix_tokens
         return self.lm_head(y[:, p:]), self.q_head(y[:, 0])[..., 0]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 carry: ReasonerCarry | tuple | None = None, num_segments: int | None = None,
                 halting: str | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None) -> ReasonerGridOutput | tuple:
+                return_dict: bool | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> ReasonerGridOutput | tuple:
         cfg, core = self.config, self.reasoner
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
+        x = core.embed_inputs(input_ids, inputs_embeds)
+        if labels is not None and labels.shape != x.shape[:1] + (cfg.seq_len,):
+            raise ValueError(f"labels must have shape (batch, seq_len) = {(x.shape[0], cfg.seq_len)}, got "
                              f"{tuple(labels.shape)}")
-        x = core.embed_inputs(input_ids)
         carry = core._carry(carry, x)
         budget = core._segments(num_segments)
         b = x.shape[0]
@@ -471,7 +491,10 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
             if rows.numel() == 0:
                 break
             every = rows.numel() == b  # no indexing while the whole batch runs (the common case)
-            pick = (lambda t: t) if every else (lambda t: t[rows])
+
+            def pick(t: torch.Tensor, rows=rows, every=every) -> torch.Tensor:
+                return t if every else t[rows]
+
             new, stats = core.segment(pick(x), ReasonerCarry(pick(y), pick(z)))
             seg_logits, seg_q = self.heads(new.y)
             seg_pred = seg_logits.argmax(-1)
@@ -497,7 +520,7 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
                 halted[rows[stop]] = True
         loss = torch.stack(losses).mean() if losses else None
         hidden = (x, y, z) if self._flag(output_hidden_states, "output_hidden_states") else None
-        out = ReasonerGridOutput(loss=loss, logits=logits, q_halt_logits=q_halt, steps=steps, halted=halted,
+        out = ReasonerGridOutput(loss=loss, logits=logits, q_halt_logits=q_halt, steps=steps,
                                  carry=(y, z), hidden_states=hidden, deq_stats=stats)
         return self._output(out, return_dict)
 
