@@ -174,6 +174,16 @@ FAMILIES: list[Family] = [
         export="its solve reuses frame-to-frame state and its padding, correlation pyramid and convex "
                "upsampling are not checked for a dynamic image size or batch",
     ),
+    Family(
+        model_type="reasoner",
+        config="deqzoo.models.reasoner.configuration_reasoner:ReasonerConfig",
+        models={"AutoModel": "deqzoo.models.reasoner.modeling_reasoner:ReasonerModel"},
+        # no Auto class for grid classification with a halting head: the head is found by config.architectures
+        heads={"ReasonerForGridClassification": (
+            "deqzoo.models.reasoner.modeling_reasoner:ReasonerForGridClassification")},
+        architectures="deqzoo.models.reasoner.configuration_reasoner:ARCHITECTURES",
+        export="its per-sample halting changes the batch between segments; not checked for tracing",
+    ),
 ]
 
 PIPELINES: list[PipelineFamily] = [

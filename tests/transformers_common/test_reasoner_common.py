@@ -64,7 +64,7 @@ class ReasonerModelTest(ModelTesterMixin, unittest.TestCase):
         self.config_tester.run_common_tests()
 
     def test_hidden_states_output(self):
-        """Replaces the per-layer check: hidden_states are (x, y, z), (batch, 1 + seq_len, hidden) each, asked
+        """Replaces the per-layer check: hidden_states are (x, z, y), (batch, 1 + seq_len, hidden) each, asked
         for per call or through the config (a recursive core has no stack of distinct layers)."""
         t = self.model_tester
         config, inputs = t.prepare_config_and_inputs_for_common()

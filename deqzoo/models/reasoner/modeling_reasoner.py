@@ -141,7 +141,7 @@ class ReasonerCarry:
 @dataclass
 class ReasonerModelOutput(DEQModelOutput):
     """last_hidden_state: the answer state y (batch, positions, hidden) after the segments; hidden_states:
-    (x, y, z) with ``output_hidden_states=True``; carry: (y, z) detached, to continue from; deq_stats: the
+    (x, z, y) (the answer last, as transformers' last layer) with ``output_hidden_states=True``; carry: (y, z) detached, to continue from; deq_stats: the
     last segment's solve statistics (``grad_mode="deq"`` only)."""
 
     last_hidden_state: torch.Tensor | None = None
@@ -156,7 +156,7 @@ class ReasonerGridOutput(DEQModelOutput):
     the Q-head's halt logit against "the whole grid is right"); logits: (batch, seq_len, num_labels) at each
     sample's last segment; q_halt_logits: (batch,) at that segment; steps: (batch,) segments each sample ran
     (``steps < num_segments``: a halting rule stopped the sample before the budget); carry: (y, z) detached;
-    hidden_states: (x, y, z) on request; deq_stats: the last segment's solve statistics (grad_mode "deq")."""
+    hidden_states: (x, z, y) on request; deq_stats: the last segment's solve statistics (grad_mode "deq")."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -358,7 +358,7 @@ class ReasonerModel(ReasonerPreTrainedModel):
             carry, stats = self.segment(x, carry.detach())
         out = ReasonerModelOutput(
             last_hidden_state=carry.y,
-            hidden_states=(x, carry.y, carry.z) if self._flag(output_hidden_states, "output_hidden_states")
+            hidden_states=(x, carry.z, carry.y) if self._flag(output_hidden_states, "output_hidden_states")
             else None,
             carry=(carry.y.detach(), carry.z.detach()), deq_stats=stats)
         return self._output(out, return_dict)
@@ -519,7 +519,7 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
             if s < budget - 1:
                 halted[rows[stop]] = True
         loss = torch.stack(losses).mean() if losses else None
-        hidden = (x, y, z) if self._flag(output_hidden_states, "output_hidden_states") else None
+        hidden = (x, z, y) if self._flag(output_hidden_states, "output_hidden_states") else None
         out = ReasonerGridOutput(loss=loss, logits=logits, q_halt_logits=q_halt, steps=steps,
                                  carry=(y, z), hidden_states=hidden, deq_stats=stats)
         return self._output(out, return_dict)
