@@ -5,24 +5,20 @@ halting rule ("budget": halting off; "act": the Q-head; "stability": argmax unch
 config.halt_patience segments; "residual"), it prints the exact-solve rate (every cell right), the cell
 accuracy and the mean segments run per puzzle.
 
-    python examples/reasoner/evaluate.py /work/runs/reasoner-pilot/reasoner/checkpoint --heldout sudoku6_heldout
+    PYTHONPATH=. python examples/reasoner/evaluate.py RUN/checkpoint --heldout sudoku6_heldout
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from puzzles import HELDOUT, load_heldout  # noqa: E402
-
-from deqzoo.models.reasoner import ReasonerForGridClassification, exact_solved  # noqa: E402
+from deqzoo.models.reasoner import ReasonerForGridClassification, exact_solved
+from examples.reasoner.puzzles import HELDOUT, load_heldout
 
 
 @torch.no_grad()

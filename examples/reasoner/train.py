@@ -18,7 +18,7 @@ the old ones and swapped in; ``--resume`` continues from them. The data stream i
 (seed, step), so a resumed run draws what an uninterrupted one would. Logs are JSON lines in
 `<out>/log.jsonl`; `--cpu-hours` stops at a process CPU-time budget (equal-compute comparisons).
 
-    nice -n 19 python examples/reasoner/train.py --out /work/runs/reasoner-pilot --threads 1
+    PYTHONPATH=. nice -n 19 python examples/reasoner/train.py --out /work/runs/reasoner-pilot --threads 1
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -37,16 +36,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from puzzles import augment_sudoku, generate_maze, generate_sudoku, load_heldout  # noqa: E402
-
-from deqzoo.models.reasoner import (  # noqa: E402
+from deqzoo.models.reasoner import (
     ARCHITECTURES,
     ReasonerConfig,
     ReasonerForGridClassification,
     exact_solved,
     one_pass_twin,
 )
+from examples.reasoner.puzzles import augment_sudoku, generate_maze, generate_sudoku, load_heldout
 
 TASKS = {"sudoku6": ("sudoku", 6, "sudoku6_heldout"), "sudoku4": ("sudoku", 4, None),
          "sudoku9": ("sudoku", 9, None), "maze9": ("maze", 9, "maze9_heldout")}
@@ -150,9 +147,9 @@ def save_state(out: Path, model, opt, slots: dict, step: int, info: dict) -> Non
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tensors = {f"slot.{k}": v.contiguous() for k, v in slots.items()}
-    for i, group in enumerate(opt.state_dict()["state"].values()):
-        for k, v in group.items():
-            tensors[f"opt.{i}.{k}"] = torch.as_tensor(v).contiguous()
+    for index, moments in opt.state_dict()["state"].items():  # keyed by parameter index
+        for k, v in moments.items():
+            tensors[f"opt.{index}.{k}"] = torch.as_tensor(v).contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     save_file(tensors, str(tmp / "trainer_state.safetensors"), metadata={"step": str(step),
                                                                         "info": json.dumps(info)})
@@ -174,8 +171,10 @@ def load_state(out: Path, opt) -> tuple[dict, int, dict]:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     state = opt.state_dict()
-    for i, key in enumerate(state["state"]):
-        state["state"][key] = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{i}.")}
+    for key, value in tensors.items():
+        if key.startswith("opt."):
+            _, index, name = key.split(".", 2)
+            state["state"].setdefault(int(index), {})[name] = value
     opt.load_state_dict(state)
     torch.set_rng_state(tensors["rng.torch"])
     slots = {k[5:]: v for k, v in tensors.items() if k.startswith("slot.")}
