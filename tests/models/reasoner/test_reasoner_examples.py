@@ -102,3 +102,13 @@ def test_training_resumes_exactly(tmp_path):
     assert [(r["multiple"], r["halting"]) for r in report["rows"]] == [(1, "budget"), (1, "stability"),
                                                                        (2, "budget"), (2, "stability")]
     assert report["rows"][2]["segments"] == 4.0
+
+
+@pytest.mark.parametrize("name", ["deqzoo.models.reasoner.configuration_reasoner",
+                                  "deqzoo.models.reasoner.modeling_reasoner", "examples.reasoner.puzzles"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
