@@ -8,6 +8,11 @@ embedding x, an answer state y and a latent z.
 - HRM, "Hierarchical Reasoning Model" (Wang et al., 2025; sapientinc/HRM, models/hrm/hrm_act_v1.py): TWO
   networks, L (fast, the latent z) and H (slow, the answer y), the same schedule.
 
+Differences from the originals, on purpose or not yet done: the prefix positions are learned and shared by all
+puzzles (the originals' per-puzzle embedding is a dataset-identity lookup); the halt logit alone decides ACT
+halting (TRM's ``no_ACT_continue``; HRM's Q-learning continue target is not implemented); the loss is softmax
+cross-entropy (TRM also offers stablemax).
+
 A *segment* is one call of the inner model (h_cycles x (l_cycles + 1) network applications); deep
 supervision trains one segment at a time with the carry (y, z) detached between segments, and inference runs
 ``halt_max_steps`` segments, or fewer per sample when a halting rule stops it.

@@ -141,8 +141,9 @@ class ReasonerCarry:
 @dataclass
 class ReasonerModelOutput(DEQModelOutput):
     """last_hidden_state: the answer state y (batch, positions, hidden) after the segments; hidden_states:
-    (x, z, y) (the answer last, as transformers' last layer) with ``output_hidden_states=True``; carry: (y, z) detached, to continue from; deq_stats: the
-    last segment's solve statistics (``grad_mode="deq"`` only)."""
+    (x, z, y) (the answer last, as transformers' last layer) with ``output_hidden_states=True``; carry:
+    (y, z) detached, to continue from; deq_stats: the last segment's solve statistics (``grad_mode="deq"``
+    only)."""
 
     last_hidden_state: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
