@@ -24,8 +24,9 @@ from typing import Any, Literal
 
 from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
-# The "deq" gradient mode treats one cycle (y, z) -> (y', z') as the fixed-point map; the forward runs at most
-# h_cycles fixed-point steps (the originals' budget) and the backward is config.deq's b_mode (IFT, phantom).
+# The "deq" gradient mode treats one cycle (y, z) -> (y', z') as the fixed-point map: a segment is a solve by
+# config.deq's solver (at most f_max_iter cycles, to f_tol; h_cycles is not used) and the backward is
+# config.deq's b_mode (IFT, phantom, reversible, ...).
 DEFAULT_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 16, "f_tol": 1e-6,
                                "f_stop_mode": "rel", "b_mode": "ift", "b_solver": "fixed_point",
                                "b_max_iter": 30, "b_tol": 1e-6}
@@ -57,8 +58,8 @@ class ReasonerConfig(DEQPretrainedConfig):
         q_bias_init: initial Q-head bias (the originals' -5: no sample halts before the head has learned).
         grad_mode: "one_step" (HRM: everything but the last L and H updates under no_grad), "last_cycle" (TRM:
             the last cycle with gradient), "full" (backprop through every cycle of the segment), "deq" (the
-            cycle as a fixed-point map solved by deqzoo.core.DEQ with config.deq's backward mode: ift,
-            phantom, ...).
+            cycle as a fixed-point map solved by deqzoo.core.DEQ to config.deq's f_tol within its f_max_iter
+            cycles, h_cycles unused, differentiated by its backward mode: ift, phantom, reversible, ...).
         halting: the inference halting rule, per sample, checked after each segment: "budget" (run
             halt_max_steps), "act" (Q-head halt logit > 0), "residual" (relative change of the answer state
             y below halt_tol), "stability" (argmax answer unchanged for halt_patience segments).
