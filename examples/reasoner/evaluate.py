@@ -23,20 +23,23 @@ from examples.reasoner.puzzles import HELDOUT, load_heldout
 
 @torch.no_grad()
 def solve_rates(model, inputs: np.ndarray, labels: np.ndarray, segments: int, halting: str,
-                batch: int = 250) -> dict:
-    """{"exact", "cells", "segments"} over the set at a budget of `segments` with the rule `halting`."""
+                batch: int = 250) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """({"exact", "cells", "segments"}, answers, segments run per puzzle) over the set at a budget of
+    `segments` with the rule `halting`."""
     model.eval()
-    solved, cells, steps = [], [], []
+    solved, cells, steps, answers = [], [], [], []
     for i in range(0, len(inputs), batch):
         x = torch.from_numpy(inputs[i:i + batch].astype(np.int64))
         y = torch.from_numpy(labels[i:i + batch].astype(np.int64))
         out = model(x, num_segments=segments, halting=halting)
         solved.append(exact_solved(out.logits, y))
         cells.append((out.logits.argmax(-1) == y).float().mean(1))
-        steps.append(out.steps.float())
-    return {"exact": round(float(torch.cat(solved).float().mean()), 4),
-            "cells": round(float(torch.cat(cells).mean()), 4),
-            "segments": round(float(torch.cat(steps).mean()), 3)}
+        steps.append(out.steps)
+        answers.append(out.logits.argmax(-1))
+    steps_all = torch.cat(steps)
+    return ({"exact": round(float(torch.cat(solved).float().mean()), 4),
+             "cells": round(float(torch.cat(cells).mean()), 4),
+             "segments": round(float(steps_all.float().mean()), 3)}, torch.cat(answers), steps_all)
 
 
 def main(argv=None) -> dict:
@@ -55,11 +58,22 @@ def main(argv=None) -> dict:
     trained = model.config.halt_max_steps
     rows = []
     for k in [int(m) for m in args.multiples.split(",")]:
-        for rule in args.halting.split(","):
+        budget_answers = None
+        for rule in ["budget"] + [r for r in args.halting.split(",") if r != "budget"]:
             t = time.time()
-            rows.append({"multiple": k, "segments_budget": k * trained, "halting": rule,
-                         **solve_rates(model, inputs, labels, k * trained, rule),
-                         "wall_s": round(time.time() - t, 2)})
+            rates, answers, steps = solve_rates(model, inputs, labels, k * trained, rule)
+            row = {"multiple": k, "segments_budget": k * trained, "halting": rule, **rates,
+                   "wall_s": round(time.time() - t, 2)}
+            if rule == "budget":
+                budget_answers = answers
+            else:  # the puzzles the rule stopped early, and whether their answers are the budget's
+                early = steps < k * trained
+                row["stopped_early"] = round(float(early.float().mean()), 4)
+                row["early_same_as_budget"] = (round(float((answers[early] == budget_answers[early])
+                                                           .all(1).float().mean()), 4)
+                                               if early.any() else None)
+            if rule in args.halting.split(","):
+                rows.append(row)
     report = {"checkpoint": str(args.checkpoint), "heldout": args.heldout, "puzzles": len(inputs),
               "trained_segments": trained, "applications_per_segment": model.config.applications_per_segment,
               "rows": rows}
