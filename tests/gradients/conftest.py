@@ -71,6 +71,19 @@ def deq_flow():
     return model, {"image1": a, "image2": b}, lambda m, i: _weighted(m(**i).flow)
 
 
+def reasoner():
+    """A TRM core in its "deq" gradient mode (one cycle as the fixed-point map); its input is the token
+    embeddings (inputs_embeds), so the input's gradient is checked too."""
+    from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
+
+    torch.manual_seed(0)
+    cfg = ReasonerConfig(seq_len=4, vocab_size=3, num_labels=3, hidden_size=8, num_heads=2, num_layers=1,
+                         h_cycles=1, l_cycles=2, halt_max_steps=1, grad_mode="deq")
+    model = ReasonerForGridClassification(cfg).double()
+    emb = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return model, {"inputs_embeds": emb}, lambda m, i: _weighted(m(**i).logits)
+
+
 def mdeq_trained():
     """The embedded mdeq-tiny-mnist checkpoint in float64: its f converges to 1e-12 (the random init's does
     not: GroupNorm at init leaves no attracting fixed point)."""
@@ -91,7 +104,7 @@ def deq_transformer_contractive():
 
 
 BUILDERS = {"mdeq": mdeq, "deq_transformer": deq_transformer, "ignn": ignn, "implicit2": implicit2,
-            "deq_flow": deq_flow}
+            "deq_flow": deq_flow, "reasoner": reasoner}
 
 
 def test_every_registered_family_has_a_builder():

@@ -30,6 +30,9 @@ TINY["deq_flow"] = ({"encoder_layers": [8, 8, 8, 8], "feature_dim": 8, "context_
                      "motion_flow_layers": [8, 8],
                      "motion_dim": 8, "flow_head_dim": 8, "mask_dim": 8},
                     lambda: {"image1": torch.rand(2, 3, 32, 32), "image2": torch.rand(2, 3, 32, 32)})
+TINY["reasoner"] = ({"seq_len": 9, "vocab_size": 4, "num_labels": 4, "hidden_size": 8, "num_heads": 2,
+                     "h_cycles": 2, "l_cycles": 2, "halt_max_steps": 2},
+                    lambda: {"input_ids": torch.randint(0, 4, (2, 9))})
 EASY_SOLVE = {"f_max_iter": 200, "f_tol": 1e-5, "on_nonconvergence": "ignore"}
 
 

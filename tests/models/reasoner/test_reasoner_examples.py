@@ -1,0 +1,114 @@
+"""examples/reasoner: the puzzle generators (unique solutions, the givens knob, minimal held-out puzzles,
+shortest-path mazes), the stored held-out sets, and the trainer's exact resume."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from deqzoo.models.reasoner import ReasonerForGridClassification
+from examples.reasoner import evaluate, puzzles, train
+
+
+@pytest.mark.parametrize("n", [4, 6])
+def test_sudoku_puzzles_have_one_solution_and_the_givens_knob_works(n):
+    rng = random.Random(7)
+    for givens in (None, n * n // 2):
+        for _ in range(5):
+            p, s = puzzles.generate_sudoku(n, rng, givens)
+            assert puzzles.count_sudoku_solutions(p, n, limit=3) == 1
+            assert puzzles.count_sudoku_solutions(s, n) == 1 and set(s.tolist()) == set(range(1, n + 1))
+            assert ((p == 0) | (p == s)).all()
+            if givens is not None:
+                assert int((p > 0).sum()) == givens
+
+
+def test_sudoku_solver_counts_several_solutions():
+    grid = np.zeros(16, dtype=np.uint8)
+    assert puzzles.count_sudoku_solutions(grid, 4, limit=5) == 5
+    bad = grid.copy()
+    bad[0] = bad[1] = 1  # two 1s in a row
+    assert puzzles.count_sudoku_solutions(bad, 4) == 0
+
+
+def test_stored_sudoku_heldout_is_small_minimal_and_reproducible():
+    path = puzzles.DATA / "sudoku6_heldout.npz"
+    assert path.stat().st_size <= 200_000
+    data = puzzles.load_heldout("sudoku6_heldout")
+    assert data["inputs"].shape == data["labels"].shape == (1000, 36)
+    assert len({bytes(r) for r in data["inputs"]}) == 1000
+    kind, n, count, seed = puzzles.HELDOUT["sudoku6_heldout"]
+    again = puzzles.make_set(kind, n, 10, seed)  # the same generator stream: the first puzzles again
+    assert np.array_equal(again["inputs"], data["inputs"][:10])
+    for p, s in zip(data["inputs"][:15], data["labels"][:15]):
+        assert puzzles.count_sudoku_solutions(p, 6) == 1 and ((p == 0) | (p == s)).all()
+        for i in np.flatnonzero(p):  # minimal: no given can go without losing uniqueness
+            q = p.copy()
+            q[i] = 0
+            assert puzzles.count_sudoku_solutions(q, 6) == 2
+
+
+def test_augmentation_keeps_puzzles_valid():
+    rng = np.random.default_rng(0)
+    for n in (6, 9):
+        p, s = puzzles.generate_sudoku(n, random.Random(n), givens=n * n - 10)
+        for _ in range(5):
+            a, b = puzzles.augment_sudoku(p, s, n, rng)
+            assert ((a == 0) | (a == b)).all() and puzzles.count_sudoku_solutions(b, n) == 1
+            assert puzzles.count_sudoku_solutions(a, n) == 1
+
+
+def test_maze_labels_are_the_unique_shortest_path():
+    for seed in range(10):
+        tokens, path = puzzles.generate_maze(9, random.Random(seed))
+        grid = tokens.reshape(9, 9)
+        start = int(np.flatnonzero(tokens == puzzles.START)[0])
+        goal = int(np.flatnonzero(tokens == puzzles.GOAL)[0])
+        dist, ways = puzzles._bfs(grid, start)
+        assert ways[goal] == 1 and int(path.sum()) == dist[goal] + 1
+        assert path[start] == path[goal] == 1 and not path[tokens == puzzles.WALL].any()
+        on = set(np.flatnonzero(path).tolist())  # consecutive distances: a path, one cell per distance
+        assert sorted(dist[list(on)].tolist()) == list(range(dist[goal] + 1))
+
+
+ARGS = ["--task", "sudoku6", "--pool", "30", "--batch-size", "8", "--eval-every", "3", "--eval-size", "5",
+        "--checkpoint-every", "3", "--no-progress", "--warmup", "2",
+        "--config", json.dumps({"hidden_size": 16, "num_heads": 2, "h_cycles": 1, "l_cycles": 1,
+                                "halt_max_steps": 2})]
+
+
+def test_training_resumes_exactly(tmp_path):
+    train.main(["--out", str(tmp_path / "a"), "--steps", "6", *ARGS])
+    train.main(["--out", str(tmp_path / "b"), "--steps", "3", *ARGS])
+    train.main(["--out", str(tmp_path / "b"), "--steps", "6", "--resume", *ARGS])
+    a = ReasonerForGridClassification.from_pretrained(tmp_path / "a" / "checkpoint")
+    b = ReasonerForGridClassification.from_pretrained(tmp_path / "b" / "checkpoint")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    log = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "eval" in r] == [3, 6]
+    with pytest.raises(SystemExit, match="--resume"):
+        train.main(["--out", str(tmp_path / "a"), "--steps", "6", *ARGS])
+    # the twin: the same parameters, one cycle, one segment
+    train.main(["--out", str(tmp_path / "t"), "--steps", "2", "--model", "twin", *ARGS])
+    twin = ReasonerForGridClassification.from_pretrained(tmp_path / "t" / "checkpoint")
+    assert twin.num_parameters() == a.num_parameters() and twin.config.halt_max_steps == 1
+    report = evaluate.main([str(tmp_path / "a" / "checkpoint"), "--limit", "4", "--multiples", "1,2",
+                            "--halting", "budget,stability"])
+    assert [(r["multiple"], r["halting"]) for r in report["rows"]] == [(1, "budget"), (1, "stability"),
+                                                                       (2, "budget"), (2, "stability")]
+    assert report["rows"][2]["segments"] == 4.0
+
+
+@pytest.mark.parametrize("name", ["deqzoo.models.reasoner.configuration_reasoner",
+                                  "deqzoo.models.reasoner.modeling_reasoner", "examples.reasoner.puzzles"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
