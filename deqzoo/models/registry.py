@@ -98,6 +98,28 @@ _PACKAGE = __name__.rpartition(".")[0]  # deqzoo.models
 _EXTRA_FAMILIES: dict[str, Family] = {}  # declared at run time (a plugin's family, a test's toy family)
 
 
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A family package's module-level ``__getattr__`` and ``__dir__``: each name in `exports` (name -> the
+    relative module defining it) is imported on first use, so that a family's declaration costs nothing.
+
+    Example (in ``deqzoo/models/<family>/__init__.py``):
+        >>> from deqzoo.models.registry import lazy_exports
+        >>> getattr_, dir_ = lazy_exports("deqzoo.models.ignn", {"IGNNConfig": ".configuration_ignn"})
+        >>> getattr_("IGNNConfig").model_type, "IGNNConfig" in dir_()
+        ('ignn', True)
+    """
+
+    def __getattr__(name: str):
+        if name in exports:
+            return getattr(importlib.import_module(exports[name], package), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(importlib.import_module(package))) | set(exports))
+
+    return __getattr__, __dir__
+
+
 def _family_of_package(name: str) -> Family | None:
     """The `FAMILY` a package of deqzoo.models declares (importing its light ``__init__`` only)."""
     module = importlib.import_module(f"{_PACKAGE}.{name}")

@@ -6,9 +6,7 @@ Example:
     0.9
 """
 
-import importlib
-
-from ..registry import Family
+from ..registry import Family, lazy_exports
 
 _P = __name__
 FAMILY = Family(
@@ -44,14 +42,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)  # modules imported on first use
 
 
 __all__ = ["FAMILY", *_EXPORTS]

@@ -1,9 +1,7 @@
 """Recursive reasoner family: TRM / HRM-style weight-tied cores over (x, answer y, latent z), deep
 supervision, gradient modes (1-step, last cycle, full, DEQ via deqzoo.core) and per-sample halting."""
 
-import importlib
-
-from ..registry import Family
+from ..registry import Family, lazy_exports
 
 _P = __name__
 FAMILY = Family(
@@ -26,14 +24,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):  # the family's modules are imported on first use: its declaration costs nothing
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)  # modules imported on first use
 
 
 __all__ = ["FAMILY", *_EXPORTS]
