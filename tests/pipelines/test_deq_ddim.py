@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,21 @@ def test_matches_ddim_pipeline_raw_random_unet_float64(T):
     )
     assert out.images.dtype == torch.float64
     assert (out.images - ref).abs().max().item() <= 1e-6
+
+
+def test_numpy_output_keeps_the_unets_dtype_as_ddim_pipeline_does():
+    """output_type="np" on a float64 UNet: DDIMPipeline returns float64 arrays; so does DEQ-DDIM, with the
+    same values to rounding (diffusers' VaeImageProcessor would have cast them to float32)."""
+    torch.set_num_threads(1)
+    unet, sched = _random_unet(size=16, out_scale=0.1).double(), DDIMScheduler()
+    ref = DDIMPipeline(unet=unet, scheduler=DDIMScheduler.from_config(sched.config))
+    ref.set_progress_bar_config(disable=True)
+    want = ref(batch_size=2, generator=torch.manual_seed(1), num_inference_steps=10, output_type="np").images
+    got = DEQDDIMPipeline(unet=unet, scheduler=sched)(
+        batch_size=2, generator=torch.manual_seed(1), num_inference_steps=10, output_type="np"
+    ).images
+    assert want.dtype == got.dtype == np.float64 and got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= 1e-8
 
 
 def _float64_chain(clip: bool, out_scale: float, size: int):

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
-from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -543,7 +542,13 @@ class DEQDDIMPipeline(DiffusionPipeline):
             safeguard=safeguard,
             **solver_kwargs,
         )
-        image = VaeImageProcessor(do_resize=False).postprocess(Z[:, -1], output_type)  # [-1, 1] -> [0, 1]
+        # [-1, 1] -> [0, 1] as DDIMPipeline does, keeping the UNet's dtype (diffusers' VaeImageProcessor
+        # casts to float32, so a float64 UNet's samples would come back rounded)
+        image = (Z[:, -1] / 2 + 0.5).clamp(0, 1)
+        if output_type != "pt":
+            image = image.cpu().permute(0, 2, 3, 1).numpy()
+            if output_type == "pil":
+                image = self.numpy_to_pil(image)
         if not return_dict:
             return (image,)
         return DEQDDIMPipelineOutput(
