@@ -87,7 +87,8 @@ def generation_solves(model) -> dict:
 # tests/models/deq_transformer/test_deqlm_checkpoint.py allows it).
 CPU_NOTE = ("The largest residual is that of solves stopped unconverged, so it carries the float32 "
             "rounding of the machine's kernels, whose reduction order follows the CPU's vector width: on an "
-            "AMD EPYC with AVX-512 the same 6 solves stop at the cap with largest residual 2.5e-02.")
+            "AMD EPYC with AVX-512 the same 6 solves stop at the cap with largest residual 2.5e-02, and with "
+            "one thread (`torch.set_num_threads(1)`) here 9.8e-03.")
 
 
 def generation_sentence(g: dict) -> str:

@@ -17,6 +17,7 @@ ALIASES = {
     "deq_transformer": {"hidden_size": "d_model"},
     "ignn": {"hidden_size": "hidden_size"},
     "implicit2": {"hidden_size": "hidden_size"},
+    "reasoner": {"hidden_size": "hidden_size"},
 }
 
 
@@ -41,9 +42,9 @@ def test_aliases_read_set_and_init(model_type):
         if model_type == "deq_transformer":  # d_model must equal n_head * d_head: change them together
             built = cls(**{alias: 64, "n_head": 2, "d_head": 32})
         else:
-            built = cls(**{alias: 1 if alias == "num_channels" else 12})
+            built = cls(**{alias: 1 if alias == "num_channels" else 16})
         assert getattr(built, field) == getattr(built, alias) == (1 if alias == "num_channels" else 64
-                                                                 if model_type == "deq_transformer" else 12)
+                                                                 if model_type == "deq_transformer" else 16)
         assert alias == field or alias not in built.to_dict()  # saved under the family's own name
 
 

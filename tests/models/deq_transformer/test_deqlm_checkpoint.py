@@ -76,11 +76,19 @@ def test_card_states_how_often_generation_solves_stop_at_the_cap(model):
 
     _, body = read_model_card(CKPT)
     text = " ".join(body.split())
-    stats = generation_solves(model)
+    # measured as the card was: with torch's default of 2 threads on the 2-core machine (the suite runs on 1;
+    # the unconverged residual below follows the float32 reduction order, and with it the thread count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stats = generation_solves(model)
+    finally:
+        torch.set_num_threads(threads)
     assert stats["solves"] == 24 * stats["prompts"] and 0 < stats["at_cap"] < stats["solves"]
     # The count is exact. The largest residual of the solves that stop at the cap is an unconverged one, so
     # it moves with the CPU's float32 reduction order (card 4.0e-02, written on the machine of
-    # 2026-11-25; 2.5e-02 on an AVX-512 AMD EPYC): within a factor 2 of the card's; the rest is verbatim.
+    # 2026-11-25; 2.5e-02 on an AVX-512 AMD EPYC; 9.8e-03 with one thread since the engine compacts the
+    # batch to the rows still iterating): within a factor 2 of the card's; the rest is verbatim.
     found = re.search(r"largest residual ([0-9.e+-]+);", text)
     assert found, f"{CKPT / 'README.md'}: no generation sentence"
     card_residual = float(found.group(1))
