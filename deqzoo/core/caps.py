@@ -14,7 +14,7 @@ MAX_HISTORY = 64  # anderson / hyperanderson m (a (B, m, m) mixing system is sol
 MAX_BROYDEN_MEMORY = 1_024  # broyden m (stored update pairs; its full memory keeps at most as many)
 MAX_GRAPH_STEPS = 1_000  # steps kept with a graph: phantom k, correction_k, shine refine
 MAX_STATES = 1_024  # n_states, len(state_indices), len(keep_steps)
-MAX_JAC_SAMPLES = 10_000  # jac_reg_samples (one vector-Jacobian product each; a test of the estimate uses 4,000)
+MAX_JAC_SAMPLES = 10_000  # jac_reg_samples (one vector-Jacobian product each; a Frobenius check uses 4,000)
 # GMRES keeps its whole Krylov basis (up to min(max_iter, MAX_BASIS + 1) states) and a stacked copy of it:
 # the bytes it would hold are checked before a solve allocates anything (`check_gmres_memory`)
 MAX_GMRES_BYTES = 4 * 2**30
