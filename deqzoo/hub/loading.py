@@ -429,9 +429,12 @@ def load_config(config_cls: type, directory: Path, *, raw: dict | None = None, *
         config = config_cls.from_dict(copy.deepcopy(raw))
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise CheckpointError(f"{path}: {err}") from err
+    # the loading dtype is from_pretrained's, not a config override (transformers pops it before it reads
+    # the config: ``dtype="auto"`` set on the config would reach torch as ``torch.auto``)
+    loading = {k: kwargs.pop(k) for k in ("dtype", "torch_dtype") if k in kwargs}
     if not kwargs:
-        return config, kwargs, True
+        return config, loading, True
     config, unused = config_cls.from_dict(copy.deepcopy(raw), return_unused_kwargs=True, **kwargs)
     if len(unused) < len(kwargs) and callable(getattr(config, "validate", None)):
         config.validate()  # the overrides together, as __init__ checks them
-    return config, unused, len(unused) == len(kwargs)
+    return config, {**unused, **loading}, len(unused) == len(kwargs)

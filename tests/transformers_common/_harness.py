@@ -25,7 +25,37 @@ from ._sdist import check_common_kwargs, load
 
 common = load("test_modeling_common")
 ConfigTester = load("test_configuration_common").ConfigTester
-ModelTesterMixin = common.ModelTesterMixin
+
+
+@contextlib.contextmanager
+def lenient_loads():
+    """deqzoo's ``from_pretrained`` refuses a checkpoint whose weights miss or add keys (strict by default,
+    tests/hub/test_front_door.py); ``strict=False`` is its documented opt-in to transformers' own lenient
+    report, which is what two of transformers' common tests exercise on purpose (a checkpoint holding a
+    placeholder tensor, an empty ``state_dict``). They run unchanged, with that keyword as the default."""
+    from deqzoo.modeling_utils import DEQPreTrainedModel
+
+    strict_load = DEQPreTrainedModel.__dict__["from_pretrained"].__func__
+
+    def lenient(cls, *args, **kwargs):
+        kwargs.setdefault("strict", False)
+        return strict_load(cls, *args, **kwargs)
+
+    with unittest.mock.patch.object(DEQPreTrainedModel, "from_pretrained", classmethod(lenient)):
+        yield
+
+
+class ModelTesterMixin(common.ModelTesterMixin):
+    """transformers' ModelTesterMixin; its tests of lenient loading run with deqzoo's lenient opt-in."""
+
+    def test_can_init_all_missing_weights(self):
+        with lenient_loads():
+            super().test_can_init_all_missing_weights()
+
+    def test_model_weights_reload_no_missing_tied_weights(self):
+        with lenient_loads():
+            super().test_model_weights_reload_no_missing_tied_weights()
+
 floats_tensor = common.floats_tensor
 ids_tensor = common.ids_tensor
 check_common_kwargs()
