@@ -135,6 +135,12 @@ def test_pickle_payload_is_refused_without_running(tmp_path, writer):
         _convert("hrm-sapientinc", str(src), tmp_path / "out")
     assert "system" in str(err.value)  # refused at the global it names, before any call
     assert not marker.exists() and not (tmp_path / "out").exists()
+    # the payload is genuinely malicious: an unrestricted load (which the converter never does) runs it
+    if writer == "torch.save":
+        torch.load(src / "step_12", weights_only=False)
+    else:
+        pickle.loads((src / "step_12").read_bytes())
+    assert marker.exists()
 
 
 def test_yaml_payload_is_refused_without_running(tmp_path):
