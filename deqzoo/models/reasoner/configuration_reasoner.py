@@ -48,8 +48,14 @@ class ReasonerConfig(DEQPretrainedConfig):
             originals' puzzle-embedding positions, here shared by all puzzles).
         hidden_size, num_heads, expansion: width, attention heads, SwiGLU expansion (hidden = expansion * 2/3
             * width, rounded up to a multiple of 256 in the originals; here to a multiple of 8).
+        intermediate_size, token_intermediate_size: the SwiGLU inner widths over the hidden size and (mixer
+            "mlp") over the positions; None: the expansion rule above (converted checkpoints set them to the
+            originals' widths, which round to a multiple of 256).
         num_layers: blocks in the network (TRM: 2); h_layers: blocks of HRM's H network (None: num_layers).
         mixer: "attention" (self-attention over cells) or "mlp" (TRM's ``mlp_t``: a SwiGLU across positions).
+        token_mlp_norm: what the post-norm after the "mlp" mixer normalises over: "hidden" (each position's
+            features, as every other norm here) or "positions" (each feature across the positions: TRM's
+            mlp_t, which adds and normalises before transposing back; converted TRM checkpoints use it).
         pos_encodings: "rope", "learned" or "none" (the originals use RoPE; TRM's mlp_t runs use learned).
         rms_norm_eps, rope_theta: post-norm epsilon and RoPE base.
         h_cycles: cycles per segment (T; HRM's H_cycles); l_cycles: latent updates per cycle (n; L_cycles).
@@ -82,9 +88,12 @@ class ReasonerConfig(DEQPretrainedConfig):
     hidden_size: int = ranged(1, 16384, default=512)
     num_heads: int = ranged(1, 256, default=8)
     expansion: float | int = ranged(0.0, 64.0, default=4.0, as_float=True)
+    intermediate_size: int | None = ranged(1, 1 << 20, default=None)
+    token_intermediate_size: int | None = ranged(1, 1 << 20, default=None)
     num_layers: int = ranged(1, 64, default=2)
     h_layers: int | None = ranged(1, 64, default=None)
     mixer: Literal["attention", "mlp"] = "attention"
+    token_mlp_norm: Literal["hidden", "positions"] = "hidden"
     pos_encodings: Literal["rope", "learned", "none"] = "rope"
     rms_norm_eps: float | int = ranged(0.0, 1.0, default=1e-5, as_float=True)
     rope_theta: float | int = ranged(0.0, None, default=10000.0, as_float=True)

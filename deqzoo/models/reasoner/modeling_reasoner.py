@@ -50,11 +50,12 @@ def _multiple(value: float, of: int) -> int:
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(h)) * up(h)), inner width expansion * 2/3 * width rounded up to a multiple of 8."""
+    """down(silu(gate(h)) * up(h)), inner width `inner`, or expansion * 2/3 * width rounded up to a multiple
+    of 8."""
 
-    def __init__(self, width: int, expansion: float):
+    def __init__(self, width: int, expansion: float, inner: int | None = None):
         super().__init__()
-        inner = _multiple(expansion * width * 2 / 3, 8)
+        inner = inner or _multiple(expansion * width * 2 / 3, 8)
         self.gate_up = nn.Linear(width, 2 * inner, bias=False)
         self.down = nn.Linear(inner, width, bias=False)
 
@@ -96,15 +97,20 @@ class ReasonerBlock(nn.Module):
     def __init__(self, config: ReasonerConfig):
         super().__init__()
         self.eps = config.rms_norm_eps
+        self.norm_positions = config.token_mlp_norm == "positions"
         if config.mixer == "mlp":
-            self.token_mlp = SwiGLU(config.num_positions, config.expansion)
+            self.token_mlp = SwiGLU(config.num_positions, config.expansion, config.token_intermediate_size)
         else:
             self.attn = Attention(config)
-        self.mlp = SwiGLU(config.hidden_size, config.expansion)
+        self.mlp = SwiGLU(config.hidden_size, config.expansion, config.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos_sin=None) -> torch.Tensor:
         if hasattr(self, "token_mlp"):
-            h = rms_norm(h + self.token_mlp(h.transpose(1, 2)).transpose(1, 2), self.eps)
+            t = h.transpose(1, 2)  # (batch, hidden, positions)
+            if self.norm_positions:  # TRM's mlp_t: normalised across the positions, then transposed back
+                h = rms_norm(t + self.token_mlp(t), self.eps).transpose(1, 2)
+            else:
+                h = rms_norm(h + self.token_mlp(t).transpose(1, 2), self.eps)
         else:
             h = rms_norm(h + self.attn(h, cos_sin), self.eps)
         return rms_norm(h + self.mlp(h), self.eps)
@@ -277,7 +283,8 @@ class ReasonerModel(ReasonerPreTrainedModel):
         prefix = self.prefix.to(tokens.dtype).expand(tokens.shape[0], -1, -1)
         x = torch.cat([prefix, tokens], dim=1)
         if self.position is not None:
-            x = 0.7071067811865476 * (x + self.position.to(x.dtype))
+            # the originals' literal 0.707106781 (not 1/sqrt(2) to double precision): float64 parity
+            x = 0.707106781 * (x + self.position.to(x.dtype))
         return math.sqrt(cfg.hidden_size) * x
 
     def rotary(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -286,8 +293,11 @@ class ReasonerModel(ReasonerPreTrainedModel):
         if cfg.pos_encodings != "rope" or cfg.mixer != "attention":
             return None
         head = cfg.hidden_size // cfg.num_heads
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, dtype=torch.float64, device=device) / head))
-        angles = torch.outer(torch.arange(cfg.num_positions, dtype=torch.float64, device=device), inv)
+        # the table is built in float32, as the originals build theirs (converted checkpoints then agree to
+        # the last bit), and in float64 for a float64 model
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, dtype=work, device=device) / head))
+        angles = torch.outer(torch.arange(cfg.num_positions, dtype=work, device=device), inv)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

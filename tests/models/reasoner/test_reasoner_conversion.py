@@ -1,0 +1,221 @@
+"""HRM and TRM converters reproduce the original implementations' outputs on committed fixtures (made once by
+running sapientinc/HRM and SamsungSAILMontreal/TinyRecursiveModels outside the repository at random
+initialisation; conversion/fixtures/reasoner_hrm/README.md), in float32 and float64, segment by segment; and
+hostile or broken release folders are refused naming the file and key, without running anything."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conversion import conversion_formats
+from deqzoo.cli import main as cli_main
+from deqzoo.models.reasoner import ReasonerForGridClassification
+
+torch.set_num_threads(1)
+FIX = Path(__file__).resolve().parents[3] / "conversion" / "fixtures"
+# (format, fixture, options): seq_len is dataset metadata, absent from RoPE checkpoints' weights
+CASES = [("hrm-sapientinc", "reasoner_hrm/hrm_rope", {"seq_len": 16}),
+         ("hrm-sapientinc", "reasoner_hrm/hrm_learned", {}),
+         ("trm-samsung", "reasoner_trm/trm_att", {"seq_len": 16}),
+         ("trm-samsung", "reasoner_trm/trm_mlp", {})]
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def _convert(fmt: str, fixture: str, out: Path, **options) -> Path:
+    return conversion_formats()[fmt](FIX / fixture, out, **options)
+
+
+def _release(tmp_path: Path, fixture: str) -> Path:
+    """A writable copy of a fixture release folder."""
+    folder = tmp_path / "release"
+    shutil.copytree(FIX / fixture, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("converted")
+    return {fixture: _convert(fmt, fixture, root / fixture.replace("/", "_"), **opts)
+            for fmt, fixture, opts in CASES}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("fixture", [c[1] for c in CASES])
+def test_converted_model_reproduces_the_original_segment_by_segment(converted, fixture, dtype):
+    tag = "f32" if dtype == torch.float32 else "f64"
+    exp = load_file(FIX / fixture / "expected.safetensors")
+    logits_ref = exp[f"logits_{tag}"]
+    segments = logits_ref.shape[1]
+    # the check has resolution: each segment changes the original's logits far beyond the tolerance
+    assert segments >= 2 and (logits_ref[:, 1:] - logits_ref[:, :-1]).abs().amax() > 1e-2
+    model = ReasonerForGridClassification.from_pretrained(converted[fixture]).to(dtype).eval()
+    assert model.config.halt_max_steps == segments
+    carry, worst = None, 0.0
+    with torch.no_grad():
+        for s in range(segments):  # one segment at a time from the carry: every segment is compared
+            out = model(exp["inputs"], carry=carry, num_segments=1)
+            carry = out.carry
+            q = model.q_head(carry[0][:, 0])  # (halt, continue) from the answer state's first position
+            pairs = ((out.logits, logits_ref[:, s]), (out.q_halt_logits, exp[f"q_halt_logits_{tag}"][:, s]),
+                     (q[:, 1], exp[f"q_continue_logits_{tag}"][:, s]))
+            for mine, ref in pairs:
+                assert mine.dtype == dtype and mine.shape == ref.shape
+                worst = max(worst, (mine - ref).abs().max().item())
+    print(f"{fixture} {tag}: max |diff| over {segments} segments (logits, Q halt, Q continue) = {worst:.3e}")
+    assert worst < TOL[dtype]
+    # the full budget in one call ends where the segment-by-segment run ended
+    with torch.no_grad():
+        full = model(exp["inputs"])
+    assert (full.logits - logits_ref[:, -1]).abs().max().item() < TOL[dtype]
+    assert full.steps.tolist() == [segments] * exp["inputs"].shape[0]
+
+
+@pytest.mark.parametrize("fmt, fixture, opts", CASES)
+def test_converted_config_carries_the_original_halting_and_step_settings(converted, fmt, fixture, opts):
+    arch = yaml.safe_load((FIX / fixture / "all_config.yaml").read_text())["arch"]
+    cfg = ReasonerForGridClassification.from_pretrained(converted[fixture]).config
+    assert (cfg.h_cycles, cfg.l_cycles, cfg.halt_max_steps) == (arch["H_cycles"], arch["L_cycles"],
+                                                                arch["halt_max_steps"])
+    assert cfg.halt_exploration_prob == arch["halt_exploration_prob"]
+    assert cfg.num_layers == arch["L_layers"] and cfg.hidden_size == arch["hidden_size"]
+    assert cfg.rms_norm_eps == arch.get("rms_norm_eps", 1e-5) and cfg.halting == "budget"
+    if fmt == "hrm-sapientinc":
+        assert cfg.architecture == "hrm" and cfg.h_layers == arch["H_layers"] and cfg.grad_mode == "one_step"
+    else:
+        assert cfg.architecture == "trm" and cfg.grad_mode == "last_cycle"
+        assert cfg.mixer == ("mlp" if arch["mlp_t"] else "attention")
+    card = (converted[fixture] / "README.md").read_text()
+    assert "library_name: deqzoo" in card and f"H_cycles={arch['H_cycles']}" in card
+
+
+def test_cli_converts_with_options_and_keeps_the_source(tmp_path, capsys):
+    src = _release(tmp_path, "reasoner_trm/trm_att")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = tmp_path / "out"
+    assert cli_main(["convert", "trm-samsung", str(src), str(out), "--option", "seq_len=16",
+                     "--option", "halting=act"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    cfg = ReasonerForGridClassification.from_pretrained(out).config
+    assert cfg.halting == "act" and cfg.seq_len == 16 and cfg.num_prefix_tokens == 3
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert "hrm-sapientinc" in conversion_formats() and "trm-samsung" in conversion_formats()
+
+
+# ---------------------------------------------------------------------------------------- hostile files
+class _Payload:
+    """Unpickling this runs `touch marker` (os.system): what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "raw pickle"])
+def test_pickle_payload_is_refused_without_running(tmp_path, writer):
+    src = _release(tmp_path, "reasoner_hrm/hrm_learned")
+    marker = tmp_path / "pwned"
+    sd = torch.load(src / "step_12", weights_only=True)
+    sd["model.inner.lm_head.weight"] = _Payload(marker)
+    if writer == "torch.save":
+        torch.save(sd, src / "step_12")
+    else:  # protocol 2, the one torch.load's unpickler reads: the payload's global is reached
+        payload = {"model.inner.lm_head.weight": _Payload(marker)}
+        (src / "step_12").write_bytes(pickle.dumps(payload, protocol=2))
+    with pytest.raises(ValueError, match=r"step_12.*weights-only") as err:
+        _convert("hrm-sapientinc", str(src), tmp_path / "out")
+    assert "system" in str(err.value)  # refused at the global it names, before any call
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # the payload is genuinely malicious: an unrestricted load (which the converter never does) runs it
+    if writer == "torch.save":
+        torch.load(src / "step_12", weights_only=False)
+    else:
+        pickle.loads((src / "step_12").read_bytes())
+    assert marker.exists()
+
+
+def test_yaml_payload_is_refused_without_running(tmp_path):
+    src = _release(tmp_path, "reasoner_hrm/hrm_learned")
+    marker = tmp_path / "pwned"
+    text = (src / "all_config.yaml").read_text()
+    (src / "all_config.yaml").write_text(text + f"hook: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match="all_config.yaml: not a plain YAML"):
+        _convert("hrm-sapientinc", src, tmp_path / "out")
+    assert not marker.exists()
+
+
+def _edit(src: Path, edit) -> None:
+    sd = torch.load(src / "step_12", weights_only=True)
+    edit(sd)
+    torch.save(sd, src / "step_12")
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda sd: sd.__setitem__("model.inner.extra.weight", torch.zeros(2)),
+     r"step_12: unexpected key 'inner.extra.weight'"),
+    (lambda sd: sd.__setitem__("optimizer.state", torch.zeros(2)),
+     r"step_12: unexpected key 'optimizer.state'"),
+    (lambda sd: sd.pop("model.inner.q_head.bias"), r"step_12: .*missing \['q_head.bias'\]"),
+    (lambda sd: sd.pop("model.inner.puzzle_emb.weights"), r"step_12: missing key 'inner.puzzle_emb.weights'"),
+    (lambda sd: sd.__setitem__("model.inner.L_level.layers.0.mlp.gate_up_proj.weight", torch.zeros(510, 8)),
+     r"step_12: .*reasoner.l_net.layers.0.mlp.gate_up.weight: checkpoint \(510, 8\) vs model \(512, 8\)"),
+    (lambda sd: sd.__setitem__("model.inner.embed_tokens.embedding_weight", torch.zeros(7, 6)),
+     r"step_12: key 'inner.embed_tokens.embedding_weight' has shape \(7, 6\); all_config's hidden_size is 8"),
+    (lambda sd: sd.__setitem__("model.inner.puzzle_emb.weights", torch.zeros(4, 12)),
+     r"step_12: key 'inner.puzzle_emb.weights' holds 4 puzzle-identifier embeddings"),
+])
+def test_wrong_keys_and_shapes_are_refused_naming_file_and_key(tmp_path, edit, pattern):
+    src = _release(tmp_path, "reasoner_hrm/hrm_learned")
+    _edit(src, edit)
+    with pytest.raises(ValueError, match=pattern):
+        _convert("hrm-sapientinc", src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_puzzle_identifier_picks_one_row_of_a_multi_puzzle_table(tmp_path):
+    src = _release(tmp_path, "reasoner_hrm/hrm_learned")
+    table = torch.randn(4, 12)
+    _edit(src, lambda sd: sd.__setitem__("model.inner.puzzle_emb.weights", table))
+    out = _convert("hrm-sapientinc", src, tmp_path / "out", puzzle_identifier=2)
+    prefix = ReasonerForGridClassification.from_pretrained(out).reasoner.prefix.detach()
+    assert torch.equal(prefix.flatten()[:12], table[2]) and not prefix.flatten()[12:].any()  # zero padding
+    with pytest.raises(ValueError, match=r"puzzle_identifier=4 must be an integer in \[0, 4\)"):
+        _convert("hrm-sapientinc", src, tmp_path / "out2", puzzle_identifier=4)
+
+
+def _edit_yaml(src: Path, **arch) -> None:
+    data = yaml.safe_load((src / "all_config.yaml").read_text())
+    data["arch"].update(arch)
+    (src / "all_config.yaml").write_text(yaml.dump(data))
+
+
+def test_unsupported_or_inconsistent_settings_are_refused_naming_the_key(tmp_path):
+    src = _release(tmp_path, "reasoner_trm/trm_att")
+    with pytest.raises(ValueError, match="pass --option seq_len=N"):
+        _convert("trm-samsung", src, tmp_path / "o1")
+    with pytest.raises(ValueError, match=r"key 'arch.name' is 'recursive_reasoning.trm@"):
+        _convert("hrm-sapientinc", src, tmp_path / "o2", seq_len=16)  # a TRM folder given as HRM
+    with pytest.raises(ValueError, match="option h_cycles=5 cannot be set: the checkpoint fixes it"):
+        _convert("trm-samsung", src, tmp_path / "o3", seq_len=16, h_cycles=5)
+    _edit_yaml(src, puzzle_emb_ndim=0)
+    with pytest.raises(ValueError, match=r"all_config.yaml: key 'arch.puzzle_emb_ndim' is 0"):
+        _convert("trm-samsung", src, tmp_path / "o4", seq_len=16)
+    _edit_yaml(src, puzzle_emb_ndim=8, H_cycles="3")
+    with pytest.raises(ValueError, match=r"key 'arch.H_cycles' must be int, got '3'"):
+        _convert("trm-samsung", src, tmp_path / "o5", seq_len=16)
+    learned = _release(tmp_path / "b", "reasoner_hrm/hrm_learned")
+    with pytest.raises(ValueError, match="option seq_len=16 disagrees with .*step_12: its weights hold 11"):
+        _convert("hrm-sapientinc", learned, tmp_path / "o6", seq_len=16)
+    (learned / "all_config.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match="all_config.yaml does not exist"):
+        _convert("hrm-sapientinc", learned, tmp_path / "o7")
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 8))
