@@ -234,9 +234,16 @@ class DEQConfig:
         return cls.from_dict(json.loads(text))
 
     def update(self, **changes: Any) -> "DEQConfig":
-        """A validated copy with `changes` applied."""
+        """A validated copy with `changes` applied (`merge_settings`: switching b_mode, f_solver or b_solver
+        without giving its options drops the previous owner's options).
+
+        Example:
+            >>> cfg = DEQConfig(b_mode="phantom", b_mode_kwargs={"k": 2, "variant": "npg"})
+            >>> cfg.update(b_mode="reversible").b_mode_kwargs
+            {}
+        """
         _check_known(changes)
-        return replace(self, **changes)
+        return replace(self, **merge_settings(asdict(self), changes, only_changes=True))
 
     def state_steps(self, max_iter: int | None = None) -> list[int]:
         """Iterations at which fixed-point correction takes states (empty when off)."""
@@ -246,6 +253,35 @@ class DEQConfig:
         if self.n_states:
             return sorted({max(1, round(max_iter * (i + 1) / self.n_states)) for i in range(self.n_states)})
         return []
+
+
+# (owner field, its options field): options are meaningful for the owner they were written for only
+_OPTION_OWNERS = (
+    ("b_mode", "b_mode_kwargs"), ("f_solver", "f_solver_kwargs"), ("b_solver", "b_solver_kwargs"))
+
+
+def merge_settings(base: dict[str, Any], changes: dict[str, Any], *,
+                   only_changes: bool = False) -> dict[str, Any]:
+    """`base` settings (a DEQConfig dict, possibly partial) overridden by `changes`, where a change of
+    ``b_mode``, ``f_solver`` or ``b_solver`` that does not give that owner's options drops the options of
+    the previous owner: a model's own phantom ``k``/``tau`` do not follow a user's
+    ``b_mode="reversible"``, nor Anderson's ``tau`` a switch to Broyden (issue 58: switching DEQ-Flow or
+    Implicit² to reversible mode failed on options the user never set). ``only_changes``: return the
+    changes plus the dropped options only (for `dataclasses.replace`).
+
+    Example:
+        >>> merge_settings({"b_mode": "phantom", "b_mode_kwargs": {"k": 2}}, {"b_mode": "reversible"})
+        {'b_mode': 'reversible', 'b_mode_kwargs': {}}
+        >>> merge_settings({"b_mode": "phantom", "b_mode_kwargs": {"k": 2}}, {"b_mode": "phantom"})
+        {'b_mode': 'phantom', 'b_mode_kwargs': {'k': 2}}
+    """
+    out = dict(changes)
+    for owner, options in _OPTION_OWNERS:
+        previous = base.get(owner, DEQConfig.__dataclass_fields__[owner].default)  # a partial base: defaults
+        switched = owner in changes and changes[owner] != previous
+        if switched and options not in changes and base.get(options):
+            out[options] = {}
+    return out if only_changes else {**base, **out}
 
 
 def _check_name(field_name: str, value: str, known) -> None:
