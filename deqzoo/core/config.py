@@ -75,8 +75,8 @@ class DEQConfig:
     draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
     ``f_final_step`` returns f(z) from the solver's best z where that point's residual, measured with one more
     evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point);
-    ``f_final_step="always"`` returns f(z) for every sample, as TorchDEQ and DEQ-Flow v2.0 do (their
-    converters write it).
+    An int ``f_final_step`` = n >= 1 returns fⁿ(z) for every sample, better or not: 1 as TorchDEQ and
+    DEQ-Flow v2.0 return, 2 as ImpSq (their converters write it).
     ``f_compact`` (default True): when f is marked `deqzoo.core.halting.rowwise`, call it on the samples
     still iterating only (False: on the whole batch every step, the stopped samples at their answer).
 
@@ -116,7 +116,7 @@ class DEQConfig:
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
-    f_final_step: bool | str = False  # True, False or "always" (issue 58: what the original releases return)
+    f_final_step: bool | int = False  # or n >= 1: fⁿ of the answer (issue 58: what the originals return)
     f_compact: bool = True
     # backward
     b_mode: str = "ift"
@@ -139,8 +139,8 @@ class DEQConfig:
     f_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.f_final_step, bool) and self.f_final_step != "always":
-            raise TypeError(f"DEQConfig.f_final_step must be a bool or 'always', got {self.f_final_step!r}")
+        if not isinstance(self.f_final_step, bool):
+            _check_int("f_final_step", self.f_final_step, 1, MAX_GRAPH_STEPS, "(a bool or a number of steps)")
         if not isinstance(self.f_compact, bool):
             raise TypeError(f"DEQConfig.f_compact must be a bool, got {self.f_compact!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS

@@ -2,8 +2,9 @@
 test-only transcription of the original's code (written here from the upstream files named below, run one
 sample at a time: deqzoo halts per sample, so a sample's answer is the original's run on that sample alone).
 
-- ``f_final_step="always"``: TorchDEQ's ``fixed_point_iter`` and ``anderson`` (torchdeq/solver/*.py) and
-  DEQ-Flow v2.0's (code.v.2.0/core/deq/solvers.py) return f of each sample's lowest-residual iterate.
+- ``f_final_step=1``: TorchDEQ's ``fixed_point_iter`` and ``anderson`` (torchdeq/solver/*.py) and
+  DEQ-Flow v2.0's (code.v.2.0/core/deq/solvers.py) return f of each sample's lowest-residual iterate;
+  ``f_final_step=2``: ImpSq (modules/solvers.py forward_iteration, then models.py's layer applies f again).
 - anderson ``lam_mode="abs"``: DEQ-Flow v1.0's anderson (code.v.1.0/core/lib/solvers.py) regularises the Gram
   matrix with an absolute lam (1e-4) and returns the lowest-residual iterate itself.
 - broyden ``stall_window`` / ``protect_per_element``: DEQ-Flow v1.0's broyden's two extra breaks.
@@ -112,7 +113,7 @@ def test_final_step_always_returns_what_torchdeqs_fixed_point_iter_returns(stop_
     f, x0 = _problem()
     want = _per_row(torchdeq_fixed_point, f, x0, max_iter=budget, tol=tol, stop_mode=stop_mode)
     got, st = solve(f, x0, solver="fixed_point", max_iter=budget, tol=tol, stop_mode=stop_mode,
-                    final="always")
+                    final=1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     plain, _ = solve(f, x0, solver="fixed_point", max_iter=budget, tol=tol, stop_mode=stop_mode)
     assert float((plain - want).abs().max()) > 1e3 * 1e-13  # the iterate itself is not what it returns
@@ -126,7 +127,7 @@ def test_final_step_always_returns_what_torchdeqs_anderson_returns(dtype):
     f, x0 = _problem(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     want = _per_row(original_anderson, f, x0, max_iter=30, tol=tol, stop_mode="abs")
-    cfg = DEQConfig(f_solver="anderson", f_max_iter=30, f_tol=tol, f_stop_mode="abs", f_final_step="always",
+    cfg = DEQConfig(f_solver="anderson", f_max_iter=30, f_tol=tol, f_stop_mode="abs", f_final_step=1,
                     f_solver_kwargs={"m": 6, "lam": 1e-4, "lam_mode": "abs"})
     with torch.no_grad():
         got, st = DEQ(cfg)(f, x0)
@@ -141,16 +142,41 @@ def test_final_step_always_evaluates_f_at_an_answer_that_is_not_the_last_iterate
     """A growing residual: the answer is x0, and the original returns f(x0), not f of the last iterate."""
     f = lambda z: 2 * z + 1  # noqa: E731 - iterates 0, 1, 3 with residuals 1, 2, 4
     got, st = solve(f, torch.zeros(1, 1, dtype=torch.float64), solver="fixed_point", max_iter=3, tol=1e-9,
-                    stop_mode="abs", final="always")
+                    stop_mode="abs", final=1)
     want = torchdeq_fixed_point(f, torch.zeros(1, 1, dtype=torch.float64), 3, 1e-9, "abs")
     assert got.item() == want.item() == 1.0
     assert st.nfe == 5 and st.abs_residual.item() == 2.0  # f at x0, then f at f(x0) to measure it
 
 
+def impsq_forward(f, x0, max_iter, tol):
+    """ImpSq: forward_iteration (whole-signal rel residual, returns the last f output), then the layer's f."""
+    fx = x0
+    for k in range(1, max_iter + 1):
+        x = x0 if k == 1 else fx
+        fx = f(x)
+        if (fx - x).norm() / (fx.norm() + 1e-9) < tol:
+            break
+    return f(fx)
+
+
+@pytest.mark.parametrize("tol, budget", [(1e-3, 30), (1e-12, 6)])
+def test_two_final_steps_return_what_impsq_returns(tol, budget):
+    f, x0 = _problem(batch=1)
+    want = impsq_forward(f, x0, budget, tol)
+    cfg = DEQConfig(f_solver="fixed_point", f_max_iter=budget, f_tol=tol, f_stop_mode="rel", f_final_step=2)
+    with torch.no_grad():
+        got, st = DEQ(cfg)(f, x0)
+        one, _ = DEQ(cfg.update(f_final_step=1))(f, x0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert float((one - want).abs().max()) > 1e-9  # one step fewer is another point
+    torch.testing.assert_close(st.abs_residual, (f(got) - got).norm(dim=1), rtol=1e-9, atol=1e-300)
+
+
 def test_final_step_config_values():
-    assert DEQConfig(f_final_step="always").f_final_step == "always"
-    with pytest.raises(TypeError, match="f_final_step"):
-        DEQConfig(f_final_step="sometimes")
+    assert DEQConfig(f_final_step=2).f_final_step == 2
+    for bad in ("always", 0, -1, 1.5):
+        with pytest.raises((TypeError, ValueError), match="f_final_step"):
+            DEQConfig(f_final_step=bad)
 
 
 # --- DEQ-Flow v1.0's absolute Anderson regularisation -------------------------------------------------------

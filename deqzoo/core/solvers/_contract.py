@@ -292,7 +292,7 @@ def _sq_norms(gx: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
     ).square_()
 
 
-def final_step(solver: Callable, g, x0: torch.Tensor, *, always: bool = False,
+def final_step(solver: Callable, g, x0: torch.Tensor, *, steps: int = 0,
                **kwargs) -> tuple[torch.Tensor, SolverStats]:
     """`solver` followed by one plain f step from its answer, kept per sample where it is better.
 
@@ -303,11 +303,12 @@ def final_step(solver: Callable, g, x0: torch.Tensor, *, always: bool = False,
     f(x) has the lower residual, with that point's own residual, measured, in the statistics (nfe and
     nfe_per_sample count the evaluation). A sample whose answer is not its last iterate keeps it.
 
-    ``always=True`` (``DEQConfig(f_final_step="always")``) returns f(x) for every sample, better or not: what
-    the original releases return (TorchDEQ's fixed_point_iter and anderson, DEQ-Flow v2.0's anderson and
-    naive solver keep f of each sample's lowest-residual iterate), so converted checkpoints give their
-    originals' outputs (issue 58). A sample whose answer is not its last iterate costs one more evaluation
-    of f at its answer; the statistics still describe the returned point, measured.
+    ``steps`` = n >= 1 (``DEQConfig(f_final_step=n)``) returns fⁿ(x) for every sample, better or not: what
+    the original releases return (n = 1: TorchDEQ's fixed_point_iter and anderson, DEQ-Flow v2.0's anderson
+    and naive solver keep f of each sample's lowest-residual iterate; n = 2: ImpSq, whose layer applies f
+    once more to its solver's f output), so converted checkpoints give their originals' outputs (issue
+    58). A sample whose answer is not its last iterate costs one more evaluation of f at its answer, and
+    each step past the first one more; the statistics describe the returned point, measured.
     """
     from ..halting import is_rowwise
 
@@ -330,6 +331,7 @@ def final_step(solver: Callable, g, x0: torch.Tensor, *, always: bool = False,
     if b == 0:
         return x, stats
     at_last = (x == last_x).all(1)
+    always = steps >= 1
     if always and not bool(at_last.all()):  # f of the answers f was not last called at (issue 58)
         rest = (~at_last).nonzero()[:, 0]
         if rowwise:
@@ -346,11 +348,17 @@ def final_step(solver: Callable, g, x0: torch.Tensor, *, always: bool = False,
     if sel.numel() == 0:
         return x, stats
     cand = last_fx[sel]
-    if rowwise:
-        fc = _check_output(g(cand, sel if sel.numel() < b else None), cand)
-    else:
-        full = x.index_copy(0, sel, cand)
-        fc = _check_output(g(full), full)[sel]
+
+    def f_sel(z: torch.Tensor) -> torch.Tensor:
+        if rowwise:
+            return _check_output(g(z, sel if sel.numel() < b else None), z)
+        full = x.index_copy(0, sel, z)
+        return _check_output(g(full), full)[sel]
+
+    fc = f_sel(cand)
+    for _ in range(steps - 1):  # fⁿ: each further step is the last one's measuring evaluation
+        cand, fc = fc, f_sel(fc)
+        stats.nfe += 1
     sq = _sq_norms(fc - cand, fc)
     abs_c = sq[0].sqrt()
     rel_c = abs_c / (sq[1].sqrt() + 1e-12)  # as the solvers' bookkeeping (`_Tracker.update_sq`)
@@ -369,6 +377,6 @@ def final_step(solver: Callable, g, x0: torch.Tensor, *, always: bool = False,
     stats.nfe += 1
     if stats.nfe_per_sample is not None:
         stats.nfe_per_sample = stats.nfe_per_sample.clone()
-        stats.nfe_per_sample[sel.cpu()] += 1
+        stats.nfe_per_sample[sel.cpu()] += max(steps, 1)
     stats.extra["final_step"] = better.cpu()
     return x, stats
