@@ -287,9 +287,14 @@ def convert(
 
 def _settings_text(deq: dict[str, Any]) -> str:
     extra = "".join(f", {k} {v}" for k, v in sorted(deq.get("f_solver_kwargs", {}).items()))
+    step = deq.get("f_final_step", False)
+    if isinstance(step, bool):
+        returned = "f of the accepted iterate where better" if step else "the accepted iterate itself"
+    else:
+        returned = "f of the accepted iterate" if step == 1 else f"f^{step} of the accepted iterate"
     return (f"solver `{deq['f_solver']}`{extra}, at most {deq['f_max_iter']} steps, stop when the "
             f"{'absolute' if deq['f_stop_mode'] == 'abs' else 'relative'} residual of (h, flow) is below "
-            f"{deq['f_tol']:g}")
+            f"{deq['f_tol']:g}; returns {returned}")  # issue 58: what the original returns
 
 
 def _write_card(path: Path, source: str, fields: dict[str, Any], release: str, deq: dict[str, Any]) -> None:

@@ -49,8 +49,8 @@ def test_converted_model_reproduces_the_original(tmp_path, tag, implicit, kind, 
 def test_converted_model_returns_what_impsq_returns_at_its_own_tolerance(tmp_path, tag):
     """Issue 58: at the release's settings (rel 1e-3, 100 steps) ImpSq returns f applied twice to its last
     iterate (forward_iteration's last f output, then the layer's f); the converter writes f_final_step=2.
-    Measured against the fixture's `output_release_tol`: siren 6.7e-4 and gabor 6.3e-6 from the equilibrium,
-    deqzoo's iterate 2.1e-3 / 7.4e-5 and one f of it 1.5e-3 / 2.3e-5 from ImpSq's point."""
+    Max |deqzoo - ImpSq| against the fixture's `output_release_tol` (siren / gabor): the iterate (before)
+    1.4e-3 / 7.2e-5, one f of it 8.3e-4 / 2.9e-5, the written two 3.3e-7 / 2.2e-8."""
     io = load_file(FIX / f"impsq_{tag}_io.safetensors")
     convert = converter_module("implicit2_impsq").FORMATS["implicit2-impsq"]
     model = Implicit2ForSignalRepresentation.from_pretrained(
@@ -59,6 +59,7 @@ def test_converted_model_returns_what_impsq_returns_at_its_own_tolerance(tmp_pat
     want = io["output_release_tol"]
     with torch.no_grad():
         diff = float((model(io["coords"]).values - want).abs().max())
+        print(f"{tag}: max |deqzoo - ImpSq at its tolerance| = {diff:.2e}")
         assert diff < 1e-5, diff
         model.set_deq(f_final_step=1)  # one f step fewer: another point, at least for the slower siren
         fewer = float((model(io["coords"]).values - want).abs().max())

@@ -127,6 +127,7 @@ def test_returned_point_matches_the_originals_solver(name, tmp_path):
     model.set_deq(**settings, f_final_step=final, on_nonconvergence="ignore")
     with torch.no_grad():
         diff = (model(io["input"]).logits - io[key]).abs().max().item()
+    print(f"{name}: max |deqzoo - original solver's logits| = {diff:.2e}")
     assert diff < tol, f"{name}: max |deqzoo - original solver| = {diff:.3e}"
     if name == "mdeq-vision":  # the fixture tells the two points apart
         model.set_deq(f_final_step=1)
