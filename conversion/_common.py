@@ -68,3 +68,39 @@ def with_options(src: str | Path, fixed: dict, options: dict) -> dict:
         raise ValueError(f"{src}: option {key}={options[key]!r} cannot be set: the checkpoint fixes it "
                          f"({key}={fixed[key]!r})")
     return {**fixed, **options}
+
+
+# What each original release's evaluation forward returns from its solve, per forward solver (issue 58), as
+# read from its code: f of the accepted (lowest-residual) iterate applied n times (DEQConfig.f_final_step=n),
+# or the iterate itself (absent: False). Solvers an original does not have return the iterate.
+RETURNED_POINT: dict[str, dict[str, int]] = {
+    # torchdeq/solver/fp_iter.py and anderson.py keep f of each sample's lowest iterate (broyden.py: the
+    # iterate); TorchDEQ's DEQIndexing returns it unchanged in eval
+    "torchdeq": {"fixed_point": 1, "anderson": 1},
+    # deq-flow code.v.2.0/core/deq/solvers.py: naive_solver returns its last f output, anderson F of the
+    # lowest iterate (broyden: the iterate)
+    "deq-flow-v2.0": {"fixed_point": 1, "anderson": 1},
+    # locuslab/deq lib/solvers.py (DEQ-Transformer, MDEQ-Vision), locuslab/mdeq's broyden and deq-flow
+    # code.v.1.0/core/lib/solvers.py: anderson's X and broyden's x, the iterate itself
+    "locuslab": {},
+    # SwiftieH/IGNN inn_pred: the iterate whose residual passed (at its budget: the last f output)
+    "swiftieh": {},
+    # locuslab/ImpSq forward_iteration returns its last f output, and ImplicitLayer.forward applies f again
+    "impsq": {"fixed_point": 2},
+}
+
+
+def original_returned_point(origin: str, settings: dict, given: dict | None = None) -> dict:
+    """`settings` (a DEQConfig dict) with ``f_final_step`` set to what the `origin` release returns for its
+    forward solver (`RETURNED_POINT`), unless the user's own `given` settings name ``f_final_step``.
+
+    Example:
+        >>> original_returned_point("torchdeq", {"f_solver": "fixed_point"})["f_final_step"]
+        1
+        >>> original_returned_point("locuslab", {"f_solver": "anderson"})["f_final_step"]
+        False
+    """
+    if given and "f_final_step" in given:
+        return dict(settings)
+    steps = RETURNED_POINT[origin].get(settings.get("f_solver", "anderson"), False)
+    return {**settings, "f_final_step": steps}

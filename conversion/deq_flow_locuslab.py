@@ -51,16 +51,35 @@ from typing import Any
 
 import torch
 
-from ._common import fill_model, load_state_dict, with_options
+from ._common import fill_model, load_state_dict, original_returned_point, with_options
 
-__all__ = ["FORMATS", "convert", "convert_state_dict", "eval_settings", "fold_weight_norm", "release_version"]
+__all__ = ["FORMATS", "convert", "convert_state_dict", "eval_settings", "fold_weight_norm", "release_version",
+           "v1_solver_options"]
 
 # v2.0's val.sh: naive_solver, f_thres 40 x eval_factor 1.5, abs stop at f_eps 1e-3 (arg_utils' defaults)
 EVAL_DEQ = {"f_solver": "fixed_point", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}
 # v1.0's val.sh (main.py: stop_mode abs, eval_factor 1.5; deq.py: eps 1e-3 in abs mode)
-EVAL_DEQ_V1_B = {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs",
-                 "f_solver_kwargs": {"m": 6, "tau": 1.0}}
+EVAL_DEQ_V1_B = {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-3, "f_stop_mode": "abs"}
 EVAL_DEQ_V1_H = {"f_solver": "broyden", "f_max_iter": 54, "f_tol": 1e-3, "f_stop_mode": "abs"}
+
+
+def v1_solver_options(solver: str, stop_mode: str, hidden_dim: int) -> dict[str, Any]:
+    """The engine options that make deqzoo's solver the v1.0 release's (code.v.1.0/core/lib/solvers.py; issue
+    58): its anderson (m 6, β 1) regularises the Gram matrix with an absolute lam 1e-4; its broyden also stops
+    when the last 30 residuals are within a ratio 1.3 below 3 tol, and on a protective break above
+    (1e6 abs, 1e3 rel) x positions x its first residual, i.e. per element of the (h, flow) state of
+    hidden_dim + 2 channels a position.
+
+    Example:
+        >>> v1_solver_options("broyden", "abs", 126)
+        {'stall_window': 30, 'protect_per_element': 7812.5}
+    """
+    if solver == "anderson":
+        return {"m": 6, "tau": 1.0, "lam": 1e-4, "lam_mode": "abs"}
+    if solver == "broyden":
+        per_position = 1e6 if stop_mode == "abs" else 1e3
+        return {"stall_window": 30, "protect_per_element": per_position / (hidden_dim + 2)}
+    return {}
 
 _ENCODER = [
     (r"conv1\.(weight|bias)$", r"convnormrelu.0.\1"),
@@ -212,8 +231,8 @@ def eval_settings(version: str, hidden_dim: int) -> dict[str, Any]:
         return dict(EVAL_DEQ)
     if version != "v1.0":
         raise ValueError(f"unknown DEQ-Flow release {version!r} (v1.0 or v2.0)")
-    settings = EVAL_DEQ_V1_H if hidden_dim >= 256 else EVAL_DEQ_V1_B
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in settings.items()}
+    settings = dict(EVAL_DEQ_V1_H if hidden_dim >= 256 else EVAL_DEQ_V1_B)
+    return {**settings, "f_solver_kwargs": v1_solver_options(settings["f_solver"], "abs", hidden_dim)}
 
 
 def convert(
@@ -237,6 +256,7 @@ def convert(
     Example:
         >>> convert("deq-flow-B-things.pth", "/tmp/deq-flow-b")  # doctest: +SKIP
     """
+    from deqzoo.core.config import merge_settings
     from deqzoo.models.deq_flow import DEQFlowConfig, DEQFlowForOpticalFlow
 
     src = Path(src)
@@ -246,8 +266,13 @@ def convert(
     sd = load_state_dict(src)
     state, fields = convert_state_dict(sd, src, fold=fold_weight_norm)
     version = release_version(sd)
-    settings = {**(base_deq if base_deq is not None else eval_settings(version, fields["hidden_dim"])),
-                **(deq or {})}
+    base = base_deq if base_deq is not None else eval_settings(version, fields["hidden_dim"])
+    settings = merge_settings(base, deq or {})  # a user's other solver drops the release's solver options
+    if base_deq is None and version == "v1.0" and "f_solver_kwargs" not in (deq or {}):
+        settings["f_solver_kwargs"] = v1_solver_options(settings["f_solver"], settings["f_stop_mode"],
+                                                        fields["hidden_dim"])
+    origin = "torchdeq" if base_deq is not None else ("deq-flow-v2.0" if version == "v2.0" else "locuslab")
+    settings = original_returned_point(origin, settings, deq)
     config = DEQFlowConfig(**with_options(src, {**fields, "detach_flow_input": not all_grad, "deq": settings,
                                                 "architectures": [DEQFlowForOpticalFlow.__name__]}, options))
     model = DEQFlowForOpticalFlow(config)
@@ -262,9 +287,14 @@ def convert(
 
 def _settings_text(deq: dict[str, Any]) -> str:
     extra = "".join(f", {k} {v}" for k, v in sorted(deq.get("f_solver_kwargs", {}).items()))
+    step = deq.get("f_final_step", False)
+    if isinstance(step, bool):
+        returned = "f of the accepted iterate where better" if step else "the accepted iterate itself"
+    else:
+        returned = "f of the accepted iterate" if step == 1 else f"f^{step} of the accepted iterate"
     return (f"solver `{deq['f_solver']}`{extra}, at most {deq['f_max_iter']} steps, stop when the "
             f"{'absolute' if deq['f_stop_mode'] == 'abs' else 'relative'} residual of (h, flow) is below "
-            f"{deq['f_tol']:g}")
+            f"{deq['f_tol']:g}; returns {returned}")  # issue 58: what the original returns
 
 
 def _write_card(path: Path, source: str, fields: dict[str, Any], release: str, deq: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._common import check_output, load_state_dict
+from ._common import check_output, load_state_dict, original_returned_point
 from .ignn_swiftieh import save_converted, take
 
 __all__ = ["FORMATS", "convert"]
@@ -57,6 +57,7 @@ def convert(
     **options: Any,
 ) -> Path:
     """Convert a TorchDEQ deq-zoo/ignn chains-style state dict into a deqzoo checkpoint directory `out`."""
+    from deqzoo.core.config import merge_settings
     from deqzoo.models.ignn import IGNNConfig, IGNNForNodeClassification
 
     check_output(src, out)
@@ -103,7 +104,8 @@ def convert(
         norm_clip_value=norm_clip_value,
         dropout=dropout,
         architectures=[IGNNForNodeClassification.__name__],
-        **({"deq": deq} if deq else {}),
+        # TorchDEQ's solvers return f of the accepted iterate (conversion._common.RETURNED_POINT)
+        deq=original_returned_point("torchdeq", merge_settings(IGNNConfig.default_deq, deq or {}), deq),
         **options,
     )
     return save_converted(IGNNForNodeClassification, config, state, out, source=str(src), fmt="ignn-torchdeq")

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ._common import fill_model, load_state_dict, with_options
+from ._common import fill_model, load_state_dict, original_returned_point, with_options
 
 __all__ = ["EVAL_DEQ", "FORMATS", "convert", "fold_spectral_norm"]
 
@@ -101,6 +101,7 @@ def convert(
         >>> src = "conversion/fixtures/implicit2/impsq_gabor_1l_implicit_state_dict.pt"
         >>> convert(src, "/tmp/implicit2-conv")  # doctest: +SKIP
     """
+    from deqzoo.core.config import merge_settings
     from deqzoo.models.implicit2 import Implicit2Config, Implicit2ForSignalRepresentation
     from deqzoo.models.implicit2.configuration_implicit2 import DEFAULT_DEQ
 
@@ -140,7 +141,8 @@ def convert(
     fixed = dict(in_features=in_features, out_features=state["head.weight"].shape[0], hidden_size=hidden,
                  num_layers=len(layer_ids), filter_type=kind, implicit=implicit, input_scale=input_scale,
                  architectures=[Implicit2ForSignalRepresentation.__name__],
-                 deq={**DEFAULT_DEQ, **EVAL_DEQ, **(deq or {})})
+                 deq=original_returned_point("impsq", merge_settings({**DEFAULT_DEQ, **EVAL_DEQ}, deq or {}),
+                                             deq))
     config = Implicit2Config(**with_options(src, fixed, options))
     model = Implicit2ForSignalRepresentation(config)
     fill_model(model, state, src)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import mdeq_locuslab
-from ._common import check_output
+from ._common import check_output, original_returned_point
 
 FORMAT = "mdeq-torchdeq"
 
@@ -69,6 +69,9 @@ def convert_state_dict(
     """(deqzoo model, info) from a deq-zoo MDEQ state dict, in memory (for the tests and the benchmark)."""
     model, info = _L.convert_state_dict(canonical_torchdeq(sd, path), options, path, device=device)
     info["key_map_rows"] = KEY_MAP
+    # TorchDEQ's fixed_point_iter and anderson return f of the accepted iterate (_common.RETURNED_POINT)
+    given = (options or {}).get("deq")
+    model.set_deq(f_final_step=original_returned_point("torchdeq", model.config.deq, given)["f_final_step"])
     return model, info
 
 

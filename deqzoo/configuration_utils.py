@@ -16,6 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from .core import DEQConfig
+from .core.config import merge_settings
 from .errors import DeqzooError
 
 # What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
@@ -141,7 +142,7 @@ class DEQPretrainedConfig(PretrainedConfig):
         deq = self.deq.to_dict() if isinstance(self.deq, DEQConfig) else self.deq
         if deq is not None and not isinstance(deq, dict):
             raise ConfigError(f"key 'deq' must be a mapping of solver settings, got {type(deq).__name__}")
-        deq = {**self.default_deq, **(deq or {})}
+        deq = merge_settings(self.default_deq, deq or {})  # a changed b_mode drops the default's options
         if self.on_nonconvergence is None:  # older configs kept the policy in `deq` only
             self.on_nonconvergence = "raise" if deq.get("on_nonconvergence") == "raise" else "warn"
         self.deq = _solver_settings({**deq, "on_nonconvergence": _engine_policy(self.on_nonconvergence)})

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .core.config import merge_settings
 from .hub.cards import card_metrics, read_model_card
 from .hub.catalog import load_catalog
 from .hub.loading import CheckpointError, resolve
@@ -168,7 +169,7 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
     _check_override_keys(config_cls, overrides)
     kwargs = {**preset.get("config", {}), **overrides}
     if deq:
-        kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
+        kwargs["deq"] = merge_settings(kwargs.get("deq", {}), deq)  # a new b_mode: not the preset's options
     config = config_cls(**kwargs)  # values checked (types, ranges) before __init__ runs
     model_cls, meta = _on_meta(family, config, preset.get("auto"))  # size first
     check_budget([*meta.parameters(), *meta.buffers()], f"create_model({name!r})", max_parameters)

@@ -74,7 +74,9 @@ class DEQConfig:
     ``f_max_iter_min`` > 0 randomizes the iteration budget in training: each forward with autograd enabled
     draws f_max_iter uniformly from [f_max_iter_min, f_max_iter] (torch's RNG, so seeding applies).
     ``f_final_step`` returns f(z) from the solver's best z where that point's residual, measured with one more
-    evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point).
+    evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point);
+    An int ``f_final_step`` = n >= 1 returns fⁿ(z) for every sample, better or not: 1 as TorchDEQ and
+    DEQ-Flow v2.0 return, 2 as ImpSq (their converters write it).
     ``f_compact`` (default True): when f is marked `deqzoo.core.halting.rowwise`, call it on the samples
     still iterating only (False: on the whole batch every step, the stopped samples at their answer).
 
@@ -114,7 +116,7 @@ class DEQConfig:
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
-    f_final_step: bool = False
+    f_final_step: bool | int = False  # or n >= 1: fⁿ of the answer (issue 58: what the originals return)
     f_compact: bool = True
     # backward
     b_mode: str = "ift"
@@ -138,7 +140,7 @@ class DEQConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.f_final_step, bool):
-            raise TypeError(f"DEQConfig.f_final_step must be a bool, got {self.f_final_step!r}")
+            _check_int("f_final_step", self.f_final_step, 1, MAX_GRAPH_STEPS, "(a bool or a number of steps)")
         if not isinstance(self.f_compact, bool):
             raise TypeError(f"DEQConfig.f_compact must be a bool, got {self.f_compact!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS
@@ -234,9 +236,16 @@ class DEQConfig:
         return cls.from_dict(json.loads(text))
 
     def update(self, **changes: Any) -> "DEQConfig":
-        """A validated copy with `changes` applied."""
+        """A validated copy with `changes` applied (`merge_settings`: switching b_mode, f_solver or b_solver
+        without giving its options drops the previous owner's options).
+
+        Example:
+            >>> cfg = DEQConfig(b_mode="phantom", b_mode_kwargs={"k": 2, "variant": "npg"})
+            >>> cfg.update(b_mode="reversible").b_mode_kwargs
+            {}
+        """
         _check_known(changes)
-        return replace(self, **changes)
+        return replace(self, **merge_settings(asdict(self), changes, only_changes=True))
 
     def state_steps(self, max_iter: int | None = None) -> list[int]:
         """Iterations at which fixed-point correction takes states (empty when off)."""
@@ -246,6 +255,35 @@ class DEQConfig:
         if self.n_states:
             return sorted({max(1, round(max_iter * (i + 1) / self.n_states)) for i in range(self.n_states)})
         return []
+
+
+# (owner field, its options field): options are meaningful for the owner they were written for only
+_OPTION_OWNERS = (
+    ("b_mode", "b_mode_kwargs"), ("f_solver", "f_solver_kwargs"), ("b_solver", "b_solver_kwargs"))
+
+
+def merge_settings(base: dict[str, Any], changes: dict[str, Any], *,
+                   only_changes: bool = False) -> dict[str, Any]:
+    """`base` settings (a DEQConfig dict, possibly partial) overridden by `changes`, where a change of
+    ``b_mode``, ``f_solver`` or ``b_solver`` that does not give that owner's options drops the options of
+    the previous owner: a model's own phantom ``k``/``tau`` do not follow a user's
+    ``b_mode="reversible"``, nor Anderson's ``tau`` a switch to Broyden (issue 58: switching DEQ-Flow or
+    Implicit² to reversible mode failed on options the user never set). ``only_changes``: return the
+    changes plus the dropped options only (for `dataclasses.replace`).
+
+    Example:
+        >>> merge_settings({"b_mode": "phantom", "b_mode_kwargs": {"k": 2}}, {"b_mode": "reversible"})
+        {'b_mode': 'reversible', 'b_mode_kwargs': {}}
+        >>> merge_settings({"b_mode": "phantom", "b_mode_kwargs": {"k": 2}}, {"b_mode": "phantom"})
+        {'b_mode': 'phantom', 'b_mode_kwargs': {'k': 2}}
+    """
+    out = dict(changes)
+    for owner, options in _OPTION_OWNERS:
+        previous = base.get(owner, DEQConfig.__dataclass_fields__[owner].default)  # a partial base: defaults
+        switched = owner in changes and changes[owner] != previous
+        if switched and options not in changes and base.get(options):
+            out[options] = {}
+    return out if only_changes else {**base, **out}
 
 
 def _check_name(field_name: str, value: str, known) -> None:

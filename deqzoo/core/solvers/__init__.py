@@ -58,14 +58,15 @@ def solve(
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    final: bool = False,
+    final: bool | int = False,
     **solver_kwargs,
 ) -> tuple[State, SolverStats]:
     """Find z* = f(z*) starting at z0 (no autograd graph is built).
 
     z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
     structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned
-    (``final=True``: or f of it, where one more evaluation shows it is better; see `final_step`).
+    (``final=True``: or f of it, where one more evaluation shows it is better; an int n: fⁿ of it, always;
+    see `final_step`).
     An f marked with `deqzoo.core.halting.rowwise` is called on the iterating rows only, ``f(z, rows)``;
     ``halt=[...]`` adds per-sample stop rules (`deqzoo.core.halting`) to the built-in solvers.
 
@@ -84,7 +85,7 @@ def solve(
     with torch.no_grad():
         run = get_solver(solver)
         if final:
-            run = functools.partial(final_step, run)
+            run = functools.partial(final_step, run, steps=0 if final is True else final)
         x, stats = run(packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode,
                        **solver_kwargs)  # fmt: skip
     return packer.unflatten(x), stats

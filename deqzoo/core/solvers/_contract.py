@@ -292,7 +292,8 @@ def _sq_norms(gx: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
     ).square_()
 
 
-def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.Tensor, SolverStats]:
+def final_step(solver: Callable, g, x0: torch.Tensor, *, steps: int = 0,
+               **kwargs) -> tuple[torch.Tensor, SolverStats]:
     """`solver` followed by one plain f step from its answer, kept per sample where it is better.
 
     A solve ends at its best iterate x, and has evaluated f(x) (the best iterate is usually the last one f
@@ -301,6 +302,13 @@ def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.T
     evaluates f once at f(x) for the rows whose answer is that x, and returns per sample whichever of x and
     f(x) has the lower residual, with that point's own residual, measured, in the statistics (nfe and
     nfe_per_sample count the evaluation). A sample whose answer is not its last iterate keeps it.
+
+    ``steps`` = n >= 1 (``DEQConfig(f_final_step=n)``) returns fⁿ(x) for every sample, better or not: what
+    the original releases return (n = 1: TorchDEQ's fixed_point_iter and anderson, DEQ-Flow v2.0's anderson
+    and naive solver keep f of each sample's lowest-residual iterate; n = 2: ImpSq, whose layer applies f
+    once more to its solver's f output), so converted checkpoints give their originals' outputs (issue
+    58). A sample whose answer is not its last iterate costs one more evaluation of f at its answer, and
+    each step past the first one more; the statistics describe the returned point, measured.
     """
     from ..halting import is_rowwise
 
@@ -323,21 +331,40 @@ def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.T
     if b == 0:
         return x, stats
     at_last = (x == last_x).all(1)
+    always = steps >= 1
+    if always and not bool(at_last.all()):  # f of the answers f was not last called at (issue 58)
+        rest = (~at_last).nonzero()[:, 0]
+        if rowwise:
+            f_rest = _check_output(g(x[rest], rest), x[rest])
+        else:
+            f_rest = _check_output(g(x), x)[rest]
+        last_fx[rest] = f_rest
+        at_last = torch.ones_like(at_last)
+        stats.nfe += 1
+        if stats.nfe_per_sample is not None:
+            stats.nfe_per_sample = stats.nfe_per_sample.clone()
+            stats.nfe_per_sample[rest.cpu()] += 1
     sel = at_last.nonzero()[:, 0]
     if sel.numel() == 0:
         return x, stats
     cand = last_fx[sel]
-    if rowwise:
-        fc = _check_output(g(cand, sel if sel.numel() < b else None), cand)
-    else:
-        full = x.index_copy(0, sel, cand)
-        fc = _check_output(g(full), full)[sel]
+
+    def f_sel(z: torch.Tensor) -> torch.Tensor:
+        if rowwise:
+            return _check_output(g(z, sel if sel.numel() < b else None), z)
+        full = x.index_copy(0, sel, z)
+        return _check_output(g(full), full)[sel]
+
+    fc = f_sel(cand)
+    for _ in range(steps - 1):  # fⁿ: each further step is the last one's measuring evaluation
+        cand, fc = fc, f_sel(fc)
+        stats.nfe += 1
     sq = _sq_norms(fc - cand, fc)
     abs_c = sq[0].sqrt()
     rel_c = abs_c / (sq[1].sqrt() + 1e-12)  # as the solvers' bookkeeping (`_Tracker.update_sq`)
     new = rel_c if stats.stop_mode == "rel" else abs_c
     old = stats.residual[sel].double()
-    take = torch.isfinite(new) & (new < old)
+    take = torch.ones_like(new, dtype=torch.bool) if always else torch.isfinite(new) & (new < old)
     better = torch.zeros(b, dtype=torch.bool, device=x.device)
     better[sel] = take
     x = x.clone()
@@ -350,6 +377,6 @@ def final_step(solver: Callable, g, x0: torch.Tensor, **kwargs) -> tuple[torch.T
     stats.nfe += 1
     if stats.nfe_per_sample is not None:
         stats.nfe_per_sample = stats.nfe_per_sample.clone()
-        stats.nfe_per_sample[sel.cpu()] += 1
+        stats.nfe_per_sample[sel.cpu()] += max(steps, 1)
     stats.extra["final_step"] = better.cpu()
     return x, stats

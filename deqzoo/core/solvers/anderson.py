@@ -36,6 +36,7 @@ def anderson(
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
     halt=None,
+    lam_mode: str = "rel",
 ):
     """Anderson acceleration (type I, constrained least squares over the last m residuals).
 
@@ -47,12 +48,17 @@ def anderson(
     is singular or not finite takes a plain damped fixed-point step; nothing here raises. Histories are kept
     per row and compacted with the rows that still iterate (`deqzoo.core.halting`), so a sample's answer
     does not depend on its batch-mates.
+
+    ``lam_mode="abs"`` regularises with lam itself, H + lam I, as the original releases do (DEQ-Flow v1.0 and
+    v2.0, locuslab/deq, TorchDEQ: lam 1e-4), so a converted checkpoint can run its original's Anderson.
     """
     _check_tau(tau)
     if m < 1:
         raise ValueError(f"anderson memory m must be >= 1, got {m}")
     if not lam > 0:
         raise ValueError(f"anderson regularization lam must be > 0, got {lam}")
+    if lam_mode not in ("rel", "abs"):
+        raise ValueError(f"anderson lam_mode must be 'rel' or 'abs', got {lam_mode!r}")
     _check_solve_args(max_iter, tol, stop_mode)
     b, d = x0.shape
     if b == 0:
@@ -86,7 +92,11 @@ def anderson(
         H[:, slot, :n] = row
         H[:, :n, slot] = row
         if n > 1:
-            alpha = least_squares_alpha(H[:, :n, :n], lam)
+            if lam_mode == "abs":  # the originals' H + lam I (issue 58); least_squares_alpha adds ~0 more
+                eye = torch.eye(n, dtype=H.dtype, device=H.device)
+                alpha = least_squares_alpha(H[:, :n, :n] + lam * eye, 0.0)
+            else:
+                alpha = least_squares_alpha(H[:, :n, :n], lam)
             ok = torch.isfinite(alpha).all(1, keepdim=True)
             plain = torch.zeros_like(alpha)
             plain[:, slot] = 1.0  # a failed system: plain damped step

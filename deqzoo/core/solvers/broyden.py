@@ -3,10 +3,12 @@ torch on the state's device), and `InverseJacobian` (what SHINE reuses) built fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
+from ..halting import Step, StopRule
 from ._contract import (
     _check_solve_args,
     _empty_result,
@@ -65,6 +67,65 @@ class InverseJacobian:
         return -bmm(d.mT, self.S[:, :-1], y64[:, None])[:, 0].to(y.dtype)
 
 
+# DEQ-Flow v1.0's Broyden (code.v.1.0/core/lib/solvers.py) stops on "hardly any progress": after more
+# than `stall_window` (30) steps, the residual below STALL_FACTOR x tol and the last `stall_window`
+# residuals within a ratio of STALL_RATIO of each other
+STALL_FACTOR, STALL_RATIO = 3.0, 1.3
+
+
+class OriginalBreaks(StopRule):
+    """DEQ-Flow v1.0 Broyden's two extra stop rules, per sample (the original applies them to the whole
+    batch's residual; per sample they are the same rules for a batch of one). Added to a broyden solve by its
+    options ``stall_window`` and ``protect_per_element`` (the converter of v1.0 releases writes them).
+
+    The original's trace holds the residuals of its iterates x_1, x_2, ... (not of x0), ``nstep`` counting
+    them; here a row's n-th f evaluation measures x_{n-1}, so nstep = nfe - 1.
+
+    - stall (``stall_window`` = w > 0): nstep > w, residual < 3 tol and max / min of the last w residuals
+      < 1.3 ("hardly any progress in the last 30 steps").
+    - protective break (``protect_per_element`` = p > 0): residual > p · D · (the first traced residual),
+      D the state's size per sample. The original's threshold is (1e6 for abs, 1e3 for rel) times its
+      number of positions L, with D = C · L for a (C, L) state: p = 1e6 / C or 1e3 / C.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import solve
+        >>> f = lambda z: torch.cat([0.5 * z[:, :1] + 1, z[:, 1:] + 2e-3 + 1e-4 * torch.cos(z[:, 1:])], 1)
+        >>> z0 = torch.zeros(1, 2, dtype=torch.float64)  # no root: the residual stalls near 4e-3
+        >>> [solve(f, z0, solver="broyden", max_iter=100, tol=1.5e-3, stop_mode="abs", stall_window=w)[1].nfe
+        ...  for w in (0, 30)]  # without the rule, the whole budget
+        [100, 39]
+    """
+
+    def __init__(self, tol: float, stop_mode: str, stall_window: int, protect_per_element: float, dim: int):
+        if stall_window < 0 or not protect_per_element >= 0:
+            raise ValueError(f"broyden: stall_window must be >= 0 and protect_per_element >= 0, got "
+                             f"{stall_window} and {protect_per_element}")
+        self.tol, self.rel, self.window = tol, stop_mode == "rel", stall_window
+        self.protect = protect_per_element * dim
+
+    def start(self, batch: int, device: torch.device) -> None:
+        self.hist = torch.full((batch, max(self.window, 1)), math.nan, dtype=torch.float64, device=device)
+        self.first = torch.full((batch,), math.nan, dtype=torch.float64, device=device)
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        r = (step.rel_residual if self.rel else step.abs_residual).double()
+        nstep, rows = step.nfe - 1, step.rows
+        stop = torch.zeros_like(r, dtype=torch.bool)
+        traced = nstep >= 1
+        if self.window:
+            slot = (nstep - 1).clamp_min(0) % self.window
+            self.hist[rows[traced], slot[traced]] = r[traced]
+            h = self.hist[rows]
+            stall = (nstep > self.window) & (r < STALL_FACTOR * self.tol)
+            stop |= stall & (h.amax(1) / h.amin(1) < STALL_RATIO)
+        if self.protect:
+            first = nstep == 1
+            self.first[rows[first]] = r[first]
+            stop |= traced & (r > self.first[rows] * self.protect)
+        return stop
+
+
 # `m=None` (full memory) stores at most this many steps, then restarts as limited memory does: the history
 # is bounded by it and by the steps taken, never by max_iter (a budget of 1e12 allocates nothing by itself)
 MAX_MEMORY = 1024
@@ -84,6 +145,8 @@ def broyden(
     keep_steps: Iterable[int] = (),
     div_factor: float = 1e6,
     halt=None,
+    stall_window: int = 0,
+    protect_per_element: float = 0.0,
 ):
     """Broyden's ("good") method on the inverse Jacobian of g(x) - x, unit steps, no line search.
 
@@ -99,8 +162,14 @@ def broyden(
     the rows still iterating. With ``return_inverse=True`` the final estimate is exposed as
     ``stats.extra["inverse_jacobian"]`` (an `InverseJacobian` over the whole batch) for SHINE (the DEQ
     module asks for it when b_mode is "shine").
+
+    ``stall_window`` > 0 and ``protect_per_element`` > 0 add DEQ-Flow v1.0's two extra stop rules (its
+    ``lib/solvers.py`` broyden), per sample: `OriginalBreaks`.
     """
     _check_solve_args(max_iter, tol, stop_mode)
+    if stall_window or protect_per_element:
+        extra = OriginalBreaks(tol, stop_mode, int(stall_window), float(protect_per_element), x0.shape[1])
+        halt = (extra,) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt), extra)
     b, d = x0.shape
     m = min(max_iter, MAX_MEMORY) if m is None else int(m)
     if m < 1:

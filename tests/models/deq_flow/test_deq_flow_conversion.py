@@ -111,8 +111,11 @@ def test_converters_write_the_release_evaluation_settings(version, expected, tmp
     out = CASES[version].convert(FIX / META[version]["checkpoint"], tmp_path / version)
     written = json.loads((out / "config.json").read_text())["deq"]
     assert {k: written[k] for k in expected} == expected
-    if version == "v1":
-        assert written["f_solver_kwargs"] == {"m": 6, "tau": 1.0}  # the release's anderson(m=6, beta=1.0)
+    if version == "v1":  # the release's anderson(m=6, beta=1.0, lam=1e-4) regularises absolutely
+        assert written["f_solver_kwargs"] == {"m": 6, "tau": 1.0, "lam": 1e-4, "lam_mode": "abs"}
+    # what the original returns from its solve: f of the accepted iterate (v2.0's naive solver, TorchDEQ's
+    # fixed_point_iter), the iterate itself (v1.0's anderson)
+    assert written["f_final_step"] == (False if version == "v1" else 1)
     card = (out / "README.md").read_text()
     assert f"`{expected['f_solver']}`" in card and f"at most {expected['f_max_iter']} steps" in card
     assert "absolute residual of (h, flow) is below 0.001" in card
@@ -123,7 +126,7 @@ def test_converters_write_the_release_evaluation_settings(version, expected, tmp
         res = model(io["image1"], io["image2"])
     stats = res.deq_stats
     assert stats.solver == expected["f_solver"] and stats.stop_mode == "abs" and stats.tol == 1e-3
-    assert stats.nfe <= expected["f_max_iter"] + 1
+    assert stats.nfe <= expected["f_max_iter"] + 2  # + the final step's f and the call that measures it
     assert torch.equal(stats.converged, stats.abs_residual <= 1e-3)
 
 
@@ -132,8 +135,97 @@ def test_v1_release_and_width_choose_the_solver():
     assert L.release_version(sd) == "v1.0"
     assert L.release_version(torch.load(FIX / META["v2"]["checkpoint"], weights_only=True)) == "v2.0"
     h = L.eval_settings("v1.0", 256)  # DEQ-Flow-H (--huge): val.sh's broyden, f_thres 36
-    assert {k: h[k] for k in V1_H_EVAL} == V1_H_EVAL and "f_solver_kwargs" not in h
+    assert {k: h[k] for k in V1_H_EVAL} == V1_H_EVAL
+    # its broyden's extra breaks: 30-step stall; protective break at 1e6 x positions x the first residual,
+    # (256 + 2) state elements a position
+    assert h["f_solver_kwargs"] == {"stall_window": 30, "protect_per_element": 1e6 / 258}
     assert {k: L.eval_settings("v1.0", 128)[k] for k in V1_B_EVAL} == V1_B_EVAL
     assert L.eval_settings("v2.0", 256) == V2_EVAL
     with pytest.raises(ValueError, match="release"):
         L.eval_settings("v3.0", 128)
+
+
+@pytest.mark.parametrize("version", ["v2", "torchdeq"])
+def test_converted_deq_returns_the_originals_point(version, tmp_path):
+    """The fixture's flow is what the original's solver returns after 6 fixed-point steps (v2.0's
+    naive_solver, TorchDEQ's fixed_point_iter): f of the iterate it accepts. The converter's written
+    settings, at the same budget, return it (issue 58: 0.92 px and 0.33 px apart when the iterate itself
+    was returned)."""
+    out = CASES[version].convert(FIX / META[version]["checkpoint"], tmp_path / version)
+    io = load_file(FIX / META[version]["io"])
+    budget = {"f_max_iter": META["steps"], "f_tol": 1e-12, "on_nonconvergence": "ignore"}
+    model = deqzoo.from_pretrained(out, deq=budget).eval()
+    assert model.config.deq["f_solver"] == "fixed_point" and model.config.deq["f_final_step"] == 1
+    with torch.no_grad():
+        res = model(io["image1"], io["image2"])
+    diff = float((res.flow - io["flow_up"]).abs().max())
+    print(f"{version}: max |deqzoo - original returned flow| = {diff:.2e} px")
+    assert diff <= 1e-4
+    torch.testing.assert_close(res.flow_low, io["flow_low"], rtol=0, atol=1e-4)
+    model.set_deq(f_final_step=False)  # the iterate: one update short
+    with torch.no_grad():
+        assert float((model(io["image1"], io["image2"]).flow - io["flow_up"]).abs().max()) > 1e-2
+
+
+def v1_anderson_reference(g, x0, *, max_iter, tol, stop_mode="abs", **_):
+    """A transcription of DEQ-Flow v1.0's anderson (code.v.1.0/core/lib/solvers.py: m 6, lam 1e-4 added to
+    the Gram matrix, beta 1, the batch-mean residual, returns the lowest-residual X), registered as a solver
+    so that it runs on the converted model's own f."""
+    from deqzoo.core.stats import SolverStats
+
+    b, m = x0.shape[0], 6
+    X, F = x0.new_zeros(b, m, x0.shape[1]), x0.new_zeros(b, m, x0.shape[1])
+    X[:, 0], F[:, 0] = x0, g(x0)
+    X[:, 1], F[:, 1] = F[:, 0], g(F[:, 0])
+    H = x0.new_zeros(b, m + 1, m + 1)
+    H[:, 0, 1:] = H[:, 1:, 0] = 1
+    y = x0.new_zeros(b, m + 1, 1)
+    y[:, 0] = 1
+    lowest, lowest_x, nfe = float("inf"), x0, 2
+    for k in range(2, max_iter):
+        n = min(k, m)
+        G = F[:, :n] - X[:, :n]
+        H[:, 1:n + 1, 1:n + 1] = G @ G.transpose(1, 2) + 1e-4 * torch.eye(n, dtype=x0.dtype)[None]
+        alpha = torch.linalg.solve(H[:, :n + 1, :n + 1], y[:, :n + 1])[:, 1:n + 1, 0]
+        X[:, k % m] = (alpha[:, None] @ F[:, :n])[:, 0]
+        F[:, k % m] = g(X[:, k % m])
+        nfe += 1
+        gx = F[:, k % m] - X[:, k % m]
+        a = gx.norm(dim=1)
+        r = float((a if stop_mode == "abs" else a / (1e-5 + F[:, k % m].norm(dim=1))).mean())
+        if r < lowest:
+            lowest, lowest_x = r, X[:, k % m].clone()
+        if r < tol:
+            break
+    res = (g(lowest_x) - lowest_x).norm(dim=1)
+    return lowest_x, SolverStats(nfe=nfe, abs_residual=res, rel_residual=res, trace=torch.zeros(0),
+                                 converged=(res < tol).cpu(), solver="v1_anderson_reference",
+                                 stop_mode=stop_mode, tol=tol)
+
+
+def test_v1_converted_deq_returns_what_the_v1_anderson_returns(tmp_path, monkeypatch):
+    """v1.0's fixture holds 6 plain steps (its release has no such solver), so v1.0's own returned point is
+    checked in two parts: the converted f is the original's (the fixture, above), and the written solver
+    settings return, on that f, what a transcription of v1.0's anderson returns (its lowest-residual iterate,
+    absolute lam 1e-4), at its evaluation settings and at a 12-step budget (6.4e-12 px; deqzoo's relative
+    lam 1e-5, what was written before, 0.84 px). In float64: this random-weight f
+    does not converge (residual ~1), so float32 rounding in the two mixing solves grows with the steps
+    (1.2e-6 px at 4 steps, 1.2e-3 at 12); in float64 they agree to 6e-12 at 60 steps."""
+    from deqzoo.core.solvers import SOLVERS
+
+    monkeypatch.setitem(SOLVERS, "v1_anderson_reference", v1_anderson_reference)
+    out = L.convert(FIX / META["v1"]["checkpoint"], tmp_path / "v1")
+    io = load_file(FIX / META["v1"]["io"])
+    images = io["image1"].double(), io["image2"].double()
+    for budget in ({}, {"f_max_iter": 12, "f_tol": 1e-12}):
+        model = deqzoo.from_pretrained(out, deq={**budget, "on_nonconvergence": "ignore"}).eval().double()
+        ref = deqzoo.from_pretrained(out, deq={**budget, "f_solver": "v1_anderson_reference",
+                                               "f_solver_kwargs": {}, "on_nonconvergence": "ignore"})
+        with torch.no_grad():
+            got, want = model(*images).flow, ref.eval().double()(*images).flow
+        diff = float((got - want).abs().max())
+        print(f"v1 {budget or 'release settings'}: max |deqzoo - v1.0 anderson| = {diff:.2e} px")
+        assert diff <= 1e-4, budget
+    model.set_deq(f_solver_kwargs={"m": 6, "tau": 1.0})  # deqzoo's relative regularisation: another point
+    with torch.no_grad():
+        assert float((model(*images).flow - want).abs().max()) > 1e-3

@@ -37,6 +37,9 @@ def test_converted_model_reproduces_original_outputs(tmp_path, fixture, module, 
     out = mod.FORMATS[fmt](FIX / f"{fixture}_state_dict.pt", tmp_path / "conv", deq=DEQ)
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     model = cls.from_pretrained(out).eval()
+    # what the original returns (issue 58): TorchDEQ's fixed_point_iter f of the accepted iterate; SwiftieH's
+    # inn_pred the iterate that passed its test (both fixtures are converged: the two points agree to 1e-6)
+    assert model.config.deq["f_final_step"] == (1 if module == "ignn_torchdeq" else False)
     with torch.no_grad():
         res = model(io["x"], io["edge_index"], io["edge_weight"], io.get("batch"))
     logits = torch.log_softmax(res.logits, -1) if log_softmax else res.logits

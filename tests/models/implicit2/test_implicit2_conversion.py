@@ -45,6 +45,27 @@ def test_converted_model_reproduces_the_original(tmp_path, tag, implicit, kind, 
     assert float(torch.linalg.matrix_norm(w, ord=2)) == pytest.approx(0.97, rel=1e-3)
 
 
+@pytest.mark.parametrize("tag", ["siren_like_1l_implicit", "gabor_1l_implicit"])
+def test_converted_model_returns_what_impsq_returns_at_its_own_tolerance(tmp_path, tag):
+    """Issue 58: at the release's settings (rel 1e-3, 100 steps) ImpSq returns f applied twice to its last
+    iterate (forward_iteration's last f output, then the layer's f); the converter writes f_final_step=2.
+    Max |deqzoo - ImpSq| against the fixture's `output_release_tol` (siren / gabor): the iterate (before)
+    1.4e-3 / 7.2e-5, one f of it 8.3e-4 / 2.9e-5, the written two 3.3e-7 / 2.2e-8."""
+    io = load_file(FIX / f"impsq_{tag}_io.safetensors")
+    convert = converter_module("implicit2_impsq").FORMATS["implicit2-impsq"]
+    model = Implicit2ForSignalRepresentation.from_pretrained(
+        convert(FIX / f"impsq_{tag}_state_dict.pt", tmp_path / "conv")).eval()
+    assert model.config.deq["f_final_step"] == 2 and model.config.deq["f_tol"] == 1e-3
+    want = io["output_release_tol"]
+    with torch.no_grad():
+        diff = float((model(io["coords"]).values - want).abs().max())
+        print(f"{tag}: max |deqzoo - ImpSq at its tolerance| = {diff:.2e}")
+        assert diff < 1e-5, diff
+        model.set_deq(f_final_step=1)  # one f step fewer: another point, at least for the slower siren
+        fewer = float((model(io["coords"]).values - want).abs().max())
+    assert fewer > (1e-5 if tag.startswith("siren") else diff), fewer
+
+
 def test_converter_refuses_foreign_or_incomplete_state_dicts(tmp_path):
     convert = converter_module("implicit2_impsq").FORMATS["implicit2-impsq"]
     sd = torch.load(FIX / "impsq_gabor_1l_implicit_state_dict.pt", weights_only=True)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import deqzoo
 from conversion import converter_module
+from conversion._common import original_returned_point
 from deqzoo.core import solve
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,7 +80,9 @@ def converted(request, tmp_path_factory):
 
 def test_fixed_point_steps_match_original(converted):
     name, model, io, _ = converted
-    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12)
+    # f's parity: N plain steps (the iterate; the converter's returned-point setting is tested below)
+    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12,
+                  f_final_step=False)
     with torch.no_grad():
         logits = model(io["input"]).logits
     diff = (logits - io["logits_fixed_point"]).abs().max().item()
@@ -97,6 +100,39 @@ def test_equilibrium_matches_original(converted):
     assert bool(out.deq_stats.converged.all()), out.deq_stats
     diff = (out.logits - io["logits_equilibrium"]).abs().max().item()
     assert diff < 1e-4, f"{name}: max |deqzoo - original equilibrium| = {diff:.3e}"
+
+
+# the fixtures' runs of the originals' own solvers (fixtures.json), and what each returns: locuslab/deq's
+# broyden its lowest iterate, TorchDEQ's anderson f of it (conversion._common.RETURNED_POINT)
+SOLVER_RUNS = {
+    "mdeq-vision": ("logits_solver", {"f_solver": "broyden", "f_max_iter": 18, "f_stop_mode": "rel"}),
+    "torchdeq": ("logits_anderson", {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-6,
+                                     "f_stop_mode": "rel"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOLVER_RUNS))
+def test_returned_point_matches_the_originals_solver(name, tmp_path):
+    """Issue 58: the converted model returns what the original's solver returns. locuslab/deq MDEQ-Vision's
+    broyden (F_THRES 18) returns its accepted iterate: 8.0e-7 from the fixture, where f of it is 3.8e-5
+    away; TorchDEQ's anderson returns f of the iterate (converged to 1e-6 here, so both are within 3.2e-6)."""
+    fmt, module, ckpt, io_name, options = CASES[name]
+    key, settings = SOLVER_RUNS[name]
+    model = deqzoo.from_pretrained(module.FORMATS[fmt](FIX / ckpt, tmp_path / "m", **options)).eval()
+    io = _io(io_name)
+    final = {"mdeq-vision": False, "torchdeq": 1}[name]
+    origin = "locuslab" if name == "mdeq-vision" else "torchdeq"
+    assert original_returned_point(origin, settings)["f_final_step"] == final
+    tol = 1e-5 * max(1.0, io[key].abs().max().item())
+    model.set_deq(**settings, f_final_step=final, on_nonconvergence="ignore")
+    with torch.no_grad():
+        diff = (model(io["input"]).logits - io[key]).abs().max().item()
+    print(f"{name}: max |deqzoo - original solver's logits| = {diff:.2e}")
+    assert diff < tol, f"{name}: max |deqzoo - original solver| = {diff:.3e}"
+    if name == "mdeq-vision":  # the fixture tells the two points apart
+        model.set_deq(f_final_step=1)
+        with torch.no_grad():
+            assert (model(io["input"]).logits - io[key]).abs().max().item() > tol
 
 
 def test_converted_directory_is_a_hub_repo(converted):
@@ -191,7 +227,9 @@ def test_cli_convert(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
     model = deqzoo.from_pretrained(out).eval()
     io = _io("torchdeq_mdeq_tiny_io.safetensors")
-    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12)
+    # f's parity: N plain steps (the iterate; the converter's returned-point setting is tested below)
+    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12,
+                  f_final_step=False)
     with torch.no_grad():
         assert (model(io["input"]).logits - io["logits_fixed_point"]).abs().max() < 1e-5
 
@@ -327,7 +365,9 @@ def test_config_from_original_yaml(tmp_path):
     assert (deq.f_solver, deq.f_max_iter, deq.f_stop_mode, deq.b_max_iter) == ("anderson", 12, "rel", 14)
     assert (model.config.num_groups, model.config.dropout, model.config.post_gn_affine) == (8, 0.25, False)
     io = _io("mdeq_vision_tiny_io.safetensors")
-    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12)
+    # f's parity: N plain steps (the iterate; the converter's returned-point setting is tested below)
+    model.set_deq(f_solver="fixed_point", f_max_iter=_iters_for_steps(N_STEPS), f_tol=1e-12,
+                  f_final_step=False)
     with torch.no_grad():
         assert (model(io["input"]).logits - io["logits_fixed_point"]).abs().max() < 1e-5
     bad = tmp_path / "bad.yaml"
