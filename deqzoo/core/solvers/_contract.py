@@ -371,13 +371,11 @@ def make_tracker(x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, na
 def bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
     """torch.bmm (or baddbmm with `c`, `beta`) whose rounding does not depend on the batch size: a batch of
     one runs as a batch of two (torch runs a single matrix through another kernel, whose sums round
-    differently), so a sample's arithmetic is the same alone, in a batch, or the last of a compacted one.
-    The second matrix is the first one again, expanded (no copy): a copy would also change the operands'
-    layout, and with it the kernel's rounding, and cost as much as the product (the history window)."""
+    differently), so a sample's arithmetic is the same alone, in a batch, or the last of a compacted one."""
     one = a.shape[0] == 1
     if one:
-        a, b = a.expand(2, -1, -1), b.expand(2, -1, -1)
-        c = None if c is None else c.expand(2, -1, -1)
+        a, b = torch.cat((a, a)), torch.cat((b, b))
+        c = None if c is None else torch.cat((c, c))
     out = torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b, beta=beta)
     return out[:1] if one else out
 
