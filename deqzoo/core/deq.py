@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any
@@ -181,7 +182,9 @@ class DEQ(nn.Module):
                 f = rowwise(f)
         packer = StatePacker(z0)
         x0 = packer.flatten(z0)
-        packer.check_finite(x0)
+        compiling = torch.compiler.is_compiling()  # the fixed-trip solve: no host read (docs/engine.md)
+        if not compiling:  # compiled, a non-finite z0 row is flagged by the solve's own stats instead
+            packer.check_finite(x0)
         if cfg.f_dtype is not None:
             f = _under_autocast(f, getattr(torch, cfg.f_dtype))
         g = packer.wrap(f)
@@ -221,7 +224,8 @@ class DEQ(nn.Module):
                 check_gmres_memory("f_max_iter", max_iter, x0)
             if halt is not None:
                 kwargs["halt"] = halt
-            with torch.no_grad(), checked_once():  # weight norms checked once per solve, not per f call
+            # weight norms checked once per solve, not per f call (compiled: the model's reset_norm did it)
+            with torch.no_grad(), contextlib.nullcontext() if compiling else checked_once():
                 run = get_solver(cfg.f_solver)
                 if cfg.f_final_step:
                     # an int n: fⁿ of each sample's answer, as the original releases return (issue 58)
@@ -327,7 +331,9 @@ class DEQ(nn.Module):
 
     def _report(self, stats: SolverStats, cfg: DEQConfig) -> None:
         mode = cfg.on_nonconvergence
-        if mode == "ignore" or stats.all_converged:
+        # compiled, nothing reads the stats' values (a warning or an error would be a host read and a
+        # branch on it): the caller reads stats.converged
+        if mode == "ignore" or torch.compiler.is_compiling() or stats.all_converged:
             return
         flags = "".join(
             [", non-finite values" if stats.nonfinite else "", ", diverged" if stats.diverged else ""]

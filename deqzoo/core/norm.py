@@ -112,6 +112,8 @@ class _Norm:
         else:
             weight = self.compute(module, update=module.training)
         setattr(module, self.name, weight)
+        if torch.compiler.is_compiling():  # a Python counter and data pointers in a compiled forward would
+            return  # be guarded on and recompile every call; the next eager forward's check recomputes
         self.n_resets += 1
         self._stamp = self._current_stamp(module)
 

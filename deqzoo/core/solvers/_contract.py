@@ -259,6 +259,115 @@ class _Tracker:
         )  # fmt: skip
 
 
+class _MaskedTracker(_Tracker):
+    """The fixed-trip form of `_Tracker`: every row stays in the batch and the solver runs its `max_iter`
+    steps (or, in eager mode, until a check every `check_every` steps finds no row iterating); a row that
+    meets its stop rule is frozen by ``torch.where`` (its best iterate, residuals, count and flags no longer
+    change, and f sees it at its answer, as an unmarked f sees a stopped row in `_Tracker`). No host
+    synchronisation per step and no Python branch on a tensor value, so ``torch.compile(fullgraph=True)``
+    traces a solve as one graph, and an accelerator runs it without a blocking read per step. A row's
+    iterates, stop step, count and flags are those of `_Tracker` (the rule is the same, evaluated at the
+    same step); only f's batch differs (every row, so a `rowwise` f is called with ``rows=None``).
+
+    Same interface as `_Tracker`: `update` / `update_sq` return None (rows never leave), `done` is a
+    Python bool known without reading tensors (the budget is spent), `result` / `stats` as there; under
+    `torch.compiler.is_compiling()` the statistics' flags stay tensors (``stats.nonfinite`` /
+    ``stats.diverged`` 0-d bool tensors) and ``stats.nfe`` is the steps run (f calls on the whole batch).
+    """
+
+    def __init__(self, *args, check_every: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"check_every must be an integer >= 0 (0: never), got {check_every!r}")
+        self.active = torch.ones(self.batch, dtype=torch.bool, device=self.x0.device)
+        self.rows = torch.arange(self.batch, device=self.x0.device)  # every row, always (stop rules read it)
+        self.check_every = 0 if torch.compiler.is_compiling() else check_every
+        self.ended = False
+
+    @property
+    def done(self) -> bool:
+        return self.ended
+
+    @done.setter
+    def done(self, value: bool) -> None:  # `_Tracker.__init__` sets it
+        self.ended = value
+
+    def call(self, g, x: torch.Tensor) -> torch.Tensor:
+        """f of the whole batch, the stopped rows at their answer."""
+        x = torch.where(self.active[:, None], x, self.best_x)
+        return _check_output(g(x, None) if self.rowwise else g(x), x)
+
+    def update_sq(self, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
+                  fx: torch.Tensor | None = None) -> None:  # fmt: skip
+        """`_Tracker.update_sq`'s rule on every row, the stopped rows masked out."""
+        a = g_sq.sqrt()
+        rel = a / (f_sq.sqrt() + 1e-12)
+        r = rel if self.rel else a
+        act = self.active
+        self.nfe = self.nfe + act
+        finite = torch.isfinite(r)
+        i = 1 if self.rel else 0
+        improved = act & finite & (r < self.best[i])
+        diverged = act & finite & (a > self.div_factor * self.best[0].clamp_min(1e-30))
+        stopped_r = self.best[i].masked_fill(torch.isinf(self.best[i]), 0.0)  # before this step's update
+        self.best = torch.where(improved, torch.stack((a, rel)), self.best)
+        self.best_x = torch.where(improved[:, None], x, self.best_x)
+        best_r = self.best[i]
+        # the trace entry as `_Tracker`'s: the iterating rows' residuals (NaN if not finite), the stopped
+        # rows at their best (inf as 0)
+        self.trace.append(torch.where(act, torch.where(finite, r, math.nan), stopped_r).amax())
+        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe >= self.max_iter)
+        if self.rules:
+            from ..halting import Step
+
+            step = Step(x, fx if fx is not None else x, self.rows, self.nfe, a, rel, self.unflatten)
+            for rule in self.rules:
+                stop = stop | rule(step)
+        stop = stop & act
+        self.nonfinite = self.nonfinite | (stop & ~finite)
+        self.diverged = self.diverged | (stop & diverged)
+        self.active = act & ~stop
+        self.steps += 1
+        if self.keep_steps and self.steps in self.keep_steps:
+            self.kept[self.steps] = self.best_x.clone()
+        self.ended = self.steps >= self.max_iter or bool(
+            self.check_every and self.steps % self.check_every == 0 and not self.active.any())
+        return None
+
+    def result(self) -> torch.Tensor:
+        return self.best_x
+
+    def stats(self, nfe: int | None = None, **extra) -> SolverStats:
+        if not torch.compiler.is_compiling():  # nfe: f's calls (on the whole batch), as compiled
+            nfe = self.steps if nfe is None else nfe
+            return super().stats(nfe, compacted=False, fixed_trip=True, **extra)
+        if self.keep_steps:
+            extra = {"kept": {k: self.kept.get(k, self.best_x) for k in self.keep_steps}, **extra}
+        extra = {"compacted": False, "fixed_trip": True, "nonfinite": self.nonfinite,
+                 "diverged": self.diverged, **extra}  # fmt: skip
+        res = self.best.to(self.x0.dtype)
+        return SolverStats(
+            nfe=self.steps if nfe is None else nfe, abs_residual=res[0], rel_residual=res[1],
+            trace=torch.stack(self.trace), converged=self.best[1 if self.rel else 0] < self.tol,
+            solver=self.name, stop_mode=self.stop_mode, tol=self.tol, nonfinite=self.nonfinite.any(),
+            diverged=self.diverged.any(), extra=extra, nfe_per_sample=self.nfe,
+        )  # fmt: skip
+
+
+def make_tracker(x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str, keep_steps=(),
+            div_factor: float = 1e6, halt=None, g=None, fixed_trip: bool | None = None,
+            check_every: int = 4) -> _Tracker:  # fmt: skip
+    """The bookkeeping of a solve: `_MaskedTracker` (fixed trip, no host read per step) when `fixed_trip`
+    is True, or when it is None and the solve is being compiled (`torch.compiler.is_compiling()`); else
+    `_Tracker` (rows leave the batch as they stop)."""
+    if fixed_trip is None:
+        fixed_trip = torch.compiler.is_compiling()
+    if fixed_trip:
+        return _MaskedTracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g,
+                              check_every=check_every)  # fmt: skip
+    return _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g)
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
     """torch.bmm (or baddbmm with `c`, `beta`) whose rounding does not depend on the batch size: a batch of
     one runs as a batch of two (torch runs a single matrix through another kernel, whose sums round

@@ -14,9 +14,9 @@ from ._contract import (
     _grown,
     _into,
     _sq_norms,
-    _Tracker,
     bmm,
     compact,
+    make_tracker,
     register_solver,
 )
 
@@ -37,6 +37,8 @@ def anderson(
     div_factor: float = 1e6,
     halt=None,
     lam_mode: str = "rel",
+    fixed_trip: bool | None = None,
+    check_every: int = 4,
 ):
     """Anderson acceleration (type I, constrained least squares over the last m residuals).
 
@@ -47,7 +49,8 @@ def anderson(
     float64 on the device (`deqzoo.core.hyper.least_squares_alpha`, batched Cholesky); a sample whose system
     is singular or not finite takes a plain damped fixed-point step; nothing here raises. Histories are kept
     per row and compacted with the rows that still iterate (`deqzoo.core.halting`), so a sample's answer
-    does not depend on its batch-mates.
+    does not depend on its batch-mates. ``fixed_trip`` / ``check_every``: the masked fixed-trip loop (the
+    default under `torch.compile`; see `deqzoo.core.solvers.fixed_point`).
 
     ``lam_mode="abs"`` regularises with lam itself, H + lam I, as the original releases do (DEQ-Flow v1.0 and
     v2.0, locuslab/deq, TorchDEQ: lam 1e-4), so a converted checkpoint can run its original's Anderson.
@@ -64,7 +67,8 @@ def anderson(
     if b == 0:
         return _empty_result(x0, "anderson", tol, stop_mode)
     m = min(int(m), max_iter)  # more slots than steps are never used
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor, halt, g)
+    tracker = make_tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor, halt, g,
+                           fixed_trip, check_every)  # fmt: skip
     cap = min(m, 8)
     G = x0.new_empty(b, cap, d)  # g_j = f(x_j) - x_j; slots are read only once written
     Y = x0.new_empty(b, cap, d)  # f(x_j) - (1 - tau) g_j
@@ -78,8 +82,9 @@ def anderson(
             H = _into(H.new_zeros(n_rows, cap, cap), H)
         fx = tracker.call(g, x)
         slot, n = k % cap, min(k + 1, cap)
-        gi = torch.sub(fx, x, out=G[:, slot])
-        torch.add(fx, gi, alpha=-(1.0 - tau), out=Y[:, slot])
+        gi = fx - x  # stored by assignment: dynamo refuses `out=` into a strided slot
+        G[:, slot] = gi
+        Y[:, slot] = fx if tau == 1.0 else torch.add(fx, gi, alpha=-(1.0 - tau))
         keep = tracker.update_sq(x, *_sq_norms(gi, fx), fx)
         if tracker.done:
             break
