@@ -36,7 +36,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the clone's root first, so `examples.*` imports
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np
 import torch
 
 from deqzoo.models.reasoner import ReasonerForGridClassification
@@ -138,8 +137,9 @@ def main(argv=None) -> dict:
         print(json.dumps(rows[-1]), flush=True)
         table = {"preset": args.preset, "config": args.config, "cpu_seconds": args.cpu_seconds,
                  "eval_size": args.eval_size, "seed": args.seed, "rows": rows,
-                 "command": "PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/grad_modes.py "
-                            + " ".join(sys.argv[1:]) if argv is None else None}
+                 "command": None if argv is not None else
+                 "PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/grad_modes.py "
+                 + " ".join(sys.argv[1:])}
         (out / "grad_modes.json").write_text(json.dumps(table, indent=1))
         (out / "grad_modes.md").write_text(markdown(table))
     print(markdown(table))
