@@ -18,9 +18,13 @@ TINY = ["--task", "sudoku6", "--pool", "30", "--batch-size", "8", "--eval-every"
                                 "l_cycles": 1, "halt_max_steps": 2})]
 
 
+LIMIT = 150
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two tiny runs (reasoner and twin), each with evaluate.py's JSON on all 1,000 held-out puzzles."""
+    """Two tiny runs (reasoner and twin), each with evaluate.py's JSON on the first LIMIT held-out puzzles (a
+    published card needs all 1,000; `--allow-subset` and `deqzoo eval --limit` keep the test short)."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("reasoner_runs")
     out = {}
@@ -28,7 +32,8 @@ def runs(tmp_path_factory):
         folder = root / model
         train.main(["--out", str(folder), "--steps", "4", "--model", model, *TINY])
         halting = "budget,act,stability" if model == "reasoner" else "budget"
-        report = evaluate.main([str(folder / "checkpoint"), "--multiples", "1,2,4,16", "--halting", halting])
+        report = evaluate.main([str(folder / "checkpoint"), "--multiples", "1,2,4,16", "--halting", halting,
+                                "--limit", str(LIMIT)])
         (root / f"{model}_eval.json").write_text(json.dumps(report))
         out[model] = (folder, root / f"{model}_eval.json")
     return root, out
@@ -38,7 +43,7 @@ def _write(root, out, dest, *extra):
     (r, r_eval), (t, t_eval) = out["reasoner"], out["twin"]
     return write_card.main(["--out", str(dest), "--name", "tiny-reasoner", "--run", str(r), "--eval",
                             str(r_eval), "--twin-name", "tiny-twin", "--twin-run", str(t), "--twin-eval",
-                            str(t_eval), *extra])
+                            str(t_eval), "--allow-subset", *extra])
 
 
 def test_card_has_the_numbers_deqzoo_eval_prints(runs, tmp_path, capsys):
@@ -52,7 +57,7 @@ def test_card_has_the_numbers_deqzoo_eval_prints(runs, tmp_path, capsys):
         metrics = card_metrics(meta)
         assert ("exact_act_1x" in metrics) is halting and "exact_16x" in metrics
         capsys.readouterr()
-        assert cli_main(["eval", str(folder), "--no-progress"]) == 0
+        assert cli_main(["eval", str(folder), "--no-progress", "--limit", str(LIMIT)]) == 0
         printed = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
         assert printed == {k: f"{v:.4f}" for k, v in metrics.items()}
         # the card states the gradient mode, both commands, compute and the paper comparison
@@ -76,11 +81,8 @@ def test_card_writer_refuses_bad_inputs(runs, tmp_path):
     with pytest.raises(ValueError, match="not .*checkpoint"):
         write_card.main(["--out", str(tmp_path), "--name", "x", "--run", str(r), "--eval", str(t_eval)])
     # a report on part of the held-out set
-    partial = json.loads(r_eval.read_text()) | {"puzzles": 10}
-    (tmp_path / "partial.json").write_text(json.dumps(partial))
-    with pytest.raises(ValueError, match="10 puzzles"):
-        write_card.main(["--out", str(tmp_path), "--name", "x", "--run", str(r), "--eval",
-                         str(tmp_path / "partial.json")])
+    with pytest.raises(ValueError, match=f"{LIMIT} puzzles; the card needs all 1000"):
+        write_card.main(["--out", str(tmp_path), "--name", "x", "--run", str(r), "--eval", str(r_eval)])
     # an existing card folder is not overwritten without --replace
     (tmp_path / "cards" / "tiny-reasoner").mkdir(parents=True)
     (tmp_path / "cards" / "tiny-reasoner" / "notes.txt").write_text("mine")
@@ -131,3 +133,14 @@ def test_docstring_examples(name):
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_demo_counts_what_evaluate_counts(runs):
+    from deqzoo.models.reasoner import ReasonerForGridClassification
+
+    _, out = runs
+    model = ReasonerForGridClassification.from_pretrained(out["reasoner"][0] / "checkpoint")
+    line, stats = sudoku.demo(model)
+    solved = round(100 * sudoku.evaluate(model, limit=100, progress=False)["exact_1x"])
+    assert line.metric == f"{solved}/100 solved" and "held-out" in str(line)
+    assert stats is None  # last_cycle: no fixed-point solve to report
