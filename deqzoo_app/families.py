@@ -82,6 +82,8 @@ LIMITS = {
     "chain_length": (2, 400),
     "chain_budget": (1, 400),
     "digit": (0, 9),
+    "segments": (1, 64),  # the reasoner tab: 64 segments of the 6x6 preset are about a second on a loaded CPU
+    "puzzle": (0, 999),
 }
 _WARMING_UP = False  # the warm-up pays one-time costs (imports, kernel compilation): no deadline
 _LOCKS: dict[str, threading.Lock] = {}
@@ -779,3 +781,6 @@ def _warm_up() -> None:
     ddim_compare(steps=4, batch=1)
     ignn_chains(20)
     hyper_vs_anderson(images=20)
+    from .reasoner import warm_up as reasoner_warm_up  # only when a reasoner checkpoint is there
+
+    reasoner_warm_up()

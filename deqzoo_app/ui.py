@@ -260,6 +260,16 @@ TABS = {
 }
 
 
+def _tabs() -> dict:
+    from . import reasoner
+
+    if not reasoner.available():  # no embedded reasoner and no $DEQZOO_APP_REASONER: no tab
+        return TABS
+    from .reasoner_ui import reasoner_tab
+
+    return {**TABS, "Reasoner (Sudoku)": reasoner_tab}
+
+
 def theme() -> gr.themes.Base:
     # system fonts: the default theme fetches web fonts, which an offline machine cannot reach
     return gr.themes.Default(
@@ -276,7 +286,7 @@ def build(warm_up: bool = True) -> gr.Blocks:
             "offline. The solver settings are a test-time knob: see what more or less compute buys."
         )
         with gr.Tabs():
-            for name, make in TABS.items():
+            for name, make in _tabs().items():
                 with gr.Tab(name):
                     make()
     return demo

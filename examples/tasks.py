@@ -28,6 +28,7 @@ TASKS: dict[str, str] = {
     "ddim_digits": "examples.deq_ddim.ddim_digits",
     "implicit2": "examples.implicit2.images",
     "flow": "examples.deq_flow.flow",
+    "sudoku6": "examples.reasoner.sudoku",
 }
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from deqzoo_app.reasoner import available as _reasoner_available
+
 CHROMIUM = "/usr/bin/chromium"
 _ABSENT = (f"{CHROMIUM} is absent: the browser test needs Debian's chromium (`bash .ci/browser` as root, or "
            "`sudo apt-get install chromium`)")
@@ -28,6 +30,8 @@ TABS = [
     ("IGNN", "Classify every node", "ignn-summary", "chains of length"),
     ("Hypersolver", "Race", "hyper-summary", "learned initializer"),
 ]
+if _reasoner_available():  # the reasoner tab: once a reasoner checkpoint is embedded (or passed by path)
+    TABS.append(("Reasoner (Sudoku)", "Solve", "reasoner-summary", "Halting"))
 
 
 @pytest.fixture(scope="module", autouse=True)

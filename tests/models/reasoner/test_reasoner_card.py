@@ -1,0 +1,146 @@
+"""The reasoner's card writer and `deqzoo eval` (issue #56): a card written from two tiny trained runs and
+evaluate.py's JSON carries the numbers `deqzoo eval <card>` prints; bad inputs are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deqzoo.cli import main as cli_main
+from deqzoo.hub.cards import card_metrics, read_model_card
+from examples.reasoner import evaluate, grad_modes, sudoku, train, write_card
+
+TINY = ["--task", "sudoku6", "--pool", "30", "--batch-size", "8", "--eval-every", "2", "--eval-size", "5",
+        "--checkpoint-every", "2", "--no-progress", "--threads", "1",
+        "--config", json.dumps({"hidden_size": 16, "num_heads": 2, "num_layers": 1, "h_cycles": 1,
+                                "l_cycles": 1, "halt_max_steps": 2})]
+
+
+LIMIT = 150
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny runs (reasoner and twin), each with evaluate.py's JSON on the first LIMIT held-out puzzles (a
+    published card needs all 1,000; `--allow-subset` and `deqzoo eval --limit` keep the test short)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("reasoner_runs")
+    out = {}
+    for model in ("reasoner", "twin"):
+        folder = root / model
+        train.main(["--out", str(folder), "--steps", "4", "--model", model, *TINY])
+        halting = "budget,act,stability" if model == "reasoner" else "budget"
+        report = evaluate.main([str(folder / "checkpoint"), "--multiples", "1,2,4,16", "--halting", halting,
+                                "--limit", str(LIMIT)])
+        (root / f"{model}_eval.json").write_text(json.dumps(report))
+        out[model] = (folder, root / f"{model}_eval.json")
+    return root, out
+
+
+def _write(root, out, dest, *extra):
+    (r, r_eval), (t, t_eval) = out["reasoner"], out["twin"]
+    return write_card.main(["--out", str(dest), "--name", "tiny-reasoner", "--run", str(r), "--eval",
+                            str(r_eval), "--twin-name", "tiny-twin", "--twin-run", str(t), "--twin-eval",
+                            str(t_eval), "--allow-subset", *extra])
+
+
+def test_card_has_the_numbers_deqzoo_eval_prints(runs, tmp_path, capsys):
+    root, out = runs
+    _write(root, out, tmp_path)
+    for name, halting in (("tiny-reasoner", True), ("tiny-twin", False)):
+        folder = tmp_path / name
+        assert sorted(p.name for p in folder.iterdir()) == sorted(write_card.CARD_FILES)
+        meta, body = read_model_card(folder)
+        assert meta["deqzoo_task"] == "sudoku6"
+        metrics = card_metrics(meta)
+        assert ("exact_act_1x" in metrics) is halting and "exact_16x" in metrics
+        capsys.readouterr()
+        assert cli_main(["eval", str(folder), "--no-progress", "--limit", str(LIMIT)]) == 0
+        printed = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
+        assert printed == {k: f"{v:.4f}" for k, v in metrics.items()}
+        # the card states the gradient mode, both commands, compute and the paper comparison
+        assert "Gradient: **" in body and body.count("examples/reasoner/train.py --out") >= 2
+        assert "CPU-hours" in body and "87.4%" in body and "different task" in body
+    # the saved weights are the run's (save_pretrained of the checkpoint), and the twin has the same count
+    from deqzoo.models.reasoner import ReasonerForGridClassification
+
+    ran = ReasonerForGridClassification.from_pretrained(out["reasoner"][0] / "checkpoint")
+    card = ReasonerForGridClassification.from_pretrained(tmp_path / "tiny-reasoner")
+    for (key, p), q in zip(ran.state_dict().items(), card.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=key)
+    twin = ReasonerForGridClassification.from_pretrained(tmp_path / "tiny-twin")
+    assert twin.num_parameters() == card.num_parameters()
+
+
+def test_card_writer_refuses_bad_inputs(runs, tmp_path):
+    root, out = runs
+    (r, r_eval), (_, t_eval) = out["reasoner"], out["twin"]
+    # an evaluation of another checkpoint
+    with pytest.raises(ValueError, match="not .*checkpoint"):
+        write_card.main(["--out", str(tmp_path), "--name", "x", "--run", str(r), "--eval", str(t_eval)])
+    # a report on part of the held-out set
+    with pytest.raises(ValueError, match=f"{LIMIT} puzzles; the card needs all 1000"):
+        write_card.main(["--out", str(tmp_path), "--name", "x", "--run", str(r), "--eval", str(r_eval)])
+    # an existing card folder is not overwritten without --replace
+    (tmp_path / "cards" / "tiny-reasoner").mkdir(parents=True)
+    (tmp_path / "cards" / "tiny-reasoner" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        _write(root, out, tmp_path / "cards")
+    assert (tmp_path / "cards" / "tiny-reasoner" / "notes.txt").read_text() == "mine"
+    # a run folder without its trainer state
+    with pytest.raises(FileNotFoundError, match="run.json"):
+        write_card.Run(tmp_path)
+
+
+def test_sudoku6_task_refuses_other_models():
+    from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
+
+    cfg = ReasonerConfig(seq_len=16, vocab_size=5, num_labels=5, hidden_size=16, num_heads=2)
+    with pytest.raises(ValueError, match="36 cells"):
+        sudoku.evaluate(ReasonerForGridClassification(cfg), limit=2, progress=False)
+
+
+def test_report_rows_map_to_eval_keys():
+    report = {"trained_segments": 8, "rows": [
+        {"multiple": k, "halting": "budget", "exact": k / 100, "cells": 0.5, "segments": 8.0 * k}
+        for k in (1, 2, 4, 16)]}
+    with pytest.raises(KeyError, match="act"):
+        sudoku.metrics_from_report(report)
+    report["trained_segments"] = 1
+    assert sudoku.metrics_from_report(report) == {"exact_1x": 0.01, "exact_2x": 0.02, "exact_4x": 0.04,
+                                                  "exact_16x": 0.16, "cells_1x": 0.5}
+
+
+def test_grad_mode_configs_are_distinct_and_valid():
+    from deqzoo.models.reasoner import ReasonerConfig
+
+    base = {"h_cycles": 2, "l_cycles": 2}
+    seen = set()
+    for mode in grad_modes.MODES:
+        cfg = ReasonerConfig(seq_len=36, vocab_size=7, num_labels=7, hidden_size=16, num_heads=2,
+                             **grad_modes.mode_config(base, mode))
+        seen.add((cfg.grad_mode, json.dumps(cfg.deq, sort_keys=True, default=str)
+                  if cfg.grad_mode == "deq" else None))
+    assert len(seen) == len(grad_modes.MODES)
+
+
+@pytest.mark.parametrize("name", ["examples.reasoner.sudoku"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_demo_counts_what_evaluate_counts(runs):
+    from deqzoo.models.reasoner import ReasonerForGridClassification
+
+    _, out = runs
+    model = ReasonerForGridClassification.from_pretrained(out["reasoner"][0] / "checkpoint")
+    line, stats = sudoku.demo(model)
+    solved = round(100 * sudoku.evaluate(model, limit=100, progress=False)["exact_1x"])
+    assert line.metric == f"{solved}/100 solved" and "held-out" in str(line)
+    assert stats is None  # last_cycle: no fixed-point solve to report
