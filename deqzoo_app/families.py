@@ -779,3 +779,6 @@ def _warm_up() -> None:
     ddim_compare(steps=4, batch=1)
     ignn_chains(20)
     hyper_vs_anderson(images=20)
+    from .looped_lm import warm_up as looped_lm_warm_up  # deqzoo_app/looped_lm.py (its own tab's module)
+
+    looped_lm_warm_up()
