@@ -163,6 +163,7 @@ def generate_looped(prompt: str = PROMPT, max_new_tokens: int = 24, mode: str = 
             conv.append(bool(ok))
         elapsed = time.perf_counter() - start
     mean = sum(nfes) / max(1, len(nfes))
+    n_params = sum(p.numel() for p in model.parameters())
     unconverged = len(conv) - sum(conv)
     summary = (
         f"**{mode}**, budget {cap} f calls per token ({cap / own:g}x the model's own loop of {own})"
@@ -170,8 +171,8 @@ def generate_looped(prompt: str = PROMPT, max_new_tokens: int = 24, mode: str = 
         f"{len(nfes)} new tokens: mean **{mean:.2f} f calls per token** ({mean / own:.2f}x the own loop), "
         f"{unconverged} not converged (red outline). Prompt: {ids.shape[1]} tokens, mean "
         f"{prompt_calls:.2f} f calls each. {elapsed:.2f} s in all.{stopped} Sampling: temperature 0.8, "
-        f"top-k 40, seed {seed}. The model: `{folder.name}`, trained on 64-token windows of Python's "
-        "pydoc topics (its card has the held-out numbers)."
+        f"top-k 40, seed {seed}. The model: `{folder.name}` ({n_params:,} parameters, H_cycles {own}, "
+        f"L_cycles {model.config.L_cycles})."
     )
     return token_html(prompt, pieces, chosen, nfes, conv, cap), summary
 

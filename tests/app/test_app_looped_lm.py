@@ -1,5 +1,5 @@
 """The looped-LM tab's computation (`deqzoo_app.looped_lm`) without a browser, on a tiny randomly initialised
-HRM-Text saved with a small byte-level BPE tokenizer: the compute slider sets each token's f-call budget, the
+HRM-Text (conftest's ``looped_lm_checkpoint``): the compute slider sets each token's f-call budget, the
 per-token colours carry the f calls `LoopedLM` reports, and bad input is refused with a clear message."""
 
 from __future__ import annotations
@@ -12,40 +12,15 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import HrmTextConfig, HrmTextForCausalLM, PreTrainedTokenizerFast
-
-    from examples.looped_lm.train import EOS, split_text
-
-    folder = tmp_path_factory.mktemp("hrm")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator([split_text("train")[:20_000]], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
-    torch.manual_seed(0)
-    cfg = HrmTextConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, head_dim=16, H_cycles=4, L_cycles=1, prefix_lm=False,
-                        max_position_embeddings=64, initializer_range=INIT)  # fmt: skip
-    HrmTextForCausalLM(cfg).save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
-def tab(checkpoint, monkeypatch):
+def tab(looped_lm_checkpoint, monkeypatch):
     from deqzoo_app import looped_lm
 
-    monkeypatch.setenv(looped_lm.ENV, str(checkpoint))
+    monkeypatch.setenv(looped_lm.ENV, str(looped_lm_checkpoint))
     return looped_lm
 
 
-TOL = 0.03  # on the fixture's model: halting runs to the budget unconverged, Anderson stops at 6 or 7
-INIT = 0.1  # larger than the default 0.02, whose random H-module is near the identity (every token: 2 calls)
+TOL = 0.03  # on conftest's tiny model: halting runs to the budget unconverged, Anderson stops at 6 or 7
 
 
 def _tokens(page: str) -> list[tuple[int, int, bool]]:
@@ -93,7 +68,7 @@ def test_per_token_calls_are_the_adapters(tab, mode, solver):
     assert tokens == expected
 
 
-def test_bad_input_is_named(tab, checkpoint, tmp_path, monkeypatch):
+def test_bad_input_is_named(tab, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="mode must be one of"):
         tab.generate_looped("x", 2, "fastest", 1.0, 0.03, 0)
     with pytest.raises(ValueError, match="the prompt is empty"):
