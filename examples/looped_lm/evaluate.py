@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-ANDERSON_TOLS = (0.1, 0.03, 0.01, 0.003)
-HALT_TOLS = (0.1, 0.03, 0.01, 0.003)
+# relative residuals: the trained model's loop contracts slowly (observed ratio ~0.7-0.9 per call), so the
+# tolerances that can stop a token inside its own 8 calls are loose ones
+ANDERSON_TOLS = (0.3, 0.2, 0.1, 0.03)
+HALT_TOLS = (0.3, 0.2, 0.1, 0.05)
 
 
 def settings(model, H: int) -> dict[str, tuple[str, object]]:
@@ -161,7 +163,13 @@ def verdict(results: dict, H: int, own: str) -> dict:
     ok = [(r["f_calls_per_token"], n) for n, r in results.items()
           if n.startswith("halting") and r["perplexity"] <= 1.01 * base["perplexity"]]  # fmt: skip
     best_halt = min(ok) if ok else None
-    out = {"own_loop_calls": H, "anderson_reaching_own_loss": None, "halting_within_1pct_ppl": None}
+    out = {"own_loop_calls": H, "own_loop_loss": base["held_out_loss"],
+           "own_loop_perplexity": base["perplexity"], "anderson_reaching_own_loss": None,
+           "halting_within_1pct_ppl": None}  # fmt: skip
+    anderson = {n: r for n, r in results.items() if n.startswith("anderson")}
+    lowest = min(anderson, key=lambda n: anderson[n]["held_out_loss"])
+    out["anderson_lowest_loss"] = {"setting": lowest, "held_out_loss": anderson[lowest]["held_out_loss"],
+                                   "calls_ratio": anderson[lowest]["f_calls_per_token"] / H}  # fmt: skip
     if best_and is not None:
         ratio = best_and[0] / H
         out["anderson_reaching_own_loss"] = {"setting": best_and[1], "calls_ratio": ratio, "target": 0.6,
@@ -241,8 +249,9 @@ def main() -> None:
     v = verdict(results["decoding"], H, own)
     print("\nverdict (decoding):", json.dumps(v, indent=1), flush=True)
     va, vh = v["anderson_reaching_own_loss"], v["halting_within_1pct_ppl"]
-    best_and = va["setting"] if va else "anderson tol 0.01"
-    best_halt = vh["setting"] if vh else "halting tol 0.01"
+    # samples from the target-meeting settings, else the Anderson with the lowest loss and halting at tol 0.1
+    best_and = va["setting"] if va else v["anderson_lowest_loss"]["setting"]
+    best_halt = vh["setting"] if vh else "halting tol 0.1"
     kinds = {k: runs[k][1] for k in (own, best_and, best_halt)}
     quality = samples(model, tok, stream, kinds, args.prompts, args.new_tokens)
     meta = {
