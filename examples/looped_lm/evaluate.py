@@ -256,7 +256,8 @@ def main() -> None:
     quality = samples(model, tok, stream, kinds, args.prompts, args.new_tokens)
     meta = {
         "model": str(args.model), "H_cycles": H, "L_cycles": model.config.L_cycles, "windows": n,
-        "seq": args.seq, "tokens": n * args.seq, "threads": 1, "results": results, "verdict": v,
+        "seq": args.seq, "tokens": n * args.seq, "threads": 1,
+        "parameters": sum(p.numel() for p in model.parameters()), "results": results, "verdict": v,
         "first_window_converged_flags": first_window_flags, "samples": quality,
         "eval_cpu_seconds": time.process_time() - cpu0, "eval_wall_seconds": time.time() - wall0,
         "load_average": os.getloadavg(), "command": " ".join(sys.argv),
