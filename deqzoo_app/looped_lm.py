@@ -1,9 +1,10 @@
 """The looped-LM tab: a stock transformers ``HrmTextForCausalLM`` generating through
 `deqzoo.integrations.looped_lm.LoopedLM`, with the f calls of every generated token shown as a colour.
 
-The checkpoint is the clone's ``model_cards/hrm-text-tiny-pydoc`` (the HRM-Text trained by
-``examples/looped_lm/train.py``), or the directory named by ``$DEQZOO_LOOPED_LM``; loaded with the stock
-class, safetensors only. Without either, the tab says so and computes nothing. No Gradio here except in
+The checkpoint is the directory named by ``$DEQZOO_LOOPED_LM``, else the first of `CARD_DIRS` holding a model:
+the clone's ``model_cards/hrm-text-tiny-pydoc`` (once published), then the card folder that
+``examples/looped_lm/write_card.py`` wrote beside the evaluation results; loaded with the stock class,
+safetensors only. Without either, the tab says so and computes nothing. No Gradio here except in
 `tab`, which `deqzoo_app.ui` calls.
 
 Example:
@@ -32,17 +33,18 @@ ENV = "DEQZOO_LOOPED_LM"
 MODES = ("per-token halting", "Anderson fixed point", "own loop")
 COMPUTE = (0.25, 4.0)  # the compute slider: the f-call budget per token, in multiples of the model's own loop
 PROMPT = "The for statement is used to"
+_ROOT = Path(__file__).resolve().parents[1]
+CARD_DIRS = (_ROOT / "model_cards" / CARD, _ROOT / "examples" / "looped_lm" / "results" / CARD)
 _LOCK = threading.Lock()  # one request at a time: the tab's model is shared
 
 
 def model_dir() -> Path | None:
-    """The checkpoint the tab runs: ``$DEQZOO_LOOPED_LM`` if set, else the clone's card folder if it holds a
+    """The checkpoint the tab runs: ``$DEQZOO_LOOPED_LM`` if set, else the first of `CARD_DIRS` that holds a
     model; None without one."""
     env = os.environ.get(ENV)
     if env:
         return Path(env)
-    card = Path(__file__).resolve().parents[1] / "model_cards" / CARD
-    return card if (card / "model.safetensors").is_file() else None
+    return next((d for d in CARD_DIRS if (d / "model.safetensors").is_file()), None)
 
 
 def budget(compute: Any, own_steps: int) -> int:
@@ -119,7 +121,8 @@ def generate_looped(prompt: str = PROMPT, max_new_tokens: int = 24, mode: str = 
     coloured by its f calls, Markdown summary)."""
     folder = model_dir()
     if folder is None:
-        raise ValueError(f"no looped LM in this clone: model_cards/{CARD} has no model (train one with "
+        where = " or ".join(str(d.relative_to(_ROOT) if d.is_relative_to(_ROOT) else d) for d in CARD_DIRS)
+        raise ValueError(f"no looped LM in this clone: no model in {where} (train one with "
                          f"examples/looped_lm/train.py and point ${ENV} at its model folder)")  # fmt: skip
     F._check_choice(mode, MODES, "mode")
     if not isinstance(prompt, str) or not prompt.strip():

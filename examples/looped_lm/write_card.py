@@ -11,7 +11,11 @@ writes only the README (no weights) to ``--out``, marked as a draft with the ste
 The output folder must not exist (nothing is overwritten).
 
     python examples/looped_lm/write_card.py --run /work/runs/looped-lm2 \\
-        --results examples/looped_lm/results/eval.json --out model_cards/hrm-text-tiny-pydoc
+        --results examples/looped_lm/results/eval.json --out examples/looped_lm/results/hrm-text-tiny-pydoc
+
+The card is written beside the results (where the app's Looped LM tab finds it): publishing it under
+``model_cards/`` means a catalog entry, and ``utils/catalog.py`` counts parameters for deqzoo's own families
+only, not for a stock transformers checkpoint.
 """
 
 from __future__ import annotations
@@ -181,8 +185,9 @@ A sampled continuation (own loop): `{example[:300]}`
 from transformers import AutoTokenizer, HrmTextForCausalLM
 from deqzoo.integrations.looped_lm import LoopedLM
 
-model = HrmTextForCausalLM.from_pretrained("model_cards/hrm-text-tiny-pydoc")
-tok = AutoTokenizer.from_pretrained("model_cards/hrm-text-tiny-pydoc")
+path = "examples/looped_lm/results/hrm-text-tiny-pydoc"  # this folder
+model = HrmTextForCausalLM.from_pretrained(path)
+tok = AutoTokenizer.from_pretrained(path)
 halting = LoopedLM.from_model(model, solver="fixed_point", max_iter={H}, tol=0.1, answer="last")
 out = halting.generate(**tok("The for statement", return_tensors="pt"), max_new_tokens=32, do_sample=False)
 ```

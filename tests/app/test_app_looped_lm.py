@@ -87,13 +87,13 @@ def test_bad_input_is_named(tab, tmp_path, monkeypatch):
         tab.generate_looped("x", 2, "own loop", 1.0, 0.03, 0)
 
 
-def test_without_a_checkpoint_the_tab_says_where_one_goes(monkeypatch):
+def test_without_a_checkpoint_the_tab_says_where_one_goes(monkeypatch, tmp_path):
     from deqzoo_app import looped_lm
 
     monkeypatch.delenv(looped_lm.ENV, raising=False)
-    if looped_lm.model_dir() is not None:
-        pytest.skip(f"this clone has model_cards/{looped_lm.CARD}")
-    with pytest.raises(ValueError, match=r"no looped LM in this clone: model_cards/hrm-text-tiny-pydoc"):
+    monkeypatch.setattr(looped_lm, "CARD_DIRS", (tmp_path / "a", tmp_path / "b"))
+    assert looped_lm.model_dir() is None
+    with pytest.raises(ValueError, match=r"no looped LM in this clone: no model in .*a or .*b \(train one"):
         looped_lm.generate_looped("x", 2)
     looped_lm.warm_up()  # nothing to warm up: no error either
 
