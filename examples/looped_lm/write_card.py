@@ -72,6 +72,7 @@ def card_text(run: Path, ev: dict, draft: bool) -> str:
     state = json.loads((run / "state.json").read_text())
     model_cfg = json.loads((run / "model" / "config.json").read_text())
     command = (run / "command.txt").read_text().strip() if (run / "command.txt").is_file() else "(not kept)"
+    command = command.split(" && ", 1)[-1] if command.startswith("cd ") else command  # from the clone's root
     dec = ev["results"]["decoding"]
     own_name = next(n for n in dec if n.startswith("own loop"))
     own = dec[own_name]
@@ -145,7 +146,7 @@ tokens; random depth: each step runs the stock forward with `H_cycles` drawn uni
 wall minutes (step {state['step']}).
 
 Training: `{command}` (resumable: rerun the same command).
-Evaluation: `{ev['command']}` ({ev['eval_cpu_seconds']:.0f} CPU s, {ev['eval_wall_seconds']:.0f} wall s, load
+Evaluation: `OMP_NUM_THREADS=1 nice -n 15 python {ev['command']}` ({ev['eval_cpu_seconds']:.0f} CPU s, {ev['eval_wall_seconds']:.0f} wall s, load
 average {ev['load_average'][0]:.1f}).
 
 ## Held-out loss against f calls per token
