@@ -146,8 +146,9 @@ tokens; random depth: each step runs the stock forward with `H_cycles` drawn uni
 wall minutes (step {state['step']}).
 
 Training: `{command}` (resumable: rerun the same command).
-Evaluation: `OMP_NUM_THREADS=1 nice -n 15 python {ev['command']}` ({ev['eval_cpu_seconds']:.0f} CPU s, {ev['eval_wall_seconds']:.0f} wall s, load
-average {ev['load_average'][0]:.1f}).
+Evaluation: `OMP_NUM_THREADS=1 nice -n 15 python {ev['command']}`
+({ev['eval_cpu_seconds']:.0f} CPU s, {ev['eval_wall_seconds']:.0f} wall s, load average
+{ev['load_average'][0]:.1f}).
 
 ## Held-out loss against f calls per token
 
