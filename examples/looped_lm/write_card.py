@@ -67,6 +67,35 @@ def verdict_lines(v: dict) -> list[str]:
     return out
 
 
+def reading_lines(dec: dict, H: int) -> list[str]:
+    """What the table says beyond the targets: whether a fixed shorter loop does as well, and whether solving
+    further towards the fixed point helps."""
+    own = next(r for n, r in dec.items() if n.startswith("own loop"))
+    out = []
+    cuts = sorted((r["f_calls_per_token"], n, r) for n, r in dec.items()
+                  if n.startswith("own map cut") and r["held_out_loss"] <= own["held_out_loss"])  # fmt: skip
+    if cuts:
+        calls, name, r = cuts[0]
+        out.append(f"- The same map cut to {calls:g} calls for every token already reaches the own loop's "
+                   f"loss ({name}: {r['held_out_loss']:.4f}, {calls / H:.2f}x): trained at random depth, the "
+                   "model is as good at shallower depths, so savings of this size are open to a fixed shorter "
+                   "loop too; judge halting and Anderson against the cut loops' rows as well as the own loop.")
+    anderson = sorted((float(n.split()[-1]), n) for n in dec if n.startswith("anderson tol"))
+    if anderson:
+        tight = dec[anderson[0][1]]
+        far = next((r for n, r in dec.items() if n.startswith("drift: own map")), None)
+        line = (f"- Solving further towards the fixed point does not help: {anderson[0][1]} has loss "
+                f"{tight['held_out_loss']:.4f} at {tight['f_calls_per_token']:.2f} calls per token "
+                f"({100 * tight['converged_fraction']:.0f}% converged)")
+        if far is not None:
+            line += (f", and the map run for {far['f_calls_per_token']:g} calls has loss "
+                     f"{far['held_out_loss']:.4f}")
+        out.append(line + ". HRM-Text injects the token only into its initial z_H, so a fixed point of its "
+                   "map can forget the token; the settings that meet the targets stop at a loose tolerance "
+                   "(an early stop on the way, not an equilibrium).")
+    return out
+
+
 def card_text(run: Path, ev: dict, draft: bool) -> str:
     cfg = json.loads((run / "run.json").read_text())
     state = json.loads((run / "state.json").read_text())
@@ -161,6 +190,12 @@ residual is below tol.
 {results_table(dec, H)}
 
 {chr(10).join(verdict_lines(ev['verdict']))}
+
+Reading the table:
+
+{chr(10).join(reading_lines(dec, H))}
+- The sample is {ev['tokens']} held-out tokens: differences of a few thousandths in loss, and ratios within a
+  few hundredths of a target, are within what another sample could change.
 
 **Drifting configurations, per token:**
 
