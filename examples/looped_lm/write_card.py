@@ -78,8 +78,8 @@ def reading_lines(dec: dict, H: int) -> list[str]:
         calls, name, r = cuts[0]
         out.append(f"- The same map cut to {calls:g} calls for every token already reaches the own loop's "
                    f"loss ({name}: {r['held_out_loss']:.4f}, {calls / H:.2f}x): trained at random depth, the "
-                   "model is as good at shallower depths, so savings of this size are open to a fixed shorter "
-                   "loop too; judge halting and Anderson against the cut loops' rows as well as the own loop.")
+                   "model is as good at shallower depths, so savings of this size are open to a fixed shorter"
+                   " loop too; judge halting and Anderson against the cut loops' rows too.")
     anderson = sorted((float(n.split()[-1]), n) for n in dec if n.startswith("anderson tol"))
     if anderson:
         tight = dec[anderson[0][1]]
