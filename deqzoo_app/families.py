@@ -784,3 +784,6 @@ def _warm_up() -> None:
     from .reasoner import warm_up as reasoner_warm_up  # only when a reasoner checkpoint is there
 
     reasoner_warm_up()
+    from .looped_lm import warm_up as looped_lm_warm_up  # deqzoo_app/looped_lm.py (its own tab's module)
+
+    looped_lm_warm_up()

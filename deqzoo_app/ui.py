@@ -13,6 +13,7 @@ import gradio as gr
 from examples.deq_transformer.pystd_lm import DEMO_PROMPT
 
 from . import families as F
+from . import looped_lm
 
 _SOLVER_HELP = "the fixed-point solver the model's equilibrium is found with"
 _LOG = logging.getLogger("deqzoo_app")
@@ -257,6 +258,7 @@ TABS = {
     "DEQ-DDIM": _ddim_tab,
     "IGNN": _ignn_tab,
     "Hypersolver": _hyper_tab,
+    "Looped LM": looped_lm.tab,
 }
 
 

@@ -7,7 +7,14 @@ point with Anderson, and with per-token halting (``evaluate.py``-style compariso
 Data: the help topics sorted by name; a topic is held out when the first byte of sha256(name) is below 26
 (about 10%); each split is its topics' texts in name order, each followed by a blank line. A byte-level BPE
 tokenizer (``tokenizers``, ``--vocab`` tokens) is trained on the training split and saved with the model.
-Training samples random windows of ``--seq`` + 1 tokens from the training stream.
+Training samples random windows of ``--seq`` tokens from the training stream.
+
+Random depth (``--H-min``): each step runs the model's own forward with ``H_cycles`` drawn uniformly from
+``[--H-min, --H]`` (the generator is part of the resumable state), as Huginn trains with a random number of
+recurrences; the saved config keeps ``H_cycles = --H``, the model's own loop. A model trained this way must
+give its answer at any depth in that range, which asks its state to settle rather than to pass through a
+fixed schedule: the property a fixed-point solve and per-token halting need. ``--H-min`` equal to ``--H``
+(the default) is HRM-Text's fixed-depth training.
 
 Resumable: every ``--save-every`` steps the run writes ``state.safetensors`` (weights, AdamW moments, RNG
 states) and ``state.json`` (step, log, CPU seconds spent) under ``--out``; rerunning the same command
@@ -78,7 +85,8 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def save_state(out: Path, model, opt, gen: torch.Generator, step: int, log: list, seconds: float) -> None:
+def save_state(out: Path, model, opt, gen: torch.Generator, step: int, log: list, seconds: float,
+               wall: float) -> None:
     """Tensors in safetensors, the rest in JSON (no pickles); each file replaced only once complete."""
     from safetensors.torch import save_file
 
@@ -88,13 +96,14 @@ def save_state(out: Path, model, opt, gen: torch.Generator, step: int, log: list
             tensors[f"opt.{i}.{k}"] = torch.as_tensor(v).clone().contiguous()
     tensors["rng.gen"], tensors["rng.torch"] = gen.get_state(), torch.get_rng_state()
     save_file(tensors, str(out / "state.safetensors.tmp"))
-    meta = {"step": step, "seconds": seconds, "log": log, "param_groups": opt.state_dict()["param_groups"]}
+    meta = {"step": step, "seconds": seconds, "wall_seconds": wall, "log": log,
+            "param_groups": opt.state_dict()["param_groups"]}  # fmt: skip
     (out / "state.json.tmp").write_text(json.dumps(meta))
     (out / "state.safetensors.tmp").replace(out / "state.safetensors")
     (out / "state.json.tmp").replace(out / "state.json")
 
 
-def load_state(out: Path, model, opt, gen: torch.Generator) -> tuple[int, list, float]:
+def load_state(out: Path, model, opt, gen: torch.Generator) -> tuple[int, list, float, float]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "state.safetensors"))
@@ -108,7 +117,7 @@ def load_state(out: Path, model, opt, gen: torch.Generator) -> tuple[int, list, 
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     gen.set_state(tensors["rng.gen"])
     torch.set_rng_state(tensors["rng.torch"])
-    return meta["step"], meta["log"], meta["seconds"]
+    return meta["step"], meta["log"], meta["seconds"], meta.get("wall_seconds", 0.0)
 
 
 @torch.no_grad()
@@ -136,6 +145,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=1, help="transformer blocks per H / L stack")
     ap.add_argument("--H", type=int, default=2, help="H_cycles")
+    ap.add_argument("--H-min", type=int, default=None, help="random depth: H_cycles drawn from [H-min, H] "
+                    "per step (default: H, fixed depth)")
     ap.add_argument("--L", type=int, default=2, help="L_cycles")
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -146,6 +157,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.H_min = args.H if args.H_min is None else args.H_min
+    if not 1 <= args.H_min <= args.H:
+        ap.error(f"--H-min must be in [1, --H={args.H}], got {args.H_min}")
 
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -173,20 +187,28 @@ def main() -> None:
     model = build_model(args, tokenizer).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
-    step, log, seconds = 0, [], 0.0
+    step, log, seconds, wall = 0, [], 0.0, 0.0
     if (args.out / "state.safetensors").is_file():
-        step, log, seconds = load_state(args.out, model, opt, gen)
+        step, log, seconds, wall = load_state(args.out, model, opt, gen)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"train {train.numel()} tokens, held-out {held.numel()}, {n_params} parameters, from step {step} "
           f"({seconds / 3600:.2f} CPU hours spent)", flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, initial=step, desc="train hrm-text", mininterval=30)
     t0, recent = time.process_time() - seconds, []  # CPU seconds of this process, plus earlier runs'
+    w0 = time.time() - wall
     while step < args.steps and (time.process_time() - t0) < args.max_cpu_hours * 3600:
         starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=gen)
         rows = torch.stack([train[s : s + args.seq] for s in starts.tolist()])
+        depth = args.H
+        if args.H_min < args.H:  # drawn only then, so fixed-depth runs keep their random stream
+            depth = int(torch.randint(args.H_min, args.H + 1, (1,), generator=gen))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        loss = model(rows, labels=rows, use_cache=False).loss
+        model.config.H_cycles = depth  # read by the forward's loop; nothing else uses it without a cache
+        try:
+            loss = model(rows, labels=rows, use_cache=False).loss
+        finally:
+            model.config.H_cycles = args.H
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -196,20 +218,22 @@ def main() -> None:
         bar.update(1)
         if step % args.eval_every == 0 or step == args.steps:
             entry = {"step": step, "train_loss": sum(recent) / len(recent),
-                     "cpu_hours": (time.process_time() - t0) / 3600, "time": time.strftime("%H:%M:%S"),
+                     "cpu_hours": (time.process_time() - t0) / 3600,
+                     "wall_hours": (time.time() - w0) / 3600, "time": time.strftime("%H:%M:%S"),
                      "held_out_loss": held_out_loss(model, held, args.seq, 64)}  # fmt: skip
             recent = []
             log.append(entry)
             bar.write(json.dumps(entry))
         if step % args.save_every == 0 or step == args.steps:
-            save_state(args.out, model, opt, gen, step, log, time.process_time() - t0)
+            save_state(args.out, model, opt, gen, step, log, time.process_time() - t0, time.time() - w0)
             model.save_pretrained(args.out / "model")
             tokenizer.save_pretrained(args.out / "model")
-    save_state(args.out, model, opt, gen, step, log, time.process_time() - t0)
+    save_state(args.out, model, opt, gen, step, log, time.process_time() - t0, time.time() - w0)
     model.save_pretrained(args.out / "model")
     tokenizer.save_pretrained(args.out / "model")
     bar.close()
-    print(f"stopped at step {step} after {(time.process_time() - t0) / 3600:.2f} CPU hours", flush=True)
+    print(f"stopped at step {step} after {(time.process_time() - t0) / 3600:.3f} CPU hours, "
+          f"{(time.time() - w0) / 3600:.3f} wall hours", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

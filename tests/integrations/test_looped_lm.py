@@ -447,12 +447,12 @@ def test_training_state_round_trip(tmp_path):
 
     model, opt, gen = setup()
     one_step(model, opt, gen)
-    train.save_state(tmp_path, model, opt, gen, 1, [{"step": 1}], 2.5)
+    train.save_state(tmp_path, model, opt, gen, 1, [{"step": 1}], 2.5, 7.0)
     torch.manual_seed(11)
     one_step(model, opt, gen)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     model2, opt2, gen2 = setup()
-    assert train.load_state(tmp_path, model2, opt2, gen2) == (1, [{"step": 1}], 2.5)
+    assert train.load_state(tmp_path, model2, opt2, gen2) == (1, [{"step": 1}], 2.5, 7.0)  # CPU s, wall s
     torch.manual_seed(11)
     one_step(model2, opt2, gen2)
     for k, v in model2.state_dict().items():
