@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,34 +23,11 @@ class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
-def format_table(rows: list[list[str]], header: list[str], width: int | None = None,
-           shrink: dict[int, int] | None = None) -> str:
-    """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
-    -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
-    onto continuation lines until the table fits; no cell's text is lost."""
-    cells = [header, *rows]
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
-    gap = 2
-    order = [*(shrink or {}).items(), *((i, 4) for i in range(len(widths)))]
-    for column, narrowest in order if width is not None else ():
-        excess = sum(widths) + gap * (len(widths) - 1) - width
-        if excess <= 0:
-            break
-        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
-
-    def lines_of(row: list[str]) -> list[str]:
-        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
-                   for c, w in zip(row, widths)]
-        out = []
-        for k in range(max(len(w) for w in wrapped)):
-            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
-            out.append((" " * gap).join(parts).rstrip())
-        return out
-
-    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
-    for row in rows:
-        lines += lines_of(row)
-    return "\n".join(lines)
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """Columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
 def _fmt_params(n: int | None) -> str:

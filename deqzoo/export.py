@@ -1,41 +1,17 @@
 """Export DEQ models (``torch.export``, ONNX, ``torch.jit.trace``) under fixed-iteration inference.
 
-A DEQ's usual forward solve cannot be traced: its stopping test, best-iterate bookkeeping and statistics read
-tensor values on the host every step. Exported programs
-instead run **fixed-iteration inference**: every DEQ in the model takes exactly ``max_iter`` damped
-fixed-point steps ``z <- (1 - tau) z + tau f(z)`` from its usual initial state (the engine's
-:func:`deqzoo.core.backward.phantom_steps`, pure torch), with no stopping test. That is the documented
-inference setting this module turns on:
-
-* ``max_iter`` defaults to the model's ``f_max_iter`` and ``tau`` to 1 (plain fixed-point iteration);
-  outputs equal the engine's ``fixed_point`` solver run to its budget (``set_deq(f_solver="fixed_point",
-  f_tol=0)``) whenever its residual decreases along the iteration, as on contractive models;
-* the statistics in an exported model's outputs are not computed (``deq_stats`` of the eager wrapper says
-  ``solver="fixed_iteration"`` and reports the final step's residual);
-* a family or input that cannot be exported raises :class:`ExportError` naming the reason;
-* the batch is dynamic: :func:`export_program` and :func:`export_onnx` mark it (a ``torch.export.Dim``,
-  ONNX dynamic axes) and nothing in the fixed-iteration solve turns a size into a Python ``int``, so one
-  exported program, ONNX file or traced module serves every batch size (every number of nodes for IGNN).
-
-Wrapper kinds and their tensor signatures (:func:`exportable` builds the module to export; each family's
-declaration in :mod:`deqzoo.models.registry` names the kind serving each of its heads, or why not):
+A DEQ's adaptive solve reads tensor values every step and cannot be traced. Exported programs run every DEQ
+for exactly ``max_iter`` damped steps ``z <- (1 - tau) z + tau f(z)`` (the engine's `phantom_steps`; defaults:
+the model's ``f_max_iter``, ``tau=1``), with a dynamic batch and no statistics (docs/export.md gives the
+measured accuracy). What cannot be exported raises :class:`ExportError` naming the reason. The wrapper kind
+serving each head is named in its family's declaration (:mod:`deqzoo.models.registry`):
 
 * image classifier (MDEQ): ``(pixel_values,) -> logits``;
-* signal (Implicit²): ``(coords,) -> values``, coordinates (N, d), any number of points N (the value checks
-  of the eager model, finite and within ``coordinate_range``, are not in the program);
-* causal LM (DEQ-Transformer): ``(input_ids,) -> logits`` without the memory cache, any batch size at the
-  example's sequence length (re-export for another length: the relative-position shift's sizes are
-  specialised to it), through ``torch.export`` and ``torch.jit.trace`` only (torch's own kernels: 0
-  difference to eager on the same machine and torch build). The family's declaration refuses ONNX with the
-  measured reason: the checkpoint's fixed-point map is not contractive (plain iteration's relative residual
-  stays near 0.3 over 60 steps), so fixed iteration amplifies ONNX Runtime's different rounding; even damped
-  (tau 0.3, 100 steps, a 22-minute export) its logits differ from eager by 4e-6 / 4.5e-4 / 0.38 at batch
-  1 / 7 / 64;
-* graph node classifier (IGNN node classification): ``(x, operator) -> logits``, ``operator`` the dense
-  normalized adjacency Â of the graph (:func:`graph_operator`). The projection of W onto
-  ``||W||∞ <= κ/λ_pf(|Â|)`` is a constraint on the weights: it is applied once, for the graph given to
-  :func:`exportable`, and the exported program keeps those weights (re-export for a graph with a smaller
-  λ_pf).
+* signal (Implicit²): ``(coords,) -> values``, any number of points;
+* causal LM (DEQ-Transformer): ``(input_ids,) -> logits`` at the example's sequence length, through
+  ``torch.export`` and ``jit.trace`` only (the declaration says why not ONNX);
+* graph node classifier (IGNN): ``(x, operator) -> logits`` with ``operator = graph_operator(...)``, the
+  weight projection applied once for the graph given to :func:`exportable`.
 
 Example:
     >>> import torch, deqzoo

@@ -39,7 +39,6 @@ from timm.models import (
     build_model_with_cfg,
     generate_default_cfgs,
     register_model,
-    register_model_deprecations,
     resolve_pretrained_cfg,
 )
 from timm.models import checkpoint as timm_checkpoint
@@ -265,17 +264,8 @@ def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:
     return cfg
 
 
-def _alias_of(name: str) -> str | None:
-    """The canonical timm name when `name` is an older spelling of a published model, else None: timm lists
-    each model once, so an alias is registered as timm's deprecated name (it still creates the model)."""
-    checkpoint = TIMM_MODELS[name][1]
-    canonical = checkpoint.rpartition("/")[2].replace("-", "_") if checkpoint else name
-    return canonical if canonical != name and canonical in TIMM_MODELS else None
-
-
 default_cfgs = generate_default_cfgs(
-    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()
-     if _alias_of(name) is None}
+    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()}
 )
 
 
@@ -313,6 +303,4 @@ def _register(name: str) -> None:
 
 
 for _name in TIMM_MODELS:
-    if _alias_of(_name) is None:
-        _register(_name)
-register_model_deprecations(__name__, {a: f"{c}.deqzoo" for a in TIMM_MODELS if (c := _alias_of(a))})
+    _register(_name)
