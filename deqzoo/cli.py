@@ -41,8 +41,7 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
 
 
 def load_checkpoint(name: str, deq: dict[str, Any] | None = None):
-    """(model, directory, card metadata, card metrics) of a checkpoint, loaded quietly (a command prints its
-    own output)."""
+    """(model, directory, card metadata, card metrics) of a checkpoint, loaded without a progress bar."""
     from transformers.utils import logging as hf_logging
 
     import deqzoo
@@ -191,8 +190,8 @@ def cmd_push(args) -> int:
 
 
 def _clone_root() -> Path | None:
-    """The clone this package runs from (an editable install), found from the package's own location: the
-    folder above `deqzoo/` when it holds the repository's programs; None for an installed wheel."""
+    """The clone this package runs from (the folder above `deqzoo/` when it holds the repository's programs),
+    None for an installed wheel."""
     import deqzoo
 
     root = Path(deqzoo.__file__).resolve().parent.parent
@@ -229,9 +228,7 @@ def _benchmarks_folder() -> Path | None:
 def benchmark_names() -> list[str]:
     """The benchmarks `deqzoo bench NAME` runs: the modules of the clone's `benchmarks/` (not imported)."""
     folder = _benchmarks_folder()
-    if folder is None:
-        return []
-    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_")) if folder else []
 
 
 def cmd_bench(args, rest: list[str]) -> int:
@@ -249,8 +246,7 @@ def cmd_bench(args, rest: list[str]) -> int:
 
 
 def cmd_train_hypersolver(rest: list[str]) -> int:
-    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
-    code, not part of the installed package)."""
+    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py."""
     train = _clone_program("examples/hypersolver/train.py", "examples.hypersolver.train",
                            _from_a_clone("train-hypersolver", ""))
     return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
