@@ -142,34 +142,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_convert(args) -> int:
+def cmd_convert(rest: list[str]) -> int:
+    """`deqzoo convert ARGS`: the clone's converters (conversion/)."""
     conversion = _clone_program("conversion/__init__.py", "conversion", _from_a_clone("convert", ""))
-    formats = conversion.conversion_formats()
-    if args.format is None or args.format == "list":
-        print("\n".join(sorted(formats)) or "no converters in this install")
-        return 0
-    if args.format not in formats:
-        raise CLIError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
-    if not args.src or not args.out:
-        raise CLIError("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
-    options = {}
-    for item in args.option or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--option {item!r}: expected key=value")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    src, out = Path(args.src).resolve(), Path(args.out).resolve()
-    if out == src or out in src.parents:
-        raise ValueError(f"output {args.out} contains the source {args.src}; choose an output folder "
-                         "outside it (the source is never modified)")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output {args.out} exists and is a file; a checkpoint is a folder")
-    out = formats[args.format](args.src, args.out, **options)
-    print(f"wrote {out}")
-    return 0
+    return int(conversion.main(rest) or 0)
 
 
 def cmd_push(args) -> int:
@@ -292,12 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="+", help="a checkpoint, or several: each one's results under its name")
     p.add_argument("--limit", type=_positive_int, default=None, help="evaluate on the first N examples")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists; "
-                       "from a clone: conversion/)")
-    p.add_argument("format", nargs="?")
-    p.add_argument("src", nargs="?")
-    p.add_argument("out", nargs="?")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE")
+    sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists; "
+                   "from a clone: conversion/; `convert --help` lists its options)", add_help=False)
     p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
     p.add_argument("directory")
     p.add_argument("--repo-id", required=True)
@@ -356,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DEQZOO_DEBUG", "").strip() not in ("", "0")
     while argv[:1] == ["--debug"]:
         argv, debug = argv[1:], True
-    # `bench NAME` and `train-hypersolver` pass every later argument on
-    if argv[:1] not in (["bench"], ["train-hypersolver"]) and "--debug" in argv:
+    # `bench NAME`, `convert` and `train-hypersolver` pass every later argument on
+    if argv[:1] not in (["bench"], ["convert"], ["train-hypersolver"]) and "--debug" in argv:
         argv, debug = [a for a in argv if a != "--debug"], True
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
@@ -365,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         command, handler = "bench", (lambda a: cmd_bench(a, argv[2:]))
     elif argv[:1] == ["train-hypersolver"]:  # every argument is the training program's
         args, command, handler = None, "train-hypersolver", (lambda a: cmd_train_hypersolver(argv[1:]))
+    elif argv[:1] == ["convert"]:  # every argument is the converters'
+        args, command, handler = None, "convert", (lambda a: cmd_convert(argv[1:]))
     else:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo, "app": cmd_app}
+                    "push": cmd_push, "demo": cmd_demo, "app": cmd_app}
         handler = handlers[command]
     if command in ("demo", "app"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network

@@ -47,8 +47,7 @@ class ExportError(DeqzooError, RuntimeError):
 
 
 class FixedIterationDEQ(DEQ):
-    """A DEQ layer running fixed-iteration inference: exactly ``max_iter`` damped fixed-point steps of the
-    engine (``phantom_steps``), pure torch, no host synchronisation: traceable and exportable.
+    """A DEQ layer taking exactly ``max_iter`` damped fixed-point steps (``phantom_steps``): traceable.
 
     Example:
         >>> import torch
@@ -89,10 +88,8 @@ class FixedIterationDEQ(DEQ):
 
 
 class _SymbolicPacker:
-    """The engine's state packing ((B, D) matrices) without turning any size into a Python int: under
-    ``torch.export`` with a dynamic batch the sizes are symbols, and an ``int()`` (as the adaptive solve's
-    packer takes, for its checks) would specialise the program to the example's batch. The structure is
-    checked by the model's eager forward; here f's outputs are only reshaped."""
+    """The engine's state packing ((B, D) matrices) without taking an ``int()`` of a size: under a dynamic
+    batch the sizes are symbols, and an int would specialise the program to the example's batch."""
 
     def __init__(self, z0):
         self.is_tensor = isinstance(z0, torch.Tensor)
@@ -119,8 +116,8 @@ class _SymbolicPacker:
 
 
 def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) -> nn.Module:
-    """A deep copy of `model` in eval mode whose DEQ layers run fixed-iteration inference."""
-    # rebuilt from config + state dict, not deepcopy: weight-normed layers hold computed (non-leaf) tensors
+    """A copy of `model` in eval mode whose DEQ layers run fixed-iteration inference; rebuilt from config and
+    state dict, not deepcopied: weight-normed layers hold computed (non-leaf) tensors."""
     fresh = type(model)(copy.deepcopy(model.config))
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     if missing or unexpected:
@@ -143,10 +140,8 @@ def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) ->
 
 
 class _Head(nn.Module):
-    """A tensor-in, tensor-out head of an exportable model. `inputs`: each argument's name (the ONNX input
-    name) -> its dynamic axes (axis -> name: one ``torch.export.Dim`` per name, shared between inputs);
-    `output`: the output's name; `onnx_refused`: why ONNX export is refused, when it is; `graph_of`: a graph
-    head's map from the dense operator to the model's ``graph`` argument (both the family's declaration's)."""
+    """A tensor-in, tensor-out head. `inputs`: argument name -> dynamic axes (axis -> a Dim name shared
+    between inputs); `onnx_refused`, `graph_of` (dense operator -> ``graph``): the family declaration's."""
 
     inputs: dict[str, dict[int, str]] = {"pixel_values": {0: "batch"}}
     output = "logits"
@@ -231,11 +226,8 @@ def _served_as(model: nn.Module):
 
 def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
                ) -> nn.Module:
-    """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
-    ``torch.onnx.export`` and ``torch.jit.trace`` (see the module docstring for signatures). The model
-    itself is not modified; the family's declaration (``deqzoo.models.registry``) says how.
-
-    `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the weight projection.
+    """A tensor-in, tensor-out copy of `model` under fixed-iteration inference (module docstring); the model
+    is not modified. `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the projection.
 
     Example:
         >>> import torch
@@ -263,8 +255,7 @@ def _as_tuple(inputs) -> tuple:
 
 
 def batch_dynamic_shapes(module: nn.Module):
-    """``dynamic_shapes`` for ``torch.export`` that leave the batch free: the image batch of an image
-    classifier; the number of nodes of an IGNN (``x``'s rows and both sides of the operator).
+    """``dynamic_shapes`` for ``torch.export`` leaving the batch free (an IGNN's nodes: x's rows, Â's sides).
 
     Example:
         >>> import torch
@@ -281,10 +272,8 @@ def batch_dynamic_shapes(module: nn.Module):
 
 def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = True,
                    **kwargs) -> torch.export.ExportedProgram:
-    """``torch.export.export`` of an :func:`exportable` module; failures raise :class:`ExportError`.
-
-    With ``dynamic_batch`` (default) the program serves any batch size (any number of nodes for IGNN):
-    the batch is a ``torch.export.Dim`` (:func:`batch_dynamic_shapes`) unless ``dynamic_shapes`` is given."""
+    """``torch.export.export`` of an :func:`exportable` module (``dynamic_batch``: any batch size, through
+    :func:`batch_dynamic_shapes`); failures raise :class:`ExportError`."""
     _check_module(module)
     if dynamic_batch:
         kwargs.setdefault("dynamic_shapes", batch_dynamic_shapes(module))
@@ -297,11 +286,9 @@ def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = T
 
 def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, dynamic_batch: bool = True,
                 **kwargs) -> Path:
-    """Write an ONNX file of an :func:`exportable` module (torch's exporter; needs the ``onnx`` extra).
-    Refuses to overwrite an existing file. With ``dynamic_batch`` (default) the graph's batch axis (IGNN:
-    node axis) is symbolic, so ONNX Runtime runs it at any batch size: ``dynamic_shapes`` for the
-    ``torch.export``-based exporter (``dynamo=True``, torch's default), ``dynamic_axes`` for the TorchScript
-    one (``dynamo=False``, several times faster to export a long unrolled solve)."""
+    """Write a new ONNX file of an :func:`exportable` module (the ``export`` extra). ``dynamic_batch``: a
+    symbolic batch axis, as ``dynamic_shapes`` (``dynamo=True``) or ``dynamic_axes`` (``dynamo=False``, the
+    TorchScript exporter: several times faster for a long unrolled solve)."""
     _check_module(module)
     if module.onnx_refused:
         raise ExportError(f"ONNX export of {type(module.model).__name__} is refused: {module.onnx_refused}")
@@ -325,8 +312,7 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
 
 
 def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
-    """``torch.jit.trace`` of an :func:`exportable` module. Sizes are recorded as computations on the input's
-    shape (no Python ``int`` is taken of the batch), so the traced module serves any batch size."""
+    """``torch.jit.trace`` of an :func:`exportable` module; it serves any batch size (no int of a size)."""
     _check_module(module)
     with torch.no_grad():
         return torch.jit.trace(module, _as_tuple(example_inputs), check_trace=False)
