@@ -78,9 +78,8 @@ class HyperSolverConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise HyperSolverConfigError(
-                f"{source}: unknown hypersolver config key(s) {unknown}; known: {sorted(known)}"
-            )
+            raise HyperSolverConfigError(f"{source}: unknown hypersolver config key(s) {unknown}; known: "
+                                         f"{sorted(known)}")
         try:
             return cls(**data)
         except HyperSolverConfigError as err:

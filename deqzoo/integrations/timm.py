@@ -24,12 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.models import (
-    build_model_with_cfg,
-    generate_default_cfgs,
-    register_model,
-    resolve_pretrained_cfg,
-)
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models import checkpoint as timm_checkpoint
 from timm.models._features import feature_take_indices
 from torch import nn
