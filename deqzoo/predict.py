@@ -155,8 +155,7 @@ def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | N
         torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                             pad_token_id=pad, output_logits=scores,
-                             **(decoding or {}))
+                             pad_token_id=pad, output_logits=scores, **(decoding or {}))
     new = out.sequences[0, ids.shape[1]:]
     text_out = tok.decode(new, skip_special_tokens=True)
     if not scores:
@@ -213,24 +212,13 @@ class ChainsDataset:
 
     def adjacency(self) -> torch.Tensor:
         """The same graph as a torch sparse COO adjacency (A[i, j] = 1 for the edge i -> j)."""
-        n = self.num_nodes
-        return torch.sparse_coo_tensor(
-            self.edge_index, torch.ones(self.edge_index.shape[1]), (n, n)
-        ).coalesce()
+        n, e = self.num_nodes, self.edge_index.shape[1]
+        return torch.sparse_coo_tensor(self.edge_index, torch.ones(e), (n, n)).coalesce()
 
 
-def make_chains(
-    chain_length: int = 10,
-    *,
-    num_classes: int = 2,
-    chains_per_class: int = 20,
-    feature_dim: int = 100,
-    num_train: int = 20,
-    num_val: int = 100,
-    num_test: int = 200,
-    noise: float = 0.0,
-    seed: int = 42,
-) -> ChainsDataset:
+def make_chains(chain_length: int = 10, *, num_classes: int = 2, chains_per_class: int = 20,
+                feature_dim: int = 100, num_train: int = 20, num_val: int = 100, num_test: int = 200,
+                noise: float = 0.0, seed: int = 42) -> ChainsDataset:
     """Build the chains dataset (deterministic in `seed`; defaults are the original's).
 
     Node index of (class c, chain k, position p) is ``(c * chains_per_class + k) * chain_length + p``.
@@ -254,25 +242,17 @@ def make_chains(
     feats = feats.reshape(-1, feature_dim)
     row_sum = feats.sum(1, keepdims=True)
     with np.errstate(divide="ignore"):
-        inv = np.where(row_sum != 0, 1.0 / row_sum, 0.0)
-    feats = feats * inv
+        feats = feats * np.where(row_sum != 0, 1.0 / row_sum, 0.0)
     labels = np.repeat(np.arange(num_classes), chains_per_class * chain_length)
     order = np.arange(n_nodes)
     rng.shuffle(order)
     starts = np.arange(num_classes * chains_per_class)[:, None] * chain_length
     src = (starts + np.arange(chain_length - 1)[None, :]).reshape(-1)
-    edge_index = torch.from_numpy(np.stack([src, src + 1])).long()
-    return ChainsDataset(
-        x=torch.from_numpy(feats).float(),
-        edge_index=edge_index,
-        labels=torch.from_numpy(labels).long(),
-        train_idx=torch.from_numpy(order[:num_train]).long(),
-        val_idx=torch.from_numpy(order[num_train : num_train + num_val]).long(),
-        test_idx=torch.from_numpy(order[num_train + num_val : num_train + num_val + num_test]).long(),
-        num_classes=num_classes,
-        chains_per_class=chains_per_class,
-        chain_length=chain_length,
-    )
+    splits = np.split(order, [num_train, num_train + num_val, num_train + num_val + num_test])[:3]
+    return ChainsDataset(torch.from_numpy(feats).float(), torch.from_numpy(np.stack([src, src + 1])).long(),
+                         torch.from_numpy(labels).long(), *(torch.from_numpy(s).long() for s in splits),
+                         num_classes=num_classes, chains_per_class=chains_per_class,
+                         chain_length=chain_length)
 
 
 def chains_settings(model) -> dict[str, Any]:
