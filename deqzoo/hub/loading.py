@@ -91,16 +91,10 @@ def is_shipped(directory: Path) -> bool:
         return False
 
 
-def resolve(
-    name_or_path: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
-    endpoint: str | None = None,
-) -> Path:
+def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None,
+            cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+            local_files_only: bool = False, force_download: bool = False,
+            endpoint: str | None = None) -> Path:
     """Local directory of a checkpoint: a directory, an embedded checkpoint (every file's sha256 checked), the
     HF cache, the Hub (safetensors, JSON and text files only).
 
@@ -116,17 +110,12 @@ def resolve(
     recover(path)  # a save of this folder was interrupted: finish or undo it first
     if path.is_dir():
         return path
-    name = str(name_or_path)
-    entry = embedded_entry(name)
-    if entry is not None:
-        folder = embedded_folder(entry)
-        if folder is not None:
-            verify_embedded(entry, folder)
-            return folder
-        name = entry["id"]  # folder not shipped with this install: fall through to cache / Hub
-        missing_embedded = PACKAGED_CARDS_DIR / Path(entry["location"]).name
-    else:
-        missing_embedded = None
+    name, entry = str(name_or_path), embedded_entry(str(name_or_path))
+    if entry is not None and (folder := embedded_folder(entry)) is not None:
+        verify_embedded(entry, folder)
+        return folder
+    if entry is not None:  # folder not shipped with this install: the cache / Hub
+        name = entry["id"]
     if path.exists():
         raise CheckpointError(f"{path}: is a file; a checkpoint is a directory (config.json + weights)")
     if name.count("/") != 1 or name.startswith((".", "/")):
@@ -138,25 +127,23 @@ def resolve(
                          local_files_only=local_files_only or is_offline(), force_download=force_download,
                          endpoint=endpoint)
     except CheckpointError as err:
-        if missing_embedded is None:
+        if entry is None:
             raise
-        raise CheckpointError(f"{name} is in the catalog but its folder {missing_embedded} is not part of "
-                              "this install (nor inside the package, where a wheel carries them); "
-                              f"{err}") from err
+        missing = PACKAGED_CARDS_DIR / Path(entry["location"]).name
+        raise CheckpointError(f"{name} is in the catalog but its folder {missing} is not part of this "
+                              f"install (nor inside the package, where a wheel carries them); {err}") from err
 
 
 def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **kwargs) -> Path:
     from huggingface_hub import snapshot_download
 
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
-    common = dict(repo_id=repo_id, allow_patterns=SAFE_PATTERNS, **kwargs)
+    common, cache_error = dict(repo_id=repo_id, allow_patterns=SAFE_PATTERNS, **kwargs), None
     if not kwargs.get("force_download"):
         try:  # the HF cache first: no network when the snapshot is already there
             return Path(snapshot_download(local_files_only=True, **common))
         except Exception as err:  # noqa: BLE001 - any cache miss falls through to the Hub
             cache_error = err
-    else:
-        cache_error = None
     if local_files_only:
         why = "offline mode is on (HF_HUB_OFFLINE)" if is_offline() else "local_files_only=True"
         raise CheckpointError(
