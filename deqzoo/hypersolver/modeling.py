@@ -1,18 +1,14 @@
-"""HyperSolver: the learned initializer h_φ and HyperAnderson network s_ξ for one kind of DEQ state.
+"""HyperSolver: the learned initializer h_φ and HyperAnderson network s_ξ for one kind of DEQ state (the
+update itself is `deqzoo.core.hyper`).
 
-State kinds (the family-specific parts; the update itself is `deqzoo.core.hyper`):
+* ``multires`` (MDEQ, a map per resolution): h_φ = depthwise 3x3 conv + ReLU over the injection, pooled to
+  each resolution, 1x1 conv; residuals compressed by adaptive average pooling to pool x pool.
+* ``sequence`` (DEQ-Transformer, (L, d)): h_φ = causal Conv1d(k=3) + ReLU, linear to d; residuals: last token.
+* ``vector``: no initializer; residuals compressed by 1-D adaptive pooling.
 
-* ``multires`` (MDEQ): the state is one (C_i, H_i, W_i) map per resolution. h_φ: a depthwise 3x3 conv + ReLU
-  over the input injection, average-pooled to each resolution's size and projected by a 1x1 conv. Residuals
-  are compressed by adaptive average pooling of each resolution to pool x pool.
-* ``sequence`` (DEQ-Transformer): the state is (L, d). h_φ: a causal Conv1d(k=3) + ReLU over the injection,
-  then a linear map to d. Residuals are compressed to their last token.
-* ``vector``: any flat state; no initializer; residuals compressed by 1-D adaptive average pooling.
-
-Every compressor is adaptive (pooling / last token), so a hypersolver runs on any image size or sequence
-length. s_ξ: the compressed residuals of the window (oldest first, padded to m + 1 with a presence flag),
-scaled by the newest one's norm, plus their log-norms relative to it, go through two temporal Conv1d(k=3)
-layers that predict α̂ per window entry and β (from the newest entry, β = 2·sigmoid(·), 1 at initialisation).
+Compressors are adaptive, so any image size or length works. s_ξ: the window's compressed residuals (oldest
+first, padded to m + 1 with a presence flag) over the newest one's norm, plus relative log-norms, through two
+temporal Conv1d(k=3) layers giving α̂ per entry and β = 2·sigmoid(·) (1 at initialisation).
 """
 
 from __future__ import annotations
