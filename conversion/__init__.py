@@ -48,3 +48,43 @@ def conversion_formats() -> dict[str, Callable]:
         formats[point.name] = point.load()
     formats.update(_REGISTERED)
     return formats
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``deqzoo convert FORMAT SRC OUT [--option KEY=VALUE ...]`` (``deqzoo convert list``: the formats)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="deqzoo convert", description="Convert an original release to a "
+                                     "deqzoo checkpoint folder (the source is never modified).")
+    parser.add_argument("format", nargs="?", help="a format name, or `list`")
+    parser.add_argument("src", nargs="?")
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--option", action="append", metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    formats = conversion_formats()
+    if args.format is None or args.format == "list":
+        print("\n".join(sorted(formats)) or "no converters in this install")
+        return 0
+    if args.format not in formats:
+        raise ValueError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
+    if not args.src or not args.out:
+        raise ValueError("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
+    options = {}
+    for item in args.option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option {item!r}: expected key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    src, out = Path(args.src).resolve(), Path(args.out).resolve()
+    if out == src or out in src.parents:
+        raise ValueError(f"output {args.out} contains the source {args.src}; choose an output folder "
+                         "outside it (the source is never modified)")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {args.out} exists and is a file; a checkpoint is a folder")
+    print(f"wrote {formats[args.format](args.src, args.out, **options)}")
+    return 0

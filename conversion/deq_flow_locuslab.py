@@ -298,7 +298,7 @@ def _settings_text(deq: dict[str, Any]) -> str:
 
 
 def _write_card(path: Path, source: str, fields: dict[str, Any], release: str, deq: dict[str, Any]) -> None:
-    from deqzoo.hub.cards import render_model_card
+    from utils.cards import render_model_card
 
     meta = {
         "license": "mit",

@@ -143,9 +143,9 @@ def write_converted(model_sd: dict[str, torch.Tensor], config_kwargs: dict, out:
     """Build the model from `config_kwargs`, load the converted weights strictly (an error lists missing,
     unexpected and mis-shaped keys, naming `src`), save it and write its card."""
     import deqzoo  # noqa: F401 - registers the family
-    from deqzoo.hub.cards import build_metadata, render_model_card
     from deqzoo.hub.loading import check_state_dict
     from deqzoo.models.deq_transformer import DEQTransformerConfig, DEQTransformerForCausalLM
+    from utils.cards import build_metadata, render_model_card
 
     model = DEQTransformerForCausalLM(DEQTransformerConfig(**config_kwargs))
     check_state_dict(model, model_sd, f"{src} (converted)")

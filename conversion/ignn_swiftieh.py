@@ -51,7 +51,7 @@ def save_converted(
 ) -> Path:
     """Load `state` strictly into a fresh model (errors list missing/unexpected/mis-shaped keys), save it with
     a short model card."""
-    from deqzoo.hub.cards import render_model_card
+    from utils.cards import render_model_card
 
     model = model_cls(config)
     fill_model(model, state, source)

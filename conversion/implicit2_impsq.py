@@ -153,7 +153,7 @@ def convert(
 
 
 def _write_card(path: Path, kind: str, implicit: bool, deq: dict[str, Any]) -> None:
-    from deqzoo.hub.cards import render_model_card
+    from utils.cards import render_model_card
 
     meta = {
         "license": "mit",

@@ -623,7 +623,7 @@ def _write_card(out: Path, model, info: dict[str, Any], src: Path, fmt: str, sou
 The weights are the original authors'; no metric was re-measured by this conversion.
 """
     try:
-        from deqzoo.hub.cards import build_metadata, render_model_card
+        from utils.cards import build_metadata, render_model_card
     except ImportError:  # pragma: no cover - hub helper absent
         (out / "README.md").write_text(f"# {short}\n\n{body}", encoding="utf-8")
         return

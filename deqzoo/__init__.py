@@ -1,10 +1,8 @@
 """deqzoo: the model zoo and pretrained-model hub for deep equilibrium models.
 
-``import deqzoo`` is cheap: it imports no torch, transformers or timm. The public functions load their modules
-on first use, and a family registers with transformers' Auto classes when deqzoo first needs it (loading one
-checkpoint imports only its family). For stock code such as ``transformers.AutoModel.from_pretrained(path)``
-or ``timm.create_model("mdeq_tiny_mnist")``, call ``deqzoo.register()`` first: it registers every family whose
-dependencies are installed (and MDEQ with timm when timm is).
+``import deqzoo`` imports no torch, transformers or timm; loading one checkpoint imports only its family.
+Stock code (``transformers.AutoModel.from_pretrained(path)``, ``timm.create_model("mdeq_tiny_mnist")``)
+needs ``deqzoo.register()`` first.
 
 Example:
     >>> import deqzoo

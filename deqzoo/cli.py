@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,34 +23,11 @@ class CLIError(DeqzooError):
     """An expected failure of a command: printed as one line, exit code 2."""
 
 
-def format_table(rows: list[list[str]], header: list[str], width: int | None = None,
-           shrink: dict[int, int] | None = None) -> str:
-    """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
-    -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
-    onto continuation lines until the table fits; no cell's text is lost."""
-    cells = [header, *rows]
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
-    gap = 2
-    order = [*(shrink or {}).items(), *((i, 4) for i in range(len(widths)))]
-    for column, narrowest in order if width is not None else ():
-        excess = sum(widths) + gap * (len(widths) - 1) - width
-        if excess <= 0:
-            break
-        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
-
-    def lines_of(row: list[str]) -> list[str]:
-        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
-                   for c, w in zip(row, widths)]
-        out = []
-        for k in range(max(len(w) for w in wrapped)):
-            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
-            out.append((" " * gap).join(parts).rstrip())
-        return out
-
-    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
-    for row in rows:
-        lines += lines_of(row)
-    return "\n".join(lines)
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """Columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
 def _fmt_params(n: int | None) -> str:
@@ -65,8 +41,7 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
 
 
 def load_checkpoint(name: str, deq: dict[str, Any] | None = None):
-    """(model, directory, card metadata, card metrics) of a checkpoint, loaded quietly (a command prints its
-    own output)."""
+    """(model, directory, card metadata, card metrics) of a checkpoint, loaded without a progress bar."""
     from transformers.utils import logging as hf_logging
 
     import deqzoo
@@ -167,34 +142,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_convert(args) -> int:
+def cmd_convert(rest: list[str]) -> int:
+    """`deqzoo convert ARGS`: the clone's converters (conversion/)."""
     conversion = _clone_program("conversion/__init__.py", "conversion", _from_a_clone("convert", ""))
-    formats = conversion.conversion_formats()
-    if args.format is None or args.format == "list":
-        print("\n".join(sorted(formats)) or "no converters in this install")
-        return 0
-    if args.format not in formats:
-        raise CLIError(f"unknown format {args.format!r}; known formats: {sorted(formats)}")
-    if not args.src or not args.out:
-        raise CLIError("usage: deqzoo convert FORMAT SRC OUT [--option key=value ...]")
-    options = {}
-    for item in args.option or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--option {item!r}: expected key=value")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    src, out = Path(args.src).resolve(), Path(args.out).resolve()
-    if out == src or out in src.parents:
-        raise ValueError(f"output {args.out} contains the source {args.src}; choose an output folder "
-                         "outside it (the source is never modified)")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output {args.out} exists and is a file; a checkpoint is a folder")
-    out = formats[args.format](args.src, args.out, **options)
-    print(f"wrote {out}")
-    return 0
+    return int(conversion.main(rest) or 0)
 
 
 def cmd_push(args) -> int:
@@ -215,8 +166,8 @@ def cmd_push(args) -> int:
 
 
 def _clone_root() -> Path | None:
-    """The clone this package runs from (an editable install), found from the package's own location: the
-    folder above `deqzoo/` when it holds the repository's programs; None for an installed wheel."""
+    """The clone this package runs from (the folder above `deqzoo/` when it holds the repository's programs),
+    None for an installed wheel."""
     import deqzoo
 
     root = Path(deqzoo.__file__).resolve().parent.parent
@@ -253,9 +204,7 @@ def _benchmarks_folder() -> Path | None:
 def benchmark_names() -> list[str]:
     """The benchmarks `deqzoo bench NAME` runs: the modules of the clone's `benchmarks/` (not imported)."""
     folder = _benchmarks_folder()
-    if folder is None:
-        return []
-    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_")) if folder else []
 
 
 def cmd_bench(args, rest: list[str]) -> int:
@@ -273,8 +222,7 @@ def cmd_bench(args, rest: list[str]) -> int:
 
 
 def cmd_train_hypersolver(rest: list[str]) -> int:
-    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py (training is repository
-    code, not part of the installed package)."""
+    """`deqzoo train-hypersolver ARGS`: the clone's examples/hypersolver/train.py."""
     train = _clone_program("examples/hypersolver/train.py", "examples.hypersolver.train",
                            _from_a_clone("train-hypersolver", ""))
     return int(train.main(rest, prog="deqzoo train-hypersolver") or 0)
@@ -320,12 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="+", help="a checkpoint, or several: each one's results under its name")
     p.add_argument("--limit", type=_positive_int, default=None, help="evaluate on the first N examples")
     p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists; "
-                       "from a clone: conversion/)")
-    p.add_argument("format", nargs="?")
-    p.add_argument("src", nargs="?")
-    p.add_argument("out", nargs="?")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE")
+    sub.add_parser("convert", help="convert an original release (FORMAT SRC OUT; `convert list` lists; "
+                   "from a clone: conversion/; `convert --help` lists its options)", add_help=False)
     p = sub.add_parser("push", help="upload a checkpoint directory through huggingface_hub")
     p.add_argument("directory")
     p.add_argument("--repo-id", required=True)
@@ -384,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DEQZOO_DEBUG", "").strip() not in ("", "0")
     while argv[:1] == ["--debug"]:
         argv, debug = argv[1:], True
-    # `bench NAME` and `train-hypersolver` pass every later argument on
-    if argv[:1] not in (["bench"], ["train-hypersolver"]) and "--debug" in argv:
+    # `bench NAME`, `convert` and `train-hypersolver` pass every later argument on
+    if argv[:1] not in (["bench"], ["convert"], ["train-hypersolver"]) and "--debug" in argv:
         argv, debug = [a for a in argv if a != "--debug"], True
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
@@ -393,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         command, handler = "bench", (lambda a: cmd_bench(a, argv[2:]))
     elif argv[:1] == ["train-hypersolver"]:  # every argument is the training program's
         args, command, handler = None, "train-hypersolver", (lambda a: cmd_train_hypersolver(argv[1:]))
+    elif argv[:1] == ["convert"]:  # every argument is the converters'
+        args, command, handler = None, "convert", (lambda a: cmd_convert(argv[1:]))
     else:
         args = parser.parse_args(argv)
         command = args.command
         handlers = {"list": cmd_list, "info": cmd_info, "predict": cmd_predict, "eval": cmd_eval,
-                    "convert": cmd_convert, "push": cmd_push, "demo": cmd_demo, "app": cmd_app}
+                    "push": cmd_push, "demo": cmd_demo, "app": cmd_app}
         handler = handlers[command]
     if command in ("demo", "app"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never touches the network

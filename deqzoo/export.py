@@ -1,41 +1,17 @@
 """Export DEQ models (``torch.export``, ONNX, ``torch.jit.trace``) under fixed-iteration inference.
 
-A DEQ's usual forward solve cannot be traced: its stopping test, best-iterate bookkeeping and statistics read
-tensor values on the host every step. Exported programs
-instead run **fixed-iteration inference**: every DEQ in the model takes exactly ``max_iter`` damped
-fixed-point steps ``z <- (1 - tau) z + tau f(z)`` from its usual initial state (the engine's
-:func:`deqzoo.core.backward.phantom_steps`, pure torch), with no stopping test. That is the documented
-inference setting this module turns on:
-
-* ``max_iter`` defaults to the model's ``f_max_iter`` and ``tau`` to 1 (plain fixed-point iteration);
-  outputs equal the engine's ``fixed_point`` solver run to its budget (``set_deq(f_solver="fixed_point",
-  f_tol=0)``) whenever its residual decreases along the iteration, as on contractive models;
-* the statistics in an exported model's outputs are not computed (``deq_stats`` of the eager wrapper says
-  ``solver="fixed_iteration"`` and reports the final step's residual);
-* a family or input that cannot be exported raises :class:`ExportError` naming the reason;
-* the batch is dynamic: :func:`export_program` and :func:`export_onnx` mark it (a ``torch.export.Dim``,
-  ONNX dynamic axes) and nothing in the fixed-iteration solve turns a size into a Python ``int``, so one
-  exported program, ONNX file or traced module serves every batch size (every number of nodes for IGNN).
-
-Wrapper kinds and their tensor signatures (:func:`exportable` builds the module to export; each family's
-declaration in :mod:`deqzoo.models.registry` names the kind serving each of its heads, or why not):
+A DEQ's adaptive solve reads tensor values every step and cannot be traced. Exported programs run every DEQ
+for exactly ``max_iter`` damped steps ``z <- (1 - tau) z + tau f(z)`` (the engine's `phantom_steps`; defaults:
+the model's ``f_max_iter``, ``tau=1``), with a dynamic batch and no statistics (docs/export.md gives the
+measured accuracy). What cannot be exported raises :class:`ExportError` naming the reason. The wrapper kind
+serving each head is named in its family's declaration (:mod:`deqzoo.models.registry`):
 
 * image classifier (MDEQ): ``(pixel_values,) -> logits``;
-* signal (Implicit²): ``(coords,) -> values``, coordinates (N, d), any number of points N (the value checks
-  of the eager model, finite and within ``coordinate_range``, are not in the program);
-* causal LM (DEQ-Transformer): ``(input_ids,) -> logits`` without the memory cache, any batch size at the
-  example's sequence length (re-export for another length: the relative-position shift's sizes are
-  specialised to it), through ``torch.export`` and ``torch.jit.trace`` only (torch's own kernels: 0
-  difference to eager on the same machine and torch build). The family's declaration refuses ONNX with the
-  measured reason: the checkpoint's fixed-point map is not contractive (plain iteration's relative residual
-  stays near 0.3 over 60 steps), so fixed iteration amplifies ONNX Runtime's different rounding; even damped
-  (tau 0.3, 100 steps, a 22-minute export) its logits differ from eager by 4e-6 / 4.5e-4 / 0.38 at batch
-  1 / 7 / 64;
-* graph node classifier (IGNN node classification): ``(x, operator) -> logits``, ``operator`` the dense
-  normalized adjacency Â of the graph (:func:`graph_operator`). The projection of W onto
-  ``||W||∞ <= κ/λ_pf(|Â|)`` is a constraint on the weights: it is applied once, for the graph given to
-  :func:`exportable`, and the exported program keeps those weights (re-export for a graph with a smaller
-  λ_pf).
+* signal (Implicit²): ``(coords,) -> values``, any number of points;
+* causal LM (DEQ-Transformer): ``(input_ids,) -> logits`` at the example's sequence length, through
+  ``torch.export`` and ``jit.trace`` only (the declaration says why not ONNX);
+* graph node classifier (IGNN): ``(x, operator) -> logits`` with ``operator = graph_operator(...)``, the
+  weight projection applied once for the graph given to :func:`exportable`.
 
 Example:
     >>> import torch, deqzoo
@@ -71,8 +47,7 @@ class ExportError(DeqzooError, RuntimeError):
 
 
 class FixedIterationDEQ(DEQ):
-    """A DEQ layer running fixed-iteration inference: exactly ``max_iter`` damped fixed-point steps of the
-    engine (``phantom_steps``), pure torch, no host synchronisation: traceable and exportable.
+    """A DEQ layer taking exactly ``max_iter`` damped fixed-point steps (``phantom_steps``): traceable.
 
     Example:
         >>> import torch
@@ -113,10 +88,8 @@ class FixedIterationDEQ(DEQ):
 
 
 class _SymbolicPacker:
-    """The engine's state packing ((B, D) matrices) without turning any size into a Python int: under
-    ``torch.export`` with a dynamic batch the sizes are symbols, and an ``int()`` (as the adaptive solve's
-    packer takes, for its checks) would specialise the program to the example's batch. The structure is
-    checked by the model's eager forward; here f's outputs are only reshaped."""
+    """The engine's state packing ((B, D) matrices) without taking an ``int()`` of a size: under a dynamic
+    batch the sizes are symbols, and an int would specialise the program to the example's batch."""
 
     def __init__(self, z0):
         self.is_tensor = isinstance(z0, torch.Tensor)
@@ -143,8 +116,8 @@ class _SymbolicPacker:
 
 
 def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) -> nn.Module:
-    """A deep copy of `model` in eval mode whose DEQ layers run fixed-iteration inference."""
-    # rebuilt from config + state dict, not deepcopy: weight-normed layers hold computed (non-leaf) tensors
+    """A copy of `model` in eval mode whose DEQ layers run fixed-iteration inference; rebuilt from config and
+    state dict, not deepcopied: weight-normed layers hold computed (non-leaf) tensors."""
     fresh = type(model)(copy.deepcopy(model.config))
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     if missing or unexpected:
@@ -167,10 +140,8 @@ def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) ->
 
 
 class _Head(nn.Module):
-    """A tensor-in, tensor-out head of an exportable model. `inputs`: each argument's name (the ONNX input
-    name) -> its dynamic axes (axis -> name: one ``torch.export.Dim`` per name, shared between inputs);
-    `output`: the output's name; `onnx_refused`: why ONNX export is refused, when it is; `graph_of`: a graph
-    head's map from the dense operator to the model's ``graph`` argument (both the family's declaration's)."""
+    """A tensor-in, tensor-out head. `inputs`: argument name -> dynamic axes (axis -> a Dim name shared
+    between inputs); `onnx_refused`, `graph_of` (dense operator -> ``graph``): the family declaration's."""
 
     inputs: dict[str, dict[int, str]] = {"pixel_values": {0: "batch"}}
     output = "logits"
@@ -255,11 +226,8 @@ def _served_as(model: nn.Module):
 
 def exportable(model: nn.Module, *, max_iter: int | None = None, tau: float = 1.0, graph: Any = None
                ) -> nn.Module:
-    """A tensor-in, tensor-out copy of `model` under fixed-iteration inference, ready for ``torch.export``,
-    ``torch.onnx.export`` and ``torch.jit.trace`` (see the module docstring for signatures). The model
-    itself is not modified; the family's declaration (``deqzoo.models.registry``) says how.
-
-    `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the weight projection.
+    """A tensor-in, tensor-out copy of `model` under fixed-iteration inference (module docstring); the model
+    is not modified. `graph` (IGNN with ``kappa``): the :class:`IGNNGraph` whose λ_pf sets the projection.
 
     Example:
         >>> import torch
@@ -287,8 +255,7 @@ def _as_tuple(inputs) -> tuple:
 
 
 def batch_dynamic_shapes(module: nn.Module):
-    """``dynamic_shapes`` for ``torch.export`` that leave the batch free: the image batch of an image
-    classifier; the number of nodes of an IGNN (``x``'s rows and both sides of the operator).
+    """``dynamic_shapes`` for ``torch.export`` leaving the batch free (an IGNN's nodes: x's rows, Â's sides).
 
     Example:
         >>> import torch
@@ -305,10 +272,8 @@ def batch_dynamic_shapes(module: nn.Module):
 
 def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = True,
                    **kwargs) -> torch.export.ExportedProgram:
-    """``torch.export.export`` of an :func:`exportable` module; failures raise :class:`ExportError`.
-
-    With ``dynamic_batch`` (default) the program serves any batch size (any number of nodes for IGNN):
-    the batch is a ``torch.export.Dim`` (:func:`batch_dynamic_shapes`) unless ``dynamic_shapes`` is given."""
+    """``torch.export.export`` of an :func:`exportable` module (``dynamic_batch``: any batch size, through
+    :func:`batch_dynamic_shapes`); failures raise :class:`ExportError`."""
     _check_module(module)
     if dynamic_batch:
         kwargs.setdefault("dynamic_shapes", batch_dynamic_shapes(module))
@@ -321,11 +286,9 @@ def export_program(module: nn.Module, example_inputs, *, dynamic_batch: bool = T
 
 def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, dynamic_batch: bool = True,
                 **kwargs) -> Path:
-    """Write an ONNX file of an :func:`exportable` module (torch's exporter; needs the ``onnx`` extra).
-    Refuses to overwrite an existing file. With ``dynamic_batch`` (default) the graph's batch axis (IGNN:
-    node axis) is symbolic, so ONNX Runtime runs it at any batch size: ``dynamic_shapes`` for the
-    ``torch.export``-based exporter (``dynamo=True``, torch's default), ``dynamic_axes`` for the TorchScript
-    one (``dynamo=False``, several times faster to export a long unrolled solve)."""
+    """Write a new ONNX file of an :func:`exportable` module (the ``export`` extra). ``dynamic_batch``: a
+    symbolic batch axis, as ``dynamic_shapes`` (``dynamo=True``) or ``dynamic_axes`` (``dynamo=False``, the
+    TorchScript exporter: several times faster for a long unrolled solve)."""
     _check_module(module)
     if module.onnx_refused:
         raise ExportError(f"ONNX export of {type(module.model).__name__} is refused: {module.onnx_refused}")
@@ -349,8 +312,7 @@ def export_onnx(module: nn.Module, example_inputs, path: str | os.PathLike, *, d
 
 
 def trace(module: nn.Module, example_inputs) -> torch.jit.ScriptModule:
-    """``torch.jit.trace`` of an :func:`exportable` module. Sizes are recorded as computations on the input's
-    shape (no Python ``int`` is taken of the batch), so the traced module serves any batch size."""
+    """``torch.jit.trace`` of an :func:`exportable` module; it serves any batch size (no int of a size)."""
     _check_module(module)
     with torch.no_grad():
         return torch.jit.trace(module, _as_tuple(example_inputs), check_trace=False)

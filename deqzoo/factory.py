@@ -66,13 +66,9 @@ def _model_class(family, auto_name: str | None = None, architectures: list[str] 
     return classes["AutoModel"]
 
 
-# One name per model: a published model's name is its checkpoint's short name (hub id "deqzoo/<name>");
-# create_model, from_pretrained and timm take it (timm with "_" for "-"); no aliases. The table is derived
-# from the families' declarations (`Family.names`: name -> the architecture preset it instantiates).
-
-
 def canonical_name(name: str) -> str:
-    """A published model's name from its hub id or timm spelling; other names pass through unchanged.
+    """A published model's one name (its hub id's short name) from its hub id or timm spelling; other names
+    pass through unchanged.
 
     Example:
         >>> canonical_name("deqzoo/mdeq-tiny-mnist"), canonical_name("lipschitz_mdeq_tiny_mnist")
@@ -83,8 +79,7 @@ def canonical_name(name: str) -> str:
 
 
 def _published_id(name: str) -> str | None:
-    """ "deqzoo/<name>" when `name` (bare, hub id or timm spelling) is an embedded checkpoint; read from the
-    catalog, so no family is imported."""
+    """ "deqzoo/<name>" when `name` (bare, hub id or timm spelling) is an embedded checkpoint (no import)."""
     short = (name[len("deqzoo/"):] if name.startswith("deqzoo/") else name).replace("_", "-")
     return f"deqzoo/{short}" if "/" not in short and f"deqzoo/{short}" in load_catalog() else None
 
@@ -125,8 +120,7 @@ def did_you_mean(name: str, candidates: list[str] | None = None) -> str:
 
 
 def _find_preset(name: str):
-    """(family, preset) of a preset or model name: the family declaring the name first (only it is
-    imported), else every family's presets."""
+    """(family, preset) of a preset or model name (the declaring family first: only it is imported)."""
     canonical = canonical_name(name)
     for family in declared_families().values():
         if canonical in family.names:
@@ -142,11 +136,9 @@ def _find_preset(name: str):
 
 def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters: int | None = None,
                  **overrides: Any):
-    """Build an untrained model from an architecture preset or a model's canonical name (`model_names()`);
-    `overrides` change config fields (a key the config does not have is a ConfigError, not ignored).
-
-    The config is validated and the model's size checked against the parameter budget (`max_parameters`,
-    $DEQZOO_MAX_PARAMETERS, 1e9) on the meta device before anything is allocated.
+    """An untrained model of an architecture preset or a model's name (`model_names()`); `overrides` change
+    config fields (an unknown key is a ConfigError). The size is checked against the parameter budget
+    (`max_parameters`, $DEQZOO_MAX_PARAMETERS, 1e9) on the meta device before anything is allocated.
 
     Example:
         >>> import deqzoo
@@ -177,10 +169,8 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
 
 
 def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
-    """An override must name a config field, an argument of the config's own ``__init__`` (a family written
-    in transformers' v4 style) or a settable property (``num_labels``): PretrainedConfig keeps any other
-    keyword as an attribute that no model reads, so a typo (``hiden_dim=96``) would build the preset
-    unchanged without a word."""
+    """An override must name a field, an ``__init__`` argument or a settable property (``num_labels``):
+    PretrainedConfig would keep a typo (``hiden_dim=96``) as an attribute no model reads."""
     from .configuration_utils import ConfigError  # the config class was just imported: transformers is loaded
 
     is_dataclass = dataclasses.is_dataclass(config_cls)
@@ -198,11 +188,9 @@ def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
 
 def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | None = None,
                     hypersolver: str | os.PathLike | None = None, **kwargs: Any):
-    """Load any deqzoo checkpoint: a directory, an embedded id (offline), or a Hub repo id.
-
-    The model class comes from config.json (`model_type` -> family, `architectures` -> head). `hypersolver`
-    (an embedded id such as ``deqzoo/hyperdeq-mdeq-tiny-mnist`` or a directory) attaches a HyperDEQ solver
-    trained for this model (`model.set_hypersolver`); one trained for other weights is an error naming both.
+    """Load any deqzoo checkpoint (a directory, an embedded id, offline, or a Hub repo id) into the class its
+    config.json names (`model_type` -> family, `architectures` -> head); every transformers keyword is passed
+    on. `hypersolver` (an id or a directory) attaches a HyperDEQ solver trained for it (`set_hypersolver`).
 
     Example:
         >>> import deqzoo
@@ -268,14 +256,8 @@ def _on_meta(family, config, auto_name: str | None = None):
         return model_cls, model_cls(config)
 
 
-def _meta_parameter_count(family, config_kwargs: dict[str, Any], auto_name: str | None = None) -> int:
-    """Trainable parameters (buffers excluded) of a model built on the meta device."""
-    _, model = _on_meta(family, family.load(family.config)(**config_kwargs), auto_name)
-    return sum(p.numel() for p in model.parameters())
-
-
-def parameter_count(config: dict[str, Any]) -> int:
-    """Trainable parameters of the model a config.json (as a dict) describes.
+def parameter_count(config: dict[str, Any], auto_name: str | None = None) -> int:
+    """Trainable parameters (buffers excluded) of the model a config.json's dict describes (meta device).
 
     Example:
         >>> import json, deqzoo
@@ -284,13 +266,16 @@ def parameter_count(config: dict[str, Any]) -> int:
         >>> deqzoo.factory.parameter_count(cfg) > 0
         True
     """
+    family = family_for(config.get("model_type"))
     kwargs = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    return _meta_parameter_count(family_for(config.get("model_type")), kwargs)
+    _, model = _on_meta(family, family.load(family.config)(**kwargs), auto_name)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _count_parameters(family, preset) -> int | None:
     try:
-        return _meta_parameter_count(family, preset.get("config", {}), preset.get("auto"))
+        config = {**preset.get("config", {}), "model_type": family.model_type}
+        return parameter_count(config, preset.get("auto"))
     except Exception:  # noqa: BLE001 - a listing must not fail because one preset cannot be built
         return None
 

@@ -50,10 +50,8 @@ class DEQPreTrainedModel(PreTrainedModel):
             self._deqzoo_hooked = True
 
     def compile_deq(self, enabled: bool = True, **options: Any) -> DEQPreTrainedModel:
-        """Compile f_θ of every DEQ layer with ``torch.compile(**options)`` (`deqzoo.core.DEQ.compile_f`):
-        the solver loop stays eager, f runs as one compiled graph per step with no graph break. The first
-        solve pays the compilation (about 20 s for `deqzoo/mdeq-tiny-mnist` on a loaded 2-core CPU); later
-        solves with the same shapes reuse it. ``enabled=False`` goes back to eager f.
+        """Compile f_θ of every DEQ layer with ``torch.compile(**options)`` (`deqzoo.core.DEQ.compile_f`; the
+        solver loop stays eager; docs/export.md). ``enabled=False`` goes back to eager f.
 
         Example:
             >>> import deqzoo
@@ -109,12 +107,9 @@ class DEQPreTrainedModel(PreTrainedModel):
 
     def set_hypersolver(self, hypersolver, *, check: bool = True,
                         use: str | None = None) -> DEQPreTrainedModel:
-        """Solve every DEQ layer with a HyperDEQ hypersolver (`deqzoo.hypersolver`): an embedded id, a
-        directory or a `HyperSolver`. It must have been trained for this model's weights (fingerprint; the
-        error names both); ``check=False`` skips that. ``use`` overrides the hypersolver config's ``use``
-        ("initializer": its h_φ start, then ``config.deq``'s solver; "hyperanderson"). Backward modes,
-        `on_nonconvergence` and `deq_stats` work as with any solver; the budget and tolerance stay
-        ``config.deq``'s. Returns the model.
+        """Solve every DEQ layer with a HyperDEQ hypersolver (an embedded id, a directory or a `HyperSolver`)
+        trained for this model's weights (``check=False`` skips the fingerprint check); ``use`` overrides its
+        config's ("initializer" or "hyperanderson"). Budget and tolerance stay ``config.deq``'s.
 
         Example:
             >>> import deqzoo
@@ -155,15 +150,10 @@ class DEQPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, deq: dict[str, Any] | None = None,
                         max_parameters: int | None = None, strict: bool = True, **kwargs):
-        """transformers' own ``PreTrainedModel.from_pretrained``: every keyword it documents is passed to it
-        (``output_loading_info``, ``ignore_mismatched_sizes``, ``state_dict``, ``dtype``, ``device_map``,
-        ``subfolder``, ``variant``, ``revision``, base-model checkpoints into task heads, ...). deqzoo
-        adds what transformers lacks (:func:`deqzoo.hub.loading.prepare_pretrained`): embedded ids resolved to
-        their verified folder (also offline), Hub downloads of safe files only, safetensors only, no remote
-        code, JSON limits, a parameter budget, weights' headers checked against the model before anything is
-        allocated, and strict loading: missing or unexpected keys refuse the load naming them, except a task
-        head that a checkpoint of another class cannot hold (``strict=False``: transformers' lenient report).
-        After it, ``deq={...}`` overrides solver settings.
+        """transformers' ``PreTrainedModel.from_pretrained`` (every keyword passed on), after what it lacks
+        (:func:`deqzoo.hub.loading.prepare_pretrained`: embedded ids, safetensors only, limits, a parameter
+        budget, headers checked before allocation, strict keys; ``strict=False``: transformers' lenient
+        report). ``deq={...}`` then overrides solver settings.
 
         Example:
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
@@ -182,12 +172,8 @@ class DEQPreTrainedModel(PreTrainedModel):
         return result
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        """transformers' ``save_pretrained`` (every keyword but ``safe_serialization=False``), written whole
-        into a temporary sibling and swapped in atomically (:func:`deqzoo.hub.saving.atomic_save`): at every
-        instant the path holds the old or the new complete checkpoint. Only the files this save writes are
-        replaced: other files and folders in `save_directory` (optimizer state, logs, a card) are kept.
-        Concurrent saves to one path are serialised.
-        """
+        """transformers' ``save_pretrained`` (safetensors only), atomic (`deqzoo.hub.saving.atomic_save`): the
+        path holds the old or the new complete checkpoint, other files there are kept."""
         from .hub.saving import atomic_save
 
         if kwargs.pop("safe_serialization", True) is False:
@@ -212,11 +198,8 @@ class DEQPreTrainedModel(PreTrainedModel):
                     token: bool | str | None = None, revision: str | None = None, create_pr: bool = False,
                     max_shard_size: int | str | None = "50GB", tags: list[str] | None = None,
                     endpoint: str | None = None) -> str:
-        """Save to a temporary directory and upload it with huggingface_hub; returns the commit URL.
-
-        The options are transformers' (see :func:`deqzoo.hub.push.push_folder`): ``revision`` is the branch
-        to commit to, ``create_pr=True`` opens a pull request instead (its URL is ``result.pr_url``),
-        ``tags`` go into the uploaded card's metadata, ``private`` applies when the repository is created.
+        """Save to a temporary directory and upload it (:func:`deqzoo.hub.push.push_folder`, transformers'
+        options); returns the commit URL (``.pr_url`` with ``create_pr=True``).
 
         Example:
             >>> model.push_to_hub("me/mdeq-tiny-mnist", create_pr=True, tags=["mnist"])  # doctest: +SKIP
@@ -267,8 +250,7 @@ def _caller_level() -> int:
 
 
 def _check_traceable(model: DEQPreTrainedModel, _inputs: Any) -> None:
-    """Forward pre-hook: tracing or exporting a model whose DEQ layers solve adaptively fails here, with the
-    reason, instead of deep inside the solver or the weight-norm cache with a message about fake tensors."""
+    """Forward pre-hook: tracing an adaptive solve fails here with the reason, not deep inside the solver."""
     if not (torch.jit.is_tracing() or torch.compiler.is_exporting()):
         return
     adaptive = [m for m in model.modules() if isinstance(m, DEQ) and not getattr(m, "traceable", False)]
@@ -314,7 +296,5 @@ def _check_convergence(model: DEQPreTrainedModel, _inputs: Any, output: Any) -> 
 
 @dataclass
 class DEQModelOutput(ModelOutput):
-    """Base of every zoo output. Subclasses declare ``deq_stats: SolverStats | None = None`` as their LAST
-    field: transformers reads ``outputs[0]`` as the loss (or logits) and takes the batch size from the first
-    field, so the solver statistics must not come first. ``deq_stats`` indexes per sample (``stats[i]``),
-    which is how pipelines un-batch it."""
+    """Base of every zoo output. Subclasses declare ``deq_stats: SolverStats | None = None`` LAST:
+    transformers reads ``outputs[0]`` as the loss (or logits) and the batch size from the first field."""

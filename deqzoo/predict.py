@@ -1,9 +1,6 @@
-"""`deqzoo predict`: a checkpoint on a user's input, one function per task kind.
-
-A model card's ``deqzoo_task`` names the task (a key of `PREDICTORS`); it never names code to import. Data
-sets, evaluation and the demo of each task are programs of the repository (``examples/<family>/``, run by
-``deqzoo eval`` and ``deqzoo demo`` from a clone); this module is what an installed package needs to serve a
-user: read the input, checked before decoding, run the model, write the output without overwriting a file.
+"""`deqzoo predict`: a checkpoint on a user's input, one function per task kind (a card's ``deqzoo_task``, a
+key of `PREDICTORS`; never code to import). Inputs are checked before decoding; outputs never overwrite a
+file. Evaluation and demos are the clone's (``examples/<family>/``).
 
 Example:
     >>> from deqzoo.predict import PREDICTORS
@@ -47,9 +44,8 @@ def free_path(path: str | Path) -> Path:
 
 
 def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[str, ...] | None = None):
-    """A loaded PIL image from `path`, checked before decoding: the pixel count from the header against
-    `max_pixels`, the mode against `modes` (any when None); a decompression bomb or an unreadable file is a
-    ValueError. Every message starts with `label` (the command and file it is about).
+    """A PIL image, checked before decoding (pixels from the header against `max_pixels`, mode against
+    `modes`; bombs and unreadable files): ValueError starting with `label`.
 
     Example:
         >>> import tempfile
@@ -82,7 +78,6 @@ def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[st
     return image
 
 
-
 def image_processor(model):
     """The MDEQ image processor a classification checkpoint's config describes."""
     from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
@@ -102,10 +97,7 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 
 @torch.no_grad()
 def classify_image(model, input: str) -> str:
-    """Classify one image file (any size or mode; converted like the pipeline does).
-
-    Returns the label, the top-3 class probabilities and whether the solve converged, on one line.
-    """
+    """One line: the label of an image file (any size or mode), the top-3 probabilities, convergence."""
     path = Path(input)
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
@@ -121,17 +113,6 @@ def classify_image(model, input: str) -> str:
     converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
     return (f"{ranked[0][0]} (top-{len(ranked)} probabilities: {scores}; solve {converged}, "
             f"nfe={out.deq_stats.nfe})")
-
-
-
-# The card's recommended decoding: greedy decoding of a model this small loops ("the in the in ..."); sampling
-# from the top 20 tokens at temperature 0.7 with a repetition penalty reads like text. Seeded: reproducible.
-# The code model (pystd_lm) samples without a repetition penalty: code repeats tokens.
-DECODINGS: dict[str, dict] = {
-    "pydoc_lm": {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.2},
-    "pystd_lm": {"do_sample": True, "temperature": 0.7, "top_k": 20},
-}
-DECODING_SEED = 0
 
 
 def load_tokenizer(model):
@@ -160,10 +141,11 @@ def load_tokenizer(model):
 MAX_PROMPT_CHARS = 20_000
 
 
-def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | None = None,
-              seed: int = DECODING_SEED, scores: bool = False):
-    """`generate()` with the recommended decoding (or `decoding`), sampling from a private seeded generator
-    state so the text is reproducible and the caller's RNG is left as it was."""
+def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | None = None, seed: int = 0,
+                  scores: bool = False):
+    """`generate()` with the checkpoint's own decoding (its ``generation_config.json``; `decoding` overrides
+    it), sampling from a private seeded generator state: the text is reproducible and the caller's RNG is left
+    as it was."""
     tok = load_tokenizer(model)
     ids = tok(text, return_tensors="pt")["input_ids"]
     if ids.numel() == 0:
@@ -173,8 +155,7 @@ def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | N
         torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                             pad_token_id=pad, output_logits=scores,
-                             **(DECODINGS["pydoc_lm"] if decoding is None else decoding))
+                             pad_token_id=pad, output_logits=scores, **(decoding or {}))
     new = out.sequences[0, ids.shape[1]:]
     text_out = tok.decode(new, skip_special_tokens=True)
     if not scores:
@@ -185,10 +166,8 @@ def generate_text(model, text: str, max_new_tokens: int = 24, decoding: dict | N
 
 
 def complete_text(model, input: str, decoding: dict | None = None) -> str:
-    """Continuation (24 tokens, recommended decoding, seeded) of `input` (a text or a text file's path), then
-    the model's own probability of each sampled token (geometric mean and minimum), on the next line.
-
-    Prompts are limited to MAX_PROMPT_CHARS characters, checked before anything is read or tokenized."""
+    """Continuation (24 tokens, the checkpoint's decoding, seeded) of `input` (a text or a text file's path),
+    then the model's probability of the sampled tokens (geometric mean, minimum). At most MAX_PROMPT_CHARS."""
     path = Path(input)
     if len(input) < 4096 and path.is_file():
         size = path.stat().st_size
@@ -213,7 +192,6 @@ def complete_text(model, input: str, decoding: dict | None = None) -> str:
             f"{float(probs.log().mean().exp()):.4f}, min {float(probs.min()):.4f}]")
 
 
-
 @dataclass
 class ChainsDataset:
     """A chains graph: features (N, F), edges (2, E) source->target, labels (N,), and index splits."""
@@ -234,24 +212,13 @@ class ChainsDataset:
 
     def adjacency(self) -> torch.Tensor:
         """The same graph as a torch sparse COO adjacency (A[i, j] = 1 for the edge i -> j)."""
-        n = self.num_nodes
-        return torch.sparse_coo_tensor(
-            self.edge_index, torch.ones(self.edge_index.shape[1]), (n, n)
-        ).coalesce()
+        n, e = self.num_nodes, self.edge_index.shape[1]
+        return torch.sparse_coo_tensor(self.edge_index, torch.ones(e), (n, n)).coalesce()
 
 
-def make_chains(
-    chain_length: int = 10,
-    *,
-    num_classes: int = 2,
-    chains_per_class: int = 20,
-    feature_dim: int = 100,
-    num_train: int = 20,
-    num_val: int = 100,
-    num_test: int = 200,
-    noise: float = 0.0,
-    seed: int = 42,
-) -> ChainsDataset:
+def make_chains(chain_length: int = 10, *, num_classes: int = 2, chains_per_class: int = 20,
+                feature_dim: int = 100, num_train: int = 20, num_val: int = 100, num_test: int = 200,
+                noise: float = 0.0, seed: int = 42) -> ChainsDataset:
     """Build the chains dataset (deterministic in `seed`; defaults are the original's).
 
     Node index of (class c, chain k, position p) is ``(c * chains_per_class + k) * chain_length + p``.
@@ -275,35 +242,25 @@ def make_chains(
     feats = feats.reshape(-1, feature_dim)
     row_sum = feats.sum(1, keepdims=True)
     with np.errstate(divide="ignore"):
-        inv = np.where(row_sum != 0, 1.0 / row_sum, 0.0)
-    feats = feats * inv
+        feats = feats * np.where(row_sum != 0, 1.0 / row_sum, 0.0)
     labels = np.repeat(np.arange(num_classes), chains_per_class * chain_length)
     order = np.arange(n_nodes)
     rng.shuffle(order)
     starts = np.arange(num_classes * chains_per_class)[:, None] * chain_length
     src = (starts + np.arange(chain_length - 1)[None, :]).reshape(-1)
-    edge_index = torch.from_numpy(np.stack([src, src + 1])).long()
-    return ChainsDataset(
-        x=torch.from_numpy(feats).float(),
-        edge_index=edge_index,
-        labels=torch.from_numpy(labels).long(),
-        train_idx=torch.from_numpy(order[:num_train]).long(),
-        val_idx=torch.from_numpy(order[num_train : num_train + num_val]).long(),
-        test_idx=torch.from_numpy(order[num_train + num_val : num_train + num_val + num_test]).long(),
-        num_classes=num_classes,
-        chains_per_class=chains_per_class,
-        chain_length=chain_length,
-    )
+    splits = np.split(order, [num_train, num_train + num_val, num_train + num_val + num_test])[:3]
+    return ChainsDataset(torch.from_numpy(feats).float(), torch.from_numpy(np.stack([src, src + 1])).long(),
+                         torch.from_numpy(labels).long(), *(torch.from_numpy(s).long() for s in splits),
+                         num_classes=num_classes, chains_per_class=chains_per_class,
+                         chain_length=chain_length)
 
 
 def chains_settings(model) -> dict[str, Any]:
     """The dataset settings a checkpoint was trained on (``config.task_specific_params["chains"]``)."""
     params = (getattr(model.config, "task_specific_params", None) or {}).get("chains")
     if not params or "chain_length" not in params:
-        raise ValueError(
-            "this model's config has no task_specific_params['chains']['chain_length']; "
-            "it was not trained on the chains task (see examples/ignn/train_chains.py)"
-        )
+        raise ValueError("this model's config has no task_specific_params['chains']['chain_length']; it was "
+                         "not trained on the chains task (see examples/ignn/train_chains.py)")
     return dict(params)
 
 
@@ -317,19 +274,13 @@ def node_classifier(model):
 
 # Documented limits of `deqzoo predict` for graphs: generated chain length, size of a graph JSON file.
 MAX_CHAIN_LENGTH = 100_000
-
-
 MAX_GRAPH_FILE_BYTES = 64 * 1024 * 1024
 
 
 def classify_nodes(model, input: str) -> str:
-    """Predict chain classes. INPUT is a chain length (e.g. ``"40"``: a fresh chains graph of that length,
-    generated with the checkpoint's other settings) or a path to a JSON graph file
-    ``{"x": [[...], ...], "edge_index": [[sources...], [targets...]]}`` (optional ``"edge_weight"``).
-
-    Returns one line per chain (class per node, start -> end, and the mean probability of the predicted
-    classes) for a length, or the predicted class and its probability per node for a file.
-    """
+    """Node classes of a chain length (``"40"``: a fresh chains graph with the checkpoint's other settings; a
+    line per chain) or of a JSON graph file ``{"x": [[...]], "edge_index": [[src...], [dst...]]}`` (optional
+    ``"edge_weight"``; class and probability per node)."""
     text = str(input).strip()
     if text.isdigit():
         if not 1 <= int(text) <= MAX_CHAIN_LENGTH:
@@ -339,33 +290,22 @@ def classify_nodes(model, input: str) -> str:
         with torch.no_grad():
             out = node_classifier(model).eval()(ds.x, ds.edge_index)
         conf, pred = out.logits.softmax(-1).max(-1)
-        stats = out.deq_stats
-        lines = []
-        for chain, (p, y, c) in enumerate(
-            zip(pred.view(-1, ds.chain_length), ds.labels.view(-1, ds.chain_length),
-                conf.view(-1, ds.chain_length))
-        ):
-            ok = (p == y).float().mean().item()
-            lines.append(
-                f"chain {chain:3d} (class {y[0].item()}): predicted {''.join(map(str, p.tolist()))} "
-                f"({ok:.0%} correct, mean probability {c.mean().item():.4f})"
-            )
+        rows = (t.view(-1, ds.chain_length) for t in (pred, ds.labels, conf))
+        lines = [f"chain {i:3d} (class {y[0].item()}): predicted {''.join(map(str, p.tolist()))} "
+                 f"({(p == y).float().mean().item():.0%} correct, mean probability {c.mean().item():.4f})"
+                 for i, (p, y, c) in enumerate(zip(*rows))]
         acc = (pred == ds.labels).float().mean().item()
-        lines.append(f"all nodes: accuracy {acc:.4f}; {stats.nfe} f-evals")
-        return "\n".join(lines)
+        return "\n".join([*lines, f"all nodes: accuracy {acc:.4f}; {out.deq_stats.nfe} f-evals"])
     path = Path(text)
     if not path.is_file():
-        raise ValueError(
-            f"predict input {text!r} is neither a chain length (an integer) nor an existing JSON file"
-        )
+        raise ValueError(f"predict input {text!r} is neither a chain length (an integer) nor a JSON file")
     from .hub.validation import read_json
 
     graph = read_json(path, max_bytes=MAX_GRAPH_FILE_BYTES, max_depth=4)
     for key in ("x", "edge_index"):
         if key not in graph:
-            raise ValueError(
-                f"{path}: missing key {key!r}; expected {{'x': [[...]], 'edge_index': [[...], [...]]}}"
-            )
+            raise ValueError(f"{path}: missing key {key!r}; expected "
+                             "{'x': [[...]], 'edge_index': [[...], [...]]}")
     try:
         x = torch.tensor(graph["x"], dtype=torch.float32)
         edge_index = torch.tensor(graph["edge_index"], dtype=torch.long)
@@ -386,16 +326,12 @@ def classify_nodes(model, input: str) -> str:
             f"{out.deq_stats.nfe} f-evals")
 
 
-
 def signal_settings(model) -> dict[str, Any]:
     """The image, size and split a checkpoint was fitted on (``config.task_specific_params["implicit2"]``)."""
     params = (getattr(model.config, "task_specific_params", None) or {}).get("implicit2")
     if not params or "image" not in params or "size" not in params:
-        raise ValueError(
-            "this model's config has no task_specific_params['implicit2'] with 'image' and 'size'; "
-            "it was not "
-            "fitted by the implicit2 task (see examples/implicit2/)"
-        )
+        raise ValueError("this model's config has no task_specific_params['implicit2'] with 'image' and "
+                         "'size'; it was not fitted by the implicit2 task (see examples/implicit2/)")
     return {"split": "full", **params}
 
 
@@ -424,9 +360,8 @@ def render_signal(model, input: str) -> str:
             hs, ws = spec.split("x")
             h, w = int(hs), int(ws)
     except ValueError:
-        raise ValueError(
-            f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), optionally ':out.png'"
-        ) from None
+        raise ValueError(f"predict input {text!r}: expected 'HxW' (e.g. 512x512) or 'Nx' (e.g. 2x), "
+                         "optionally ':out.png'") from None
     if not (1 <= h <= 8192 and 1 <= w <= 8192):
         raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
     path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
@@ -439,18 +374,13 @@ def render_signal(model, input: str) -> str:
     return f"rendered {s['image']} representation at {h}x{w} to {path} ({time.perf_counter() - start:.1f}s)"
 
 
-
 def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int = 10, seed: int = 0):
     """Write an 8-wide PNG grid of `n` DEQ-DDIM samples (each upscaled 4x); returns (path, stats)."""
     from PIL import Image
     from torchvision.utils import make_grid
 
-    out = pipe(
-        batch_size=n,
-        generator=torch.Generator().manual_seed(seed),
-        num_inference_steps=num_inference_steps,
-        output_type="np",
-    )
+    out = pipe(batch_size=n, generator=torch.Generator().manual_seed(seed),
+               num_inference_steps=num_inference_steps, output_type="np")
     imgs = torch.from_numpy((out.images[..., :1] * 255).round().astype(np.uint8)).permute(0, 3, 1, 2)
     grid = make_grid(imgs, nrow=8, padding=1)[0].numpy()  # black 1-pixel lines between the digits
     Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(path)
@@ -468,20 +398,16 @@ def sample_digits(pipe, input: str) -> str:
     return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"
 
 
-
 _MAX_PREDICT_PIXELS = 1024 * 1024  # the all-pairs correlation volume grows with (H·W/64)²
 
 
 def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
-    """Write a (2, H, W) flow as a colour PNG (torchvision.utils.flow_to_image: hue = direction, saturation =
-    magnitude relative to the largest)."""
+    """Write a (2, H, W) flow as a colour PNG (torchvision's flow_to_image: hue = direction)."""
     from PIL import Image
     from torchvision.utils import flow_to_image
 
-    rgb = flow_to_image(flow.detach().float().cpu())
-    path = Path(path)
-    Image.fromarray(rgb.permute(1, 2, 0).numpy()).save(path)
-    return path
+    Image.fromarray(flow_to_image(flow.detach().float().cpu()).permute(1, 2, 0).numpy()).save(path)
+    return Path(path)
 
 
 def read_image(path: str) -> torch.Tensor:
@@ -495,15 +421,10 @@ def read_image(path: str) -> torch.Tensor:
 
 
 def estimate_flow(model, *inputs: str) -> str:
-    """Flow between two images, or along a video, as colour PNGs.
-
-    INPUTS ``FIRST SECOND`` (image paths; also ``FIRST,SECOND``), optionally ``OUT.png``: one flow; without
-    OUT the file is ``flow_<first>_<second>.png`` in the current directory (a numbered name if that exists:
-    an existing file is never overwritten). INPUT ``FOLDER`` (its images, in natural name order: frame2
-    before frame10, are the frames of a video), optionally ``OUTDIR``: the flow of every consecutive pair
-    with the checkpoint's frame-to-frame reuse (``model.estimate_sequence(frames, reuse=True)``:
-    ``config.sequence_reuse``, "none" for a checkpoint that reuse makes worse), one PNG per pair in OUTDIR
-    (a new or empty folder; default ``flow_<folder>`` here, a numbered name if that exists)."""
+    """Flow as colour PNGs: ``FIRST SECOND`` image paths (or ``FIRST,SECOND``), optionally ``OUT.png``
+    (default ``flow_<first>_<second>.png`` here); or a ``FOLDER`` of video frames (natural name order),
+    optionally a new or empty ``OUTDIR``: every consecutive pair with the checkpoint's frame-to-frame reuse
+    (``model.estimate_sequence(frames, reuse=True)``). Files are never overwritten (numbered names)."""
     # one argument: the comma form (FIRST,SECOND); several: one path each (a comma may be in a path)
     parts = [p.strip() for p in (inputs[0].split(",") if len(inputs) == 1 else inputs)]
     input = " ".join(inputs)
@@ -512,37 +433,25 @@ def estimate_flow(model, *inputs: str) -> str:
             raise ValueError(f"predict input {input!r}: expected FOLDER of frames, optionally OUTDIR")
         return _predict_video(model, Path(parts[0]), Path(parts[1]) if len(parts) == 2 else None)
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(
-            f"predict input {input!r}: expected FIRST SECOND image paths, optionally OUT.png"
-        )
+        raise ValueError(f"predict input {input!r}: expected FIRST SECOND image paths, optionally OUT.png")
     a, b = read_image(parts[0]), read_image(parts[1])
     if a.shape[-2:] != b.shape[-2:]:
-        raise ValueError(
-            f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
-            f"{tuple(b.shape[-2:])}; the two frames must have the same size"
-        )
-    path = (
-        Path(parts[2]) if len(parts) == 3 else Path(f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
-    )
+        raise ValueError(f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
+                         f"{tuple(b.shape[-2:])}; the two frames must have the same size")
+    path = Path(parts[2] if len(parts) == 3 else f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
     if path.suffix.lower() != ".png":
         raise ValueError(f"predict: output {path} must end in .png")
     path = free_path(path)
     with torch.no_grad():
         out = model.eval()(a[None], b[None])
-    flow = out.flow[0]
-    flow_png(flow, path)
-    mag = torch.linalg.vector_norm(flow, dim=0)
+    flow_png(out.flow[0], path)
+    mag = torch.linalg.vector_norm(out.flow[0], dim=0)
     nfe = f", {out.deq_stats.nfe} f-evaluations" if out.deq_stats is not None else ""
-    return (
-        f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): "
-        f"mean |flow| {float(mag.mean()):.2f} px, "
-        f"max {float(mag.max()):.2f} px{nfe}; written to {path}"
-    )
+    return (f"flow {parts[0]} -> {parts[1]} ({a.shape[-2]}x{a.shape[-1]}): mean |flow| "
+            f"{float(mag.mean()):.2f} px, max {float(mag.max()):.2f} px{nfe}; written to {path}")
 
 
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
-
-
 # The flows of a whole video are held until they are written: at most this many pixels over all frames
 # (256 MiB of float32 flow).
 _MAX_VIDEO_PIXELS = 32 * 1024 * 1024
@@ -552,30 +461,23 @@ def video_frames(folder: Path) -> list[Path]:
     """The frames of a video folder in name order, checked (count, sizes) before any is decoded."""
     from PIL import Image
 
-    frames = sorted(
-        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FRAME_SUFFIXES),
-        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],  # 2 before 10
-    )
+    frames = sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FRAME_SUFFIXES),
+                    key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
     if len(frames) < 2:
-        raise ValueError(
-            f"predict: {folder} holds {len(frames)} image(s) ({', '.join(_FRAME_SUFFIXES)}); a video needs "
-            "at least 2 frames"
-        )
+        raise ValueError(f"predict: {folder} holds {len(frames)} image(s) ({', '.join(_FRAME_SUFFIXES)}); a "
+                         "video needs at least 2 frames")
     sizes = []
     for path in frames:
         with Image.open(path) as img:  # reads the header only
             sizes.append(img.size)
-            if img.size != sizes[0]:
-                raise ValueError(
-                    f"predict: {path} is {img.size[1]}x{img.size[0]} (H x W) but {frames[0]} is "
-                    f"{sizes[0][1]}x{sizes[0][0]}; every frame of a video must have the same size"
-                )
+        if sizes[-1] != sizes[0]:
+            raise ValueError(f"predict: {path} is {sizes[-1][1]}x{sizes[-1][0]} (H x W) but {frames[0]} is "
+                             f"{sizes[0][1]}x{sizes[0][0]}; every frame of a video must have the same size")
     w, h = sizes[0]
     if len(frames) * w * h > _MAX_VIDEO_PIXELS:
-        raise ValueError(
-            f"predict: {folder} holds {len(frames)} frames of {h}x{w}, {len(frames) * w * h:,} pixels in "
-            f"all; at most {_MAX_VIDEO_PIXELS:,} (the flows are held until written): split the video"
-        )
+        raise ValueError(f"predict: {folder} holds {len(frames)} frames of {h}x{w}, {len(frames) * w * h:,} "
+                         f"pixels in all; at most {_MAX_VIDEO_PIXELS:,} (the flows are held until written): "
+                         "split the video")
     return frames
 
 
@@ -606,14 +508,11 @@ def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
     for a, b, f in zip(frames, frames[1:], flows):
         flow_png(f, free_path(out_dir / f"flow_{a.stem}_{b.stem}.png"))  # a.png and a.jpg: both kept
     h, w = flows[0].shape[-2:]
-    nfe = ""
+    nfe, later = "", [int(s.nfe) for s in stats[1:] if s is not None]
     if stats[0] is not None:
-        later = [int(s.nfe) for s in stats[1:]]
         nfe = f"; {int(stats[0].nfe)} f-evaluations for the first pair" + (
             f", {sum(later) / len(later):.1f} per pair after it (each starts from the previous fixed point)"
-            if later
-            else ""
-        )
+            if later else "")
     return f"{len(frames)} frames of {h}x{w} in {folder}: {len(flows)} flows{nfe}; written to {out_dir}"
 
 
@@ -621,7 +520,7 @@ def _predict_video(model, folder: Path, out_dir: Path | None) -> str:
 PREDICTORS: dict[str, Callable[..., str]] = {
     "mnist": classify_image,
     "pydoc_lm": complete_text,
-    "pystd_lm": lambda model, input: complete_text(model, input, decoding=DECODINGS["pystd_lm"]),
+    "pystd_lm": complete_text,
     "chains": classify_nodes,
     "implicit2": render_signal,
     "ddim_digits": sample_digits,

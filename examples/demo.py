@@ -11,19 +11,50 @@ from __future__ import annotations
 
 import html
 import json
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from deqzoo.cli import CLIError, format_table, load_checkpoint
+from deqzoo.cli import CLIError, load_checkpoint
 from examples.tasks import task_module
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from deqzoo.core import SolverStats
+
+
+def format_table(rows: list[list[str]], header: list[str], width: int | None = None,
+           shrink: dict[int, int] | None = None) -> str:
+    """Columns two spaces apart, a dashed rule under the header. With `width`, the columns in `shrink` (column
+    -> narrowest width, in the order given) are narrowed, then any column down to 4, and their cells wrapped
+    onto continuation lines until the table fits; no cell's text is lost."""
+    cells = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
+    gap = 2
+    order = [*(shrink or {}).items(), *((i, 4) for i in range(len(widths)))]
+    for column, narrowest in order if width is not None else ():
+        excess = sum(widths) + gap * (len(widths) - 1) - width
+        if excess <= 0:
+            break
+        widths[column] = max(min(narrowest, widths[column]), widths[column] - excess)
+
+    def lines_of(row: list[str]) -> list[str]:
+        wrapped = [textwrap.wrap(str(c), w, break_long_words=True, break_on_hyphens=True) or [""]
+                   for c, w in zip(row, widths)]
+        out = []
+        for k in range(max(len(w) for w in wrapped)):
+            parts = [(w[k] if k < len(w) else "").ljust(n) for w, n in zip(wrapped, widths)]
+            out.append((" " * gap).join(parts).rstrip())
+        return out
+
+    lines = lines_of(header) + [(" " * gap).join("-" * w for w in widths)]
+    for row in rows:
+        lines += lines_of(row)
+    return "\n".join(lines)
 
 
 class DemoSummary(str):

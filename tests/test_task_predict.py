@@ -41,3 +41,20 @@ def test_pydoc_predict_is_seeded_and_scored():
     sampled, _ = generate_text(model, pydoc_lm.DEMO_PROMPT)
     words = sampled.split()
     assert len(set(words)) / len(words) > len(set(greedy.split())) / len(greedy.split())
+
+
+def test_predict_decodes_with_each_checkpoints_own_generation_config():
+    """`deqzoo predict` keeps no decoding table: it samples with the shipped generation_config.json, which the
+    examples' recipes (the decoding their cards describe) must match."""
+    from transformers import GenerationConfig
+
+    from deqzoo.hub import resolve
+    from examples.deq_transformer import pystd_lm
+
+    for name, decoding in (("deqzoo/deq-transformer-tiny-pydoc", pydoc_lm.DECODING),
+                           ("deqzoo/deq-transformer-small-pystd", pystd_lm.DECODING),
+                           ("deqzoo/deq-transformer-small-pystd-explicit", pystd_lm.DECODING)):
+        shipped = GenerationConfig.from_pretrained(resolve(name)).to_diff_dict()
+        assert {k: shipped.get(k) for k in decoding} == decoding, name
+        sampling = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+        assert {k for k in sampling if k in shipped} == set(decoding), name  # no other knob shipped

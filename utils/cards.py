@@ -1,8 +1,8 @@
 """Repository tooling: write a published checkpoint's model card (`model_cards/<name>/README.md`).
 
 The family card writers in `examples/<family>/` call :func:`write_model_card` when they publish a checkpoint:
-the library's metadata and front matter (`deqzoo.hub.cards`) plus the usage, training and evaluation sections
-of a zoo card.
+the card's metadata and front matter (:func:`build_metadata`, :func:`render_model_card`) plus the usage,
+training and evaluation sections of a zoo card.
 """
 
 from __future__ import annotations
@@ -11,8 +11,95 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deqzoo.hub.cards import CARD_NAME, build_metadata, render_model_card
+import yaml
+
+from deqzoo.hub.cards import CARD_NAME, _items
 from deqzoo.hub.saving import write_whole
+
+_TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
+               "text-generation": "Text Generation", "image-classification": "Image Classification"}
+
+
+def _pretty(name: str) -> str:
+    return _TASK_NAMES.get(name) or name.replace("-", " ").replace("_", " ").title()
+
+
+def build_metadata(
+    *,
+    model_id: str,
+    pipeline_tag: str,
+    task_module: str,
+    datasets: list[str],
+    dataset_name: str,
+    metrics: list[dict[str, Any]],
+    tags: list[str],
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+) -> dict[str, Any]:
+    """The card's YAML metadata as a dict (Hub keys plus `deqzoo_task`)."""
+    for i, metric in enumerate(metrics):
+        missing = {"type", "name", "value"} - set(metric)
+        if missing:
+            raise ValueError(f"metrics[{i}]={metric!r} lacks key(s) {sorted(missing)}; "
+                             "each needs type, name, value")
+    if not task_module or not all(part.isidentifier() for part in task_module.split(".")):
+        raise ValueError(f"task_module must be a dotted module name (examples.<family>.<name>), "
+                         f"got {task_module!r}")
+    all_tags = ["deqzoo", "deep-equilibrium"] + [t for t in tags if t not in ("deqzoo", "deep-equilibrium")]
+    # written by hand, not with huggingface_hub's ModelCardData: its to_dict() reorders the keys and drops
+    # the task's display name, so the embedded cards would no longer regenerate byte for byte from their
+    # writers (tests/examples pin that); the fields are the Hub's model-index schema either way
+    meta: dict[str, Any] = {
+        "license": license,
+        "library_name": "deqzoo",
+        "tags": all_tags,
+        "datasets": list(datasets),
+        "metrics": sorted({m["type"] for m in metrics}),
+    }
+    if base_model:
+        meta["base_model"] = base_model
+    meta["pipeline_tag"] = pipeline_tag
+    meta["deqzoo_task"] = task_module
+    meta["model-index"] = [{
+        "name": model_id,
+        "results": [{
+            "task": {"type": pipeline_tag, "name": _pretty(pipeline_tag)},
+            "dataset": {"type": datasets[0] if datasets else dataset_name, "name": dataset_name},
+            "metrics": [{"type": m["type"], "name": m["name"], "value": m["value"]} for m in metrics],
+        }],
+    }]
+    return meta
+
+
+def render_model_card(metadata: dict[str, Any], body: str) -> str:
+    """Front matter + body, as the Hub expects in README.md."""
+    front = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+    return f"---\n{front}---\n\n{body.strip()}\n"
+
+
+
+
+
+def card_headline(metadata: dict[str, Any]) -> str | None:
+    """The card's headline result: the first metric of its first model-index result, with its name and the
+    data set it was measured on (several metrics may share a type, e.g. two EPEs on two data sets, so a
+    {type: value} view alone can hide the one that matters).
+
+    Example:
+        >>> card_headline({"model-index": [{"results": [{"dataset": {"name": "MNIST test"},
+        ...     "metrics": [{"type": "accuracy", "name": "Test accuracy", "value": 0.978}]}]}]})
+        'Test accuracy 0.978 (MNIST test)'
+    """
+    for result in (r for entry in _items(metadata, "model-index") for r in _items(entry, "results")):
+        metrics = _items(result, "metrics")
+        if metrics and metrics[0] is result["metrics"][0]:
+            first = metrics[0]
+            dataset = result.get("dataset") if isinstance(result.get("dataset"), dict) else {}
+            where = dataset.get("name") or dataset.get("type")
+            text = f"{first.get('name') or first.get('type')} {first.get('value')}"
+            return f"{text} ({where})" if where else text
+    return None
+
 
 # tasks with a transformers pipeline that the zoo's heads serve (card snippets use it); others use AutoModel
 TRANSFORMERS_PIPELINES = frozenset({"image-classification", "image-segmentation", "text-generation"})

@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deqzoo.hub.cards import CARD_NAME, card_headline, card_metrics, read_model_card
+from deqzoo.hub.cards import CARD_NAME, card_metrics, read_model_card
 from deqzoo.hub.catalog import CATALOG_PATH, NAMESPACE, sha256_file
 from deqzoo.hub.safetensors_io import WEIGHTS_NAME
+from utils.cards import card_headline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CARDS_DIR = REPO_ROOT / "model_cards"

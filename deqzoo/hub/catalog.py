@@ -1,8 +1,5 @@
-"""The catalog of embedded checkpoints (`deqzoo/hub/catalog.json`): lookups at run time.
-
-The catalog is generated from the repository's `model_cards/*/` by repository tooling (`python -m
-utils.catalog`). Each entry: id `deqzoo/<folder>`, location, sha256 of every file, pipeline task, deqzoo task,
-card metrics, model_type and parameter count. Loading verifies every sha256.
+"""The catalog of embedded checkpoints (`deqzoo/hub/catalog.json`, written by `python -m utils.catalog` from
+`model_cards/*/`): id, location, every file's sha256 (verified on load), tasks, metrics, parameter count.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Embedded checkpoints in huggingface_hub's own cache layout: stock libraries resolve their hub ids offline.
+"""Embedded checkpoints in huggingface_hub's cache layout, so stock libraries (transformers, timm's
+``hf-hub:``, diffusers) resolve ``deqzoo/<name>`` offline: ``python -m deqzoo.hub.hf_cache``.
 
-One command (documented in the README)::
-
-    python -m deqzoo.hub.hf_cache          # or deqzoo.hub.hf_cache.populate_hf_cache()
-
-writes, for every embedded checkpoint ``deqzoo/<name>``, the repository folder huggingface_hub reads
-(``$HF_HUB_CACHE/models--deqzoo--<name>/``: ``snapshots/<commit>/<file>`` and ``refs/main``; the files are
-plain copies in the snapshot, the layout huggingface_hub itself writes where symlinks are unavailable, so no
-``blobs/`` folder is needed). After it, ``transformers.AutoModel*.from_pretrained("deqzoo/<name>")``,
-``pipeline(model="deqzoo/<name>")``, ``timm.create_model("hf-hub:deqzoo/<name>")`` and diffusers'
-``from_pretrained`` find the files in the cache: with ``HF_HUB_OFFLINE=1`` no request is made; without it, an
-unreachable network falls back to the cache at once (huggingface_hub's own behaviour).
-
-Nothing of the user's is overwritten: a repository folder that deqzoo did not create (no
-``.deqzoo-embedded`` marker, e.g. a real download) is left as it is and reported; deqzoo's own folders get a
-new snapshot when the catalog changes. The snapshot's files are the embedded files byte for byte (sha256 as in
-the catalog), except that the ``config.json`` of a checkpoint timm can build also names its timm architecture
-(``architecture``, ``pretrained_cfg``: the keys timm's ``hf-hub:`` loader reads; transformers keeps them as
-plain attributes).
+Each repository folder (``models--deqzoo--<name>/snapshots/<commit>/`` with plain copies, as huggingface_hub
+writes where symlinks are unavailable, and ``refs/main``) holds the embedded files byte for byte, except
+that a timm-buildable checkpoint's ``config.json`` also names its timm ``architecture`` and
+``pretrained_cfg``. A folder deqzoo did not write (no ``.deqzoo-embedded`` marker) is never touched.
 """
 
 from __future__ import annotations

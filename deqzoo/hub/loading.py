@@ -1,8 +1,5 @@
-"""Resolution (local -> embedded -> HF cache -> Hub), safe weight loading and atomic saving.
-
-Weights load only from safetensors; nothing here unpickles. Every mismatch between a config and its weights is
-reported at once: missing, unexpected and mis-shaped keys (with both shapes) and the file they came from.
-"""
+"""Resolution (local -> embedded -> HF cache -> Hub) and safe loading: safetensors only, never unpickles;
+every mismatch between a config and its weights reported at once (missing, unexpected, mis-shaped keys)."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def is_offline() -> bool:
 
 
 def embedded_entry(name: str) -> dict[str, Any] | None:
-    """The catalog entry of an embedded checkpoint or hypersolver (``deqzoo/<short>`` or just ``<short>``),
-    or None."""
+    """The catalog entry of an embedded checkpoint or hypersolver (``deqzoo/<short>`` or ``<short>``)."""
     for catalog in (load_catalog(), load_catalog(section="hypersolvers")):
         if entry := catalog.get(name) or catalog.get(f"{NAMESPACE}/{name}"):
             return entry
@@ -95,20 +91,12 @@ def is_shipped(directory: Path) -> bool:
         return False
 
 
-def resolve(
-    name_or_path: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
-    endpoint: str | None = None,
-) -> Path:
-    """Local directory of a checkpoint: an existing directory, an embedded checkpoint, the HF cache, the Hub.
-
-    Embedded checkpoints are checked against the catalog's sha256 of every file. Hub downloads fetch only
-    safetensors, JSON and text files (never pickles).
+def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None,
+            cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+            local_files_only: bool = False, force_download: bool = False,
+            endpoint: str | None = None) -> Path:
+    """Local directory of a checkpoint: a directory, an embedded checkpoint (every file's sha256 checked), the
+    HF cache, the Hub (safetensors, JSON and text files only).
 
     Example:
         >>> from deqzoo.hub import resolve
@@ -122,20 +110,14 @@ def resolve(
     recover(path)  # a save of this folder was interrupted: finish or undo it first
     if path.is_dir():
         return path
-    name = str(name_or_path)
-    entry = embedded_entry(name)
-    if entry is not None:
-        folder = embedded_folder(entry)
-        if folder is not None:
-            verify_embedded(entry, folder)
-            return folder
-        name = entry["id"]  # folder not shipped with this install: fall through to cache / Hub
-        missing_embedded = PACKAGED_CARDS_DIR / Path(entry["location"]).name
-    else:
-        missing_embedded = None
+    name, entry = str(name_or_path), embedded_entry(str(name_or_path))
+    if entry is not None and (folder := embedded_folder(entry)) is not None:
+        verify_embedded(entry, folder)
+        return folder
+    if entry is not None:  # folder not shipped with this install: the cache / Hub
+        name = entry["id"]
     if path.exists():
-        raise CheckpointError(f"{path}: is a file; a checkpoint is a directory "
-                              "(config.json + model.safetensors)")
+        raise CheckpointError(f"{path}: is a file; a checkpoint is a directory (config.json + weights)")
     if name.count("/") != 1 or name.startswith((".", "/")):
         raise CheckpointError(
             f"{name!r} is neither a directory nor an embedded checkpoint nor a Hub repo id (owner/name). "
@@ -145,25 +127,23 @@ def resolve(
                          local_files_only=local_files_only or is_offline(), force_download=force_download,
                          endpoint=endpoint)
     except CheckpointError as err:
-        if missing_embedded is None:
+        if entry is None:
             raise
-        raise CheckpointError(f"{name} is in the catalog but its folder {missing_embedded} is not part of "
-                              "this install (nor inside the package, where a wheel carries them); "
-                              f"{err}") from err
+        missing = PACKAGED_CARDS_DIR / Path(entry["location"]).name
+        raise CheckpointError(f"{name} is in the catalog but its folder {missing} is not part of this "
+                              f"install (nor inside the package, where a wheel carries them); {err}") from err
 
 
 def _from_hub(repo_id: str, *, local_files_only: bool, endpoint: str | None, **kwargs) -> Path:
     from huggingface_hub import snapshot_download
 
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
-    common = dict(repo_id=repo_id, allow_patterns=SAFE_PATTERNS, **kwargs)
+    common, cache_error = dict(repo_id=repo_id, allow_patterns=SAFE_PATTERNS, **kwargs), None
     if not kwargs.get("force_download"):
         try:  # the HF cache first: no network when the snapshot is already there
             return Path(snapshot_download(local_files_only=True, **common))
         except Exception as err:  # noqa: BLE001 - any cache miss falls through to the Hub
             cache_error = err
-    else:
-        cache_error = None
     if local_files_only:
         why = "offline mode is on (HF_HUB_OFFLINE)" if is_offline() else "local_files_only=True"
         raise CheckpointError(
@@ -194,9 +174,8 @@ def load_state_dict(directory: str | os.PathLike, variant: str | None = None) ->
 
 def load_weights_file(model: torch.nn.Module, path: str | os.PathLike, *, strip_prefix: str = ""
                       ) -> torch.nn.Module:
-    """Load one safetensors file into `model`: header checked first, then every key, shape and dtype against
-    the model (errors name the file); never unpickles. Keys starting with `strip_prefix` (a wrapper's
-    ``model.``) may be saved with it."""
+    """Load one safetensors file into `model`, header, keys, shapes and dtypes checked first (errors name the
+    file); keys may carry `strip_prefix` (a wrapper's ``model.``)."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path}: deqzoo loads safetensors files only and never unpickles; convert it "
@@ -245,9 +224,8 @@ def mismatch_report(model: torch.nn.Module, found: dict[str, list], source: str)
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, *,
                      strict: bool = True, ignore_mismatched_sizes: bool = False) -> dict[str, list]:
-    """Compare `state` with `model`; raise listing every problem (both shapes of a mis-shaped key) when a key
-    is mis-shaped (unless `ignore_mismatched_sizes`) or mistyped, or, with `strict`, missing or unexpected.
-    Returns what `compare_state` found."""
+    """`compare_state`'s findings; raises listing every problem when a key is mis-shaped (unless
+    `ignore_mismatched_sizes`) or mistyped, or, with `strict`, missing or unexpected."""
     found = compare_state(model, state)
     fatal = found["mistyped_keys"] or (found["mismatched_keys"] and not ignore_mismatched_sizes) or (
         strict and (found["missing_keys"] or found["unexpected_keys"]))
@@ -267,17 +245,11 @@ _REFUSED = {"gguf_file": "GGUF files are not safetensors",
 def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, *,
                        max_parameters: int | None = None, strict: bool = True, **kwargs: Any
                        ) -> tuple[str | None, Any, dict]:
-    """What deqzoo does before transformers' ``from_pretrained`` runs; returns (local folder or None, the
-    validated config, the keywords for transformers, every one of the caller's passed through).
-
-    The name resolves to a local folder (`resolve`: directory, embedded checkpoint with sha256 check, HF
-    cache, Hub with safe files only). The config is read with size and depth limits (``config=`` may be
-    that file's dict, already read) and overridden by keywords naming its attributes, as transformers'
-    Auto classes do; validated like ``__init__``. Refused with an error naming the cause, before anything
-    is allocated: non-safetensors loading, keywords that would load other formats or another model, an
-    ``adapter_config.json``, a model above the parameter budget, weights whose headers do not match the
-    model (`precheck`: with ``strict``, missing or unexpected keys too, except a task head that a checkpoint
-    of another class cannot hold)."""
+    """What deqzoo does before transformers' ``from_pretrained``: (local folder or None, the validated config,
+    the caller's keywords for transformers). The name resolves (`resolve`); the config is read with limits
+    (``config=`` may be its dict, already read) and overridden by keywords naming its attributes, as the Auto
+    classes do. Refused before anything is allocated, naming the cause: other formats, adapters, a model
+    above the parameter budget, weights whose headers do not match (`precheck`)."""
     if kwargs.get("use_safetensors", True) is False:
         raise CheckpointError("deqzoo loads safetensors only; use_safetensors=False is not supported")
     for key, why in _REFUSED.items():
@@ -355,9 +327,8 @@ def header_state(directory: Path, variant: str | None = None) -> tuple[dict[str,
 def precheck(model_cls: type, config: Any, directory: Path | None, *, state: dict | None = None,
              max_parameters: int | None = None, ignore_mismatched_sizes: bool = False,
              variant: str | None = None, strict: bool = True) -> torch.nn.Module | None:
-    """Build the model on the meta device (nothing allocated) and check its size against the budget and its
-    keys, shapes and dtypes against the safetensors headers (or the given `state`), before the real model or
-    any tensor exists. Returns the meta model when the checkpoint's keys need base-model bridging."""
+    """Build the model on the meta device and check its size against the budget and its keys, shapes and
+    dtypes against the headers (or `state`). Returns the meta model when the keys need base-model bridging."""
     source = str(Path(directory) / "config.json") if directory is not None else "the given config"
     try:
         with torch.device("meta"):
@@ -378,9 +349,8 @@ def precheck(model_cls: type, config: Any, directory: Path | None, *, state: dic
 
 def _refuse_missing_or_unexpected(model: torch.nn.Module, config: Any, found: dict[str, list],
                                   source: str) -> None:
-    """Strict loading: missing or unexpected keys refuse the load, naming them. A task head is new when the
-    checkpoint comes from another class (``config.architectures`` names another: a base model's checkpoint
-    into a head, transformers' re-heading): its keys, outside the base model, are only reported."""
+    """Strict loading: missing or unexpected keys refuse the load, naming them, except a task head's keys
+    outside the base model when the checkpoint comes from another class (transformers' re-heading)."""
     prefix = getattr(model, "base_model_prefix", "") + "."
     other_class = bool(config.architectures) and type(model).__name__ not in config.architectures
     found = {**found, "mismatched_keys": [], "mistyped_keys": []}
@@ -410,12 +380,8 @@ def _bridge_prefix(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> di
 
 def load_config(config_cls: type, directory: Path, *, raw: dict | None = None, **kwargs: Any
                 ) -> tuple[Any, dict[str, Any], bool]:
-    """(config, the keywords it did not take, whether none overrode it) of a checkpoint folder.
-
-    ``config.json`` (or `raw`, its dict as already read) is read with size and depth limits and validated
-    (types, ranges) before anything is built, errors naming the file and the key; keywords naming a config
-    attribute override it (transformers' ``from_dict(..., return_unused_kwargs=True)``, as its Auto classes
-    do), checked like ``__init__``."""
+    """(config, the keywords it did not take, whether none overrode it): ``config.json`` (or `raw`) read with
+    limits and validated, errors naming the file and key; keywords naming an attribute override it."""
     path = confined(directory, "config.json", directory)
     if raw is None:
         if not path.is_file():

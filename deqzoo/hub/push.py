@@ -48,12 +48,9 @@ def _component_dirs(directory: Path, card_text: str) -> set[str]:
 
 
 def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """(files to upload, files left out) of a checkpoint folder, as sorted POSIX relative paths.
-
-    Uploaded: the files `CHECKPOINT_FILES` names, at the top level and inside subfolders that are repository
-    components (named in ``model_index.json`` or referenced by the card as ``name/``), and the figures and
-    JSON files the card names. Everything else (optimizer state, pickles, logs, credentials, notes, hidden
-    files, scratch folders, links leading out) stays local.
+    """(files to upload, files left out) of a checkpoint folder, sorted relative paths: the files
+    `CHECKPOINT_FILES` names, at the top level and in component folders (``model_index.json``'s, or named
+    by the card as ``name/``), and the figures and JSON files the card names; nothing else.
 
     Example:
         >>> import tempfile, pathlib
@@ -87,8 +84,7 @@ def checkpoint_upload_files(directory: str | os.PathLike) -> tuple[list[str], li
 
 
 def _tagged_card(directory: Path, tags: list[str], api, repo_id: str, revision: str | None) -> bytes:
-    """The card to upload with `tags` added to its metadata: the folder's README.md (the file itself is not
-    modified), else the repository's current card, else a new one (as transformers does)."""
+    """The card to upload with `tags` added: the folder's (not modified), the repository's, or a new one."""
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -123,16 +119,11 @@ def push_folder(
     tags: list[str] | None = None,
     endpoint: str | None = None,
 ) -> str:
-    """Create `repo_id` (if needed) and upload a checkpoint folder in one commit; returns the commit URL.
-
-    The returned value is huggingface_hub's ``CommitInfo`` (a ``str``: the commit URL; ``.pr_url`` is set
-    with ``create_pr=True``). ``revision`` names the branch to commit to (created from main if it does not
-    exist; ``refs/pr/N`` commits to an open pull request); ``create_pr=True`` opens a pull request against it
-    instead of committing; ``tags`` are added to the card's metadata in the uploaded README.md; ``private``
-    applies when the repository is created. Only the files :func:`checkpoint_upload_files` selects are
-    uploaded (the others are named in a warning), and a folder whose weights are pickles is refused before
-    any request.
-    `endpoint` defaults to $HF_ENDPOINT read at call time, then huggingface_hub's default.
+    """Create `repo_id` (if needed) and upload the files :func:`checkpoint_upload_files` selects in one commit
+    (the others named in a warning; pickle weights refused before any request). Returns huggingface_hub's
+    ``CommitInfo`` (the commit URL; ``.pr_url`` with ``create_pr=True``). ``revision``: the branch (created
+    if missing; ``refs/pr/N``: an open pull request); ``tags`` go into the uploaded card's metadata;
+    ``endpoint`` defaults to $HF_ENDPOINT, then huggingface_hub's.
 
     Example:
         >>> push_folder("model_cards/mdeq-tiny-mnist", repo_id="me/mdeq-tiny-mnist",  # doctest: +SKIP

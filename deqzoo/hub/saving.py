@@ -1,20 +1,10 @@
-"""Saving that never loses a checkpoint or a user's file.
-
-The new checkpoint is written whole into a temporary sibling folder (transformers' ``save_pretrained`` or any
-writer), listed in a manifest there, then put in place:
-
-* A new path: one ``rename``. An existing folder: every entry of it the save does not replace (optimizer
-  state, logs, a card, subfolders) is hard-linked into the sibling, which is then swapped with the folder by
-  one ``renameat2(RENAME_EXCHANGE)`` (Linux). At every instant the path holds the complete old or the complete
-  new checkpoint with the user's files; the swapped-out folder is then taken apart (links and replaced files
-  go, anything else is moved back). A sibling still holding the manifest was never swapped in: it holds only
-  new files and links, and the next save deletes it.
-* Where a folder cannot be swapped (the working directory or a parent of it, a mount point, no exchange call,
-  entries that cannot be hard-linked), the produced files are renamed in one by one under a journal naming the
-  sibling; loading or saving that path finishes the job first.
-
-Only the save's own files are replaced: those it writes, and stale weight files of the checkpoint
-(``model*.safetensors`` shards and their index). Saves to one path are serialised by a file lock.
+"""Saving that never loses a checkpoint or a user's file. The checkpoint is written whole into a temporary
+sibling (listed in a manifest), then put in place: a new path by one ``rename``; an existing folder by
+hard-linking the entries the save does not replace into the sibling and swapping the two with one
+``renameat2(RENAME_EXCHANGE)``, so the path always holds the complete old or new checkpoint with the user's
+files (the swapped-out folder is then taken apart). Where no swap is possible (the working directory, a mount
+point, no exchange call, no hard links), the files are renamed in under a journal that the next load or save
+finishes. Only the save's files and stale weight files are replaced; saves to one path hold a file lock.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Attaching a hypersolver to a zoo model: every DEQ layer of the model starts from h_φ(input injection)
-and then solves with the model's own solver settings or with HyperAnderson (`HyperSolverConfig.use`).
-
-The model files stay untouched: the DEQ layer is swapped for a `HyperDEQ` (a DEQ with the same config, so
-every backward mode, `on_nonconvergence` and `deq_stats` keep working), and the input injection is read by a
-forward hook on the module the DEQ layer's owner names (``owner.injection_module()``); the state kind comes
-from the family's declaration (`deqzoo.models.registry`). The hypersolver is held outside the model's module
-tree, so the model's state dict, saving and parameter count do not change.
+"""Attaching a hypersolver: every DEQ layer is swapped for a `HyperDEQ` (the same config, so backward
+modes, `on_nonconvergence` and `deq_stats` keep working) that starts from h_φ(input injection), read by a
+forward hook on ``owner.injection_module()``, then solves with the model's settings or HyperAnderson. The
+hypersolver is held outside the module tree: the state dict, saving and parameter count do not change.
 """
 
 from __future__ import annotations
@@ -17,16 +13,8 @@ from ..core import DEQ
 from .configuration import USES
 from .modeling import HyperSolver
 
-__all__ = [
-    "CapturingDEQ",
-    "HyperDEQ",
-    "attached_hypersolver",
-    "deq_layers",
-    "injection_of",
-    "remove_hypersolver",
-    "set_hypersolver",
-    "state_kind",
-]
+__all__ = ["CapturingDEQ", "HyperDEQ", "attached_hypersolver", "deq_layers", "injection_of",
+           "remove_hypersolver", "set_hypersolver", "state_kind"]
 
 
 def state_kind(model: nn.Module) -> str:
@@ -104,10 +92,9 @@ class HyperDEQ(CapturingDEQ):
         if self.use == "initializer":
             return super().forward(f, z0)
         c = hs.config
-        cfg = self.config.update(  # per call, never stored: self.config stays the model's (thread-safe)
-            f_solver="hyperanderson",
-            f_solver_kwargs={"net": hs.bind(shapes), "m": c.m, "form": c.form, "base": c.alpha_base},
-        )
+        # per call, never stored: self.config stays the model's (thread-safe)
+        cfg = self.config.update(f_solver="hyperanderson", f_solver_kwargs={
+            "net": hs.bind(shapes), "m": c.m, "form": c.form, "base": c.alpha_base})
         return self.solve_with(cfg, f, z0)
 
     def extra_repr(self) -> str:
@@ -115,22 +102,16 @@ class HyperDEQ(CapturingDEQ):
         return super().extra_repr() + f", hypersolver={name}, use={self.use}"
 
 
-def set_hypersolver(
-    model: nn.Module, hypersolver: HyperSolver, *, check: bool = True, use: str | None = None
-) -> nn.Module:
-    """Make every DEQ layer of `model` solve with `hypersolver` (replacing one attached before).
-
-    With ``check`` the hypersolver's recorded model fingerprint must equal the model's
-    (`deqzoo.hypersolver.model_fingerprint`); a mismatch is an error naming both. ``use`` overrides the
-    hypersolver's own `HyperSolverConfig.use` ("initializer" or "hyperanderson").
-    """
+def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool = True,
+                    use: str | None = None) -> nn.Module:
+    """Make every DEQ layer of `model` solve with `hypersolver` (replacing one attached before); with
+    ``check`` its recorded fingerprint must be the model's (the error names both); ``use`` overrides its
+    config's ("initializer" or "hyperanderson")."""
     from .io import check_compatible
 
     if not isinstance(hypersolver, HyperSolver):
-        raise TypeError(
-            f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
-            f"got {type(hypersolver).__name__}"
-        )
+        raise TypeError(f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
+                        f"got {type(hypersolver).__name__}")
     use = hypersolver.config.use if use is None else use
     if use not in USES:
         raise ValueError(f"hypersolver use must be one of {USES}, got {use!r}")
@@ -142,10 +123,9 @@ def set_hypersolver(
         check_compatible(model, hypersolver)
     kind = state_kind(model)
     if kind != hypersolver.config.state_kind:
-        raise ValueError(
-            f"hypersolver {hypersolver.config.model_id or '?'} serves {hypersolver.config.state_kind!r}"
-            f" states; model {type(model).__name__} has {kind!r} states"
-        )
+        raise ValueError(f"hypersolver {hypersolver.config.model_id or '?'} serves "
+                         f"{hypersolver.config.state_kind!r} states; model {type(model).__name__} has "
+                         f"{kind!r} states")
     if not deq_layers(model):
         raise ValueError(f"{type(model).__name__} has no DEQ layer to attach a hypersolver to")
     remove_hypersolver(model)

@@ -19,18 +19,13 @@ class HyperSolverConfigError(ConfigError):
 class HyperSolverConfig:
     """Configuration of a HyperDEQ hypersolver (initializer h_φ + HyperAnderson network s_ξ).
 
-    ``state_kind``: "multires" (MDEQ: one image map per resolution), "sequence" (DEQ-Transformer: (L, d)) or
-    "vector" (any flat state; no initializer). ``injection_channels``: channels of the model's input
-    injection the initializer reads (0: no initializer). ``state_channels``: channels per state tensor.
-    ``m``: memory (the window holds m + 1 iterates); ``unroll_steps``: K, the steps trained through;
-    ``form``: "anderson" (Σ α_i (z_i + β g_i)) or "simplified" (β Σ g_i + Σ α_i z_i); ``alpha_base``: "none"
-    (the paper: α̂ from the network alone) or "anderson" (α̂ = Anderson's least-squares α + the network's
-    correction; see `deqzoo.core.hyper`). ``model_id`` and
-    ``model_fingerprint`` name the model it was trained for (`deqzoo.hypersolver.model_fingerprint`).
-    ``training`` records how it was trained (free-form, shown in the card). ``use`` is what attaching it does:
-    "hyperanderson" (h_φ's start, then HyperAnderson; the default, what a config without the key means) or
-    "initializer" (h_φ's start, then the model's own solver settings: the part that pays in wall time where
-    the learned mixing does not; a card says which its artifact ships and why).
+    ``state_kind``: "multires" (MDEQ's maps), "sequence" (DEQ-Transformer's (L, d)) or "vector" (no
+    initializer); ``injection_channels``: the input injection h_φ reads (0: none); ``m``: memory (m + 1
+    iterates); ``unroll_steps``: K, the steps trained through; ``form``: "anderson" (Σ α_i (z_i + β g_i)) or
+    "simplified" (β Σ g_i + Σ α_i z_i); ``alpha_base``: "none" (α̂ from the network, the paper) or "anderson"
+    (Anderson's α + the network's correction, `deqzoo.core.hyper`); ``model_id``, ``model_fingerprint``: the
+    model it serves; ``training``: free-form record; ``use``: "hyperanderson" (default) or "initializer"
+    (h_φ's start, then the model's own solver: the part that pays in wall time where the mixing does not).
 
     Example:
         >>> cfg = HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4)
@@ -78,9 +73,8 @@ class HyperSolverConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise HyperSolverConfigError(
-                f"{source}: unknown hypersolver config key(s) {unknown}; known: {sorted(known)}"
-            )
+            raise HyperSolverConfigError(f"{source}: unknown hypersolver config key(s) {unknown}; known: "
+                                         f"{sorted(known)}")
         try:
             return cls(**data)
         except HyperSolverConfigError as err:

@@ -1,12 +1,8 @@
-"""A hypersolver as a hub artifact on huggingface_hub's `PyTorchModelHubMixin` (``save_pretrained``,
-``from_pretrained``, ``push_to_hub``): ``config.json`` + ``model.safetensors`` (+ ``README.md``), checked.
-
-deqzoo adds the guarantees of its checkpoints: saves are atomic and keep other files; loads read safetensors
-only (the mixin's pickle fallback is never reached), from files confined to the folder, with size limits.
-Checks, each a clear error: the config is a hypersolver config (validated before anything is built); the
-weights file's sha256 matches the one recorded in the config (a corrupted or swapped file names the file and
-both digests); the tensor names and shapes match the config; and, when attached, the model's fingerprint
-matches the one the hypersolver was trained for (the error names both models).
+"""A hypersolver as a hub artifact on huggingface_hub's `PyTorchModelHubMixin`: ``config.json`` +
+``model.safetensors`` (+ ``README.md``), with deqzoo's guarantees: atomic saves that keep other files;
+safetensors-only loads confined to the folder, with size limits; the config validated first; the weights'
+sha256 against the one the config records; names and shapes against the config; and, when attached, the
+model's fingerprint against the one it was trained for (errors name both sides).
 """
 
 from __future__ import annotations
@@ -23,14 +19,8 @@ from ..errors import CheckpointError, DeqzooError
 from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 
-__all__ = [
-    "HyperSolverError",
-    "check_compatible",
-    "read_hypersolver",
-    "model_fingerprint",
-    "resolve_hypersolver",
-    "save_hypersolver",
-]
+__all__ = ["HyperSolverError", "check_compatible", "read_hypersolver", "model_fingerprint",
+           "resolve_hypersolver", "save_hypersolver"]
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
@@ -66,21 +56,17 @@ def check_compatible(model: nn.Module, hypersolver: nn.Module) -> None:
     want = hypersolver.config.model_fingerprint
     have = model_fingerprint(model)
     if want != have:
+        name = getattr(model, "name_or_path", "") or type(model).__name__
         raise HyperSolverError(
-            f"hypersolver trained for {hypersolver.config.model_id or '?'} "
-            f"(fingerprint {want[:16] or 'none'}...) "
-            f"does not fit model {getattr(model, 'name_or_path', '') or type(model).__name__} "
-            f"(fingerprint {have[:16]}...): it was trained against "
-            "other weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
-            "set_hypersolver at your own risk"
-        )
+            f"hypersolver trained for {hypersolver.config.model_id or '?'} (fingerprint {want[:16] or 'none'}"
+            f"...) does not fit model {name} (fingerprint {have[:16]}...): it was trained against other "
+            "weights; train one for this model with `deqzoo train-hypersolver`, or pass check=False to "
+            "set_hypersolver at your own risk")
 
 
 def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.PathLike, **kwargs) -> Path:
-    """huggingface_hub's ``save_pretrained`` (config.json with the weights' sha256, model.safetensors, a card
-    where the folder has none; ``push_to_hub=True`` and its options), made atomic
-    (`deqzoo.hub.saving.atomic_save`): other files there (a card) are kept. A directory that holds some other
-    checkpoint (a config.json that is not a hypersolver's) is refused: its weights would be replaced."""
+    """huggingface_hub's ``save_pretrained`` (the weights' sha256 in config.json; ``push_to_hub=True``),
+    atomic and keeping other files; a folder holding another kind of checkpoint is refused."""
     from ..hub.saving import atomic_save
     from ..hub.validation import read_json
 
@@ -92,10 +78,9 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
         except CheckpointError:
             kind = None
         if kind != "hypersolver":
-            raise HyperSolverError(
-                f"{existing}: the directory holds a checkpoint that is not a hypersolver (model_type "
-                f"{kind!r}); saving would replace its config.json and model.safetensors. Choose another --out"
-            )
+            raise HyperSolverError(f"{existing}: the directory holds a checkpoint that is not a hypersolver "
+                                   f"(model_type {kind!r}); saving would replace its config.json and "
+                                   "model.safetensors. Choose another --out")
 
     kwargs.pop("config", None)  # the mixin's push passes its copy; the file is always the hypersolver's own
 
@@ -108,9 +93,7 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
 
 
 def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
-    """A local directory, an embedded hypersolver id ``deqzoo/hyperdeq-...`` (every file's sha256 checked
-    against the catalog) or a Hub repository: `deqzoo.hub.resolve`, whose errors this names as a
-    hypersolver's."""
+    """`deqzoo.hub.resolve` of a hypersolver (a directory, an embedded id, a Hub repository)."""
     from ..hub.loading import resolve
 
     try:
@@ -122,9 +105,7 @@ def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
 
 
 def read_hypersolver(cls: type[nn.Module], name_or_path: str | os.PathLike, **hub_kwargs) -> nn.Module:
-    """Load and verify a hypersolver of class `cls` (what ``HyperSolver.from_pretrained`` and
-    `deqzoo.hypersolver.load_hypersolver` run; the module docstring lists the checks). The class is passed in
-    so that this module does not import the one that imports it."""
+    """Load and verify a hypersolver of class `cls` (``HyperSolver.from_pretrained``; module docstring)."""
     from ..hub.loading import load_weights_file
     from ..hub.validation import confined, read_json
 

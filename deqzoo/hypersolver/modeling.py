@@ -1,18 +1,14 @@
-"""HyperSolver: the learned initializer h_φ and HyperAnderson network s_ξ for one kind of DEQ state.
+"""HyperSolver: the learned initializer h_φ and HyperAnderson network s_ξ for one kind of DEQ state (the
+update itself is `deqzoo.core.hyper`).
 
-State kinds (the family-specific parts; the update itself is `deqzoo.core.hyper`):
+* ``multires`` (MDEQ, a map per resolution): h_φ = depthwise 3x3 conv + ReLU over the injection, pooled to
+  each resolution, 1x1 conv; residuals compressed by adaptive average pooling to pool x pool.
+* ``sequence`` (DEQ-Transformer, (L, d)): h_φ = causal Conv1d(k=3) + ReLU, linear to d; residuals: last token.
+* ``vector``: no initializer; residuals compressed by 1-D adaptive pooling.
 
-* ``multires`` (MDEQ): the state is one (C_i, H_i, W_i) map per resolution. h_φ: a depthwise 3x3 conv + ReLU
-  over the input injection, average-pooled to each resolution's size and projected by a 1x1 conv. Residuals
-  are compressed by adaptive average pooling of each resolution to pool x pool.
-* ``sequence`` (DEQ-Transformer): the state is (L, d). h_φ: a causal Conv1d(k=3) + ReLU over the injection,
-  then a linear map to d. Residuals are compressed to their last token.
-* ``vector``: any flat state; no initializer; residuals compressed by 1-D adaptive average pooling.
-
-Every compressor is adaptive (pooling / last token), so a hypersolver runs on any image size or sequence
-length. s_ξ: the compressed residuals of the window (oldest first, padded to m + 1 with a presence flag),
-scaled by the newest one's norm, plus their log-norms relative to it, go through two temporal Conv1d(k=3)
-layers that predict α̂ per window entry and β (from the newest entry, β = 2·sigmoid(·), 1 at initialisation).
+Compressors are adaptive, so any image size or length works. s_ξ: the window's compressed residuals (oldest
+first, padded to m + 1 with a presence flag) over the newest one's norm, plus relative log-norms, through two
+temporal Conv1d(k=3) layers giving α̂ per entry and β = 2·sigmoid(·) (1 at initialisation).
 """
 
 from __future__ import annotations
@@ -123,9 +119,8 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
         c = self.config
         shapes = [tuple(s) for s in shapes]
         if c.state_kind == "multires":
-            ok = len(shapes) == len(c.state_channels) and all(
-                len(s) == 4 and s[1] == ch for s, ch in zip(shapes, c.state_channels)
-            )
+            ok = len(shapes) == len(c.state_channels) and all(len(s) == 4 and s[1] == ch
+                                                              for s, ch in zip(shapes, c.state_channels))
             want = f"{len(c.state_channels)} maps (B, C, H, W) with C = {c.state_channels}"
         elif c.state_kind == "sequence":
             ok = len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][2] == c.state_channels[0]
@@ -134,10 +129,8 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
             ok = True
             want = "any state"
         if not ok:
-            raise ValueError(
-                f"hypersolver for state kind {c.state_kind!r} (model {c.model_id or '?'}) needs "
-                f"{want}; this model's state has shapes {shapes}"
-            )
+            raise ValueError(f"hypersolver for state kind {c.state_kind!r} (model {c.model_id or '?'}) needs "
+                             f"{want}; this model's state has shapes {shapes}")
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         p = self.mix1.weight
@@ -151,10 +144,8 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
         self.check_shapes(shapes)
         x = self._own(injection)
         if x.shape[-1 if c.state_kind == "sequence" else 1] != c.injection_channels:
-            raise ValueError(
-                f"hypersolver initializer expects an injection with {c.injection_channels} "
-                f"channels, got shape {tuple(injection.shape)}"
-            )
+            raise ValueError(f"hypersolver initializer expects an injection with {c.injection_channels} "
+                             f"channels, got shape {tuple(injection.shape)}")
         if c.state_kind == "multires":
             out = self._multires_init(x, shapes)
         else:  # sequence: causal conv over positions (left padding), so no position sees a later token
@@ -195,14 +186,8 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
         window = self.config.m + 1
         norms = torch.linalg.vector_norm(C, dim=2)  # (B, n)
         newest = norms[:, -1:].clamp_min(_EPS)
-        feats = torch.cat(
-            (
-                C / newest[:, :, None],
-                torch.log((norms + _EPS) / newest)[:, :, None],
-                torch.ones_like(norms)[:, :, None],
-            ),
-            2,
-        )
+        feats = torch.cat((C / newest[:, :, None], torch.log((norms + _EPS) / newest)[:, :, None],
+                           torch.ones_like(norms)[:, :, None]), 2)
         if n < window:  # pad the older end: absent entries are zeros with presence 0
             feats = torch.cat((feats.new_zeros(b, window - n, feats.shape[2]), feats), 1)
         out = self.mix2(F.relu(self.mix1(feats.transpose(1, 2))))  # (B, 2, window)
@@ -219,8 +204,7 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
 
 
 def load_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
-    """Load and verify a hypersolver: ``HyperSolver.from_pretrained`` (the checks are listed in
-    `deqzoo.hypersolver.io`).
+    """Load and verify a hypersolver (``HyperSolver.from_pretrained``; checks in `deqzoo.hypersolver.io`).
 
     Example:
         >>> hs = load_hypersolver("deqzoo/hyperdeq-mdeq-tiny-mnist")  # doctest: +SKIP

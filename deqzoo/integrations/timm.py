@@ -1,22 +1,11 @@
-"""timm registry entries for MDEQ: ``timm.create_model("mdeq_*")`` after ``deqzoo.register()`` (or importing
-this module).
+"""timm registry entries for MDEQ: ``timm.create_model("mdeq_*")`` after ``deqzoo.register()``.
 
-* Classification models return logits like any timm model; ``forward_features`` / ``forward_head`` are the
-  model's own (split at the original head's pooling), and every call solves the DEQ once.
-* ``features_only=True`` returns one equilibrium feature map per resolution (highest first), with
-  ``feature_info`` giving channels and reductions (stride of the stem times 2**i).
-* ``pretrained=True`` loads deqzoo checkpoints through :func:`deqzoo.from_pretrained` (embedded checkpoints
-  work offline); ``pretrained_cfg["hf_hub_id"]`` names the checkpoint id.
-* RGB input to a grayscale model: timm sets an image's mode in its datasets (``input_img_mode``), not in
-  ``create_transform``, so an RGB PIL image through ``create_transform(**resolve_data_config({}, model=m))``
-  gives 3 channels, each normalized with the model's one mean and std. A 1-channel model takes such a batch
-  and converts it to luminance with ITU-R 601 weights (0.299, 0.587, 0.114), PIL's "L" and the deqzoo image
-  processor's conversion: the weights sum to 1, so converting after the per-channel normalization equals
-  normalizing the luminance. Other channel counts are refused by the model, naming the shape.
-* ``set_grad_checkpointing()`` (timm's API, e.g. ``train.py --grad-checkpointing``): the DEQ solve already
-  keeps no per-iteration activations (its backward is implicit), so what is checkpointed is the explicit
-  head (the fusion of the equilibrium maps and the final layer), recomputed in the backward pass. Its batch
-  norms update their running statistics once per step, as without checkpointing.
+Logits like any timm model (one solve per call); ``features_only=True``: one equilibrium map per resolution;
+``pretrained=True`` loads through :func:`deqzoo.from_pretrained` (offline for embedded checkpoints). A
+1-channel model converts an RGB batch to luminance (ITU-R 601, PIL's "L": timm's transforms give 3 channels;
+the weights sum to 1, so converting after normalization equals normalizing the luminance).
+``set_grad_checkpointing()`` recomputes the explicit head only (the solve keeps no activations), its batch
+norms updating their statistics once per step.
 
 Example:
     >>> import timm, torch, deqzoo
@@ -35,13 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.models import (
-    build_model_with_cfg,
-    generate_default_cfgs,
-    register_model,
-    register_model_deprecations,
-    resolve_pretrained_cfg,
-)
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models import checkpoint as timm_checkpoint
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -62,8 +45,7 @@ TIMM_MODELS: dict[str, tuple[str, str | None]] = timm_names(declared_family("mde
 
 
 def timm_name(name: str) -> str:
-    """The timm model name of a deqzoo model or preset name (hub id or bare name); unknown names raise
-    with did-you-mean suggestions (timm's own error for an unknown name lists none).
+    """The timm name of a deqzoo model or preset name; unknown names raise with did-you-mean suggestions.
 
     Example:
         >>> timm_name("deqzoo/mdeq-tiny-mnist"), timm_name("mdeq-cifar-tiny")
@@ -90,40 +72,26 @@ class MDEQTimm(nn.Module):
         self.in_chans = cfg.in_channels
         self.grad_checkpointing = False
         stride = 2**cfg.downsample_times
-        self.feature_info = [
-            dict(num_chs=c, reduction=stride * 2**i, module=f"model.mdeq.fullstage.branches.{i}")
-            for i, c in enumerate(cfg.branch_channels)
-        ]
+        self.feature_info = [dict(num_chs=c, reduction=stride * 2**i,
+                                  module=f"model.mdeq.fullstage.branches.{i}")
+                             for i, c in enumerate(cfg.branch_channels)]
 
     @classmethod
-    def create(
-        cls,
-        preset: str,
-        checkpoint: str | None = None,
-        load_weights: bool = False,
-        num_classes: int | None = None,
-        in_chans: int | None = None,
-        weights_file: str | None = None,
-        **overrides: Any,
-    ) -> MDEQTimm:
-        """Build from a deqzoo preset (random init) or from `checkpoint` (``load_weights``).
-
-        ``deq={...}`` changes solver settings (merged into the preset's); other keyword arguments override
-        MDEQConfig fields of a randomly initialized model.
-        """
+    def create(cls, preset: str, checkpoint: str | None = None, load_weights: bool = False,
+               num_classes: int | None = None, in_chans: int | None = None, weights_file: str | None = None,
+               **overrides: Any) -> MDEQTimm:
+        """From a deqzoo preset (random init) or `checkpoint` (``load_weights``); ``deq={...}`` changes solver
+        settings, other keywords override MDEQConfig fields of a randomly initialized model."""
         deq = overrides.pop("deq", None) or {}
         if load_weights and weights_file is None:
             if checkpoint is None:
-                raise RuntimeError(
-                    f"no deqzoo checkpoint is published for preset {preset!r}; convert an original "
-                    "release with `deqzoo convert` and load it with deqzoo.from_pretrained"
-                )
+                raise RuntimeError(f"no deqzoo checkpoint is published for preset {preset!r}; convert an "
+                                   "original release with `deqzoo convert`, then deqzoo.from_pretrained")
             from ..factory import from_pretrained
 
             if overrides:
-                raise ValueError(
-                    f"pretrained {checkpoint} cannot change architecture fields {sorted(overrides)}"
-                )
+                raise ValueError(f"pretrained {checkpoint} cannot change architecture fields "
+                                 f"{sorted(overrides)}")
             model = from_pretrained(checkpoint, deq=deq or None)
             if in_chans is not None and in_chans != model.config.in_channels:
                 raise ValueError(f"{checkpoint} expects in_chans={model.config.in_channels}, got {in_chans}")
@@ -154,13 +122,11 @@ class MDEQTimm(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         self.num_classes = num_classes
-        self.model.classifier = (
-            nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        )
+        head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.model.classifier = head
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """timm's switch: recompute the explicit head in the backward pass instead of storing its activations
-        (the DEQ solve stores none: see the module docstring)."""
+        """timm's switch: recompute the explicit head in the backward pass (module docstring)."""
         self.grad_checkpointing = bool(enable)
 
     def _pixels(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,15 +162,9 @@ class MDEQTimm(nn.Module):
         return self.model.forward_head(self.forward_features(x))
 
     # --- timm feature API (features_only uses FeatureGetterNet -> forward_intermediates) ---
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: int | list[int] | None = None,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-    ):
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = "NCHW",
+                              intermediates_only: bool = False):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
@@ -214,9 +174,8 @@ class MDEQTimm(nn.Module):
             return intermediates
         return self._fuse(states), intermediates
 
-    def prune_intermediate_layers(
-        self, indices: int | list[int] | None = None, prune_norm: bool = False, prune_head: bool = True
-    ) -> list[int]:
+    def prune_intermediate_layers(self, indices: int | list[int] | None = None, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
         take, _ = feature_take_indices(len(self.feature_info), indices)
         if prune_head:  # the classification head is not needed for feature maps
             m = self.model
@@ -228,9 +187,8 @@ class MDEQTimm(nn.Module):
 
 @contextmanager
 def _running_stats_frozen(module: nn.Module):
-    """Batch norms in training mode still normalize with the batch's statistics (the recomputation must save
-    the same tensors as the first forward) but with momentum 0 their running statistics keep their values,
-    and the step counters are put back: the checkpointed head's recomputation is not a second update."""
+    """Momentum 0 and step counters restored: the checkpointed head's recomputation normalizes with the
+    batch's statistics, as the first forward did, without a second update of the running ones."""
     norms = [m for m in module.modules() if isinstance(m, _BATCH_NORMS) and m.training and
              m.track_running_stats]
     saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
@@ -248,34 +206,17 @@ def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:
     c = ARCHITECTURES[preset]["config"]
     channels = c.get("in_channels", 3)
     h, w = c["image_size"]
-    cfg = {
-        "input_size": (channels, h, w),
-        "mean": tuple(c["image_mean"]),
-        "std": tuple(c["image_std"]),
-        "num_classes": c.get("num_labels", 1000),
-        "interpolation": "bilinear",
-        "crop_pct": 1.0,
-        "first_conv": "model.mdeq.downsample.0",
-        "classifier": "model.classifier",
-        "license": "apache-2.0",
-        "pool_size": None,
-    }
+    cfg = {"input_size": (channels, h, w), "mean": tuple(c["image_mean"]), "std": tuple(c["image_std"]),
+           "num_classes": c.get("num_labels", 1000), "interpolation": "bilinear", "crop_pct": 1.0,
+           "first_conv": "model.mdeq.downsample.0", "classifier": "model.classifier", "license": "apache-2.0",
+           "pool_size": None}
     if checkpoint:
         cfg["hf_hub_id"] = checkpoint
     return cfg
 
 
-def _alias_of(name: str) -> str | None:
-    """The canonical timm name when `name` is an older spelling of a published model, else None: timm lists
-    each model once, so an alias is registered as timm's deprecated name (it still creates the model)."""
-    checkpoint = TIMM_MODELS[name][1]
-    canonical = checkpoint.rpartition("/")[2].replace("-", "_") if checkpoint else name
-    return canonical if canonical != name and canonical in TIMM_MODELS else None
-
-
 default_cfgs = generate_default_cfgs(
-    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()
-     if _alias_of(name) is None}
+    {(f"{name}.deqzoo" if ckpt else name): _cfg(preset, ckpt) for name, (preset, ckpt) in TIMM_MODELS.items()}
 )
 
 
@@ -291,13 +232,9 @@ def _create(name: str, pretrained: bool = False, **kwargs: Any) -> MDEQTimm:
     builder = partial(MDEQTimm.create, preset, checkpoint, pretrained, weights_file=cfg.file)
     # weights are loaded by the builder through deqzoo (offline for embedded checkpoints), so timm's own
     # loader is told pretrained=False
-    return build_model_with_cfg(
-        builder,
-        name,
-        pretrained=False,
-        feature_cfg={"feature_cls": "getter", "out_indices": tuple(range(n))},
-        **kwargs,
-    )
+    return build_model_with_cfg(builder, name, pretrained=False,
+                                feature_cfg={"feature_cls": "getter", "out_indices": tuple(range(n))},
+                                **kwargs)
 
 
 def _register(name: str) -> None:
@@ -313,6 +250,4 @@ def _register(name: str) -> None:
 
 
 for _name in TIMM_MODELS:
-    if _alias_of(_name) is None:
-        _register(_name)
-register_model_deprecations(__name__, {a: f"{c}.deqzoo" for a in TIMM_MODELS if (c := _alias_of(a))})
+    _register(_name)

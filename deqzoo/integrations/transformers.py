@@ -1,12 +1,7 @@
-"""Register deqzoo families with the transformers Auto classes, one family at a time, when first needed.
-
-No import hook, and deqzoo's own entry points (`from_pretrained`, `create_model`, the CLI) need no
-registration: they build the class a family's declaration names, so loading one checkpoint imports only its
-family (and not transformers' Auto modules). Stock transformers code
-(``AutoModel.from_pretrained(path)``, ``pipeline(...)``) needs the families registered first:
-``deqzoo.register()`` (or :func:`register_all`) registers every family whose dependencies are installed, and
-MDEQ with timm when timm is. A family whose extra is missing is reported by :func:`unavailable_families` with
-the ``pip install "deqzoo[...]"`` that enables it.
+"""Register deqzoo families with the transformers Auto classes, one family at a time. deqzoo's own entry
+points need none (they build the class a declaration names); stock code (``AutoModel.from_pretrained(path)``,
+``pipeline(...)``) needs ``deqzoo.register()`` first. A family whose extra is missing is reported by
+:func:`unavailable_families` with the ``pip install "deqzoo[...]"`` that enables it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The families of the zoo: the `Family` dataclass, and the declarations collected from the family packages.
-
-A family is its two files (``configuration_<family>.py``, ``modeling_<family>.py``) and ONE declaration, the
-``FAMILY`` of its package's ``__init__.py`` (``deqzoo/models/<family>/``, found here by listing the package:
-no table to edit), or one :func:`deqzoo.integrations.transformers.register_family` call for a family shipped
-elsewhere. The name table (`deqzoo.factory.model_names`), timm's entries (:func:`timm_names`), the app's
-checkpoints (:func:`app_checkpoints`), the hypersolver's state kinds, the heads `deqzoo.export` serves and the
-Auto registrations are all read from the declarations. Nothing heavy is imported: a family package's
-``__init__`` holds its declaration and imports its modules on first use, and a model type's declaration is
-read from the package of that name, so loading one checkpoint imports only its family.
+"""The families of the zoo. A family is its two files and ONE declaration, the ``FAMILY`` of its package's
+``__init__.py`` (found by listing ``deqzoo/models/``), or one `register_family` call for a family shipped
+elsewhere; every other table (names, timm, app, hypersolver kinds, export, Auto classes) is read from the
+declarations. A declaration imports nothing heavy: loading one checkpoint imports only its family.
 """
 
 from __future__ import annotations
@@ -23,24 +17,16 @@ from ..errors import DeqzooError
 
 @dataclass(frozen=True)
 class Family:
-    """One family's declaration.
+    """One family's declaration ("module:attr" paths, imported on use).
 
-    `models` maps a transformers Auto class name (e.g. "AutoModelForImageClassification") to the model class;
-    `heads` names model classes with no transformers Auto class (found through config.architectures);
-    `architectures` is the module attribute holding named presets: {name: {"task": ..., "config": {...}}};
-    `names`: each published model's one name (its hub id's short name, ``deqzoo/<name>``) -> the architecture
-    preset it instantiates; timm's names are derived from these (``-`` -> ``_``) for a family with a
-    `timm_module`; `app`: the published models the app shows (the first is its default); `hypersolver_state`:
-    the state kind a HyperDEQ hypersolver serves ("multires", "sequence"; None: "vector"); `task`: the task
-    (a card's `deqzoo_task`) of its checkpoints; `extra`: the pip extra the family needs beyond deqzoo's own
-    dependencies (None: none), with `requires`, the modules that extra provides. :mod:`deqzoo.export` reads
-    `export`: head class name (its subclasses too) -> the wrapper kind serving it, or why no head is
-    exported; `export_refused`: head class name -> why it is not; `export_prepare`: "module:function" run as
-    ``prepare(model, graph)`` on the fixed-iteration copy (a graph head's returns the map from the dense
-    operator to its ``graph`` argument); `onnx_refused`: why ONNX export is refused.
-    `row_independent`: when the family's f is row-independent, so that its forward solve hands f the samples
-    still iterating only (`deqzoo.core.halting.rowwise`): "eval" (in eval mode; training has batch-coupled
-    dropout masks or batch statistics), "always", or "no" (e.g. IGNN's nodes are coupled).
+    `models`: Auto class name -> model class; `heads`: classes without an Auto class (via architectures);
+    `architectures`: the presets {name: {"task", "config"}}; `names`: each published model's one name (hub id
+    ``deqzoo/<name>``; timm's with ``_``) -> its preset; `app`: the models the app shows (default first);
+    `hypersolver_state`: "multires", "sequence" or None ("vector"); `task`: its cards' `deqzoo_task`; `extra`
+    / `requires`: the pip extra it needs and the modules that provide it. For :mod:`deqzoo.export`: `export`
+    (head class -> wrapper kind, or why none), `export_refused`, `export_prepare` ("module:function" run as
+    ``prepare(model, graph)``), `onnx_refused`. `row_independent`: "eval", "always" or "no", when its forward
+    solve may hand f only the rows still iterating (`deqzoo.core.halting.rowwise`).
     """
 
     model_type: str
@@ -70,8 +56,7 @@ class Family:
 
 @dataclass(frozen=True)
 class PipelineFamily:
-    """A checkpoint kind that is not a transformers model (a diffusers repository): its loader, names, task
-    and extra."""
+    """A checkpoint kind that is not a transformers model (a diffusers repository)."""
 
     name: str
     loader: str  # "module:function" taking (directory, **kwargs)
@@ -99,8 +84,8 @@ _EXTRA_FAMILIES: dict[str, Family] = {}  # declared at run time (a plugin's fami
 
 
 def lazy_exports(package: str, exports: dict[str, str]):
-    """A family package's module-level ``__getattr__`` and ``__dir__``: each name in `exports` (name -> the
-    relative module defining it) is imported on first use, so that a family's declaration costs nothing.
+    """A family package's ``__getattr__`` and ``__dir__``: each name of `exports` (-> its relative module) is
+    imported on first use.
 
     Example (in ``deqzoo/models/<family>/__init__.py``):
         >>> from deqzoo.models.registry import lazy_exports
@@ -168,8 +153,8 @@ def declared_family(model_type: str) -> Family | None:
 
 
 def family_for(model_type: str) -> Family:
-    """The declaration of a model_type, its extra checked (MissingExtraError names it); imports nothing of the
-    family's models. The error for an unknown type lists the known ones."""
+    """The declaration of a model_type, its extra checked (MissingExtraError names it); an unknown type's
+    error lists the known ones."""
     family = declared_family(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ValueError(f"Unknown deqzoo model_type {model_type!r}; known model types: "
@@ -205,9 +190,8 @@ def model_names_table() -> dict[str, str | None]:
 
 
 def timm_names(family: Family) -> dict[str, tuple[str, str | None]]:
-    """timm name -> (preset, hub id or None) of a family with a timm module, derived from its names: each
-    published model under its own name (``-`` -> ``_``), then each image-classification preset (timm's kind
-    of model) that no published model names.
+    """timm name -> (preset, hub id or None): each published model's name (``-`` -> ``_``), then each
+    image-classification preset no published model names.
 
     Example:
         >>> table = timm_names(declared_family("mdeq"))

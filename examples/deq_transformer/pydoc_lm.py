@@ -26,11 +26,14 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from deqzoo.core import SolverStats
-from deqzoo.predict import DECODINGS, generate_text, load_tokenizer
+from deqzoo.predict import generate_text, load_tokenizer
 from examples.demo import DemoSummary
 
 DEMO_PROMPT = "The for statement is used to"
-DECODING = DECODINGS["pydoc_lm"]  # the card's recommended decoding (deqzoo.predict's)
+# The card's decoding, shipped in its generation_config.json (what `deqzoo predict` and generate() use):
+# greedy decoding of a model this small loops ("the in the in ..."); top-20 sampling at temperature 0.7 with a
+# repetition penalty reads like text. Seeded: reproducible.
+DECODING = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.2}
 _HELD_OUT_BELOW = 26  # first sha256 byte threshold: 26/256 ~ 10% of topics
 
 

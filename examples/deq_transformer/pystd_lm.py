@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deqzoo.core import SolverStats
-from deqzoo.predict import DECODING_SEED, DECODINGS, generate_text
+from deqzoo.predict import generate_text
 from examples.demo import DemoSummary
 from examples.deq_transformer import pydoc_lm
 
@@ -48,7 +48,10 @@ MIN_FUNCTION_LINES = 8  # functions shorter than this give no prompt
 PROMPTS_PER_FILE = 2
 NUM_PROMPTS = 32
 NEW_TOKENS = 48
-DECODING = DECODINGS["pystd_lm"]  # the card's decoding (deqzoo.predict's, which `deqzoo predict` uses)
+# The card's decoding, shipped in its generation_config.json (what `deqzoo predict` uses): sampling without a
+# repetition penalty (code repeats tokens)
+DECODING = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+DECODING_SEED = 0
 # Prompts end without their last newline: byte-level BPE merges a newline with the next line's indentation
 # ("\n    " is one token), so a prompt ending in a bare "\n" token would tell the model "column 0 follows".
 DEMO_PROMPT = 'def is_even(n):\n    """Return True if n is even."""'

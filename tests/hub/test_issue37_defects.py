@@ -184,8 +184,9 @@ def test_timm_pretrained_cfg_overlay_file_is_loaded(tmp_path):
 
 def test_list_and_readme_show_each_cards_headline_with_its_data_set(capsys):
     """Two metrics of one type (held-out EPE, motorcycle EPE) used to collapse into the last one."""
-    from deqzoo.hub.cards import card_headline, read_model_card
+    from deqzoo.hub.cards import read_model_card
     from deqzoo.hub.catalog import load_catalog
+    from utils.cards import card_headline
     from utils.catalog import CARDS_DIR, build_catalog, catalog_markdown
 
     flow = CARDS_DIR / "deq-flow-cpu-synth"
