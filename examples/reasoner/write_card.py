@@ -76,7 +76,7 @@ class Run:
     def command(self, out: str) -> str:
         """The train.py command of this run (its own arguments, `--out` replaced by `out`)."""
         a = self.args
-        parts = ["PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/train.py",
+        parts = ["PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 5 python examples/reasoner/train.py",
                  f"--out {out}", f"--task {a['task']}", f"--model {a['model']}", f"--preset {a['preset']}"]
         if a.get("config", "{}") != "{}":
             parts.append(f"--config '{a['config']}'")
@@ -235,8 +235,9 @@ def bar(report: dict, twin_report: dict | None, run: Run, twin: Run | None) -> s
         row("4. the twin ≥ 20.0 points below", f"{100 * (x1 - t1):.1f} points", x1 - t1 >= 0.20 - 1e-9)
     if twin is not None:
         low = min(run.cpu_s, twin.cpu_s) / 3600
-        row("5. same CPU-hours, ≥ 3 each", f"{run.cpu_s / 3600:.2f} h / {twin.cpu_s / 3600:.2f} h",
-            low >= 3.0 - 1e-3 and abs(run.cpu_s - twin.cpu_s) <= 0.02 * max(run.cpu_s, twin.cpu_s))
+        # the README's amended bar (0.5 CPU-hours each); the issue's fallback of 3 applies if 1-4 fail
+        row("5. same CPU-hours, ≥ 0.5 each", f"{run.cpu_s / 3600:.2f} h / {twin.cpu_s / 3600:.2f} h",
+            low >= 0.5 - 1e-3 and abs(run.cpu_s - twin.cpu_s) <= 0.02 * max(run.cpu_s, twin.cpu_s))
     for rule in HALTING_RULES:
         r = rate.get((1, rule))
         if r and r.get("early_same_as_budget") is not None:
@@ -334,7 +335,7 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                  f"steps, gradient clipping 1.0, seed {a['seed']}, {a['threads']} thread. "
                  f"Trained {run.step:,} optimizer steps ({run.puzzles:,} puzzles drawn) in "
                  f"**{run.cpu_s:,.0f} CPU-s ({run.cpu_s / 3600:.2f} CPU-hours)**, {run.wall_s:,.0f} s wall "
-                 "(`nice -n 19` on a shared 2-core machine: the wall time is mostly waiting).", ""]
+                 "(`nice -n 5` on a shared 2-core machine: the wall time is mostly waiting).", ""]
     if role == "reasoner":
         sections += ["## Exact-solve against test-time iterations", "",
                      f"`examples/reasoner/evaluate.py` on all {report['puzzles']:,} held-out puzzles; 1× = "
@@ -389,7 +390,7 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
         dest, model_id=f"deqzoo/{name}",
         title=f"{name}: {'recursive reasoner' if role == 'reasoner' else 'one-pass twin'} for 6×6 Sudoku",
         pipeline_tag="token-classification", task_module="sudoku6", datasets=["sudoku6-generated"],
-        dataset_name="generated 6×6 Sudoku, 1,000 held-out minimal puzzles (seed 10000006)",
+        dataset_name="6×6 Sudoku, 1,000 held-out",  # short: the catalog row quotes it
         metrics=metric_list, tags=["reasoner", "trm", "recursive-reasoning", "sudoku"],
         train_command=run.command(f"runs/{name}"), eval_command=f"deqzoo eval deqzoo/{name}",
         body_markdown="\n".join(sections))
@@ -398,7 +399,7 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
 def _metric_name(key: str, trained: int) -> str:
     what, *rule, multiple = key.split("_")
     k = int(multiple[:-1])
-    where = f"at {k}× the trained segments ({k * trained})"
+    where = f"at {k}× segments ({k * trained})"
     if what == "cells":
         return f"cell accuracy {where}, halting off"
     if what == "segments":

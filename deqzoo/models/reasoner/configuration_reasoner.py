@@ -157,6 +157,23 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "description": "TRM (one 2-block MLP-mixer network, T=3, n=4, 8 segments) for 6x6 Sudoku: "
                        "the CPU pilot's model.",
     },
+    "trm-sudoku6": {
+        "task": "grid-reasoning",
+        "config": {"architecture": "trm", "vocab_size": 7, "num_labels": 7, "seq_len": 36,
+                   "hidden_size": 64, "num_heads": 2, "num_layers": 2, "mixer": "mlp",
+                   "pos_encodings": "learned", "h_cycles": 1, "l_cycles": 1, "halt_max_steps": 4,
+                   "architectures": ["ReasonerForGridClassification"]},
+        "description": "The published 6x6 Sudoku reasoner: the pilot's network, one cycle of one latent "
+                       "update per segment (2 applications), 4 segments.",
+    },
+    "trm-sudoku6-twin": {
+        "task": "grid-reasoning",
+        "config": {"architecture": "trm", "vocab_size": 7, "num_labels": 7, "seq_len": 36,
+                   "hidden_size": 64, "num_heads": 2, "num_layers": 2, "mixer": "mlp",
+                   "pos_encodings": "learned", "h_cycles": 1, "l_cycles": 1, "halt_max_steps": 1,
+                   "grad_mode": "full", "architectures": ["ReasonerForGridClassification"]},
+        "description": "trm-sudoku6's explicit one-pass twin (one_pass_twin): the same network applied once.",
+    },
     "trm-sudoku9-attention": {
         "task": "grid-reasoning",
         "config": {"architecture": "trm", "vocab_size": 10, "num_labels": 10, "seq_len": 81,
