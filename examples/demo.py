@@ -253,6 +253,14 @@ _DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solv
               "converged: below the card's f_tol.")
 
 
+def card_label(config, stats) -> str:
+    """The residual plot's label of the card's own solve: its solver, or for a reversible DEQ (whose forward
+    is its coupled iteration whatever f_solver says) its coupled steps, one trace point each (2 f calls)."""
+    if config.b_mode == "reversible":
+        return f"reversible (card, {stats.trace.numel()} coupled steps)"
+    return f"{config.f_solver} (card)"
+
+
 def _without_scratch(text: str, scratch: str) -> str:
     """A comparison run's summary without the files it wrote to its scratch folder (deleted after the run):
     each such path becomes words, not a path-like "(not kept)/x.png"."""
@@ -300,10 +308,7 @@ def run_demo(
             default = model.config.deq_config
             if not has_solve(stats):  # an explicit network (the RAFT twin): no solver to compare, no plot
                 continue
-            # the reversible forward is its coupled iteration: one trace point per coupled step (2 f calls)
-            card_label = (f"reversible (card, {stats.trace.numel()} coupled steps)"
-                          if default.b_mode == "reversible" else f"{default.f_solver} (card)")
-            traces = {card_label: stats}
+            traces = {card_label(default, stats): stats}
             policy = model.config.on_nonconvergence
             # the comparison runs write their task files elsewhere: the folder shows the card's solve
             with tempfile.TemporaryDirectory(prefix="deqzoo-demo-") as scratch:
