@@ -715,9 +715,19 @@ def ignn_chains(
 # ----------------------------------------------------------------------------------------------------------
 # HyperDEQ: a hypersolver against Anderson
 # ----------------------------------------------------------------------------------------------------------
-def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
+# the hypersolver card's "as attached" measurement: the model's own budget and tolerance, batches of 100
+# held-out digits, every method warm (benchmarks/hypersolver.py); the tab's defaults are that setting
+HYPER_CARD_SETTING = {"max_iter": 20, "tol": 1e-3, "images": 100}
+HYPER_TIMED_CALLS = 3
+
+
+def hyper_vs_anderson(max_iter: int = 20, tol: float = 1e-3, images: int = 100):
     """The MNIST checkpoint solved by Anderson and by its trained hypersolver on held-out digits, at the same
-    budget and tolerance. Returns (residual figure, Markdown table)."""
+    budget and tolerance, timed as the hypersolver's card times them: each model warm (one untimed call on the
+    batch first), then the median of `HYPER_TIMED_CALLS` calls on that same batch. Returns (residual figure,
+    Markdown table)."""
+    import statistics
+
     from examples.demo import residual_figure
     from examples.mdeq import mnist
 
@@ -727,7 +737,7 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
     deadline = Deadline()
     base_name, hyper_name = CHECKPOINTS["mdeq"][0], CHECKPOINTS["hypersolver"][0]
     x, y = mnist.interleaved_test_split(images)
-    results, curves = [], {}
+    results, curves, walls = [], {}, {}
     # the tab's own copy of the base model: a race does not wait for (or change) the MDEQ tab's model
     with _lock("hypersolver-tab"), torch.no_grad():
         for label, model in (
@@ -740,9 +750,15 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
                 changes["f_solver"] = "anderson"
             model.set_deq(**changes)
             pixels = mnist.to_pixel_values(x, model)
-            start = time.perf_counter()
-            out = model(pixel_values=pixels)
-            elapsed = time.perf_counter() - start
+            model(pixel_values=pixels)  # warm: first calls pay one-time costs the card's timings exclude
+            times = []
+            for _ in range(HYPER_TIMED_CALLS):
+                deadline.check("the race")
+                start = time.perf_counter()
+                out = model(pixel_values=pixels)
+                times.append(time.perf_counter() - start)
+            elapsed = statistics.median(times)
+            walls[label] = elapsed
             st = out.deq_stats
             acc = float((out.logits.argmax(-1).numpy() == y).mean())
             results.append(
@@ -751,14 +767,22 @@ def hyper_vs_anderson(max_iter: int = 30, tol: float = 1e-4, images: int = 200):
             )
             curves[label] = st
     fig = residual_figure(curves, f"{images} held-out digits, budget {max_iter}")
+    card = dict(max_iter=max_iter, tol=tol, images=images) == HYPER_CARD_SETTING
     table = (
-        "| solver | NFE | converged | accuracy | wall time |\n|---|---|---|---|---|\n"
+        f"| solver | NFE | converged | accuracy | wall time (warm, median of {HYPER_TIMED_CALLS}) |\n"
+        "|---|---|---|---|---|\n"
         + "\n".join(results)
-        + f"\n\n{images} held-out digits, budget {max_iter}, tolerance {tol:g}; one batch each, one call "
-        "timed."
+        + f"\n\n{images} held-out digits in one batch, budget {max_iter}, tolerance {tol:g}; each model "
+        f"warmed by one untimed call, then {HYPER_TIMED_CALLS} timed calls on the same batch. Hypersolver "
+        f"wall time / Anderson's: {walls['hypersolver'] / walls['Anderson']:.2f}x"
+        + (" at the card's setting." if card else
+           " (the card's setting is budget 20, tolerance 0.001, 100 digits: this race is not it).")
         + f" The hypersolver ({hyper_name}) ships its learned initializer (`use: initializer`): the same "
         "Anderson starts from h_φ(input injection) instead of zeros. It pays only if it reaches the "
-        "tolerance in less wall time; its card reports 0.68× Anderson-default's on held-out digits."
+        "tolerance in less wall time; its card reports 0.83× Anderson-default's wall time as attached "
+        "(budget 20, tolerance 0.001, warm, 1,000 held-out digits in batches of 100, on its machine), and "
+        "0.68× to reach "
+        "Anderson-default's mean residual."
     )
     return fig, table
 

@@ -241,8 +241,9 @@ def _hyper_tab() -> None:
         "MNIST checkpoint: same digits, budget and tolerance."
     )
     with gr.Row():
-        controls = _budget_controls(30, 1e-4, solver=False)
-        images = _slider("held_out", 200, 10, "held-out digits")
+        # the hypersolver card's setting (the model's budget and tolerance, a batch of 100 digits)
+        controls = _budget_controls(20, 1e-3, solver=False)
+        images = _slider("held_out", 100, 10, "held-out digits")
     run = gr.Button("Race", variant="primary")
     with gr.Row():
         plot = gr.Plot(label="residual per iteration")

@@ -241,6 +241,26 @@ def _demo_row(name: str, solver: str, card: bool, summary: str, stats, seconds: 
     return row
 
 
+def card_demo(name: str, output_dir: Path) -> tuple[dict[str, Any], Any, Any, dict[str, Any], Path]:
+    """One checkpoint's task demo at its card's settings, seeded (torch's RNG at 0, so a sampling demo gives
+    the same output whichever models ran before it): returns (its record, as a `deqzoo demo` row, its
+    statistics, the model, the card's metadata, the checkpoint folder). `deqzoo demo` and the test that
+    holds the cards to the demo (tests/test_cards_agree.py) both run this."""
+    import torch
+
+    model, directory, meta, _ = load_checkpoint(name)
+    task = task_of(directory, meta)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    summary, stats = _task_demo(task, model, output_dir)
+    elapsed = time.perf_counter() - start
+    default = getattr(getattr(model, "config", None), "deq_config", None)
+    # a reversible DEQ's forward is its coupled iteration, not f_solver: the row names what ran
+    solver = ("reversible" if default is not None and default.b_mode == "reversible" else
+              default.f_solver if default is not None else getattr(stats, "solver", ""))
+    return _demo_row(str(name), solver, True, summary, stats, elapsed), stats, model, meta, directory
+
+
 def _demo_cells(row: dict[str, Any]) -> list[str]:
     short = row["model"].split("/", 1)[1] if row["model"].startswith("deqzoo/") else row["model"]
     if row.get("failed"):
@@ -262,6 +282,22 @@ def demo_table(rows: list[dict[str, Any]], width: int = DEMO_WIDTH) -> str:
 _DEMO_NOTE = ("* the card's solver (its files are in the folder); the other solvers rerun the same demo for "
               "the residual plot. residual: the largest over the batch, in the solve's stop mode (abs/rel); "
               "converged: below the card's f_tol.")
+
+
+def card_label(config, stats) -> str:
+    """The residual plot's label of the card's own solve: its solver, or for a reversible DEQ (whose forward
+    is its coupled iteration whatever f_solver says) its coupled steps, one trace point each (2 f calls)."""
+    if config.b_mode == "reversible":
+        return f"reversible (card, {stats.trace.numel()} coupled steps)"
+    return f"{config.f_solver} (card)"
+
+
+def _without_scratch(text: str, scratch: str) -> str:
+    """A comparison run's summary without the files it wrote to its scratch folder (deleted after the run):
+    each such path becomes words, not a path-like "(not kept)/x.png"."""
+    import re
+
+    return re.sub(re.escape(str(scratch)) + r"[^\s;,)]*", "a file this comparison run did not keep", text)
 
 
 def _pngs(folder: Path) -> dict[Path, int]:
@@ -288,24 +324,22 @@ def run_demo(
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in tqdm(names, desc="demo", unit="model", disable=not progress):
         try:
-            model, directory, meta, _ = load_checkpoint(name)
-            task = task_of(directory, meta)
             before = _pngs(output_dir)
-            start = time.perf_counter()
-            summary, stats = _task_demo(task, model, output_dir)
-            elapsed = time.perf_counter() - start
+            row, stats, model, meta, directory = card_demo(str(name), output_dir)
             written = sorted(p for p, t in _pngs(output_dir).items() if before.get(p) != t)
             images[str(name)] = written
+            rows.append(row)
+            png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"
+            task = task_of(directory, meta)
             if not hasattr(model, "set_deq"):  # a pipeline (DEQ-DDIM): its demo, its solver only
-                rows.append(_demo_row(str(name), getattr(stats, "solver", ""), True, summary, stats, elapsed))
+                if has_solve(stats) and stats.trace.numel() > 0:  # its solve gets its plot like any other
+                    traces = {f"{stats.solver} (card)": stats}
+                    images[str(name)].append(save_figure(residual_figure(traces, f"{name}: solve"), png))
                 continue
             default = model.config.deq_config
-            # a reversible DEQ's forward is its coupled iteration, not f_solver: the row names what ran
-            card_solver = "reversible" if default.b_mode == "reversible" else default.f_solver
-            rows.append(_demo_row(str(name), card_solver, True, summary, stats, elapsed))
             if not has_solve(stats):  # an explicit network (the RAFT twin): no solver to compare, no plot
                 continue
-            traces = {f"{default.f_solver} (card)": stats}
+            traces = {card_label(default, stats): stats}
             policy = model.config.on_nonconvergence
             # the comparison runs write their task files elsewhere: the folder shows the card's solve
             with tempfile.TemporaryDirectory(prefix="deqzoo-demo-") as scratch:
@@ -321,11 +355,10 @@ def run_demo(
                     solver_summary, solver_stats = _task_demo(task, model, Path(scratch))
                     row = _demo_row(str(name), solver, False, solver_summary, solver_stats,
                                     time.perf_counter() - start)
-                    row["prediction"] = row["prediction"].replace(scratch, "(not kept)")  # files deleted
+                    row["prediction"] = _without_scratch(row["prediction"], scratch)
                     rows.append(row)
                     traces[solver] = solver_stats
             model.set_deq(f_solver=default.f_solver, on_nonconvergence=policy)
-            png = output_dir / f"{Path(str(name)).name.replace('/', '_')}_residuals.png"
             images[str(name)].append(save_figure(residual_figure(traces, f"{name}: forward solve"), png))
         except Exception as err:  # noqa: BLE001 - report every model, then fail
             failures.append(f"{name}: {type(err).__name__}: {err}")

@@ -17,6 +17,9 @@ from examples.demo import (
     DEMO_WIDTH,
     DemoSummary,
     _demo_row,
+    _without_scratch,
+    card_demo,
+    card_label,
     demo_table,
     has_solve,
     residual_figure,
@@ -190,3 +193,33 @@ def test_demo_of_a_reversible_deq_compares_no_solvers(tmp_path):
     assert failures == []
     assert len(rows) == 1 and rows[0]["card"] and rows[0]["solver"] == "reversible"  # what ran, not f_solver
     assert (tmp_path / "mdeq-tiny-mnist-reversible_residuals.png").is_file()
+
+
+def test_the_reversible_plot_names_the_coupled_steps_it_draws(tmp_path):
+    """The reversible card's residual curve is labelled as what ran (its coupled steps, one trace point each)
+    with its f calls, not as the f_solver the config also carries."""
+    _, stats, model, _, _ = card_demo("deqzoo/mdeq-tiny-mnist-reversible", tmp_path)
+    config = model.config.deq_config
+    label = card_label(config, stats)
+    assert label == f"reversible (card, {config.f_max_iter} coupled steps)"
+    assert stats.trace.numel() == config.f_max_iter and stats.nfe == 2 * config.f_max_iter + 1
+    (line,) = residual_figure({label: stats}, "t").axes[0].get_lines()[:1]
+    assert len(line.get_xdata()) == config.f_max_iter
+    legend = [t.get_text() for t in residual_figure({label: stats}, "t").axes[0].get_legend().get_texts()]
+    assert legend[0].startswith(f"{label}: {stats.nfe} NFE") and config.f_solver not in legend[0]
+
+
+def test_a_comparison_runs_deleted_files_read_as_words_not_paths():
+    scratch = "/tmp/deqzoo-demo-abc123"
+    text = f"camera (full, 256x256): PSNR 35.87 dB; rendered at 2x (512x512) to {scratch}/x_512x512.png"
+    out = _without_scratch(text, scratch)
+    assert scratch not in out and ".png" not in out and "/" not in out.split("to ", 1)[1]
+    assert out.endswith("to a file this comparison run did not keep")
+
+
+@pytest.mark.extended
+def test_a_pipelines_solve_gets_its_residual_plot(tmp_path):
+    """DEQ-DDIM (a diffusers pipeline, no set_deq) runs its card's solve only, and that solve is plotted."""
+    rows, failures = run_demo(["deqzoo/ddim-digits-16"], tmp_path, progress=False)
+    assert failures == [] and len(rows) == 1 and rows[0]["converged"] == "yes"
+    assert (tmp_path / "ddim-digits-16_residuals.png").is_file()

@@ -98,7 +98,9 @@ def generation_sentence(g: dict) -> str:
             f"tolerance (largest residual {g['max_residual']:.1e}; {g['prompts']} prompts: the demo's and "
             "the "
             "first 8 words of each held-out topic, 24 new tokens each; `generation_solves` in "
-            "examples/deq_transformer/write_card.py), so the demo may warn about one of them.")
+            "examples/deq_transformer/write_card.py), so the checkpoint ships "
+            '`on_nonconvergence="ignore"` (the per-solve flags stay in `deq_stats.converged`; '
+            '`model.set_deq(on_nonconvergence="warn")` reports them).')
 
 
 def reuse_measurement(model, max_new_tokens: int = 32) -> dict:

@@ -251,9 +251,11 @@ floor to {pystd_lm.NEW_TOKENS} tokens drawn i.i.d. from the training unigram dis
                           f"{solves['cap']}-iteration cap above the tolerance (largest residual "
                           f"{solves['max_residual']:.1e}; "
                           f"{solves['prompts']} prompts: the demo's and the compile prompts; "
-                          "`generation_solves` in examples/deq_transformer/write_card_pystd.py), so "
-                          "`deqzoo demo` may warn about "
-                          + ("none of them." if solves["at_cap"] == 0 else "some of them at that rate.")
+                          "`generation_solves` in examples/deq_transformer/write_card_pystd.py)"
+                          + ("." if solves["at_cap"] == 0 else
+                             ', so the checkpoint ships `on_nonconvergence="ignore"` (the per-solve flags '
+                             'stay in `deq_stats.converged`; `model.set_deq(on_nonconvergence="warn")` '
+                             "reports them).")
                           + "\n")
         else:
             what = (f"The explicit twin of `{IDS[0]}`: {targs['explicit_layers']} distinct pre-LN blocks of "

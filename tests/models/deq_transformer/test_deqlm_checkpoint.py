@@ -95,4 +95,4 @@ def test_card_states_how_often_generation_solves_stop_at_the_cap(model):
     assert card_residual / 2 <= stats["max_residual"] <= 2 * card_residual
     assert generation_sentence({**stats, "max_residual": card_residual}) in text
     assert "solves converge" not in body
-    assert model.config.on_nonconvergence == "warn"  # the measurement restores the policy
+    assert model.config.on_nonconvergence == "ignore"  # the measurement restores the shipped policy
