@@ -233,8 +233,8 @@ def convert_release(src: str | Path, out: str | Path, *, architecture: str, arch
                     fmt: str, source: str, options: dict[str, Any]) -> Path:
     """The conversion both formats share; `architecture` is "hrm" or "trm"."""
     import deqzoo  # noqa: F401 - registers the family
-    from utils.cards import build_metadata, render_model_card
     from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
+    from utils.cards import build_metadata, render_model_card
 
     check_output(src, out)
     options = dict(options)
