@@ -120,8 +120,7 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
     return out
 
 
-def _solve_adjoint(
-    vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardContext, max_iter: int
+def _solve_adjoint(vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardContext, max_iter: int
 ) -> torch.Tensor:
     cfg = ctx.config
     if cfg.b_solver == "gmres":  # its basis grows with the budget: refused before any allocation
@@ -293,11 +292,8 @@ def neumann_backward(terms: float) -> dict[str, Any]:
     return {"b_mode": "phantom", "b_mode_kwargs": {"k": int(terms) + 1, "tau": 1.0, "variant": "npg"}}
 
 
-def backward_in_stages(
-    shared: Sequence[torch.Tensor],
-    leaves: Sequence[torch.Tensor],
-    terms: Iterable[Callable[[], torch.Tensor]],
-) -> torch.Tensor | None:
+def backward_in_stages(shared: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor],
+                       terms: Iterable[Callable[[], torch.Tensor]]) -> torch.Tensor | None:
     """Backpropagate a sum of loss terms sharing an expensive prefix, one term's graph alive at a time.
 
     `shared` are the prefix's outputs (with their graph), `leaves` the same values detached into leaves that

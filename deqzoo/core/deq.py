@@ -142,10 +142,8 @@ class DEQ(nn.Module):
     def forward(self, f, z0: State, *, defer_graphs: bool = False, halt=None) -> tuple[State, SolverStats]:
         return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs, halt=halt)
 
-    def solve_with(
-        self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None, defer_graphs: bool = False,
-        halt=None,
-    ) -> tuple[State, SolverStats]:
+    def solve_with(self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None,
+                   defer_graphs: bool = False, halt=None) -> tuple[State, SolverStats]:
         """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
         that solves with per-call settings, e.g. a hypersolver, is safe across threads).
 

@@ -148,8 +148,7 @@ def _as_rgb(image: torch.Tensor, name: str) -> torch.Tensor:
     return image
 
 
-def prepare_images(
-    image1: torch.Tensor, image2: torch.Tensor, min_size: int = 16
+def prepare_images(image1: torch.Tensor, image2: torch.Tensor, min_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
     """Validate a pair of image batches and pad both to sides divisible by 8 (at least `min_size`).
 
@@ -214,12 +213,8 @@ def unpad(flow: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
     return flow[..., top : h - bottom, left : w - right]
 
 
-def sequence_loss(
-    predictions: Sequence[torch.Tensor],
-    flow_gt: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    gamma: float = _SEQUENCE_GAMMA,
-) -> torch.Tensor:
+def sequence_loss(predictions: Sequence[torch.Tensor], flow_gt: torch.Tensor,
+                  valid: torch.Tensor | None = None, gamma: float = _SEQUENCE_GAMMA) -> torch.Tensor:
     """RAFT's sequence loss Σ_i γ^(n-i-1) · mean(valid · |flow_i - gt|₁) (DEQ-Flow's fixed-point correction
     applies the same weighting to its correction states).
 
@@ -518,19 +513,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             )
         return features
 
-    def forward(
-        self,
-        image1: torch.Tensor,
-        image2: torch.Tensor,
-        flow_gt: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        features: FlowFeatures | None = None,
-        defer_loss: bool = False,
-        num_flow_updates: int | None = None,
-    ) -> DEQFlowOutput | tuple:
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor, flow_gt: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None,
+                initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                features: FlowFeatures | None = None, defer_loss: bool = False,
+                num_flow_updates: int | None = None) -> DEQFlowOutput | tuple:
         """`features`: the encoders' outputs for these images (`features()`), used instead of running the
         encoders. `defer_loss` (DEQ-Flow in training, with `flow_gt`): no gradient graph is built here; the
         loss comes back as ``loss_terms`` (see `DEQFlowOutput`) for a training step that backpropagates one
@@ -620,8 +608,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             return self.deq(f, z0, defer_graphs=defer_graphs)
         return self.deq.solve_with(self.deq.config, f, z0, max_iter=budget, defer_graphs=defer_graphs)
 
-    def _state_loss(
-        self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
+    def _state_loss(self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
     ) -> torch.Tensor:
         """One supervised state's weighted sequence-loss term, its graph built now."""
         return weight * sequence_loss([unpad(self.upsample(*state()), pad)], flow_gt, valid)
@@ -639,8 +626,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         """The feature encoder's stem (the first map from pixels into features)."""
         return self.feature_encoder.convnormrelu
 
-    def _initial(
-        self, state, shape: tuple[int, ...], like: torch.Tensor
+    def _initial(self, state, shape: tuple[int, ...], like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = (like.new_zeros(shape), like.new_zeros(shape[0], 2, *shape[2:]))
         if state is None:
@@ -685,11 +671,8 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
     """
 
     @torch.no_grad()
-    def estimate_sequence(
-        self,
-        frames: torch.Tensor | Sequence[torch.Tensor],
-        reuse: bool | str = True,
-        num_flow_updates: int | None = None,
+    def estimate_sequence(self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool | str = True,
+                          num_flow_updates: int | None = None
     ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
         """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats.
 
@@ -728,8 +711,7 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         return flows, stats
 
 
-def _next_start(
-    fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
+def _next_start(fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, flow_low = fixed_point
     if mode == "fixed_point":

@@ -102,11 +102,8 @@ def _check_edge_index(edge_index: torch.Tensor, num_nodes: int) -> None:
             )
 
 
-def augmented_normalized_adjacency(
-    edge_index: torch.Tensor,
-    num_nodes: int,
-    edge_weight: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
+def augmented_normalized_adjacency(edge_index: torch.Tensor, num_nodes: int,
+                                   edge_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The original's ``aug_normalized_adjacency`` as an aggregation operator (sparse CSR, rows = targets).
 
@@ -344,15 +341,9 @@ class IGNNModel(IGNNPreTrainedModel):
         self.post_init()
 
     # -- inputs -------------------------------------------------------------------------------------------
-    def prepare_graph(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        adjacency: torch.Tensor | None = None,
-        num_nodes: int | None = None,
-    ) -> IGNNGraph:
+    def prepare_graph(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                      edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None,
+                      adjacency: torch.Tensor | None = None, num_nodes: int | None = None) -> IGNNGraph:
         """Validate a graph and build its normalized operator (PyG-style or sparse-adjacency input).
 
         Example:
@@ -468,19 +459,10 @@ class IGNNModel(IGNNPreTrainedModel):
         return w
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **_
     ) -> IGNNModelOutput | tuple:
         x, graph = self._resolve(x, edge_index, edge_weight, batch, adjacency, data, graph)
         if self.config.norm_type != "none":
@@ -602,21 +584,11 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
-    ) -> IGNNNodeClassifierOutput | tuple:
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **_) -> IGNNNodeClassifierOutput | tuple:
         out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
                         output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
                         return_dict=True)
@@ -660,21 +632,11 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
         self.classifier = nn.Linear(hidden, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
-    ) -> IGNNGraphClassifierOutput | tuple:
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **_) -> IGNNGraphClassifierOutput | tuple:
         out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
                         output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
                         return_dict=True)

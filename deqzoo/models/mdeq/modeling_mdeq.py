@@ -252,10 +252,8 @@ class MDEQModule(nn.Module):
         eye = torch.eye(n, dtype=torch.bool, device=self.fuse_logits.device)
         return torch.softmax(self.fuse_logits.masked_fill(eye, float("-inf")), dim=1)
 
-    def forward(
-        self,
-        zs: tuple[torch.Tensor, ...] | list[torch.Tensor],
-        injection: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None],
+    def forward(self, zs: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                injection: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None]
     ) -> tuple[torch.Tensor, ...]:
         n = self.num_branches
         blocks = [self.branches[i](zs[i], injection[i]) for i in range(n)]
@@ -414,13 +412,8 @@ class MDEQModel(MDEQPreTrainedModel):
             height, width = (height + 1) // 2, (width + 1) // 2
         return shapes
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        z0: tuple[torch.Tensor, ...] | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, z0: tuple[torch.Tensor, ...] | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQModelOutput | tuple:
         """Solve for the equilibrium of all resolutions; `z0` overrides the zero initial states."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.in_channels:
@@ -537,13 +530,8 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
         """The head alone: logits from the equilibrium states."""
         return self.forward_head(self.fuse(states))
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQImageClassifierOutput | tuple:
         out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.classify(out.hidden_states)
@@ -588,13 +576,8 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         ]
         return self.last_layer(torch.cat(ups, dim=1))
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQSemanticSegmenterOutput | tuple:
         out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.segment(out.hidden_states)

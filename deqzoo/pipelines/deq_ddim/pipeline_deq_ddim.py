@@ -168,16 +168,8 @@ class DDIMChain:
     the solve's tolerance.
     """
 
-    def __init__(
-        self,
-        unet: UNet2DModel,
-        scheduler: DDIMScheduler,
-        num_inference_steps: int,
-        *,
-        use_clipped_model_output: bool = False,
-        max_unet_batch: int = 512,
-        allow_tf32: bool = False,
-    ):
+    def __init__(self, unet: UNet2DModel, scheduler: DDIMScheduler, num_inference_steps: int, *,
+                 use_clipped_model_output: bool = False, max_unet_batch: int = 512, allow_tf32: bool = False):
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
         if max_unet_batch < 1:
@@ -250,12 +242,8 @@ class DDIMChain:
                                            use_clipped_model_output=self.use_clipped).prev_sample
         return out
 
-    def fixed_point_map(
-        self,
-        x_T: torch.Tensor,
-        on_iterate: Callable[[torch.Tensor], None] | None = None,
-        form: str = "telescoped",
-    ):
+    def fixed_point_map(self, x_T: torch.Tensor, on_iterate: Callable[[torch.Tensor], None] | None = None,
+                        form: str = "telescoped"):
         """f(Z) over states Z (B, T, C, H, W) = X_1..X_T given x_T (B, C, H, W); see the module docstring."""
         T = self.T
         c = self.scale.to(x_T.device, x_T.dtype).view(1, T + 1, *([1] * (x_T.ndim - 1)))
@@ -392,10 +380,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
         hw = (size, size) if isinstance(size, int) else tuple(size)
         return (batch_size, self.unet.config.in_channels, *hw)
 
-    def chain(
-        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512,
-        allow_tf32: bool = False,
-    ) -> DDIMChain:
+    def chain(self, num_inference_steps: int, *, use_clipped_model_output: bool = False,
+              max_unet_batch: int = 512, allow_tf32: bool = False) -> DDIMChain:
         """The DDIM chain of this pipeline's UNet and scheduler at `num_inference_steps` (see DDIMChain)."""
         check_components(self.unet, self.scheduler)
         return DDIMChain(
@@ -407,20 +393,10 @@ class DEQDDIMPipeline(DiffusionPipeline):
             allow_tf32=allow_tf32,
         )
 
-    def solve_chain(
-        self,
-        chain: DDIMChain,
-        x_T: torch.Tensor,
-        *,
-        solver: str = "anderson",
-        max_iter: int | None = None,
-        tol: float = 1e-5,
-        init: torch.Tensor | None = None,
-        on_iterate: Callable[[torch.Tensor], None] | None = None,
-        form: str = "telescoped",
-        safeguard: bool = True,
-        **solver_kwargs,
-    ) -> tuple[torch.Tensor, SolverStats]:
+    def solve_chain(self, chain: DDIMChain, x_T: torch.Tensor, *, solver: str = "anderson",
+                    max_iter: int | None = None, tol: float = 1e-5, init: torch.Tensor | None = None,
+                    on_iterate: Callable[[torch.Tensor], None] | None = None, form: str = "telescoped",
+                    safeguard: bool = True, **solver_kwargs) -> tuple[torch.Tensor, SolverStats]:
         """Solve for all states (B, T, C, H, W) from x_T with the engine.
 
         `init` warm-starts (default: x_T in every state, as the paper). `form`: "telescoped" (the paper's map,
@@ -475,25 +451,13 @@ class DEQDDIMPipeline(DiffusionPipeline):
         return Z, stats
 
     @torch.no_grad()
-    def __call__(
-        self,
-        batch_size: int = 1,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        eta: float = 0.0,
-        num_inference_steps: int = 50,
-        use_clipped_model_output: bool | None = None,
-        output_type: str | None = "pil",
-        return_dict: bool = True,
-        latents: torch.Tensor | None = None,
-        solver: str = "anderson",
-        max_iter: int | None = None,
-        tol: float = 1e-5,
-        max_unet_batch: int = 512,
-        form: str = "telescoped",
-        safeguard: bool = True,
-        allow_tf32: bool = False,
-        **solver_kwargs: Any,
-    ) -> DEQDDIMPipelineOutput | tuple:
+    def __call__(self, batch_size: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
+                 eta: float = 0.0, num_inference_steps: int = 50,
+                 use_clipped_model_output: bool | None = None, output_type: str | None = "pil",
+                 return_dict: bool = True, latents: torch.Tensor | None = None, solver: str = "anderson",
+                 max_iter: int | None = None, tol: float = 1e-5, max_unet_batch: int = 512,
+                 form: str = "telescoped", safeguard: bool = True, allow_tf32: bool = False,
+                 **solver_kwargs: Any) -> DEQDDIMPipelineOutput | tuple:
         r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain
         one fixed point.
 
@@ -559,25 +523,11 @@ class DEQDDIMPipeline(DiffusionPipeline):
             depth=stats.nfe,
         )
 
-    def invert(
-        self,
-        images: Any,
-        num_inference_steps: int = 25,
-        *,
-        steps: int = 100,
-        lr: float = 0.01,
-        time_budget: float | None = None,
-        init: str = "equilibrium",
-        init_iter: int = 20,
-        solver: str = "anderson",
-        f_max_iter: int = 8,
-        f_tol: float = 1e-3,
-        tau: float = 0.1,
-        k: int = 1,
-        max_unet_batch: int = 512,
-        progress: bool = False,
-        callback: Callable[[int, float, torch.Tensor], None] | None = None,
-        allow_tf32: bool = False,
+    def invert(self, images: Any, num_inference_steps: int = 25, *, steps: int = 100, lr: float = 0.01,
+               time_budget: float | None = None, init: str = "equilibrium", init_iter: int = 20,
+               solver: str = "anderson", f_max_iter: int = 8, f_tol: float = 1e-3, tau: float = 0.1,
+               k: int = 1, max_unet_batch: int = 512, progress: bool = False,
+               callback: Callable[[int, float, torch.Tensor], None] | None = None, allow_tf32: bool = False
     ) -> DEQDDIMInversionOutput:
         r"""Find x_T whose DEQ-DDIM sample reproduces `images` (PIL list, (N, H, W, C) array or (N, C, H, W)
         tensor, in [0, 1]).
