@@ -126,14 +126,8 @@ def _solve_adjoint(vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardConte
     if cfg.b_solver == "gmres":  # its basis grows with the budget: refused before any allocation
         check_gmres_memory("b_max_iter", max_iter, y0)
     with torch.no_grad():
-        y, bstats = get_solver(cfg.b_solver)(
-            lambda y: vjp(y) + grad,
-            y0,
-            max_iter=max_iter,
-            tol=cfg.b_tol,
-            stop_mode=cfg.b_stop_mode,
-            **cfg.b_solver_kwargs,
-        )
+        y, bstats = get_solver(cfg.b_solver)(lambda y: vjp(y) + grad, y0, max_iter=max_iter, tol=cfg.b_tol,
+                                             stop_mode=cfg.b_stop_mode, **cfg.b_solver_kwargs)
     if ctx.stats is not None:
         ctx.stats.extra["backward"] = bstats
     return y
@@ -142,9 +136,8 @@ def _solve_adjoint(vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardConte
 @register_backward("ift")
 def ift(g, x_star, ctx: BackwardContext):
     """Implicit differentiation: the incoming gradient g is replaced by y solving y = J_fᵀ y + g."""
-    return _adjoint_hook(
-        g, x_star, ctx, lambda vjp, grad: _solve_adjoint(vjp, grad, grad, ctx, ctx.config.b_max_iter)
-    )
+    return _adjoint_hook(g, x_star, ctx,
+                         lambda vjp, grad: _solve_adjoint(vjp, grad, grad, ctx, ctx.config.b_max_iter))
 
 
 @register_backward("jacobian_free")

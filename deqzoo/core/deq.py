@@ -229,9 +229,8 @@ class DEQ(nn.Module):
                     # an int n: fⁿ of each sample's answer, as the original releases return (issue 58)
                     steps = 0 if cfg.f_final_step is True else cfg.f_final_step
                     run = functools.partial(final_step, run, steps=steps)
-                x_star, stats = run(
-                    g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
-                )
+                x_star, stats = run(g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol,
+                                    stop_mode=cfg.f_stop_mode, **kwargs)
             self._report(stats, cfg)
             if not grad:
                 return packer.unflatten(x_star), stats

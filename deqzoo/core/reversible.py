@@ -357,11 +357,9 @@ def reversible_solve(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor
     abs_r, rel_r = trace[-1]
     res = rel_r if stop_mode == "rel" else abs_r
     per_step = torch.stack([(r if stop_mode == "rel" else a).amax() for a, r in trace]).double().cpu()
-    stats = SolverStats(
-        nfe=2 * steps + 1, abs_residual=abs_r, rel_residual=rel_r, trace=per_step,
-        converged=(res < tol).cpu(), solver="reversible", stop_mode=stop_mode, tol=tol,
-        nonfinite=not bool(torch.isfinite(res).all()),
-    )
+    stats = SolverStats(nfe=2 * steps + 1, abs_residual=abs_r, rel_residual=rel_r, trace=per_step,
+                        converged=(res < tol).cpu(), solver="reversible", stop_mode=stop_mode, tol=tol,
+                        nonfinite=not bool(torch.isfinite(res).all()))
     stats.extra["reversible"] = report  # the backward adds what it measured
     return z, stats
 
@@ -372,8 +370,7 @@ def reversible_mode(g, x_star, ctx) -> torch.Tensor:
     (default by dtype) and ``rebuild_tol`` (default by dtype), see `reversible_solve`."""
     kw = ctx.config.b_mode_kwargs
     z, ctx.stats = reversible_solve(g, ctx.x0, ctx.max_iter, kw.get("beta", DEFAULT_BETA), ctx.config.f_tol,
-                                    ctx.config.f_stop_mode, kw.get("segment"),
-                                    kw.get("rebuild_tol"))
+                                    ctx.config.f_stop_mode, kw.get("segment"), kw.get("rebuild_tol"))
     return z
 
 

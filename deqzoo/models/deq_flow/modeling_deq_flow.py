@@ -63,11 +63,8 @@ def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tenso
         )
     _, _, h, w = batch.shape
     data = batch.detach().double()
-    ys, xs = torch.meshgrid(
-        torch.arange(h, dtype=torch.float64, device=flow.device),
-        torch.arange(w, dtype=torch.float64, device=flow.device),
-        indexing="ij",
-    )
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64, device=flow.device),
+                            torch.arange(w, dtype=torch.float64, device=flow.device), indexing="ij")
     grid = torch.stack([xs, ys], dim=-1).reshape(-1, 2)
     out = torch.zeros_like(data)
     for b, f in enumerate(data):
@@ -386,26 +383,20 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         super().__init__(config)
         c = config
         enc = c.encoder_layers
-        self.feature_encoder = tv_raft.FeatureEncoder(
-            block=CheckpointedResidualBlock, layers=(*enc, c.feature_dim),
-            norm_layer=_norm_layer(c.feature_norm),
-        )
-        self.context_encoder = tv_raft.FeatureEncoder(
-            block=CheckpointedResidualBlock, layers=(*enc, c.context_dim),
-            norm_layer=_norm_layer(c.context_norm),
-        )
+        self.feature_encoder = tv_raft.FeatureEncoder(block=CheckpointedResidualBlock,
+                                                      layers=(*enc, c.feature_dim),
+                                                      norm_layer=_norm_layer(c.feature_norm))
+        self.context_encoder = tv_raft.FeatureEncoder(block=CheckpointedResidualBlock,
+                                                      layers=(*enc, c.context_dim),
+                                                      norm_layer=_norm_layer(c.context_norm))
         for conv in [*self.feature_encoder.modules(), *self.context_encoder.modules()]:
             conv.encoder_conv = True  # read by _init_weights, which meets each conv alone
         self.corr_block = tv_raft.CorrBlock(num_levels=c.corr_levels, radius=c.corr_radius)
-        motion = tv_raft.MotionEncoder(
-            in_channels_corr=self.corr_block.out_channels,
-            corr_layers=tuple(c.motion_corr_layers),
-            flow_layers=tuple(c.motion_flow_layers),
-            out_channels=c.motion_dim,
-        )
-        gru = tv_raft.RecurrentBlock(
-            input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim, hidden_size=c.hidden_dim
-        )
+        motion = tv_raft.MotionEncoder(in_channels_corr=self.corr_block.out_channels,
+                                       corr_layers=tuple(c.motion_corr_layers),
+                                       flow_layers=tuple(c.motion_flow_layers), out_channels=c.motion_dim)
+        gru = tv_raft.RecurrentBlock(input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim,
+                                     hidden_size=c.hidden_dim)
         head = tv_raft.FlowHead(in_channels=c.hidden_dim, hidden_size=c.flow_head_dim)
         if c.gma:  # one head of width context_dim / motion_dim, as DEQ-Flow's GMA variants
             self.attention = GlobalAttention(c.context_dim, heads=1, dim_head=c.context_dim)
@@ -702,9 +693,8 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):
             budget = num_flow_updates if t else None
-            out = self(
-                frames[t], frames[t + 1], initial_state=state, return_dict=True, num_flow_updates=budget
-            )
+            out = self(frames[t], frames[t + 1], initial_state=state, return_dict=True,
+                       num_flow_updates=budget)
             flows.append(out.flow[0])
             stats.append(out.deq_stats)
             state = None if mode is False else _next_start(out.fixed_point, mode)

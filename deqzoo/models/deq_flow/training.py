@@ -36,8 +36,7 @@ def two_stage_backward(model, image1: torch.Tensor, image2: torch.Tensor, flow_g
     """
     features = model.features(image1, image2)
     leaves = features.detached()
-    out = model(
-        image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True, return_dict=True
-    )
+    out = model(image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True,
+                return_dict=True)
     out.loss = backward_in_stages(features.tensors(), leaves.tensors(), out.loss_terms)
     return out

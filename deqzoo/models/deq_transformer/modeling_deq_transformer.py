@@ -575,11 +575,9 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         keep = self.config.mem_len
         zs = torch.cat([z_hist, z.detach()], dim=1)
         start = max(0, zs.shape[1] - keep)
-        return DEQTransformerCache(
-            z_hist=zs[:, start:], u_hist=u.detach()[:, start:], z_last=z.detach()[:, -1:],
-            seen=(old.seen if old is not None else 0) + q,
-            nfe=(old.nfe if old is not None else []) + [int(stats.nfe)],
-        )
+        return DEQTransformerCache(z_hist=zs[:, start:], u_hist=u.detach()[:, start:],
+                                   z_last=z.detach()[:, -1:], seen=(old.seen if old is not None else 0) + q,
+                                   nfe=(old.nfe if old is not None else []) + [int(stats.nfe)])
 
 
 def _explicit_stats(z: torch.Tensor, layers: int) -> SolverStats:

@@ -129,9 +129,8 @@ def augmented_normalized_adjacency(edge_index: torch.Tensor, num_nodes: int,
         )
     # sum duplicate edges first, in a canonical order, so that an edge list and the equivalent sparse
     # adjacency go through bit-identical arithmetic
-    a = torch.sparse_coo_tensor(
-        edge_index.long(), edge_weight.to(dtype), (num_nodes, num_nodes), check_invariants=False
-    ).coalesce()
+    a = torch.sparse_coo_tensor(edge_index.long(), edge_weight.to(dtype), (num_nodes, num_nodes),
+                                check_invariants=False).coalesce()
     loops = torch.arange(num_nodes, device=device)
     src = torch.cat([a.indices()[0], loops])
     dst = torch.cat([a.indices()[1], loops])
@@ -324,19 +323,13 @@ class IGNNModel(IGNNPreTrainedModel):
         super().__init__(config)
         with_linear = config.injection == "adjacency+linear"
         self.layers = nn.ModuleList(
-            IGNNImplicitLayer(
-                config.in_features if i == 0 else config.hidden_size, config.hidden_size, with_linear
-            )
+            IGNNImplicitLayer(config.in_features if i == 0 else config.hidden_size, config.hidden_size,
+                              with_linear)
             for i in range(config.num_layers)
         )
         if config.norm_type != "none":
-            apply_norm(
-                self.layers,
-                config.norm_type,
-                learn_scale=True,
-                clip=config.norm_clip,
-                clip_value=config.norm_clip_value,
-            )
+            apply_norm(self.layers, config.norm_type, learn_scale=True, clip=config.norm_clip,
+                       clip_value=config.norm_clip_value)
         self.deq = DEQ(config.deq_config)
         self.post_init()
 
@@ -388,9 +381,8 @@ class IGNNModel(IGNNPreTrainedModel):
                 raise ValueError(f"batch holds a negative graph index ({int(batch.min())})")
             num_graphs = int(batch.max()) + 1
         nonneg = edge_weight is None or bool((edge_weight >= 0).all())
-        return IGNNGraph(
-            operator=operator, num_nodes=num_nodes, batch=batch, num_graphs=num_graphs, nonnegative=nonneg
-        )
+        return IGNNGraph(operator=operator, num_nodes=num_nodes, batch=batch, num_graphs=num_graphs,
+                         nonnegative=nonneg)
 
     def _resolve(self, x, edge_index, edge_weight, batch, adjacency, data, graph):
         if data is None and x is not None and hasattr(x, "edge_index") and hasattr(x, "x"):

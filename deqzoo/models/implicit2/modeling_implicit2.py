@@ -94,9 +94,8 @@ class Implicit2Filter(nn.Module):
         g = F.relu(self.gamma)
         ones = x.new_ones(x.shape[:-1] + (1,))
         feats = torch.cat([x, ones, x.square().sum(-1, keepdim=True)], dim=-1)
-        coef = torch.cat(
-            [self.mu.t() * g, (-0.5 * g * self.mu.square().sum(-1))[None], (-0.5 * g)[None]], dim=0
-        )
+        coef = torch.cat([self.mu.t() * g, (-0.5 * g * self.mu.square().sum(-1))[None], (-0.5 * g)[None]],
+                         dim=0)
         return feats @ coef
 
     def combine(self, zlin: torch.Tensor, response: torch.Tensor) -> torch.Tensor:

@@ -355,15 +355,8 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
                 "lipschitz_bound() needs a Lipschitz MDEQ (config.lipschitz=True); the original MDEQ "
                 "f_θ (GroupNorm with variance division, unconstrained convs) has no such bound"
             )
-        return lipschitz_bound(
-            cfg.residual_alpha,
-            cfg.fusion_alpha,
-            cfg.conv_norm,
-            cfg.gamma_bound,
-            cfg.relu_slope,
-            cfg.num_branches,
-            cfg.dropout,
-        )
+        return lipschitz_bound(cfg.residual_alpha, cfg.fusion_alpha, cfg.conv_norm, cfg.gamma_bound,
+                               cfg.relu_slope, cfg.num_branches, cfg.dropout)
 
 
 class MDEQModel(MDEQPreTrainedModel):
@@ -464,9 +457,8 @@ class _Bottleneck(nn.Module):
         self.relu = nn.ReLU()
         self.downsample = None
         if inplanes != planes * 4:
-            self.downsample = nn.Sequential(
-                _conv(inplanes, planes * 4, 1), nn.BatchNorm2d(planes * 4, momentum=momentum)
-            )
+            self.downsample = nn.Sequential(_conv(inplanes, planes * 4, 1),
+                                            nn.BatchNorm2d(planes * 4, momentum=momentum))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -495,18 +487,12 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
             nn.Sequential(_Bottleneck(c, hc[i], mom)) for i, c in enumerate(config.branch_channels)
         )
         self.downsamp_modules = nn.ModuleList(
-            nn.Sequential(
-                _conv(hc[i] * 4, hc[i + 1] * 4, 3, stride=2, bias=True),
-                nn.BatchNorm2d(hc[i + 1] * 4, momentum=mom),
-                nn.ReLU(),
-            )
+            nn.Sequential(_conv(hc[i] * 4, hc[i + 1] * 4, 3, stride=2, bias=True),
+                          nn.BatchNorm2d(hc[i + 1] * 4, momentum=mom), nn.ReLU())
             for i in range(config.num_branches - 1)
         )
-        self.final_layer = nn.Sequential(
-            nn.Conv2d(hc[-1] * 4, config.final_chansize, kernel_size=1),
-            nn.BatchNorm2d(config.final_chansize, momentum=mom),
-            nn.ReLU(),
-        )
+        self.final_layer = nn.Sequential(nn.Conv2d(hc[-1] * 4, config.final_chansize, kernel_size=1),
+                                         nn.BatchNorm2d(config.final_chansize, momentum=mom), nn.ReLU())
         self.classifier = nn.Linear(config.final_chansize, config.num_labels)
         self.post_init()
 
@@ -561,12 +547,9 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         self.mdeq = MDEQModel(config)
         total = sum(config.branch_channels)
         k = config.final_conv_kernel
-        self.last_layer = nn.Sequential(
-            nn.Conv2d(total, total, kernel_size=1),
-            nn.BatchNorm2d(total, momentum=config.bn_momentum),
-            nn.ReLU(),
-            nn.Conv2d(total, config.num_labels, k, padding=1 if k == 3 else 0),
-        )
+        self.last_layer = nn.Sequential(nn.Conv2d(total, total, kernel_size=1),
+                                        nn.BatchNorm2d(total, momentum=config.bn_momentum), nn.ReLU(),
+                                        nn.Conv2d(total, config.num_labels, k, padding=1 if k == 3 else 0))
         self.post_init()
 
     def segment(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
