@@ -120,21 +120,14 @@ def _adjoint_hook(g, x_star: torch.Tensor, ctx: BackwardContext, adjoint: Callab
     return out
 
 
-def _solve_adjoint(
-    vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardContext, max_iter: int
+def _solve_adjoint(vjp, grad: torch.Tensor, y0: torch.Tensor, ctx: BackwardContext, max_iter: int
 ) -> torch.Tensor:
     cfg = ctx.config
     if cfg.b_solver == "gmres":  # its basis grows with the budget: refused before any allocation
         check_gmres_memory("b_max_iter", max_iter, y0)
     with torch.no_grad():
-        y, bstats = get_solver(cfg.b_solver)(
-            lambda y: vjp(y) + grad,
-            y0,
-            max_iter=max_iter,
-            tol=cfg.b_tol,
-            stop_mode=cfg.b_stop_mode,
-            **cfg.b_solver_kwargs,
-        )
+        y, bstats = get_solver(cfg.b_solver)(lambda y: vjp(y) + grad, y0, max_iter=max_iter, tol=cfg.b_tol,
+                                             stop_mode=cfg.b_stop_mode, **cfg.b_solver_kwargs)
     if ctx.stats is not None:
         ctx.stats.extra["backward"] = bstats
     return y
@@ -143,9 +136,8 @@ def _solve_adjoint(
 @register_backward("ift")
 def ift(g, x_star, ctx: BackwardContext):
     """Implicit differentiation: the incoming gradient g is replaced by y solving y = J_fᵀ y + g."""
-    return _adjoint_hook(
-        g, x_star, ctx, lambda vjp, grad: _solve_adjoint(vjp, grad, grad, ctx, ctx.config.b_max_iter)
-    )
+    return _adjoint_hook(g, x_star, ctx,
+                         lambda vjp, grad: _solve_adjoint(vjp, grad, grad, ctx, ctx.config.b_max_iter))
 
 
 @register_backward("jacobian_free")
@@ -293,11 +285,8 @@ def neumann_backward(terms: float) -> dict[str, Any]:
     return {"b_mode": "phantom", "b_mode_kwargs": {"k": int(terms) + 1, "tau": 1.0, "variant": "npg"}}
 
 
-def backward_in_stages(
-    shared: Sequence[torch.Tensor],
-    leaves: Sequence[torch.Tensor],
-    terms: Iterable[Callable[[], torch.Tensor]],
-) -> torch.Tensor | None:
+def backward_in_stages(shared: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor],
+                       terms: Iterable[Callable[[], torch.Tensor]]) -> torch.Tensor | None:
     """Backpropagate a sum of loss terms sharing an expensive prefix, one term's graph alive at a time.
 
     `shared` are the prefix's outputs (with their graph), `leaves` the same values detached into leaves that

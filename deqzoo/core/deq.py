@@ -142,10 +142,8 @@ class DEQ(nn.Module):
     def forward(self, f, z0: State, *, defer_graphs: bool = False, halt=None) -> tuple[State, SolverStats]:
         return self.solve_with(self.config, f, z0, defer_graphs=defer_graphs, halt=halt)
 
-    def solve_with(
-        self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None, defer_graphs: bool = False,
-        halt=None,
-    ) -> tuple[State, SolverStats]:
+    def solve_with(self, cfg: DEQConfig, f, z0: State, *, max_iter: int | None = None,
+                   defer_graphs: bool = False, halt=None) -> tuple[State, SolverStats]:
         """`forward` under the settings `cfg` instead of `self.config` (which stays untouched, so a subclass
         that solves with per-call settings, e.g. a hypersolver, is safe across threads).
 
@@ -231,9 +229,8 @@ class DEQ(nn.Module):
                     # an int n: fⁿ of each sample's answer, as the original releases return (issue 58)
                     steps = 0 if cfg.f_final_step is True else cfg.f_final_step
                     run = functools.partial(final_step, run, steps=steps)
-                x_star, stats = run(
-                    g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol, stop_mode=cfg.f_stop_mode, **kwargs
-                )
+                x_star, stats = run(g, x0.detach(), max_iter=max_iter, tol=cfg.f_tol,
+                                    stop_mode=cfg.f_stop_mode, **kwargs)
             self._report(stats, cfg)
             if not grad:
                 return packer.unflatten(x_star), stats

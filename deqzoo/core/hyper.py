@@ -87,9 +87,8 @@ def normalize_alpha(alpha_hat: torch.Tensor) -> torch.Tensor:
     return alpha_hat + (1.0 - alpha_hat.sum(-1, keepdim=True)) / n
 
 
-def hyper_update(
-    X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, form: str = "anderson"
-) -> torch.Tensor:
+def hyper_update(X: torch.Tensor, G: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                 form: str = "anderson") -> torch.Tensor:
     """The next iterate from iterates X (B, n, D), residuals G = f(X) - X (B, n, D), normalized weights
     alpha (B, n) and steps beta (B,); `form` as in the module docstring. Two batched products into one
     output, no (B, n, D) temporary."""
@@ -124,9 +123,8 @@ def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full_like(alpha, float("nan")), alpha)
 
 
-def step(
-    net: HyperNet, X: torch.Tensor, G: torch.Tensor, C: torch.Tensor, order: torch.Tensor,
-    form: str = "anderson", H: torch.Tensor | None = None,
+def step(net: HyperNet, X: torch.Tensor, G: torch.Tensor, C: torch.Tensor, order: torch.Tensor,
+         form: str = "anderson", H: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One HyperAnderson step, the solver's and the unroll's: the next iterate from the window's iterates X
     and residuals G = f(X) - X (B, n, D), their compressed residuals C (B, n, c) and, for ``base="anderson"``,

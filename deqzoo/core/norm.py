@@ -79,9 +79,8 @@ class _Norm:
     source = ""
     owned: tuple[str, ...] = ()
 
-    def __init__(
-        self, name: str, dim: int, learn_scale: bool, target_norm: float, clip: bool, clip_value: float
-    ):
+    def __init__(self, name: str, dim: int, learn_scale: bool, target_norm: float, clip: bool,
+                 clip_value: float):
         self.name, self.dim = name, dim
         self.learn_scale, self.target_norm = learn_scale, float(target_norm)
         self.clip, self.clip_value = clip, float(clip_value)
@@ -180,9 +179,8 @@ class SpectralNorm(_Norm):
         self.n_power_iterations, self.eps = n_power_iterations, eps
 
     @classmethod
-    def attach(
-        cls, module: nn.Module, name: str, dim: int, n_power_iterations: int = 1, eps: float = 1e-12, **kw
-    ) -> SpectralNorm:
+    def attach(cls, module: nn.Module, name: str, dim: int, n_power_iterations: int = 1, eps: float = 1e-12,
+               **kw) -> SpectralNorm:
         fn = cls(name, dim, n_power_iterations=n_power_iterations, eps=eps, **kw)
         w = module._parameters.pop(name)
         mat = _as_matrix(w.data, dim)
@@ -265,17 +263,9 @@ def _pre_hook(module: nn.Module, _args) -> None:
         fn._checked_in = token
 
 
-def apply_norm(
-    model: nn.Module,
-    kind: str = "weight_norm",
-    *,
-    learn_scale: bool = True,
-    target_norm: float = 1.0,
-    clip: bool = False,
-    clip_value: float = 1.0,
-    filter_out: Iterable[str] = (),
-    names: dict[type, tuple[str, int]] | None = None,
-    **kind_kwargs,
+def apply_norm(model: nn.Module, kind: str = "weight_norm", *, learn_scale: bool = True,
+               target_norm: float = 1.0, clip: bool = False, clip_value: float = 1.0,
+               filter_out: Iterable[str] = (), names: dict[type, tuple[str, int]] | None = None, **kind_kwargs
 ) -> None:
     """Normalize the weights of every supported submodule of `model` (Linear, Conv*, ConvTranspose*).
 

@@ -32,9 +32,8 @@ from .norm import power_iteration
 __all__ = ["SpectralProjector", "spectral_norm_estimate"]
 
 
-def spectral_norm_estimate(
-    w: torch.Tensor, u: torch.Tensor | None = None, n_iter: int = 20, eps: float = 1e-12
-) -> tuple[torch.Tensor, torch.Tensor]:
+def spectral_norm_estimate(w: torch.Tensor, u: torch.Tensor | None = None, n_iter: int = 20,
+                           eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
     """σ(w) of a matrix by power iteration from `u` (random if None); returns (σ, u) for the next call."""
     if w.dim() != 2:
         raise ValueError(f"spectral_norm_estimate expects a matrix, got shape {tuple(w.shape)}")
@@ -59,15 +58,8 @@ class SpectralProjector:
     ``step()`` returns the σ estimates before projection; ``last_scaled`` counts the weights it rescaled.
     """
 
-    def __init__(
-        self,
-        weights: Iterable[torch.Tensor],
-        max_norm: float = 1.0,
-        *,
-        n_iter: int = 3,
-        init_iter: int = 100,
-        margin: float = 1e-3,
-    ):
+    def __init__(self, weights: Iterable[torch.Tensor], max_norm: float = 1.0, *, n_iter: int = 3,
+                 init_iter: int = 100, margin: float = 1e-3):
         self.weights = list(weights)
         for i, w in enumerate(self.weights):
             if not isinstance(w, torch.Tensor) or w.dim() != 2:

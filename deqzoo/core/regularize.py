@@ -149,14 +149,8 @@ FP_WEIGHTS: dict[str, Callable[..., float]] = {
 }
 
 
-def fp_correction(
-    criterion: Callable[..., torch.Tensor],
-    states: Sequence,
-    *targets,
-    weight: str = "exp",
-    return_losses: bool = False,
-    **weight_kwargs,
-):
+def fp_correction(criterion: Callable[..., torch.Tensor], states: Sequence, *targets, weight: str = "exp",
+                  return_losses: bool = False, **weight_kwargs):
     """Fixed-point correction loss (Bai et al., 2022): Σ_k w(n, k) · criterion(states[k], *targets).
 
     `states` is the list of intermediate predictions (e.g. a head applied to `stats.states`, see DEQConfig

@@ -84,8 +84,7 @@ class FixedPointCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def initial(
-        self, key: str, default: torch.Tensor, *, key_input: torch.Tensor | None = None
+    def initial(self, key: str, default: torch.Tensor, *, key_input: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The cached state for `key` if it fits `default` and `key_input`, else `default`."""
         entry = self._entries.get(key)
@@ -101,8 +100,7 @@ class FixedPointCache:
         self.misses += 1
         return default
 
-    def solve(
-        self, deq, key: str, f, default: torch.Tensor, *, key_input: torch.Tensor | None = None
+    def solve(self, deq, key: str, f, default: torch.Tensor, *, key_input: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Any]:
         """``deq(f, z0)`` started from `initial(key, default, key_input=...)`, the result stored under `key`.
 

@@ -1,67 +1,45 @@
 """Reversible DEQ (RevDEQ, McCallum, Arora & Foster 2025, arXiv 2509.12917): exact gradients of a fixed number
 of coupled fixed-point steps, with memory constant in the number of steps.
 
-The forward pass replaces the solver by the paper's algebraically reversible coupled iteration on two states
-(y, z), both starting at z0, with coupling/damping ``beta``::
+The forward replaces the solver by the paper's algebraically reversible coupled iteration, y and z both
+starting at z0, with coupling/damping ``beta``::
 
     y_{n+1} = (1 - beta) y_n + beta f(z_n)
     z_{n+1} = (1 - beta) z_n + beta f(y_{n+1})          n = 0 .. N-1, output z_N
 
-Each step inverts exactly in algebra (``z_n = (z_{n+1} - beta f(y_{n+1})) / (1 - beta)``, then
-``y_n = (y_{n+1} - beta f(z_n)) / (1 - beta)``), so the backward pass walks the steps in reverse, rebuilding
-each state instead of storing it, and backpropagates one f call at a time. The gradient is that of the
-N-step computation itself (what autograd through the unrolled coupled loop gives, up to rounding), not an
-approximation of the fixed point's implicit gradient.
+Each step inverts in algebra, so the backward walks the steps in reverse, rebuilding each state instead of
+storing it, one f call at a time. The gradient is that of the N-step computation itself (autograd through
+the unrolled coupled loop, up to rounding), not an approximation of the implicit gradient.
 
-In floating point the reversal is not exact: each undone step divides by (1 - beta) twice, so a rebuilt
-state's rounding grows geometrically with the steps undone (mdeq-tiny-mnist-reversible, beta 0.8: relative
-rebuild error 2.6e-12 after 4 float64 steps, 4e-7 after 8, 1.5e-1 after 12; float32 1.3e-3 after 4). The
-forward therefore keeps (z_n, y_n) every ``segment`` steps (default 4 in float64, 2 otherwise), and the
-backward rebuilds states within one segment only, ending on the kept state. It measures the rebuilt
-segment start against the kept one (`_rebuild_error`); above ``rebuild_tol`` (default 1e-10 in float64,
-1e-4 otherwise) it discards that segment's contributions and redoes it on states recomputed forward from
-the kept start (exact, to rounding; 2 x segment more f calls without a graph, ``segment`` states held).
-``stats.extra["reversible"]`` reports ``rebuild_error``, ``segments`` and ``recomputed_segments`` after the
-backward. ``segment=0, rebuild_tol=math.inf`` is the paper's method with memory constant in N, and its
-error growing with N (table in docs/engine.md).
+In floating point a rebuilt state's rounding grows geometrically with the steps undone (each divides by
+(1 - beta) twice; numbers in docs/engine.md, "RevDEQ precision"). The forward therefore keeps (z_n, y_n)
+every ``segment`` steps (default 4 in float64, 2 otherwise) and the backward rebuilds within one segment,
+measuring the rebuilt segment start against the kept one (`_rebuild_error`); above ``rebuild_tol`` (default
+1e-10 in float64, 1e-4 otherwise) it redoes the segment on states recomputed forward from the kept start.
+``stats.extra["reversible"]`` reports ``rebuild_error``, ``segments`` and ``recomputed_segments``.
+``segment=0, rebuild_tol=math.inf`` is the paper's method, memory constant in N.
 
-Select it with ``DEQConfig(b_mode="reversible", f_max_iter=N, b_mode_kwargs={"beta": 0.8})`` (options
-``segment`` and ``rebuild_tol`` as below); f_max_iter is
-the number of coupled steps N (f_max_iter_min randomizes it in training as for the solvers); f_solver and
-f_tol play no part in the iteration (f_tol only decides ``stats.converged``). The mode runs in inference too
-(no autograd), so a model trained with it is evaluated with the same N-step map it was trained on.
+Select it with ``DEQConfig(b_mode="reversible", f_max_iter=N, b_mode_kwargs={"beta": 0.8})``; f_max_iter is
+the number of coupled steps N (f_max_iter_min randomizes it in training); f_solver and f_tol play no part
+(f_tol only decides ``stats.converged``). It runs in inference too, with the same N-step map.
 
-Cost (N steps, state of D numbers per sample):
-- forward: 2N + 1 f calls without a graph (f(z0), then f(y_{n+1}) and f(z_{n+1}) per step; the last f(z_N)
-  gives the residual reported in the statistics); ``stats.nfe = 2N + 1``.
-- backward: 2N f calls with a graph and 2N vector-Jacobian products, one graph alive at a time.
-- memory: the state doubles (y beside z) in the forward, z0 and one (z, y) pair per ``segment`` steps are
-  kept (N / segment pairs: states, not graphs); the backward holds z, y and their two cotangents plus one f
-  call's graph, and during a recomputed segment its ``segment`` states. Unrolled autograd holds 2N graphs.
-- no adaptive stopping: every sample runs exactly N steps (the exact reversal needs the same N).
-
-When to prefer it: over IFT when gradients must be exact (IFT is exact only at a converged z* and to b_tol;
-training with a loose forward tolerance or a capped budget gives IFT gradients of a point that is not a
-fixed point) and when a small fixed budget suffices (the paper trains with far fewer evaluations than DEQs);
-over phantom / Jacobian-free gradients when their bias hurts. Prefer IFT when the model needs many steps
-or adaptive per-sample stopping at test time, and phantom / Jacobian-free when the backward must be cheaper
-than the forward.
+Cost (N steps): forward 2N + 1 f calls without a graph (``stats.nfe``); backward 2N f calls with a graph
+and 2N vector-Jacobian products, one graph alive at a time; memory: z0 and one (z, y) pair per ``segment``
+steps (states, not graphs; unrolled autograd holds 2N graphs). No adaptive stopping: every sample runs N
+steps. Prefer it over IFT when gradients must be exact with a loose tolerance or small fixed budget (IFT is
+exact only at a converged z*); prefer IFT for many steps or per-sample stopping, phantom / Jacobian-free
+when the backward must be cheaper than the forward.
 
 Requirements and limits:
 - f must be deterministic across calls within one forward/backward (dropout masks fixed per forward, as
   `deqzoo.core.VariationalDropout` does; batch norm in eval mode), since the backward calls f again.
-- ``beta`` in (0, 2), beta != 1 (at 1 the step cannot be inverted). With the default segments, gradients
-  of mdeq-tiny-mnist-reversible match autograd through the coupled loop (float64) within 1e-12 in float64
-  (8.3e-14 measured at N = 16) and 2e-6 in float32 (4.5e-7; float32 autograd itself 4.3e-7), at N = 4, 8
-  and 16 (tests/gradients/test_gradients_reversible_steps.py).
-- double backward (Hessian-vector products, ``create_graph=True``) is not supported: a clear error is
-  raised; use b_mode="unrolled" on the same budget for second order.
-- The tensors f depends on (parameters, input injection) are found by recording, during the first f call,
-  the tensors requiring grad that f passes to torch operations (a `TorchFunctionMode`); they become inputs
-  of the autograd node, so gradients reach leaves, non-leaf injections and ``torch.autograd.grad`` alike.
-  The backward's f calls see detached aliases of them, so each is differentiated once per use in f. A tensor
-  that reaches f only through a custom ``autograd.Function`` (not a torch operation) is not seen: f must
-  pass its parameters to torch operations (every family in the zoo does; tests/gradients checks each).
+- ``beta`` in (0, 2), beta != 1 (at 1 the step cannot be inverted); accuracy against autograd is tested in
+  tests/gradients/test_gradients_reversible_steps.py.
+- double backward (``create_graph=True``) raises a clear error; use b_mode="unrolled" for second order.
+- The tensors f depends on are found by recording, during the first f call, the tensors requiring grad that
+  f passes to torch operations (a `TorchFunctionMode`); they become inputs of the autograd node. A tensor
+  that reaches f only through a custom ``autograd.Function`` is not seen: f must pass its parameters to
+  torch operations (every family in the zoo does; tests/gradients checks each).
 """
 
 from __future__ import annotations
@@ -379,11 +357,9 @@ def reversible_solve(g: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor
     abs_r, rel_r = trace[-1]
     res = rel_r if stop_mode == "rel" else abs_r
     per_step = torch.stack([(r if stop_mode == "rel" else a).amax() for a, r in trace]).double().cpu()
-    stats = SolverStats(
-        nfe=2 * steps + 1, abs_residual=abs_r, rel_residual=rel_r, trace=per_step,
-        converged=(res < tol).cpu(), solver="reversible", stop_mode=stop_mode, tol=tol,
-        nonfinite=not bool(torch.isfinite(res).all()),
-    )
+    stats = SolverStats(nfe=2 * steps + 1, abs_residual=abs_r, rel_residual=rel_r, trace=per_step,
+                        converged=(res < tol).cpu(), solver="reversible", stop_mode=stop_mode, tol=tol,
+                        nonfinite=not bool(torch.isfinite(res).all()))
     stats.extra["reversible"] = report  # the backward adds what it measured
     return z, stats
 
@@ -394,8 +370,7 @@ def reversible_mode(g, x_star, ctx) -> torch.Tensor:
     (default by dtype) and ``rebuild_tol`` (default by dtype), see `reversible_solve`."""
     kw = ctx.config.b_mode_kwargs
     z, ctx.stats = reversible_solve(g, ctx.x0, ctx.max_iter, kw.get("beta", DEFAULT_BETA), ctx.config.f_tol,
-                                    ctx.config.f_stop_mode, kw.get("segment"),
-                                    kw.get("rebuild_tol"))
+                                    ctx.config.f_stop_mode, kw.get("segment"), kw.get("rebuild_tol"))
     return z
 
 

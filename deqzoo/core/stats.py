@@ -60,14 +60,10 @@ class SolverStats:
                 raise IndexError(f"sample index {index} out of range for a batch of {n}")
             index = slice(index % n, index % n + 1)
         per_sample = lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
-        return replace(
-            self,
-            abs_residual=self.abs_residual[index],
-            rel_residual=self.rel_residual[index],
-            converged=self.converged[index],
-            nfe_per_sample=self.nfe_per_sample[index] if self.nfe_per_sample is not None else None,
-            states=[per_sample(s) for s in self.states] if self.states is not None else None,
-        )
+        return replace(self, abs_residual=self.abs_residual[index], rel_residual=self.rel_residual[index],
+                       converged=self.converged[index],
+                       nfe_per_sample=self.nfe_per_sample[index] if self.nfe_per_sample is not None else None,
+                       states=[per_sample(s) for s in self.states] if self.states is not None else None)
 
     @classmethod
     def no_solve(cls, batch: int = 1) -> SolverStats:

@@ -106,19 +106,10 @@ def _tagged_card(directory: Path, tags: list[str], api, repo_id: str, revision: 
     return str(card).encode()
 
 
-def push_folder(
-    directory: str | os.PathLike,
-    *,
-    repo_id: str,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-    tags: list[str] | None = None,
-    endpoint: str | None = None,
-) -> str:
+def push_folder(directory: str | os.PathLike, *, repo_id: str, commit_message: str | None = None,
+                commit_description: str | None = None, private: bool | None = None,
+                token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
+                tags: list[str] | None = None, endpoint: str | None = None) -> str:
     """Create `repo_id` (if needed) and upload the files :func:`checkpoint_upload_files` selects in one commit
     (the others named in a warning; pickle weights refused before any request). Returns huggingface_hub's
     ``CommitInfo`` (the commit URL; ``.pr_url`` with ``create_pr=True``). ``revision``: the branch (created

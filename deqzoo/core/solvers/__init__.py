@@ -51,15 +51,8 @@ __all__ = [
 ]
 
 
-def solve(
-    f: Callable[[State], State],
-    z0: State,
-    solver: str = "anderson",
-    max_iter: int = 50,
-    tol: float = 1e-4,
-    stop_mode: str = "rel",
-    final: bool | int = False,
-    **solver_kwargs,
+def solve(f: Callable[[State], State], z0: State, solver: str = "anderson", max_iter: int = 50,
+          tol: float = 1e-4, stop_mode: str = "rel", final: bool | int = False, **solver_kwargs
 ) -> tuple[State, SolverStats]:
     """Find z* = f(z*) starting at z0 (no autograd graph is built).
 

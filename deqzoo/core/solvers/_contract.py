@@ -86,8 +86,7 @@ def _check_output(fx, x: torch.Tensor) -> torch.Tensor:
     return fx
 
 
-def _empty_result(
-    x0: torch.Tensor, name: str, tol: float, stop_mode: str
+def _empty_result(x0: torch.Tensor, name: str, tol: float, stop_mode: str
 ) -> tuple[torch.Tensor, SolverStats]:
     """A batch of zero samples: nothing to solve, f is not called."""
     none = x0.new_zeros(0)

@@ -23,23 +23,9 @@ from ._contract import (
 
 @register_solver("anderson")
 @torch.no_grad()
-def anderson(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    m: int = 6,
-    lam: float = 1e-5,
-    tau: float = 1.0,
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-    halt=None,
-    lam_mode: str = "rel",
-    fixed_trip: bool | None = None,
-    check_every: int = 4,
-):
+def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int = 6, lam: float = 1e-5,
+             tau: float = 1.0, keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None,
+             lam_mode: str = "rel", fixed_trip: bool | None = None, check_every: int = 4):
     """Anderson acceleration (type I, constrained least squares over the last m residuals).
 
     The Gram matrix of the stored residuals is updated one row per step (one batched product, O(m·D)), never

@@ -133,21 +133,9 @@ MAX_MEMORY = 1024
 
 @register_solver("broyden")
 @torch.no_grad()
-def broyden(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    m: int | None = None,
-    return_inverse: bool = False,
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-    halt=None,
-    stall_window: int = 0,
-    protect_per_element: float = 0.0,
-):
+def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int | None = None,
+            return_inverse: bool = False, keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None,
+            stall_window: int = 0, protect_per_element: float = 0.0):
     """Broyden's ("good") method on the inverse Jacobian of g(x) - x, unit steps, no line search.
 
     With B_0 = -I the estimate after steps s_0..s_k is B_k = P_k ... P_1 B_0, P_j = I + s_j s_{j-1}ᵀ /

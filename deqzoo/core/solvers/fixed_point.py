@@ -11,20 +11,9 @@ from ._contract import _check_solve_args, _check_tau, _empty_result, make_tracke
 
 @register_solver("fixed_point")
 @torch.no_grad()
-def fixed_point(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    tau: float = 1.0,
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-    halt=None,
-    fixed_trip: bool | None = None,
-    check_every: int = 4,
-):
+def fixed_point(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", tau: float = 1.0,
+                keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None,
+                fixed_trip: bool | None = None, check_every: int = 4):
     """Damped fixed-point iteration x <- (1 - tau) x + tau g(x), each sample stopping on its own (the rows
     still iterating are the only ones f sees when g is `deqzoo.core.halting.rowwise`).
 

@@ -13,17 +13,8 @@ MAX_BASIS = 1024  # Krylov vectors kept at most (memory MAX_BASIS · D per sampl
 
 @register_solver("gmres")
 @torch.no_grad()
-def gmres(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-    halt=None,
-):
+def gmres(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", keep_steps: Iterable[int] = (),
+          div_factor: float = 1e6, halt=None):
     """GMRES for an affine map g(x) = M x + c (solves (I - M) x = c), e.g. the adjoint system of IFT.
 
     Batched Arnoldi with classical Gram-Schmidt applied twice (one batched product each), a per-sample least

@@ -13,21 +13,9 @@ from ._contract import _empty_result, _sq_norms, _Tracker, bmm, compact, registe
 
 @register_solver("hyperanderson")
 @torch.no_grad()
-def hyperanderson(
-    g,
-    x0,
-    *,
-    max_iter: int,
-    tol: float,
-    stop_mode: str = "rel",
-    net: HyperNet | None = None,
-    m: int = 5,
-    form: str = "anderson",
-    base: str = "none",
-    keep_steps: Iterable[int] = (),
-    div_factor: float = 1e6,
-    halt=None,
-):
+def hyperanderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", net: HyperNet | None = None,
+                  m: int = 5, form: str = "anderson", base: str = "none", keep_steps: Iterable[int] = (),
+                  div_factor: float = 1e6, halt=None):
     """HyperAnderson: Anderson's update over the last m + 1 iterates with α and β from the learned `net`.
 
     Same contract as every built-in solver (`._contract`): per-sample best iterate, per-sample stops

@@ -163,8 +163,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
     "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
     "deq-flow-cpu": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
-    "raft-cpu": _preset(
-        {**_CPU, "implicit": False, "num_flow_updates": 12},
-        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates",
-    ),
+    "raft-cpu": _preset({**_CPU, "implicit": False, "num_flow_updates": 12},
+                        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates"),
 }

@@ -63,11 +63,8 @@ def forward_interpolate(flow: torch.Tensor, chunk: int = 1 << 22) -> torch.Tenso
         )
     _, _, h, w = batch.shape
     data = batch.detach().double()
-    ys, xs = torch.meshgrid(
-        torch.arange(h, dtype=torch.float64, device=flow.device),
-        torch.arange(w, dtype=torch.float64, device=flow.device),
-        indexing="ij",
-    )
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64, device=flow.device),
+                            torch.arange(w, dtype=torch.float64, device=flow.device), indexing="ij")
     grid = torch.stack([xs, ys], dim=-1).reshape(-1, 2)
     out = torch.zeros_like(data)
     for b, f in enumerate(data):
@@ -148,8 +145,7 @@ def _as_rgb(image: torch.Tensor, name: str) -> torch.Tensor:
     return image
 
 
-def prepare_images(
-    image1: torch.Tensor, image2: torch.Tensor, min_size: int = 16
+def prepare_images(image1: torch.Tensor, image2: torch.Tensor, min_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
     """Validate a pair of image batches and pad both to sides divisible by 8 (at least `min_size`).
 
@@ -214,12 +210,8 @@ def unpad(flow: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
     return flow[..., top : h - bottom, left : w - right]
 
 
-def sequence_loss(
-    predictions: Sequence[torch.Tensor],
-    flow_gt: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    gamma: float = _SEQUENCE_GAMMA,
-) -> torch.Tensor:
+def sequence_loss(predictions: Sequence[torch.Tensor], flow_gt: torch.Tensor,
+                  valid: torch.Tensor | None = None, gamma: float = _SEQUENCE_GAMMA) -> torch.Tensor:
     """RAFT's sequence loss Σ_i γ^(n-i-1) · mean(valid · |flow_i - gt|₁) (DEQ-Flow's fixed-point correction
     applies the same weighting to its correction states).
 
@@ -391,26 +383,20 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         super().__init__(config)
         c = config
         enc = c.encoder_layers
-        self.feature_encoder = tv_raft.FeatureEncoder(
-            block=CheckpointedResidualBlock, layers=(*enc, c.feature_dim),
-            norm_layer=_norm_layer(c.feature_norm),
-        )
-        self.context_encoder = tv_raft.FeatureEncoder(
-            block=CheckpointedResidualBlock, layers=(*enc, c.context_dim),
-            norm_layer=_norm_layer(c.context_norm),
-        )
+        self.feature_encoder = tv_raft.FeatureEncoder(block=CheckpointedResidualBlock,
+                                                      layers=(*enc, c.feature_dim),
+                                                      norm_layer=_norm_layer(c.feature_norm))
+        self.context_encoder = tv_raft.FeatureEncoder(block=CheckpointedResidualBlock,
+                                                      layers=(*enc, c.context_dim),
+                                                      norm_layer=_norm_layer(c.context_norm))
         for conv in [*self.feature_encoder.modules(), *self.context_encoder.modules()]:
             conv.encoder_conv = True  # read by _init_weights, which meets each conv alone
         self.corr_block = tv_raft.CorrBlock(num_levels=c.corr_levels, radius=c.corr_radius)
-        motion = tv_raft.MotionEncoder(
-            in_channels_corr=self.corr_block.out_channels,
-            corr_layers=tuple(c.motion_corr_layers),
-            flow_layers=tuple(c.motion_flow_layers),
-            out_channels=c.motion_dim,
-        )
-        gru = tv_raft.RecurrentBlock(
-            input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim, hidden_size=c.hidden_dim
-        )
+        motion = tv_raft.MotionEncoder(in_channels_corr=self.corr_block.out_channels,
+                                       corr_layers=tuple(c.motion_corr_layers),
+                                       flow_layers=tuple(c.motion_flow_layers), out_channels=c.motion_dim)
+        gru = tv_raft.RecurrentBlock(input_size=c.motion_dim * (2 if c.gma else 1) + c.context_dim,
+                                     hidden_size=c.hidden_dim)
         head = tv_raft.FlowHead(in_channels=c.hidden_dim, hidden_size=c.flow_head_dim)
         if c.gma:  # one head of width context_dim / motion_dim, as DEQ-Flow's GMA variants
             self.attention = GlobalAttention(c.context_dim, heads=1, dim_head=c.context_dim)
@@ -518,19 +504,12 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             )
         return features
 
-    def forward(
-        self,
-        image1: torch.Tensor,
-        image2: torch.Tensor,
-        flow_gt: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        features: FlowFeatures | None = None,
-        defer_loss: bool = False,
-        num_flow_updates: int | None = None,
-    ) -> DEQFlowOutput | tuple:
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor, flow_gt: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None,
+                initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                features: FlowFeatures | None = None, defer_loss: bool = False,
+                num_flow_updates: int | None = None) -> DEQFlowOutput | tuple:
         """`features`: the encoders' outputs for these images (`features()`), used instead of running the
         encoders. `defer_loss` (DEQ-Flow in training, with `flow_gt`): no gradient graph is built here; the
         loss comes back as ``loss_terms`` (see `DEQFlowOutput`) for a training step that backpropagates one
@@ -620,8 +599,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
             return self.deq(f, z0, defer_graphs=defer_graphs)
         return self.deq.solve_with(self.deq.config, f, z0, max_iter=budget, defer_graphs=defer_graphs)
 
-    def _state_loss(
-        self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
+    def _state_loss(self, state: DeferredState, weight: float, flow_gt: torch.Tensor, valid, pad
     ) -> torch.Tensor:
         """One supervised state's weighted sequence-loss term, its graph built now."""
         return weight * sequence_loss([unpad(self.upsample(*state()), pad)], flow_gt, valid)
@@ -639,8 +617,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         """The feature encoder's stem (the first map from pixels into features)."""
         return self.feature_encoder.convnormrelu
 
-    def _initial(
-        self, state, shape: tuple[int, ...], like: torch.Tensor
+    def _initial(self, state, shape: tuple[int, ...], like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = (like.new_zeros(shape), like.new_zeros(shape[0], 2, *shape[2:]))
         if state is None:
@@ -685,11 +662,8 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
     """
 
     @torch.no_grad()
-    def estimate_sequence(
-        self,
-        frames: torch.Tensor | Sequence[torch.Tensor],
-        reuse: bool | str = True,
-        num_flow_updates: int | None = None,
+    def estimate_sequence(self, frames: torch.Tensor | Sequence[torch.Tensor], reuse: bool | str = True,
+                          num_flow_updates: int | None = None
     ) -> tuple[list[torch.Tensor], list[SolverStats | None]]:
         """Flow between consecutive frames (T, C, H, W) -> T-1 flows (2, H, W) and their solver stats.
 
@@ -719,17 +693,15 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
         flows, stats, state = [], [], None
         for t in range(len(frames) - 1):
             budget = num_flow_updates if t else None
-            out = self(
-                frames[t], frames[t + 1], initial_state=state, return_dict=True, num_flow_updates=budget
-            )
+            out = self(frames[t], frames[t + 1], initial_state=state, return_dict=True,
+                       num_flow_updates=budget)
             flows.append(out.flow[0])
             stats.append(out.deq_stats)
             state = None if mode is False else _next_start(out.fixed_point, mode)
         return flows, stats
 
 
-def _next_start(
-    fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
+def _next_start(fixed_point: tuple[torch.Tensor, torch.Tensor], mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, flow_low = fixed_point
     if mode == "fixed_point":

@@ -9,13 +9,8 @@ from ...core import backward_in_stages
 __all__ = ["two_stage_backward"]
 
 
-def two_stage_backward(
-    model,
-    image1: torch.Tensor,
-    image2: torch.Tensor,
-    flow_gt: torch.Tensor,
-    valid: torch.Tensor | None = None,
-):
+def two_stage_backward(model, image1: torch.Tensor, image2: torch.Tensor, flow_gt: torch.Tensor,
+                       valid: torch.Tensor | None = None):
     """One DEQ-Flow training step's backward with memory constant in the number of supervised states.
 
     Given the detached iterate it starts from, each fixed-point-correction state's graph (its phantom steps,
@@ -41,8 +36,7 @@ def two_stage_backward(
     """
     features = model.features(image1, image2)
     leaves = features.detached()
-    out = model(
-        image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True, return_dict=True
-    )
+    out = model(image1, image2, flow_gt=flow_gt, valid=valid, features=leaves, defer_loss=True,
+                return_dict=True)
     out.loss = backward_in_stages(features.tensors(), leaves.tensors(), out.loss_terms)
     return out

@@ -488,15 +488,9 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
             z0 = z0 + cache.z_last
         return z0
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor,
-        past_key_values: DEQTransformerCache | None = None,
-        use_cache: bool = True,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, input_ids: torch.LongTensor, past_key_values: DEQTransformerCache | None = None,
+                use_cache: bool = True, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> DEQTransformerModelOutput | tuple:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
@@ -581,11 +575,9 @@ class DEQTransformerModel(DEQTransformerPreTrainedModel):
         keep = self.config.mem_len
         zs = torch.cat([z_hist, z.detach()], dim=1)
         start = max(0, zs.shape[1] - keep)
-        return DEQTransformerCache(
-            z_hist=zs[:, start:], u_hist=u.detach()[:, start:], z_last=z.detach()[:, -1:],
-            seen=(old.seen if old is not None else 0) + q,
-            nfe=(old.nfe if old is not None else []) + [int(stats.nfe)],
-        )
+        return DEQTransformerCache(z_hist=zs[:, start:], u_hist=u.detach()[:, start:],
+                                   z_last=z.detach()[:, -1:], seen=(old.seen if old is not None else 0) + q,
+                                   nfe=(old.nfe if old is not None else []) + [int(stats.nfe)])
 
 
 def _explicit_stats(z: torch.Tensor, layers: int) -> SolverStats:
@@ -689,19 +681,11 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
         c.vocab_size = self.vocab_size = new_num_tokens  # both, as transformers' own resize does
         return self.get_input_embeddings()
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor,
-        past_key_values: DEQTransformerCache | None = None,
-        labels: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        use_cache: bool = True,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int = 0,
-        **kwargs,
-    ) -> DEQTransformerCausalLMOutput | tuple:
+    def forward(self, input_ids: torch.LongTensor, past_key_values: DEQTransformerCache | None = None,
+                labels: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                use_cache: bool = True, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int = 0, **kwargs) -> DEQTransformerCausalLMOutput | tuple:
         """Labels follow the transformers convention: aligned with input_ids, shifted here (-100 ignored)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("DEQTransformerForCausalLM does not support padding (attention_mask has zeros); "

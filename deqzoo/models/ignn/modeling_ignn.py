@@ -102,11 +102,8 @@ def _check_edge_index(edge_index: torch.Tensor, num_nodes: int) -> None:
             )
 
 
-def augmented_normalized_adjacency(
-    edge_index: torch.Tensor,
-    num_nodes: int,
-    edge_weight: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
+def augmented_normalized_adjacency(edge_index: torch.Tensor, num_nodes: int,
+                                   edge_weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The original's ``aug_normalized_adjacency`` as an aggregation operator (sparse CSR, rows = targets).
 
@@ -132,9 +129,8 @@ def augmented_normalized_adjacency(
         )
     # sum duplicate edges first, in a canonical order, so that an edge list and the equivalent sparse
     # adjacency go through bit-identical arithmetic
-    a = torch.sparse_coo_tensor(
-        edge_index.long(), edge_weight.to(dtype), (num_nodes, num_nodes), check_invariants=False
-    ).coalesce()
+    a = torch.sparse_coo_tensor(edge_index.long(), edge_weight.to(dtype), (num_nodes, num_nodes),
+                                check_invariants=False).coalesce()
     loops = torch.arange(num_nodes, device=device)
     src = torch.cat([a.indices()[0], loops])
     dst = torch.cat([a.indices()[1], loops])
@@ -327,32 +323,20 @@ class IGNNModel(IGNNPreTrainedModel):
         super().__init__(config)
         with_linear = config.injection == "adjacency+linear"
         self.layers = nn.ModuleList(
-            IGNNImplicitLayer(
-                config.in_features if i == 0 else config.hidden_size, config.hidden_size, with_linear
-            )
+            IGNNImplicitLayer(config.in_features if i == 0 else config.hidden_size, config.hidden_size,
+                              with_linear)
             for i in range(config.num_layers)
         )
         if config.norm_type != "none":
-            apply_norm(
-                self.layers,
-                config.norm_type,
-                learn_scale=True,
-                clip=config.norm_clip,
-                clip_value=config.norm_clip_value,
-            )
+            apply_norm(self.layers, config.norm_type, learn_scale=True, clip=config.norm_clip,
+                       clip_value=config.norm_clip_value)
         self.deq = DEQ(config.deq_config)
         self.post_init()
 
     # -- inputs -------------------------------------------------------------------------------------------
-    def prepare_graph(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        adjacency: torch.Tensor | None = None,
-        num_nodes: int | None = None,
-    ) -> IGNNGraph:
+    def prepare_graph(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                      edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None,
+                      adjacency: torch.Tensor | None = None, num_nodes: int | None = None) -> IGNNGraph:
         """Validate a graph and build its normalized operator (PyG-style or sparse-adjacency input).
 
         Example:
@@ -397,9 +381,8 @@ class IGNNModel(IGNNPreTrainedModel):
                 raise ValueError(f"batch holds a negative graph index ({int(batch.min())})")
             num_graphs = int(batch.max()) + 1
         nonneg = edge_weight is None or bool((edge_weight >= 0).all())
-        return IGNNGraph(
-            operator=operator, num_nodes=num_nodes, batch=batch, num_graphs=num_graphs, nonnegative=nonneg
-        )
+        return IGNNGraph(operator=operator, num_nodes=num_nodes, batch=batch, num_graphs=num_graphs,
+                         nonnegative=nonneg)
 
     def _resolve(self, x, edge_index, edge_weight, batch, adjacency, data, graph):
         if data is None and x is not None and hasattr(x, "edge_index") and hasattr(x, "x"):
@@ -468,19 +451,10 @@ class IGNNModel(IGNNPreTrainedModel):
         return w
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **_
     ) -> IGNNModelOutput | tuple:
         x, graph = self._resolve(x, edge_index, edge_weight, batch, adjacency, data, graph)
         if self.config.norm_type != "none":
@@ -602,21 +576,11 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
-    ) -> IGNNNodeClassifierOutput | tuple:
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **_) -> IGNNNodeClassifierOutput | tuple:
         out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
                         output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
                         return_dict=True)
@@ -660,21 +624,11 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
         self.classifier = nn.Linear(hidden, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        x: torch.Tensor | None = None,
-        edge_index: torch.Tensor | None = None,
-        edge_weight: torch.Tensor | None = None,
-        batch: torch.Tensor | None = None,
-        *,
-        adjacency: torch.Tensor | None = None,
-        data=None,
-        graph: IGNNGraph | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **_,
-    ) -> IGNNGraphClassifierOutput | tuple:
+    def forward(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+                edge_weight: torch.Tensor | None = None, batch: torch.Tensor | None = None, *,
+                adjacency: torch.Tensor | None = None, data=None, graph: IGNNGraph | None = None,
+                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **_) -> IGNNGraphClassifierOutput | tuple:
         out = self.ignn(x, edge_index, edge_weight, batch, adjacency=adjacency, data=data, graph=graph,
                         output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),
                         return_dict=True)

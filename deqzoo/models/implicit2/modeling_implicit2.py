@@ -36,12 +36,8 @@ __all__ = [
 _RANGE_SLACK = 1e-6
 
 
-def coordinate_grid(
-    sizes: tuple[int, ...] | list[int],
-    low: float = -1.0,
-    high: float = 1.0,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def coordinate_grid(sizes: tuple[int, ...] | list[int], low: float = -1.0, high: float = 1.0,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A regular grid of coordinates over [low, high] per axis, end points included, as (prod(sizes), d).
 
     Axes are given outermost first (e.g. (height, width) or (frames, height, width)); coordinate 0
@@ -98,9 +94,8 @@ class Implicit2Filter(nn.Module):
         g = F.relu(self.gamma)
         ones = x.new_ones(x.shape[:-1] + (1,))
         feats = torch.cat([x, ones, x.square().sum(-1, keepdim=True)], dim=-1)
-        coef = torch.cat(
-            [self.mu.t() * g, (-0.5 * g * self.mu.square().sum(-1))[None], (-0.5 * g)[None]], dim=0
-        )
+        coef = torch.cat([self.mu.t() * g, (-0.5 * g * self.mu.square().sum(-1))[None], (-0.5 * g)[None]],
+                         dim=0)
         return feats @ coef
 
     def combine(self, zlin: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
@@ -248,8 +243,7 @@ class Implicit2Model(Implicit2PreTrainedModel):
         offset = first.z_map(u0)
         return offset + responses[0] if first.filter.kind == "siren" else offset
 
-    def layer_stack(
-        self, z: torch.Tensor | None, offset: torch.Tensor, responses: list[torch.Tensor]
+    def layer_stack(self, z: torch.Tensor | None, offset: torch.Tensor, responses: list[torch.Tensor]
     ) -> torch.Tensor:
         """f(z; x): z + g₀(x) through every layer; `offset` = first_offset(g₀(x), responses); z=None is
         the explicit network's zero state (its first pre-activation is the offset itself)."""
@@ -267,14 +261,9 @@ class Implicit2Model(Implicit2PreTrainedModel):
                 h = layer.filter.combine(layer.z_map(h), r)
         return h
 
-    def forward(
-        self,
-        coords: torch.Tensor,
-        fixed_point_cache: FixedPointCache | None = None,
-        cache_key: str = "default",
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-    ) -> Implicit2ModelOutput | tuple:
+    def forward(self, coords: torch.Tensor, fixed_point_cache: FixedPointCache | None = None,
+                cache_key: str = "default", output_hidden_states: bool | None = None,
+                return_dict: bool | None = None) -> Implicit2ModelOutput | tuple:
         x = self.check_coordinates(coords)
         u0, responses = self.injection(x)
         offset = self.first_offset(u0, responses)
@@ -326,14 +315,9 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
     def spectral_weights(self) -> list[nn.Parameter]:
         return self.implicit2.spectral_weights()
 
-    def forward(
-        self,
-        coords: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        fixed_point_cache: FixedPointCache | None = None,
-        cache_key: str = "default",
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
+    def forward(self, coords: torch.Tensor, labels: torch.Tensor | None = None,
+                fixed_point_cache: FixedPointCache | None = None, cache_key: str = "default",
+                output_hidden_states: bool | None = None, return_dict: bool | None = None
     ) -> Implicit2Output | tuple:
         out = self.implicit2(coords, fixed_point_cache=fixed_point_cache, cache_key=cache_key,
                              output_hidden_states=self._flag(output_hidden_states, "output_hidden_states"),

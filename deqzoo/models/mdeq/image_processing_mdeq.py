@@ -158,13 +158,8 @@ class MDEQImageProcessor(TorchvisionBackend):
     def from_config(cls, config, **kwargs) -> MDEQImageProcessor:
         """The processor matching an :class:`MDEQConfig` (size, channels, mean, std)."""
         h, w = config.image_size
-        return cls(
-            num_channels=config.in_channels,
-            size={"height": h, "width": w},
-            image_mean=list(config.image_mean),
-            image_std=list(config.image_std),
-            **kwargs,
-        )
+        return cls(num_channels=config.in_channels, size={"height": h, "width": w},
+                   image_mean=list(config.image_mean), image_std=list(config.image_std), **kwargs)
 
     def preprocess(self, images, *args, **kwargs):
         # a 2-D array or tensor is one grayscale image (H, W): given a channel axis, as PIL's "L" images are

@@ -51,15 +51,8 @@ __all__ = [
 ]
 
 
-def lipschitz_bound(
-    alpha1: float,
-    alpha2: float,
-    conv_norm: float,
-    gamma_bound: float,
-    relu_slope: float,
-    num_branches: int,
-    dropout: float,
-) -> float:
+def lipschitz_bound(alpha1: float, alpha2: float, conv_norm: float, gamma_bound: float, relu_slope: float,
+                    num_branches: int, dropout: float) -> float:
     """Upper bound on the Lipschitz constant of the Lipschitz-MDEQ layer f_θ (see the module docstring).
 
     Args:
@@ -181,12 +174,8 @@ def _lipschitz_convs(model: nn.Module):
 
 
 @torch.no_grad()
-def project_lipschitz(
-    model: nn.Module,
-    conv_norm: float | None = None,
-    gamma_bound: float | None = None,
-    fft_size: int | None = None,
-) -> dict[str, float]:
+def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bound: float | None = None,
+                      fft_size: int | None = None) -> dict[str, float]:
     """Project f_θ's parameters back onto the Lipschitz constraints: every marked conv's operator norm <= c
     (rescale     the kernel) and every mean-only GroupNorm's |γ| <= γ̄ (clamp). Call after each optimizer step.
 

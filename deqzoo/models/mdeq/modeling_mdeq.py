@@ -252,10 +252,8 @@ class MDEQModule(nn.Module):
         eye = torch.eye(n, dtype=torch.bool, device=self.fuse_logits.device)
         return torch.softmax(self.fuse_logits.masked_fill(eye, float("-inf")), dim=1)
 
-    def forward(
-        self,
-        zs: tuple[torch.Tensor, ...] | list[torch.Tensor],
-        injection: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None],
+    def forward(self, zs: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                injection: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None]
     ) -> tuple[torch.Tensor, ...]:
         n = self.num_branches
         blocks = [self.branches[i](zs[i], injection[i]) for i in range(n)]
@@ -357,15 +355,8 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
                 "lipschitz_bound() needs a Lipschitz MDEQ (config.lipschitz=True); the original MDEQ "
                 "f_θ (GroupNorm with variance division, unconstrained convs) has no such bound"
             )
-        return lipschitz_bound(
-            cfg.residual_alpha,
-            cfg.fusion_alpha,
-            cfg.conv_norm,
-            cfg.gamma_bound,
-            cfg.relu_slope,
-            cfg.num_branches,
-            cfg.dropout,
-        )
+        return lipschitz_bound(cfg.residual_alpha, cfg.fusion_alpha, cfg.conv_norm, cfg.gamma_bound,
+                               cfg.relu_slope, cfg.num_branches, cfg.dropout)
 
 
 class MDEQModel(MDEQPreTrainedModel):
@@ -414,13 +405,8 @@ class MDEQModel(MDEQPreTrainedModel):
             height, width = (height + 1) // 2, (width + 1) // 2
         return shapes
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        z0: tuple[torch.Tensor, ...] | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, z0: tuple[torch.Tensor, ...] | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQModelOutput | tuple:
         """Solve for the equilibrium of all resolutions; `z0` overrides the zero initial states."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.in_channels:
@@ -471,9 +457,8 @@ class _Bottleneck(nn.Module):
         self.relu = nn.ReLU()
         self.downsample = None
         if inplanes != planes * 4:
-            self.downsample = nn.Sequential(
-                _conv(inplanes, planes * 4, 1), nn.BatchNorm2d(planes * 4, momentum=momentum)
-            )
+            self.downsample = nn.Sequential(_conv(inplanes, planes * 4, 1),
+                                            nn.BatchNorm2d(planes * 4, momentum=momentum))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -502,18 +487,12 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
             nn.Sequential(_Bottleneck(c, hc[i], mom)) for i, c in enumerate(config.branch_channels)
         )
         self.downsamp_modules = nn.ModuleList(
-            nn.Sequential(
-                _conv(hc[i] * 4, hc[i + 1] * 4, 3, stride=2, bias=True),
-                nn.BatchNorm2d(hc[i + 1] * 4, momentum=mom),
-                nn.ReLU(),
-            )
+            nn.Sequential(_conv(hc[i] * 4, hc[i + 1] * 4, 3, stride=2, bias=True),
+                          nn.BatchNorm2d(hc[i + 1] * 4, momentum=mom), nn.ReLU())
             for i in range(config.num_branches - 1)
         )
-        self.final_layer = nn.Sequential(
-            nn.Conv2d(hc[-1] * 4, config.final_chansize, kernel_size=1),
-            nn.BatchNorm2d(config.final_chansize, momentum=mom),
-            nn.ReLU(),
-        )
+        self.final_layer = nn.Sequential(nn.Conv2d(hc[-1] * 4, config.final_chansize, kernel_size=1),
+                                         nn.BatchNorm2d(config.final_chansize, momentum=mom), nn.ReLU())
         self.classifier = nn.Linear(config.final_chansize, config.num_labels)
         self.post_init()
 
@@ -537,13 +516,8 @@ class MDEQForImageClassification(MDEQPreTrainedModel):
         """The head alone: logits from the equilibrium states."""
         return self.forward_head(self.fuse(states))
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQImageClassifierOutput | tuple:
         out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.classify(out.hidden_states)
@@ -573,12 +547,9 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         self.mdeq = MDEQModel(config)
         total = sum(config.branch_channels)
         k = config.final_conv_kernel
-        self.last_layer = nn.Sequential(
-            nn.Conv2d(total, total, kernel_size=1),
-            nn.BatchNorm2d(total, momentum=config.bn_momentum),
-            nn.ReLU(),
-            nn.Conv2d(total, config.num_labels, k, padding=1 if k == 3 else 0),
-        )
+        self.last_layer = nn.Sequential(nn.Conv2d(total, total, kernel_size=1),
+                                        nn.BatchNorm2d(total, momentum=config.bn_momentum), nn.ReLU(),
+                                        nn.Conv2d(total, config.num_labels, k, padding=1 if k == 3 else 0))
         self.post_init()
 
     def segment(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -588,13 +559,8 @@ class MDEQForSemanticSegmentation(MDEQPreTrainedModel):
         ]
         return self.last_layer(torch.cat(ups, dim=1))
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs
     ) -> MDEQSemanticSegmenterOutput | tuple:
         out = self.mdeq(pixel_values, output_hidden_states=True, return_dict=True)
         logits = self.segment(out.hidden_states)

@@ -168,16 +168,8 @@ class DDIMChain:
     the solve's tolerance.
     """
 
-    def __init__(
-        self,
-        unet: UNet2DModel,
-        scheduler: DDIMScheduler,
-        num_inference_steps: int,
-        *,
-        use_clipped_model_output: bool = False,
-        max_unet_batch: int = 512,
-        allow_tf32: bool = False,
-    ):
+    def __init__(self, unet: UNet2DModel, scheduler: DDIMScheduler, num_inference_steps: int, *,
+                 use_clipped_model_output: bool = False, max_unet_batch: int = 512, allow_tf32: bool = False):
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
         if max_unet_batch < 1:
@@ -250,12 +242,8 @@ class DDIMChain:
                                            use_clipped_model_output=self.use_clipped).prev_sample
         return out
 
-    def fixed_point_map(
-        self,
-        x_T: torch.Tensor,
-        on_iterate: Callable[[torch.Tensor], None] | None = None,
-        form: str = "telescoped",
-    ):
+    def fixed_point_map(self, x_T: torch.Tensor, on_iterate: Callable[[torch.Tensor], None] | None = None,
+                        form: str = "telescoped"):
         """f(Z) over states Z (B, T, C, H, W) = X_1..X_T given x_T (B, C, H, W); see the module docstring."""
         T = self.T
         c = self.scale.to(x_T.device, x_T.dtype).view(1, T + 1, *([1] * (x_T.ndim - 1)))
@@ -392,35 +380,18 @@ class DEQDDIMPipeline(DiffusionPipeline):
         hw = (size, size) if isinstance(size, int) else tuple(size)
         return (batch_size, self.unet.config.in_channels, *hw)
 
-    def chain(
-        self, num_inference_steps: int, *, use_clipped_model_output: bool = False, max_unet_batch: int = 512,
-        allow_tf32: bool = False,
-    ) -> DDIMChain:
+    def chain(self, num_inference_steps: int, *, use_clipped_model_output: bool = False,
+              max_unet_batch: int = 512, allow_tf32: bool = False) -> DDIMChain:
         """The DDIM chain of this pipeline's UNet and scheduler at `num_inference_steps` (see DDIMChain)."""
         check_components(self.unet, self.scheduler)
-        return DDIMChain(
-            self.unet,
-            self.scheduler,
-            num_inference_steps,
-            use_clipped_model_output=use_clipped_model_output,
-            max_unet_batch=max_unet_batch,
-            allow_tf32=allow_tf32,
-        )
+        return DDIMChain(self.unet, self.scheduler, num_inference_steps,
+                         use_clipped_model_output=use_clipped_model_output, max_unet_batch=max_unet_batch,
+                         allow_tf32=allow_tf32)
 
-    def solve_chain(
-        self,
-        chain: DDIMChain,
-        x_T: torch.Tensor,
-        *,
-        solver: str = "anderson",
-        max_iter: int | None = None,
-        tol: float = 1e-5,
-        init: torch.Tensor | None = None,
-        on_iterate: Callable[[torch.Tensor], None] | None = None,
-        form: str = "telescoped",
-        safeguard: bool = True,
-        **solver_kwargs,
-    ) -> tuple[torch.Tensor, SolverStats]:
+    def solve_chain(self, chain: DDIMChain, x_T: torch.Tensor, *, solver: str = "anderson",
+                    max_iter: int | None = None, tol: float = 1e-5, init: torch.Tensor | None = None,
+                    on_iterate: Callable[[torch.Tensor], None] | None = None, form: str = "telescoped",
+                    safeguard: bool = True, **solver_kwargs) -> tuple[torch.Tensor, SolverStats]:
         """Solve for all states (B, T, C, H, W) from x_T with the engine.
 
         `init` warm-starts (default: x_T in every state, as the paper). `form`: "telescoped" (the paper's map,
@@ -442,58 +413,28 @@ class DEQDDIMPipeline(DiffusionPipeline):
             )
         f = chain.fixed_point_map(x_T, on_iterate, form)
         with torch.no_grad():
-            Z, stats = solve(
-                f,
-                z0,
-                solver=solver,
-                max_iter=max_iter if max_iter is not None else T,
-                tol=tol,
-                stop_mode="rel",
-                **solver_kwargs,
-            )
+            Z, stats = solve(f, z0, solver=solver, max_iter=max_iter if max_iter is not None else T, tol=tol,
+                             stop_mode="rel", **solver_kwargs)
             stats.extra["safeguard_nfe"] = 0
             if safeguard and solver != "fixed_point" and not bool(stats.converged.all()):
                 # the step form evaluates each state from its predecessor only (no cumulative sums through
                 # the solver's unconverged states, which lose float precision), exact after T evaluations
                 start = Z if bool(torch.isfinite(Z).all()) else z0
-                Z, picard = solve(
-                    chain.fixed_point_map(x_T, on_iterate, "step"),
-                    start,
-                    solver="fixed_point",
-                    max_iter=T + 1,
-                    tol=tol,
-                    stop_mode="rel",
-                    div_factor=float("inf"),
-                )
-                stats = replace(
-                    picard,
-                    nfe=stats.nfe + picard.nfe,
-                    trace=torch.cat([stats.trace, picard.trace]),
-                    solver=f"{solver}+fixed_point",
-                    extra={**stats.extra, "safeguard_nfe": picard.nfe},
-                )
+                Z, picard = solve(chain.fixed_point_map(x_T, on_iterate, "step"), start, solver="fixed_point",
+                                  max_iter=T + 1, tol=tol, stop_mode="rel", div_factor=float("inf"))
+                stats = replace(picard, nfe=stats.nfe + picard.nfe,
+                                trace=torch.cat([stats.trace, picard.trace]), solver=f"{solver}+fixed_point",
+                                extra={**stats.extra, "safeguard_nfe": picard.nfe})
         return Z, stats
 
     @torch.no_grad()
-    def __call__(
-        self,
-        batch_size: int = 1,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        eta: float = 0.0,
-        num_inference_steps: int = 50,
-        use_clipped_model_output: bool | None = None,
-        output_type: str | None = "pil",
-        return_dict: bool = True,
-        latents: torch.Tensor | None = None,
-        solver: str = "anderson",
-        max_iter: int | None = None,
-        tol: float = 1e-5,
-        max_unet_batch: int = 512,
-        form: str = "telescoped",
-        safeguard: bool = True,
-        allow_tf32: bool = False,
-        **solver_kwargs: Any,
-    ) -> DEQDDIMPipelineOutput | tuple:
+    def __call__(self, batch_size: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
+                 eta: float = 0.0, num_inference_steps: int = 50,
+                 use_clipped_model_output: bool | None = None, output_type: str | None = "pil",
+                 return_dict: bool = True, latents: torch.Tensor | None = None, solver: str = "anderson",
+                 max_iter: int | None = None, tol: float = 1e-5, max_unet_batch: int = 512,
+                 form: str = "telescoped", safeguard: bool = True, allow_tf32: bool = False,
+                 **solver_kwargs: Any) -> DEQDDIMPipelineOutput | tuple:
         r"""Sample like `DDIMPipeline(batch_size, generator, eta=0, num_inference_steps)`, solving the chain
         one fixed point.
 
@@ -515,33 +456,17 @@ class DEQDDIMPipeline(DiffusionPipeline):
         if latents is None:
             if isinstance(generator, list) and len(generator) != batch_size:
                 raise ValueError(f"{len(generator)} generators for batch_size {batch_size}")
-            latents = randn_tensor(
-                self._image_shape(batch_size),
-                generator=generator,
-                device=self._execution_device,
-                dtype=self.unet.dtype,
-            )
+            latents = randn_tensor(self._image_shape(batch_size), generator=generator,
+                                   device=self._execution_device, dtype=self.unet.dtype)
         elif tuple(latents.shape[1:]) != self._image_shape(1)[1:]:
             raise ValueError(
                 f"latents have shape {tuple(latents.shape)}; the UNet expects (B, "
                 f"{', '.join(map(str, self._image_shape(1)[1:]))})"
             )
-        chain = self.chain(
-            num_inference_steps,
-            use_clipped_model_output=bool(use_clipped_model_output),
-            max_unet_batch=max_unet_batch,
-            allow_tf32=allow_tf32,
-        )
-        Z, stats = self.solve_chain(
-            chain,
-            latents,
-            solver=solver,
-            max_iter=max_iter,
-            tol=tol,
-            form=form,
-            safeguard=safeguard,
-            **solver_kwargs,
-        )
+        chain = self.chain(num_inference_steps, use_clipped_model_output=bool(use_clipped_model_output),
+                           max_unet_batch=max_unet_batch, allow_tf32=allow_tf32)
+        Z, stats = self.solve_chain(chain, latents, solver=solver, max_iter=max_iter, tol=tol, form=form,
+                                    safeguard=safeguard, **solver_kwargs)
         # [-1, 1] -> [0, 1] as DDIMPipeline does, keeping the UNet's dtype (diffusers' VaeImageProcessor
         # casts to float32, so a float64 UNet's samples would come back rounded)
         image = (Z[:, -1] / 2 + 0.5).clamp(0, 1)
@@ -551,33 +476,14 @@ class DEQDDIMPipeline(DiffusionPipeline):
                 image = self.numpy_to_pil(image)
         if not return_dict:
             return (image,)
-        return DEQDDIMPipelineOutput(
-            images=image,
-            deq_stats=stats,
-            unet_images=chain.unet_images,
-            unet_calls=chain.unet_calls,
-            depth=stats.nfe,
-        )
+        return DEQDDIMPipelineOutput(images=image, deq_stats=stats, unet_images=chain.unet_images,
+                                     unet_calls=chain.unet_calls, depth=stats.nfe)
 
-    def invert(
-        self,
-        images: Any,
-        num_inference_steps: int = 25,
-        *,
-        steps: int = 100,
-        lr: float = 0.01,
-        time_budget: float | None = None,
-        init: str = "equilibrium",
-        init_iter: int = 20,
-        solver: str = "anderson",
-        f_max_iter: int = 8,
-        f_tol: float = 1e-3,
-        tau: float = 0.1,
-        k: int = 1,
-        max_unet_batch: int = 512,
-        progress: bool = False,
-        callback: Callable[[int, float, torch.Tensor], None] | None = None,
-        allow_tf32: bool = False,
+    def invert(self, images: Any, num_inference_steps: int = 25, *, steps: int = 100, lr: float = 0.01,
+               time_budget: float | None = None, init: str = "equilibrium", init_iter: int = 20,
+               solver: str = "anderson", f_max_iter: int = 8, f_tol: float = 1e-3, tau: float = 0.1,
+               k: int = 1, max_unet_batch: int = 512, progress: bool = False,
+               callback: Callable[[int, float, torch.Tensor], None] | None = None, allow_tf32: bool = False
     ) -> DEQDDIMInversionOutput:
         r"""Find x_T whose DEQ-DDIM sample reproduces `images` (PIL list, (N, H, W, C) array or (N, C, H, W)
         tensor, in [0, 1]).
@@ -624,14 +530,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
                 history.append((time.perf_counter() - t0, float(_mse01(Z[:, -1], target).mean())))
         init_mse = _mse01(Z[:, -1], target)
         deq = DEQ(
-            DEQConfig(
-                f_solver=solver,
-                f_max_iter=f_max_iter,
-                f_tol=f_tol,
-                b_mode="phantom",
-                b_mode_kwargs={"k": k, "tau": tau},
-                on_nonconvergence="ignore",
-            )
+            DEQConfig(f_solver=solver, f_max_iter=f_max_iter, f_tol=f_tol, b_mode="phantom",
+                      b_mode_kwargs={"k": k, "tau": tau}, on_nonconvergence="ignore")
         )
         param = torch.nn.Parameter(x_T.clone())
         opt = torch.optim.Adam([param], lr=lr)
@@ -664,13 +564,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
             self.unet.requires_grad_(True)
         with torch.no_grad():  # the reconstruction of the returned x_T, solved tightly
             Z, _ = self.solve_chain(chain, best_x, solver=solver, tol=1e-5)
-        return DEQDDIMInversionOutput(
-            latents=best_x,
-            images=(Z[:, -1] / 2 + 0.5).clamp(0, 1),
-            mse=_mse01(Z[:, -1], target),
-            init_mse=init_mse,
-            history=history,
-        )
+        return DEQDDIMInversionOutput(latents=best_x, images=(Z[:, -1] / 2 + 0.5).clamp(0, 1),
+                                      mse=_mse01(Z[:, -1], target), init_mse=init_mse, history=history)
 
 
 # What a diffusers repository may name in model_index.json when loaded through deqzoo: these classes only, so
