@@ -126,6 +126,21 @@ class OriginalBreaks(StopRule):
         return stop
 
 
+class _BatchStop(StopRule):
+    """The 2020 MDEQ release's stop rule (locuslab/mdeq lib/modules/broyden.py), for ``best="batch"``: every
+    row stops together once the batch's residual, sqrt(mean over rows of |f(x) - x|²), is below tol, or is
+    not finite (its loop test ``objective >= eps`` is False for NaN). Its eps = 1e-5 sqrt(B D) on the
+    whole batch's norm is this rule with tol = 1e-5 sqrt(D)."""
+
+    def __init__(self, tol: float):
+        self.tol = tol
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        batch = step.abs_residual.double().square().mean().sqrt()
+        stop = (batch < self.tol) | ~torch.isfinite(batch)
+        return stop.expand(step.abs_residual.shape[0])
+
+
 # `m=None` (full memory) stores at most this many steps, then restarts as limited memory does: the history
 # is bounded by it and by the steps taken, never by max_iter (a budget of 1e12 allocates nothing by itself)
 MAX_MEMORY = 1024
@@ -135,7 +150,7 @@ MAX_MEMORY = 1024
 @torch.no_grad()
 def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int | None = None,
             return_inverse: bool = False, keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None,
-            stall_window: int = 0, protect_per_element: float = 0.0):
+            stall_window: int = 0, protect_per_element: float = 0.0, best: str = "sample"):
     """Broyden's ("good") method on the inverse Jacobian of g(x) - x, unit steps, no line search.
 
     With B_0 = -I the estimate after steps s_0..s_k is B_k = P_k ... P_1 B_0, P_j = I + s_j s_{j-1}ᵀ /
@@ -153,8 +168,33 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
 
     ``stall_window`` > 0 and ``protect_per_element`` > 0 add DEQ-Flow v1.0's two extra stop rules (its
     ``lib/solvers.py`` broyden), per sample: `OriginalBreaks`.
+
+    ``best="sample"`` (the default) returns each sample's lowest-residual iterate and stops each sample on
+    its own. ``best="batch"`` is the 2020 MDEQ release's rule (locuslab/mdeq ``lib/modules/broyden.py``):
+    every row iterates until the batch's residual sqrt(mean_b |f(x_b) - x_b|²) is below tol (`_BatchStop`;
+    ``stop_mode`` must be "abs") or the budget is spent, and the iterate with the lowest batch residual
+    (the first on ties, x0 included) is returned for every row. Its per-row statistics are those of that
+    iterate. The v1.0 extra stop rules are per sample, so they cannot be combined with it.
+
+    Example:
+        >>> import torch
+        >>> from deqzoo.core import solve
+        >>> f = lambda z: torch.tanh(z @ torch.tensor([[0.5, 0.2], [-0.3, 0.4]], dtype=z.dtype) + 1)
+        >>> z0 = torch.zeros(3, 2, dtype=torch.float64)
+        >>> z, st = solve(f, z0, solver="broyden", max_iter=30, tol=1e-9, stop_mode="abs", best="batch")
+        >>> bool((f(z) - z).abs().max() < 1e-8), st.nfe_per_sample.unique().numel()  # the rows stop together
+        (True, 1)
     """
     _check_solve_args(max_iter, tol, stop_mode)
+    if best not in ("sample", "batch"):
+        raise ValueError(f"broyden: best must be 'sample' or 'batch', got {best!r}")
+    batch_best = best == "batch"
+    if batch_best and (stop_mode != "abs" or stall_window or protect_per_element or return_inverse):
+        raise ValueError("broyden: best='batch' (the 2020 MDEQ release's rule) needs stop_mode='abs' and no "
+                         "stall_window, protect_per_element or return_inverse")
+    if batch_best:
+        halt = (_BatchStop(tol),) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt),
+                                                         _BatchStop(tol))
     if stall_window or protect_per_element:
         extra = OriginalBreaks(tol, stop_mode, int(stall_window), float(protect_per_element), x0.shape[1])
         halt = (extra,) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt), extra)
@@ -169,7 +209,13 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
             stats.extra["inverse_jacobian"] = InverseJacobian(x0.new_zeros(0, 0, d), no_steps)
         return z, stats
     m = min(m, max_iter)  # a step's slot is at most the steps taken
-    tracker = _Tracker(x0, max_iter, tol, stop_mode, "broyden", keep_steps, div_factor, halt, g)
+    # best="batch": no row stops on its own residual or divergence (tol below any residual), only by
+    # `_BatchStop`, a non-finite value or the budget, all rows at the same step
+    tracker = _Tracker(x0, max_iter, 5e-324 if batch_best else tol, stop_mode, "broyden", keep_steps,
+                       math.inf if batch_best else div_factor, halt, g)
+    if batch_best:
+        lowest = torch.full((), math.inf, dtype=torch.float64, device=x0.device)
+        lowest_x, lowest_sq = x0, None
     dev = x0.device
     cap = min(m, 8)
     # zero-filled, since rows past a sample's count are read as 0
@@ -185,7 +231,14 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
         rows = tracker.rows
         fx = tracker.call(g, x)
         gx = fx - x
-        keep = tracker.update_sq(x, *_sq_norms(gx, fx), fx)
+        sq = _sq_norms(gx, fx)
+        keep = tracker.update_sq(x, *sq, fx)
+        if batch_best and x.shape[0] == b:  # all rows still iterate (they stop together)
+            batch_sq = sq[0].sum()
+            improved = batch_sq < lowest  # strict: the first lowest step wins, as the original's
+            lowest = torch.where(improved, batch_sq, lowest)
+            lowest_x = torch.where(improved, x, lowest_x)
+            lowest_sq = sq if lowest_sq is None else torch.where(improved, sq, lowest_sq)
         if keep is not None and return_inverse:
             gone = ~keep
             retired.append((rows[gone], S[gone], M[gone], count[gone]))
@@ -209,9 +262,22 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
         M[idx, :, slot] = row
         count = slot + 1
         x = x + s
+    if batch_best:
+        _set_batch_best(tracker, lowest_x, lowest_sq, tol)
     if not return_inverse:
         return tracker.result(), tracker.stats()
     return tracker.result(), tracker.stats(inverse_jacobian=_assemble(retired, b, d, dev))
+
+
+def _set_batch_best(tracker: _Tracker, x: torch.Tensor, sq: torch.Tensor | None, tol: float) -> None:
+    """Make the tracker's answer the lowest batch-residual iterate x for every row (best="batch")."""
+    tracker.result()  # writes the rows still held into the whole-batch arrays first
+    tracker.tol = tol
+    if sq is None:  # no finite batch residual: x0
+        return
+    a = sq[0].sqrt()
+    tracker.best_x.copy_(x)
+    tracker.best.copy_(torch.stack((a, a / (sq[1].sqrt() + 1e-12))))
 
 
 def _assemble(retired: list[tuple], b: int, d: int, dev: torch.device) -> InverseJacobian:
