@@ -64,7 +64,7 @@ def _problem(b=4, d=12, seed=0, contraction=0.9):
 def test_batch_best_matches_the_2020_release_loop(seed, contraction, threshold, rms_tol, apart):
     f = _problem(seed=seed, contraction=contraction)
     x0 = torch.zeros(4, 12, dtype=torch.float64)
-    eps = rms_tol * math.sqrt(x0.shape[0])  # the batch norm's eps for an RMS tolerance
+    eps = rms_tol * math.sqrt(x0.numel())  # the release's eps = 1e-5 sqrt(B D): tol per element
     want, lowest_step, nstep = _original_broyden(lambda x: f(x) - x, x0, threshold, eps)
     z, st = broyden(f, x0, max_iter=threshold + 1, tol=rms_tol, stop_mode="abs", best="batch")
     assert torch.equal(st.nfe_per_sample, torch.full((4,), nstep + 1))  # the rows stop together

@@ -128,15 +128,16 @@ class OriginalBreaks(StopRule):
 
 class _BatchStop(StopRule):
     """The 2020 MDEQ release's stop rule (locuslab/mdeq lib/modules/broyden.py), for ``best="batch"``: every
-    row stops together once the batch's residual, sqrt(mean over rows of |f(x) - x|²), is below tol, or is
-    not finite (its loop test ``objective >= eps`` is False for NaN). Its eps = 1e-5 sqrt(B D) on the
-    whole batch's norm is this rule with tol = 1e-5 sqrt(D)."""
+    row stops together once the batch's residual per element, sqrt(sum over rows of |f(x) - x|² / (B D)),
+    is below tol, or is not finite (its loop test ``objective >= eps`` is False for NaN). Its eps =
+    1e-5 sqrt(B D) on the whole batch's norm (lib/modules/deq2d.py) is this rule with tol = 1e-5, whatever
+    the input's size."""
 
-    def __init__(self, tol: float):
-        self.tol = tol
+    def __init__(self, tol: float, dim: int):
+        self.tol, self.dim = tol, dim
 
     def __call__(self, step: Step) -> torch.Tensor:
-        batch = step.abs_residual.double().square().mean().sqrt()
+        batch = (step.abs_residual.double().square().mean() / self.dim).sqrt()
         stop = (batch < self.tol) | ~torch.isfinite(batch)
         return stop.expand(step.abs_residual.shape[0])
 
@@ -171,17 +172,17 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
 
     ``best="sample"`` (the default) returns each sample's lowest-residual iterate and stops each sample on
     its own. ``best="batch"`` is the 2020 MDEQ release's rule (locuslab/mdeq ``lib/modules/broyden.py``):
-    every row iterates until the batch's residual sqrt(mean_b |f(x_b) - x_b|²) is below tol (`_BatchStop`;
-    ``stop_mode`` must be "abs") or the budget is spent, and the iterate with the lowest batch residual
-    (the first on ties, x0 included) is returned for every row. Its per-row statistics are those of that
-    iterate. The v1.0 extra stop rules are per sample, so they cannot be combined with it.
+    every row iterates until the batch's residual per element sqrt(Σ_b |f(x_b) - x_b|² / (B D)) is below
+    tol (`_BatchStop`; ``stop_mode`` must be "abs") or the budget is spent, and the iterate with the
+    lowest batch residual (the first on ties, x0 included) is returned for every row; the per-row
+    statistics are those of that iterate. The v1.0 extra stop rules are per sample: not combined with it.
 
     Example:
         >>> import torch
         >>> from deqzoo.core import solve
         >>> f = lambda z: torch.tanh(z @ torch.tensor([[0.5, 0.2], [-0.3, 0.4]], dtype=z.dtype) + 1)
         >>> z0 = torch.zeros(3, 2, dtype=torch.float64)
-        >>> z, st = solve(f, z0, solver="broyden", max_iter=30, tol=1e-9, stop_mode="abs", best="batch")
+        >>> z, st = solve(f, z0, solver="broyden", max_iter=30, tol=1e-10, stop_mode="abs", best="batch")
         >>> bool((f(z) - z).abs().max() < 1e-8), st.nfe_per_sample.unique().numel()  # the rows stop together
         (True, 1)
     """
@@ -193,8 +194,8 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
         raise ValueError("broyden: best='batch' (the 2020 MDEQ release's rule) needs stop_mode='abs' and no "
                          "stall_window, protect_per_element or return_inverse")
     if batch_best:
-        halt = (_BatchStop(tol),) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt),
-                                                         _BatchStop(tol))
+        rules = () if halt is None else (halt,) if isinstance(halt, StopRule) else tuple(halt)
+        halt = (*rules, _BatchStop(tol, x0.shape[1]))
     if stall_window or protect_per_element:
         extra = OriginalBreaks(tol, stop_mode, int(stall_window), float(protect_per_element), x0.shape[1])
         halt = (extra,) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt), extra)
