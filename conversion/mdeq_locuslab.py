@@ -556,14 +556,34 @@ def apply_key_map(
 # ---- end to end ----------------------------------------------------------------------------------
 
 
+def release_2020_solver(deq: dict[str, Any]) -> dict[str, Any]:
+    """The forward solver of locuslab/mdeq (the 2020 release; lib/modules/deq2d.py and broyden.py), from
+    the settings read from its yaml or preset (`deq`, with ``f_max_iter`` = F_THRES).
+
+    Its forward is always Broyden, stopped when the whole batch's residual norm is below eps = 1e-5
+    sqrt(B D) (absolute; tol 1e-5 per element) or after F_THRES steps, which are F_THRES + 1 evaluations of
+    f (x0's included), and it returns the iterate with the lowest whole-batch residual for every sample
+    (broyden's ``best="batch"``), not f of it.
+
+    Example:
+        >>> release_2020_solver({"f_solver": "anderson", "f_max_iter": 22})["f_solver_kwargs"]
+        {'best': 'batch'}
+    """
+    return {**deq, "f_solver": "broyden", "f_max_iter": int(deq.get("f_max_iter", 30)) + 1, "f_tol": 1e-5,
+            "f_stop_mode": "abs", "f_solver_kwargs": {"best": "batch"}, "f_final_step": False}
+
+
 def convert_state_dict(
     sd: dict[str, torch.Tensor],
     options: dict[str, Any] | None = None,
     path: str | os.PathLike = "<state dict>",
     key_map_rows: list[tuple[str, str]] = KEY_MAP,
     device: str | None = None,
+    release_2020: bool = False,
 ):
     """(deqzoo model with the converted weights, info dict) from a canonical original state dict, in memory.
+
+    ``release_2020``: the checkpoint is locuslab/mdeq's; its forward solver is `release_2020_solver`.
 
     ``device="meta"`` checks keys and shapes only (no memory for the weights; the model is left unloaded).
     """
@@ -571,6 +591,8 @@ def convert_state_dict(
 
     structure = infer_structure(sd, path)
     config, task, preset = resolve_config(structure, options or {}, path)
+    if release_2020 and "deq" not in (options or {}):
+        config.deq = release_2020_solver(config.deq)
     cls = MDEQForImageClassification if task == "image-classification" else MDEQForSemanticSegmentation
     with torch.device(device or "cpu"):
         model = cls(config)
@@ -658,8 +680,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> P
     """
     check_output(src, out)
     src, out = Path(src), Path(out)
-    sd = canonical_locuslab(load_checkpoint(src), src)
-    model, info = convert_state_dict(sd, options, src)
+    raw = load_checkpoint(src)
+    release_2020 = any(k.startswith(DROPPED) for k in raw)  # only locuslab/mdeq's checkpoints carry copies
+    sd = canonical_locuslab(raw, src)
+    model, info = convert_state_dict(sd, options, src, release_2020=release_2020)
     return write_converted(model, info, src, out, FORMAT, "locuslab MDEQ (MDEQ-Vision / locuslab/mdeq) .pkl")
 
 

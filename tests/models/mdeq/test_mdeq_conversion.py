@@ -106,6 +106,10 @@ def test_equilibrium_matches_original(converted):
 # broyden its lowest iterate, TorchDEQ's anderson f of it (conversion._common.RETURNED_POINT)
 SOLVER_RUNS = {
     "mdeq-vision": ("logits_solver", {"f_solver": "broyden", "f_max_iter": 18, "f_stop_mode": "rel"}),
+    # locuslab/mdeq's broyden at the fixture's F_THRES=22: 22 steps after x0's evaluation, whole-batch
+    # eps = 1e-5 sqrt(B D), the lowest whole-batch iterate for every sample (converter: release_2020_solver)
+    "mdeq-2020-narrow": ("logits_broyden", {"f_solver": "broyden", "f_max_iter": 23, "f_stop_mode": "abs",
+                                            "f_tol": 1e-5, "f_solver_kwargs": {"best": "batch"}}),
     "torchdeq": ("logits_anderson", {"f_solver": "anderson", "f_max_iter": 60, "f_tol": 1e-6,
                                      "f_stop_mode": "rel"}),
 }
@@ -115,13 +119,19 @@ SOLVER_RUNS = {
 def test_returned_point_matches_the_originals_solver(name, tmp_path):
     """Issue 58: the converted model returns what the original's solver returns. locuslab/deq MDEQ-Vision's
     broyden (F_THRES 18) returns its accepted iterate: 8.0e-7 from the fixture, where f of it is 3.8e-5
-    away; TorchDEQ's anderson returns f of the iterate (converged to 1e-6 here, so both are within 3.2e-6)."""
+    away; TorchDEQ's anderson returns f of the iterate (converged to 1e-6 here, so both are within 3.2e-6);
+    locuslab/mdeq's broyden (F_THRES 22) its lowest whole-batch iterate after 22 steps: 6.6e-7 (at this
+    fixture the per-sample lowest iterate is the same point; 22 evaluations instead of 23 are 6.1e-5 away)."""
     fmt, module, ckpt, io_name, options = CASES[name]
     key, settings = SOLVER_RUNS[name]
     model = deqzoo.from_pretrained(module.FORMATS[fmt](FIX / ckpt, tmp_path / "m", **options)).eval()
     io = _io(io_name)
-    final = {"mdeq-vision": False, "torchdeq": 1}[name]
-    origin = "locuslab" if name == "mdeq-vision" else "torchdeq"
+    final = {"mdeq-vision": False, "mdeq-2020-narrow": False, "torchdeq": 1}[name]
+    origin = "torchdeq" if name == "torchdeq" else "locuslab"
+    if name == "mdeq-2020-narrow":  # the converter writes the 2020 release's solver (F_THRES + 1 evaluations)
+        written = model.config.deq
+        assert {k: written[k] for k in settings if k != "f_max_iter"} == {
+            k: v for k, v in settings.items() if k != "f_max_iter"}
     assert original_returned_point(origin, settings)["f_final_step"] == final
     tol = 1e-5 * max(1.0, io[key].abs().max().item())
     model.set_deq(**settings, f_final_step=final, on_nonconvergence="ignore")
@@ -133,6 +143,11 @@ def test_returned_point_matches_the_originals_solver(name, tmp_path):
         model.set_deq(f_final_step=1)
         with torch.no_grad():
             assert (model(io["input"]).logits - io[key]).abs().max().item() > tol
+    if name == "mdeq-2020-narrow":  # the fixture tells the step count apart: F_THRES evaluations, not + 1
+        for best in ("sample", "batch"):  # 1.2e-4 and 6.1e-5 away
+            model.set_deq(f_max_iter=22, f_solver_kwargs={"best": best})
+            with torch.no_grad():
+                assert (model(io["input"]).logits - io[key]).abs().max().item() > tol
 
 
 def test_converted_directory_is_a_hub_repo(converted):
