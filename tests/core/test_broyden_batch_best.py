@@ -99,3 +99,5 @@ def test_bad_options_are_rejected():
         broyden(f, x0, max_iter=5, tol=1e-6, best="row")
     with pytest.raises(ValueError, match="stop_mode='abs'"):
         broyden(f, x0, max_iter=5, tol=1e-6, stop_mode="rel", best="batch")
+    with pytest.raises(ValueError, match="halt rules"):
+        broyden(f, x0, max_iter=5, tol=1e-6, stop_mode="abs", best="batch", stall_window=30)

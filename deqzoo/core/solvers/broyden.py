@@ -175,7 +175,7 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
     every row iterates until the batch's residual per element sqrt(Σ_b |f(x_b) - x_b|² / (B D)) is below
     tol (`_BatchStop`; ``stop_mode`` must be "abs") or the budget is spent, and the iterate with the
     lowest batch residual (the first on ties, x0 included) is returned for every row; the per-row
-    statistics are those of that iterate. The v1.0 extra stop rules are per sample: not combined with it.
+    statistics are those of that iterate. Per-sample stop rules (v1.0's, ``halt``) are not combined with it.
 
     Example:
         >>> import torch
@@ -190,12 +190,13 @@ def broyden(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int 
     if best not in ("sample", "batch"):
         raise ValueError(f"broyden: best must be 'sample' or 'batch', got {best!r}")
     batch_best = best == "batch"
-    if batch_best and (stop_mode != "abs" or stall_window or protect_per_element or return_inverse):
+    # per-row stop rules would take rows out of the batch the release iterates as one
+    if batch_best and (stop_mode != "abs" or stall_window or protect_per_element or return_inverse
+                       or halt is not None):  # fmt: skip
         raise ValueError("broyden: best='batch' (the 2020 MDEQ release's rule) needs stop_mode='abs' and no "
-                         "stall_window, protect_per_element or return_inverse")
+                         "stall_window, protect_per_element, return_inverse or halt rules")
     if batch_best:
-        rules = () if halt is None else (halt,) if isinstance(halt, StopRule) else tuple(halt)
-        halt = (*rules, _BatchStop(tol, x0.shape[1]))
+        halt = _BatchStop(tol, x0.shape[1])
     if stall_window or protect_per_element:
         extra = OriginalBreaks(tol, stop_mode, int(stall_window), float(protect_per_element), x0.shape[1])
         halt = (extra,) if halt is None else (*((halt,) if isinstance(halt, StopRule) else halt), extra)
