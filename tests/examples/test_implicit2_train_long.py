@@ -162,7 +162,15 @@ def test_make_cards_long_mode_writes_the_card_from_the_latest_state_with_the_twi
     meta, _ = read_model_card(card)
     metrics = meta["model-index"][0]["results"][0]["metrics"]
     psnr = next(m["value"] for m in metrics if m["type"] == "psnr")
-    assert psnr == round(imp["psnr"][-1], 2)
+    # the card's number is what the checkpoint gives as shipped (ImpSq's 1e-3, not training's 1e-2): what
+    # `deqzoo eval` prints, recomputed here from the card folder
+    from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
+    from examples.implicit2.images import evaluate
+
+    shipped = Implicit2ForSignalRepresentation.from_pretrained(card)
+    assert shipped.config.deq_config.f_tol == make_cards.CARD_EVAL_TOL
+    assert psnr == evaluate(shipped, progress=False)["psnr"]
+    assert abs(psnr - imp["psnr"][-1]) < 0.5  # the training log's last value, at the looser tolerance
     text = (card / "README.md").read_text()
     for st in (2, 4):  # the side-by-side curve at the common evaluated steps
         a, b = imp["psnr"][imp["eval_steps"].index(st)], exp["psnr"][exp["eval_steps"].index(st)]

@@ -33,7 +33,7 @@ def test_layout_is_huggingface_hubs_and_files_match_the_catalog(tmp_path):
         assert set(files) == set(entry["files"]), cid
         for rel, path in files.items():
             digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-            if rel == "config.json" and "architecture" in json.loads(Path(path).read_text()):
+            if rel == "config.json" and "pretrained_cfg" in json.loads(Path(path).read_text()):
                 config = json.loads(Path(path).read_text())  # timm keys added, the rest unchanged
                 assert config["architecture"] == cid.split("/")[1].replace("-", "_")
                 assert config["pretrained_cfg"]["hf_hub_id"] == cid
