@@ -13,28 +13,10 @@ import torch
 
 from deqzoo.core import BACKWARD_MODES
 from deqzoo.core.backward import MODE_KWARGS
-from deqzoo.core.stats import SolverStats
+from tests.gradients.test_gradients_reversible_steps import coupled_reference  # the paper's coupled loop
 
 torch.set_num_threads(1)
-STEPS, BETA = 4, 0.8
-
-
-def coupled_reference(g, x_star, ctx):
-    """Autograd through the paper's coupled loop, N = ctx.max_iter steps from z0 = y0."""
-    beta = ctx.config.b_mode_kwargs.get("beta", BETA)
-    z = y = ctx.x0
-    for _ in range(ctx.max_iter):
-        y = (1 - beta) * y + beta * g(z)
-        z = (1 - beta) * z + beta * g(y)
-    zeros = torch.zeros(z.shape[0], dtype=z.dtype)
-    ctx.stats = SolverStats(nfe=2 * ctx.max_iter + 1, abs_residual=zeros, rel_residual=zeros,
-                            trace=torch.zeros(0), converged=torch.ones(z.shape[0], dtype=torch.bool),
-                            solver="reference")
-    return z
-
-
-coupled_reference.needs_solve = False
-coupled_reference.replaces_solve = True
+STEPS, BETA = 4, 0.8  # BETA: coupled_reference's default too
 
 
 def _flow_model():

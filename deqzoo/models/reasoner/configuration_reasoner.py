@@ -146,6 +146,11 @@ def one_pass_twin(config: ReasonerConfig) -> ReasonerConfig:
                                    "grad_mode": "full", "halting": "budget"})
 
 
+# the published 6x6 Sudoku pair (model_cards/trm-sudoku6 and its twin) share this network
+_SUDOKU6 = {"architecture": "trm", "vocab_size": 7, "num_labels": 7, "seq_len": 36, "hidden_size": 64,
+            "num_heads": 2, "num_layers": 2, "mixer": "mlp", "pos_encodings": "learned", "h_cycles": 1,
+            "l_cycles": 1, "halt_max_steps": 4, "architectures": ["ReasonerForGridClassification"]}
+
 # Named presets for deqzoo.create_model (see deqzoo.models.registry).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "trm-sudoku6-mlp": {
@@ -159,19 +164,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
     "trm-sudoku6": {
         "task": "grid-reasoning",
-        "config": {"architecture": "trm", "vocab_size": 7, "num_labels": 7, "seq_len": 36,
-                   "hidden_size": 64, "num_heads": 2, "num_layers": 2, "mixer": "mlp",
-                   "pos_encodings": "learned", "h_cycles": 1, "l_cycles": 1, "halt_max_steps": 4,
-                   "architectures": ["ReasonerForGridClassification"]},
+        "config": _SUDOKU6,
         "description": "The published 6x6 Sudoku reasoner: the pilot's network, one cycle of one latent "
                        "update per segment (2 applications), 4 segments.",
     },
     "trm-sudoku6-twin": {
         "task": "grid-reasoning",
-        "config": {"architecture": "trm", "vocab_size": 7, "num_labels": 7, "seq_len": 36,
-                   "hidden_size": 64, "num_heads": 2, "num_layers": 2, "mixer": "mlp",
-                   "pos_encodings": "learned", "h_cycles": 1, "l_cycles": 1, "halt_max_steps": 1,
-                   "grad_mode": "full", "architectures": ["ReasonerForGridClassification"]},
+        "config": {**_SUDOKU6, "halt_max_steps": 1, "grad_mode": "full"},  # what one_pass_twin makes of it
         "description": "trm-sudoku6's explicit one-pass twin (one_pass_twin): the same network applied once.",
     },
     "trm-sudoku9-attention": {
