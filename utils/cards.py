@@ -35,8 +35,10 @@ def build_metadata(
     tags: list[str],
     base_model: str | None = None,
     license: str = "apache-2.0",
+    demo: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The card's YAML metadata as a dict (Hub keys plus `deqzoo_task`)."""
+    """The card's YAML metadata as a dict (Hub keys plus `deqzoo_task`, and `deqzoo_demo`: what `deqzoo demo`
+    shows for it, which tests/test_cards_agree.py holds the demo to)."""
     for i, metric in enumerate(metrics):
         missing = {"type", "name", "value"} - set(metric)
         if missing:
@@ -60,6 +62,8 @@ def build_metadata(
         meta["base_model"] = base_model
     meta["pipeline_tag"] = pipeline_tag
     meta["deqzoo_task"] = task_module
+    if demo:
+        meta["deqzoo_demo"] = dict(demo)
     meta["model-index"] = [{
         "name": model_id,
         "results": [{
@@ -121,6 +125,7 @@ def write_model_card(
     body_markdown: str,
     base_model: str | None = None,
     license: str = "apache-2.0",
+    demo: dict[str, Any] | None = None,
 ) -> Path:
     """Write `directory/README.md`: YAML metadata plus a body with usage, training and evaluation commands.
 
@@ -143,7 +148,7 @@ def write_model_card(
     """
     meta = build_metadata(model_id=model_id, pipeline_tag=pipeline_tag, task_module=task_module,
                           datasets=datasets, dataset_name=dataset_name, metrics=metrics, tags=tags,
-                          base_model=base_model, license=license)
+                          base_model=base_model, license=license, demo=demo)
     metric_rows = "\n".join(f"| {m['name']} | `{m['type']}` | {m['value']} |" for m in metrics)
     if pipeline_tag in TRANSFORMERS_PIPELINES:
         stock_line = f'pipe = transformers.pipeline("{pipeline_tag}", model=str(resolve("{model_id}")))'

@@ -216,6 +216,17 @@ def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str
     )
 
 
+def _demo_entry(directory: Path) -> dict:
+    """The card's `deqzoo_demo` entry: the demo's metric and converged flag for the written folder."""
+    import tempfile
+
+    from examples.demo import card_demo
+
+    with tempfile.TemporaryDirectory() as scratch:
+        row = card_demo(str(directory), Path(scratch))[0]
+    return {"metric": row["metric"], "converged": row["converged"]}
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -335,8 +346,7 @@ current tolerance; at most 100 fixed-point steps from a zero state), and the num
 {replaced}{extra}
 {generalization_table(ROOT / "examples" / "implicit2" / "results" / "gen_implicit2.json")}
 """
-        write_model_card(
-            dst,
+        card = dict(
             model_id=f"deqzoo/{name}",
             title=f"Implicit² {title} on camera ({rec['size']}x{rec['size']})",
             pipeline_tag="image-to-image",
@@ -353,6 +363,8 @@ current tolerance; at most 100 fixed-point steps from a zero state), and the num
             body_markdown=body,
             license="mit",
         )
+        write_model_card(dst, **card)
+        write_model_card(dst, **card, demo=_demo_entry(dst))  # what `deqzoo demo` shows for this folder
         print(f"{name}: {result}")
     return 0
 
