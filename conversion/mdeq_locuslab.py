@@ -563,7 +563,9 @@ def release_2020_solver(deq: dict[str, Any]) -> dict[str, Any]:
     Its forward is always Broyden, stopped when the whole batch's residual norm is below eps = 1e-5
     sqrt(B D) (absolute; tol 1e-5 per element) or after F_THRES steps, which are F_THRES + 1 evaluations of
     f (x0's included), and it returns the iterate with the lowest whole-batch residual for every sample
-    (broyden's ``best="batch"``), not f of it.
+    (broyden's ``best="batch"``), not f of it. That selection makes a sample's answer depend on its
+    batch-mates, as in the original: converted 2020 checkpoints reproduce the release batch by batch, and
+    ``deq={"f_solver_kwargs": {}}`` at load gives deqzoo's per-sample (batch-independent) selection instead.
 
     Example:
         >>> release_2020_solver({"f_solver": "anderson", "f_max_iter": 22})["f_solver_kwargs"]
