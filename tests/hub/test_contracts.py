@@ -157,7 +157,7 @@ def _mdeq(**deq):
     import deqzoo
 
     torch.manual_seed(0)
-    model = deqzoo.create_model("mdeq-mnist-tiny").eval()
+    model = deqzoo.create_model("mdeq-tiny-mnist").eval()
     model.set_deq(**deq)
     return model
 
