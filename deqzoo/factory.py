@@ -54,8 +54,9 @@ def _architectures(family) -> dict[str, dict[str, Any]]:
 def _model_class(family, auto_name: str | None = None, architectures: list[str] | None = None):
     classes = {auto: family.load(path) for auto, path in family.models.items()}
     by_name = {cls.__name__: cls for cls in classes.values()}
-    by_name.update({name: family.load(path) for name, path in family.heads.items()})
     for arch in architectures or []:
+        if arch in family.heads:  # imported only when named (timm's class imports timm)
+            return family.load(family.heads[arch])
         if arch in by_name:
             return by_name[arch]
     if auto_name:

@@ -21,6 +21,7 @@ FAMILY = Family(
     architectures=f"{_P}.configuration_mdeq:ARCHITECTURES",
     image_processor=f"{_P}.image_processing_mdeq:MDEQImageProcessor",
     timm_module="deqzoo.integrations.timm",
+    heads={"MDEQTimm": "deqzoo.integrations.timm:MDEQTimm"},  # a timm model saved with save_pretrained
     names=("mdeq-tiny-mnist", "mdeq-tiny-mnist-reversible", "lipschitz-mdeq-tiny-mnist"),
     app=("mdeq-tiny-mnist", "lipschitz-mdeq-tiny-mnist"),
     hypersolver_state="multires",
