@@ -63,7 +63,7 @@ DEFAULT_CHECKPOINT = "deqzoo/deq-flow-cpu-synth"
 
 SCALES = {
     # name: (DEQ-Flow preset, batch, image side): the CPU preset as trained here, and the original's B size
-    "cpu": ("deq-flow-cpu", 4, 64),
+    "cpu": ("deq-flow-cpu-synth", 4, 64),
     "b": ("deq-flow-b", 1, 192),
 }
 
@@ -178,7 +178,7 @@ def measure_training(
     kind: str,
     iters: int,
     *,
-    preset: str = "deq-flow-cpu",
+    preset: str = "deq-flow-cpu-synth",
     batch: int = 4,
     size: int = 64,
     n_states: int = 1,
@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=sorted(SCALES),
         choices=sorted(SCALES),
-        help="cpu: deq-flow-cpu, batch 4 of 64x64; b: the original's B size, batch 1 of 192x192",
+        help="cpu: deq-flow-cpu-synth, batch 4 of 64x64; b: the original's B size, batch 1 of 192x192",
     )
     p.add_argument("--iterations", type=int, nargs="+", default=[12, 24])
     p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     scales = {k: SCALES[k] for k in (["cpu"] if args.quick else args.scales)}
     if args.quick:
-        scales = {"cpu": ("deq-flow-cpu", 2, 64)}
+        scales = {"cpu": ("deq-flow-cpu-synth", 2, 64)}
         args.frames, args.repeats, args.videos = min(args.frames, 8), 1, 1
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

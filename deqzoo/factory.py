@@ -54,8 +54,9 @@ def _architectures(family) -> dict[str, dict[str, Any]]:
 def _model_class(family, auto_name: str | None = None, architectures: list[str] | None = None):
     classes = {auto: family.load(path) for auto, path in family.models.items()}
     by_name = {cls.__name__: cls for cls in classes.values()}
-    by_name.update({name: family.load(path) for name, path in family.heads.items()})
     for arch in architectures or []:
+        if arch in family.heads:  # imported only when named (timm's class imports timm)
+            return family.load(family.heads[arch])
         if arch in by_name:
             return by_name[arch]
     if auto_name:
@@ -90,7 +91,7 @@ def model_names() -> list[dict[str, Any]]:
     Example:
         >>> row = next(r for r in model_names() if r["name"] == "mdeq-tiny-mnist")
         >>> row["hub_id"], row["preset"], row["timm"]
-        ('deqzoo/mdeq-tiny-mnist', 'mdeq-mnist-tiny', 'mdeq_tiny_mnist')
+        ('deqzoo/mdeq-tiny-mnist', 'mdeq-tiny-mnist', 'mdeq_tiny_mnist')
     """
     in_timm = {name for family in declared_families().values() for name in timm_names(family)}
     return [{"name": name, "hub_id": f"deqzoo/{name}", "preset": preset,
@@ -123,10 +124,9 @@ def _find_preset(name: str):
     """(family, preset) of a preset or model name (the declaring family first: only it is imported)."""
     canonical = canonical_name(name)
     for family in declared_families().values():
-        if canonical in family.names:
-            name = family.names[canonical]
+        if canonical in family.names:  # a published model: its preset has its name
             family = family_for(family.model_type)
-            return family, _architectures(family).get(name)
+            return family, _architectures(family).get(canonical)
     for family in available_families().values():
         presets = _architectures(family)
         if name in presets:
@@ -142,7 +142,7 @@ def create_model(name: str, *, deq: dict[str, Any] | None = None, max_parameters
 
     Example:
         >>> import deqzoo
-        >>> model = deqzoo.create_model("mdeq-tiny-mnist", num_labels=10)   # = preset "mdeq-mnist-tiny"
+        >>> model = deqzoo.create_model("mdeq-tiny-mnist", num_labels=10)   # = preset "mdeq-tiny-mnist"
         >>> deqzoo.create_model("mdeq-tiny-mnst")
         Traceback (most recent call last):
         ...
@@ -204,9 +204,10 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     try:
         directory = resolve(name_or_path, **hub)
     except Exception as err:
-        models = [n for n, preset in model_names_table().items() if preset == name]  # a preset's name
-        hint = ("" if Path(name).exists() else f" {name!r} is an architecture preset (create_model); the "
-                f"published models built on it: {models}" if models else did_you_mean(name))
+        untrained = not Path(name).exists() and _find_preset(name)[1] is not None  # a preset, no weights
+        hint = (f" {name!r} is an architecture preset without published weights: "
+                f"deqzoo.create_model({name!r}) builds it untrained" if untrained
+                else "" if Path(name).exists() else did_you_mean(name))
         if not hint:
             raise
         raise type(err)(f"{err}{hint}") from err

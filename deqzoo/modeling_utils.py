@@ -55,7 +55,7 @@ class DEQPreTrainedModel(PreTrainedModel):
 
         Example:
             >>> import deqzoo
-            >>> model = deqzoo.create_model("mdeq-mnist-tiny").compile_deq()
+            >>> model = deqzoo.create_model("mdeq-tiny-mnist").compile_deq()
             >>> model.mdeq.deq.compile_options
             {}
         """
@@ -73,7 +73,7 @@ class DEQPreTrainedModel(PreTrainedModel):
 
         Example:
             >>> import deqzoo
-            >>> model = deqzoo.create_model("mdeq-mnist-tiny")
+            >>> model = deqzoo.create_model("mdeq-tiny-mnist")
             >>> model.set_deq(f_max_iter=40, f_solver="broyden").f_max_iter
             40
             >>> model.set_deq(on_nonconvergence="ignore").on_nonconvergence, model.config.on_nonconvergence

@@ -56,7 +56,7 @@ def mdeq_declared_as():
 @pytest.fixture(scope="module")
 def mdeq():
     torch.manual_seed(0)
-    return MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-mnist-tiny"]["config"])).eval()
+    return MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-tiny-mnist"]["config"])).eval()
 
 
 def test_the_declaration_decides_what_export_serves(mdeq, mdeq_declared_as, tmp_path):

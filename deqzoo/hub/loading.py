@@ -172,17 +172,14 @@ def load_state_dict(directory: str | os.PathLike, variant: str | None = None) ->
             for key, tensor in _read_weights(path).items()}
 
 
-def load_weights_file(model: torch.nn.Module, path: str | os.PathLike, *, strip_prefix: str = ""
-                      ) -> torch.nn.Module:
+def load_weights_file(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """Load one safetensors file into `model`, header, keys, shapes and dtypes checked first (errors name the
-    file); keys may carry `strip_prefix` (a wrapper's ``model.``)."""
+    file)."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path}: deqzoo loads safetensors files only and never unpickles; convert it "
                               "with `deqzoo convert`")
     state = _read_weights(path)
-    if strip_prefix and state and all(k.startswith(strip_prefix) for k in state):
-        state = {k[len(strip_prefix):]: v for k, v in state.items()}
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, strict=False)
     return model

@@ -37,7 +37,7 @@ def model_fingerprint(model: nn.Module) -> str:
 
     Example:
         >>> import deqzoo
-        >>> a = deqzoo.create_model("mdeq-mnist-tiny"); len(model_fingerprint(a))
+        >>> a = deqzoo.create_model("mdeq-tiny-mnist"); len(model_fingerprint(a))
         64
     """
     digest = hashlib.sha256()

@@ -60,21 +60,22 @@ def timm_name(name: str) -> str:
                      f"timm names: {sorted(TIMM_MODELS)}")
 
 
-class MDEQTimm(nn.Module):
-    """timm-facing wrapper of :class:`MDEQForImageClassification` (kept as ``self.model``)."""
+class MDEQTimm(MDEQForImageClassification):
+    """MDEQ as a timm model: :class:`MDEQForImageClassification` itself (same modules, state-dict keys and
+    config; a saved one loads back as this class) with timm's conventions: ``forward`` returns the logits
+    tensor, ``forward_features`` / ``forward_head(pre_logits=)``, ``num_classes``, ``num_features``,
+    ``reset_classifier``, ``feature_info`` and ``forward_intermediates`` for ``features_only``;
+    ``timm.create_model`` adds ``pretrained_cfg`` / ``default_cfg``."""
 
-    def __init__(self, model: MDEQForImageClassification):
-        super().__init__()
-        self.model = model
-        cfg = model.config
-        self.num_classes = cfg.num_labels
-        self.num_features = self.head_hidden_size = cfg.final_chansize
-        self.in_chans = cfg.in_channels
+    def __init__(self, config: MDEQConfig):
+        super().__init__(config)
+        self.num_classes = config.num_labels
+        self.num_features = self.head_hidden_size = config.final_chansize
+        self.in_chans = config.in_channels
         self.grad_checkpointing = False
-        stride = 2**cfg.downsample_times
-        self.feature_info = [dict(num_chs=c, reduction=stride * 2**i,
-                                  module=f"model.mdeq.fullstage.branches.{i}")
-                             for i, c in enumerate(cfg.branch_channels)]
+        stride = 2**config.downsample_times
+        self.feature_info = [dict(num_chs=c, reduction=stride * 2**i, module=f"mdeq.fullstage.branches.{i}")
+                             for i, c in enumerate(config.branch_channels)]
 
     @classmethod
     def create(cls, preset: str, checkpoint: str | None = None, load_weights: bool = False,
@@ -87,12 +88,10 @@ class MDEQTimm(nn.Module):
             if checkpoint is None:
                 raise RuntimeError(f"no deqzoo checkpoint is published for preset {preset!r}; convert an "
                                    "original release with `deqzoo convert`, then deqzoo.from_pretrained")
-            from ..factory import from_pretrained
-
             if overrides:
                 raise ValueError(f"pretrained {checkpoint} cannot change architecture fields "
                                  f"{sorted(overrides)}")
-            model = from_pretrained(checkpoint, deq=deq or None)
+            model = cls.from_pretrained(checkpoint, deq=deq or None)  # deqzoo's loader: offline when embedded
             if in_chans is not None and in_chans != model.config.in_channels:
                 raise ValueError(f"{checkpoint} expects in_chans={model.config.in_channels}, got {in_chans}")
         else:
@@ -106,24 +105,26 @@ class MDEQTimm(nn.Module):
                     kwargs["image_std"] = [0.5] * in_chans
             kwargs.update(overrides)
             kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
-            model = MDEQForImageClassification(MDEQConfig(**kwargs))
+            model = cls(MDEQConfig(**kwargs))
             if load_weights:  # pretrained_cfg_overlay=dict(file=...): that file's weights (checked)
                 from ..hub.loading import load_weights_file
 
-                model = load_weights_file(model, weights_file, strip_prefix="model.").eval()
-        net = cls(model)
-        if num_classes is not None and num_classes != net.num_classes:
-            net.reset_classifier(num_classes)  # a new head (0: none, timm's features-only convention)
-        return net
+                model = load_weights_file(model, weights_file).eval()
+        if num_classes is not None and num_classes != model.num_classes:
+            model.reset_classifier(num_classes)  # a new head (0: none, timm's features-only convention)
+        return model
 
     # --- timm classification API ---
     def get_classifier(self) -> nn.Module:
-        return self.model.classifier
+        return self.classifier
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new, randomly initialized head of `num_classes` outputs (0: none, ``forward`` gives the pooled
+        features); the config follows, so a saved model reloads with its head."""
         self.num_classes = num_classes
-        head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.model.classifier = head
+        self.classifier = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            self.config.num_labels = num_classes
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """timm's switch: recompute the explicit head in the backward pass (module docstring)."""
@@ -138,28 +139,25 @@ class MDEQTimm(nn.Module):
 
     def _fuse(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if not (self.grad_checkpointing and torch.is_grad_enabled() and self.training):
-            return self.model.fuse(states)
+            return self.fuse(states)
         calls = 0
 
         def head(*s: torch.Tensor) -> torch.Tensor:
             nonlocal calls
             calls += 1
             if calls == 1:
-                return self.model.fuse(s)
-            with _running_stats_frozen(self.model):  # the recomputation: same batch statistics, no update
-                return self.model.fuse(s)
+                return self.fuse(s)
+            with _running_stats_frozen(self):  # the recomputation: same batch statistics, no update
+                return self.fuse(s)
 
         return timm_checkpoint(head, *states)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        # the model's forward_features (one solve, then fuse), split so the head can be checkpointed
-        return self._fuse(self.model.mdeq(self._pixels(x), output_hidden_states=True).hidden_states)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.model.forward_head(x, pre_logits=pre_logits)
+        # one solve, then the fusion (checkpointed when asked)
+        return self._fuse(self.mdeq(self._pixels(x), output_hidden_states=True).hidden_states)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_head(self.forward_features(x))
+        return self.forward_head(self.forward_features(x))
 
     # --- timm feature API (features_only uses FeatureGetterNet -> forward_intermediates) ---
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
@@ -168,7 +166,7 @@ class MDEQTimm(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
         take, _ = feature_take_indices(len(self.feature_info), indices)
-        states = self.model.mdeq(self._pixels(x), output_hidden_states=True).hidden_states  # the one solve
+        states = self.mdeq(self._pixels(x), output_hidden_states=True).hidden_states  # the one solve
         intermediates = [states[i] for i in take]
         if intermediates_only:
             return intermediates
@@ -178,9 +176,8 @@ class MDEQTimm(nn.Module):
                                   prune_head: bool = True) -> list[int]:
         take, _ = feature_take_indices(len(self.feature_info), indices)
         if prune_head:  # the classification head is not needed for feature maps
-            m = self.model
-            m.incre_modules, m.downsamp_modules = nn.ModuleList(), nn.ModuleList()
-            m.final_layer = nn.Identity()
+            self.incre_modules, self.downsamp_modules = nn.ModuleList(), nn.ModuleList()
+            self.final_layer = nn.Identity()
             self.reset_classifier(0)
         return take
 
@@ -208,7 +205,7 @@ def _cfg(preset: str, checkpoint: str | None) -> dict[str, Any]:
     h, w = c["image_size"]
     cfg = {"input_size": (channels, h, w), "mean": tuple(c["image_mean"]), "std": tuple(c["image_std"]),
            "num_classes": c.get("num_labels", 1000), "interpolation": "bilinear", "crop_pct": 1.0,
-           "first_conv": "model.mdeq.downsample.0", "classifier": "model.classifier", "license": "apache-2.0",
+           "first_conv": "mdeq.downsample.0", "classifier": "classifier", "license": "apache-2.0",
            "pool_size": None}
     if checkpoint:
         cfg["hf_hub_id"] = checkpoint

@@ -1,7 +1,7 @@
 """Register deqzoo families with the transformers Auto classes, one family at a time. deqzoo's own entry
 points need none (they build the class a declaration names); stock code (``AutoModel.from_pretrained(path)``,
 ``pipeline(...)``) needs ``deqzoo.register()`` first. A family whose extra is missing is reported by
-:func:`unavailable_families` with the ``pip install "deqzoo[...]"`` that enables it.
+:func:`deqzoo.models.registry.unavailable_families` with the ``pip install "deqzoo[...]"`` that enables it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ from ..models.registry import (
 )
 
 _REGISTERED: dict[str, Family] = {}
-_UNAVAILABLE: dict[str, str] = {}
 
 
 def _backend_of(processor_cls: type) -> str:
     """transformers v5 keys image processors by backend ("torchvision" or "pil")."""
-    try:
-        from transformers.image_processing_backends import TorchvisionBackend
-    except ImportError:  # older transformers: a single slow class
-        return "pil"
+    from transformers.image_processing_backends import TorchvisionBackend
+
     return "torchvision" if issubclass(processor_cls, TorchvisionBackend) else "pil"
 
 
@@ -66,16 +63,14 @@ def register_family(family: Family) -> None:
     if family.timm_module and "timm" in sys.modules:  # else by deqzoo.register() or importing the adapter
         importlib.import_module(family.timm_module)
     _REGISTERED[family.model_type] = family
-    _UNAVAILABLE.pop(family.model_type, None)
 
 
 def _try_register(family: Family) -> None:
     try:
         register_family(family)
-    except MissingExtraError as err:
-        _UNAVAILABLE[family.model_type] = str(err)
+    except MissingExtraError:
+        pass  # listed by deqzoo.models.registry.unavailable_families with the extra to install
     except Exception as err:  # noqa: BLE001 - one broken family must not break the others
-        _UNAVAILABLE[family.model_type] = f"{type(err).__name__}: {err}"
         warnings.warn(f"deqzoo family {family.model_type!r} failed to register: {err}", stacklevel=3)
 
 
@@ -91,9 +86,3 @@ def unregister_family(model_type: str) -> None:
     """Forget a family in deqzoo's registry (transformers' Auto mappings keep it; used by tests)."""
     _REGISTERED.pop(model_type, None)
     forget_family(model_type)
-
-
-def unavailable_families() -> dict[str, str]:
-    """{model_type: reason} for declared families that could not be registered (e.g. a missing extra)."""
-    register_all()
-    return dict(_UNAVAILABLE)

@@ -20,8 +20,9 @@ class Family:
     """One family's declaration ("module:attr" paths, imported on use).
 
     `models`: Auto class name -> model class; `heads`: classes without an Auto class (via architectures);
-    `architectures`: the presets {name: {"task", "config"}}; `names`: each published model's one name (hub id
-    ``deqzoo/<name>``; timm's with ``_``) -> its preset; `app`: the models the app shows (default first);
+    `architectures`: the presets {name: {"task", "config"}}; `names`: the published models, each one name
+    that is its hub id ``deqzoo/<name>``, its preset's name and (with ``_``) its timm name; `app`: the models
+    the app shows (default first);
     `hypersolver_state`: "multires", "sequence" or None ("vector"); `task`: its cards' `deqzoo_task`; `extra`
     / `requires`: the pip extra it needs and the modules that provide it. For :mod:`deqzoo.export`: `export`
     (head class -> wrapper kind, or why none), `export_refused`, `export_prepare` ("module:function" run as
@@ -37,7 +38,7 @@ class Family:
     tokenizer: str | None = None
     timm_module: str | None = None
     heads: dict[str, str] = field(default_factory=dict)
-    names: dict[str, str | None] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
     app: tuple[str, ...] = ()
     hypersolver_state: str | None = None
     task: str | None = None
@@ -60,7 +61,7 @@ class PipelineFamily:
 
     name: str
     loader: str  # "module:function" taking (directory, **kwargs)
-    names: dict[str, str | None] = field(default_factory=dict)
+    names: tuple[str, ...] = ()  # its repositories (no preset: diffusers builds their UNets)
     app: tuple[str, ...] = ()
     task: str | None = None
     extra: str | None = None
@@ -71,7 +72,7 @@ PIPELINES: list[PipelineFamily] = [
     PipelineFamily(
         name="deq_ddim",
         loader="deqzoo.pipelines.deq_ddim:load_repository",
-        names={"ddim-digits-16": None},  # a diffusers repository: its UNet is built by diffusers
+        names=("ddim-digits-16",),
         app=("ddim-digits-16",),
         task="ddim_digits",
         extra="diffusion",
@@ -181,12 +182,11 @@ def unavailable_families() -> dict[str, str]:
 
 
 def model_names_table() -> dict[str, str | None]:
-    """Each published model's name -> its architecture preset, over every declaration (families and
-    pipelines)."""
-    table: dict[str, str | None] = {}
-    for item in [*declared_families().values(), *PIPELINES]:
-        table.update(item.names)
-    return table
+    """Each published model's name -> its architecture preset (the same name; None for a diffusers
+    repository), over every declaration (families and pipelines)."""
+    table: dict[str, str | None] = {name: name for family in declared_families().values()
+                                    for name in family.names}
+    return table | {name: None for pipeline in PIPELINES for name in pipeline.names}
 
 
 def timm_names(family: Family) -> dict[str, tuple[str, str | None]]:
@@ -196,14 +196,13 @@ def timm_names(family: Family) -> dict[str, tuple[str, str | None]]:
     Example:
         >>> table = timm_names(declared_family("mdeq"))
         >>> table["mdeq_tiny_mnist"], table["mdeq_cifar_tiny"]
-        (('mdeq-mnist-tiny', 'deqzoo/mdeq-tiny-mnist'), ('mdeq-cifar-tiny', None))
+        (('mdeq-tiny-mnist', 'deqzoo/mdeq-tiny-mnist'), ('mdeq-cifar-tiny', None))
     """
     if not family.timm_module:
         return {}
-    table = {name.replace("-", "_"): (preset, f"deqzoo/{name}") for name, preset in family.names.items()}
-    used = set(family.names.values())
+    table = {name.replace("-", "_"): (name, f"deqzoo/{name}") for name in family.names}
     for preset, spec in family.load(family.architectures).items():
-        if preset not in used and spec.get("task") == "image-classification":
+        if preset not in family.names and spec.get("task") == "image-classification":
             table.setdefault(preset.replace("-", "_"), (preset, None))
     return table
 

@@ -175,6 +175,13 @@ def _shape(recipe: dict) -> dict:
     return {k: v for k, v in _flat(recipe).items() if k == "size" or k.startswith("config.")}
 
 
+def _is_twin(recipe: dict) -> bool:
+    """A run of an explicit RAFT preset (``implicit: False``, e.g. deq-flow-cpu-raft-baseline)."""
+    from deqzoo.models.deq_flow import ARCHITECTURES
+
+    return ARCHITECTURES.get(recipe.get("model"), {}).get("config", {}).get("implicit") is False
+
+
 def later_pairs(reports: dict[str, dict], reference: dict) -> list[dict]:
     """Every DEQ-Flow run of `reports` (label: curves report) against the explicit twin of its report that
     has the same model config and pair size, at the last snapshot step both have; a run pair that an earlier
@@ -183,7 +190,7 @@ def later_pairs(reports: dict[str, dict], reference: dict) -> list[dict]:
     rows, seen = [], set()
     for label, report in reports.items():
         recipes = report.get("recipes") or {}
-        twins = [n for n in report["curves"] if recipes.get(n, {}).get("model", "").startswith("raft")]
+        twins = [n for n in report["curves"] if _is_twin(recipes.get(n, {}))]
         for name in report["curves"]:
             if name in twins:
                 continue

@@ -15,16 +15,16 @@ PAIR=${PAIR:-i32}
 case $PAIR in
     i32)  # the 20,000-step runs at 64x64, the original's recipe scaled down
         COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
-        DEQ=(deq-flow-i32 --model deq-flow-cpu --deq '{"n_states": 6}')
-        TWIN=(raft-i32 --model raft-cpu) ;;
+        DEQ=(deq-flow-i32 --model deq-flow-cpu-synth --deq '{"n_states": 6}')
+        TWIN=(raft-i32 --model deq-flow-cpu-raft-baseline) ;;
     size128)  # 4,000 steps at 128x128 (a 16x16 grid at 1/8 resolution), DEQ-Flow with the drift term
         COMMON=(--steps 4000 --seed 0 --batch-size 8 --size 128 128 --lr 4e-4 --keep-every 250 --save-every 50)
-        DEQ=(deq-flow --model deq-flow-cpu --deq '{"n_states": 6}' --flow-residual-weight 0.5)
-        TWIN=(raft --model raft-cpu) ;;
+        DEQ=(deq-flow --model deq-flow-cpu-synth --deq '{"n_states": 6}' --flow-residual-weight 0.5)
+        TWIN=(raft --model deq-flow-cpu-raft-baseline) ;;
     steps12)  # 20,000 steps at 64x64, DEQ-Flow with the closest 4,000-step probe's recipe (drift 0.5, 12 steps)
         COMMON=(--steps 20000 --seed 0 --batch-size 8 --size 64 64 --lr 4e-4 --keep-every 250 --save-every 50)
-        DEQ=(deq-flow --model deq-flow-cpu --deq '{"n_states": 6, "f_max_iter": 12}' --flow-residual-weight 0.5)
-        TWIN=(raft --model raft-cpu) ;;
+        DEQ=(deq-flow --model deq-flow-cpu-synth --deq '{"n_states": 6, "f_max_iter": 12}' --flow-residual-weight 0.5)
+        TWIN=(raft --model deq-flow-cpu-raft-baseline) ;;
     *) echo "PAIR must be i32, size128 or steps12, got $PAIR" >&2; exit 2 ;;
 esac
 mkdir -p "$RUNS"

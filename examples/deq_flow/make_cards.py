@@ -1,8 +1,9 @@
 """Write the embedded DEQ-Flow checkpoint and its explicit RAFT twin from their training runs.
 
-    PYTHONPATH=. python examples/deq_flow/make_cards.py outputs/deq-flow-cpu-stage2 outputs/raft-cpu \
-        --stage1 outputs/deq-flow-cpu --bench examples/deq_flow/results/bench_cpu_64.json \
-        examples/deq_flow/results/bench_b_192.json examples/deq_flow/results/bench_reuse.json
+    PYTHONPATH=. python examples/deq_flow/make_cards.py outputs/deq-flow-cpu-stage2 \
+        outputs/deq-flow-cpu-raft-baseline --stage1 outputs/deq-flow-cpu-synth \
+        --bench examples/deq_flow/results/bench_cpu_64.json examples/deq_flow/results/bench_b_192.json \
+        examples/deq_flow/results/bench_reuse.json
 
 Copies OUT/model/{config.json, model.safetensors} of each run into model_cards/<name>/ (the DEQ's solver set
 to its inference settings), evaluates both with `examples.deq_flow.flow.evaluate` (exactly what `deqzoo eval`
@@ -351,7 +352,7 @@ def _train_commands(model_name: str, s: dict, stage1: dict | None, cards: str, k
 def _analysis_commands(curves: Path | None, operating_point: Path | None) -> tuple[str, ...]:
     """The curves.py and operating_point.py commands that wrote the reports given to make_cards.py, with the
     runs where the cards' train commands put them (both cards show both trainings)."""
-    runs = "outputs/deq-flow-cpu outputs/raft-cpu"
+    runs = "outputs/deq-flow-cpu-synth outputs/deq-flow-cpu-raft-baseline"
     lines = []
     if curves is not None:
         names = " ".join(f'"{n}"' for n in json.loads(curves.read_text())["curves"])
@@ -630,11 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     trains = {  # each network's train.py lines: the reports read both runs, so both cards show both
         name: _train_commands(preset, summaries[name], stage1 if name == deq_name else None, "",
                               keep_every=keep_every).splitlines()[:-1]
-        for name, preset in ((deq_name, "deq-flow-cpu"), (raft_name, "raft-cpu"))
+        for name, preset in ((deq_name, "deq-flow-cpu-synth"), (raft_name, "deq-flow-cpu-raft-baseline"))
     }
     for name, d, model_name in (
-        (deq_name, deq_dir, "deq-flow-cpu"),
-        (raft_name, raft_dir, "raft-cpu"),
+        (deq_name, deq_dir, "deq-flow-cpu-synth"),
+        (raft_name, raft_dir, "deq-flow-cpu-raft-baseline"),
     ):
         r, s = results[name], summaries[name]
         is_deq = name == deq_name
@@ -689,9 +690,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         bench = " ".join(str(b) for b in args.bench)
         cards = (
-            f"outputs/deq-flow-cpu-stage2 outputs/raft-cpu --stage1 outputs/deq-flow-cpu --bench {bench}"
+            f"outputs/deq-flow-cpu-stage2 outputs/deq-flow-cpu-raft-baseline "
+            f"--stage1 outputs/deq-flow-cpu-synth --bench {bench}"
             if stage1 is not None
-            else f"outputs/deq-flow-cpu outputs/raft-cpu --bench {bench}"
+            else f"outputs/deq-flow-cpu-synth outputs/deq-flow-cpu-raft-baseline --bench {bench}"
         )
         if (deq_name, raft_name) != (DEQ_NAME, RAFT_NAME):
             cards += f" --ids {deq_name} {raft_name}"
@@ -724,17 +726,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 DEQ_TEXT = """A DEQ-Flow (Bai, Geng, Savani & Kolter, CVPR 2022) on torchvision's RAFT blocks, CPU-sized
-(`deq-flow-cpu`: encoders 32/32/48/64 with instance norm, 64-d features, hidden and context 48, a 3-level
-correlation pyramid of radius 3, weight-normalised update block, 0.90 M parameters). f_θ(h, flow) is one
-application of RAFT's update block (motion encoder, separable ConvGRU, flow head) at 1/8 resolution; the
+(`deq-flow-cpu-synth`: encoders 32/32/48/64 with instance norm, 64-d features, hidden and context 48, a
+3-level correlation pyramid of radius 3, weight-normalised update block, 0.90 M parameters). f_θ(h, flow) is
+one application of RAFT's update block (motion encoder, separable ConvGRU, flow head) at 1/8 resolution; the
 engine solves for its fixed point (plain fixed-point iteration, the original's naive solver) and the convex
 upsampler decodes the flow. Inference: at most 24 fixed-point steps, stopping below a relative residual of
 5e-3."""
 
 RAFT_TEXT = """The explicit RAFT twin of `deqzoo/{deq_name}`: the very same blocks and parameter
-count (`raft-cpu`, 0.90 M parameters, weight-normalised update block like the DEQ), the update block unrolled
-12 times from zero (hidden state 0, flow 0) and trained with RAFT's sequence loss (γ = 0.8) on the same data
-for the same number of steps. It is the baseline the DEQ-Flow card compares against."""
+count (`deq-flow-cpu-raft-baseline`, 0.90 M parameters, weight-normalised update block like the DEQ), the
+update block unrolled 12 times from zero (hidden state 0, flow 0) and trained with RAFT's sequence loss
+(γ = 0.8) on the same data for the same number of steps. It is the baseline the DEQ-Flow card compares
+against."""
 
 BODY = """{what}
 

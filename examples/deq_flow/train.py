@@ -15,8 +15,9 @@ With --keep-every N, every N steps (and at step 0) OUT/snapshots/step-XXXXXX/ al
 far), written to a temporary folder and renamed; a snapshot that exists is never overwritten and none is ever
 deleted, so a long run leaves the points of its held-out EPE-vs-steps curve (examples/deq_flow/curves.py).
 
-    PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu --out runs/deq_flow --steps 3500
-    PYTHONPATH=. python examples/deq_flow/train.py --model raft-cpu --out runs/raft --steps 3500
+    PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu-synth --out runs/deq_flow --steps 3500
+    PYTHONPATH=. python examples/deq_flow/train.py --model deq-flow-cpu-raft-baseline --out runs/raft \
+        --steps 3500
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def lr_at(step: int, total: int, peak: float, warmup: float = 0.05) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="deq-flow-cpu", help="preset name (deq-flow-cpu or raft-cpu)")
+    p.add_argument("--model", default="deq-flow-cpu-synth",
+                   help="preset name (deq-flow-cpu-synth or deq-flow-cpu-raft-baseline)")
     p.add_argument("--out", type=Path, required=True, help="run folder (checkpoint/, model/, log.jsonl)")
     p.add_argument("--steps", type=int, default=3500)
     p.add_argument("--batch-size", type=int, default=8)

@@ -3,7 +3,7 @@
     # one process
     python examples/mdeq/finetune_trainer.py --model deqzoo/mdeq-tiny-mnist --out /tmp/ft --max-steps 50
     # two CPU processes (gloo), e.g. as the test suite does at toy scale
-    torchrun --nproc_per_node 2 examples/mdeq/finetune_trainer.py --model mdeq-mnist-tiny --out /tmp/ft \
+    torchrun --nproc_per_node 2 examples/mdeq/finetune_trainer.py --model mdeq-tiny-mnist --out /tmp/ft \
         --max-steps 3 --dump-params
 
 `--model` is a checkpoint (id or directory, loaded with deqzoo.from_pretrained) or an architecture preset

@@ -40,8 +40,8 @@ if __package__ in (None, ""):  # run as a file (`python examples/...`): `example
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.mdeq import mnist
 
-PRESETS = {"mdeq": "mdeq-mnist-tiny", "lipschitz": "lipschitz-mdeq-mnist-tiny",
-           "reversible": "mdeq-mnist-tiny"}
+PRESETS = {"mdeq": "mdeq-tiny-mnist", "lipschitz": "lipschitz-mdeq-tiny-mnist",
+           "reversible": "mdeq-tiny-mnist-reversible"}  # its deq is replaced by the run's settings
 IDS = {"mdeq": "deqzoo/mdeq-tiny-mnist", "lipschitz": "deqzoo/lipschitz-mdeq-tiny-mnist",
        "reversible": "deqzoo/mdeq-tiny-mnist-reversible"}
 
@@ -282,7 +282,7 @@ def write_card_reversible(out: Path, summary: dict) -> None:
         "arXiv 2509.12917): "
         f"{steps} coupled reversible steps with beta = {beta} ({2 * steps + 1} f calls) in training and "
         "evaluation, exact gradients of those steps in memory constant in their number, no regulariser. "
-        f"Same architecture as deqzoo/mdeq-tiny-mnist (preset `mdeq-mnist-tiny`, "
+        f"Same architecture as deqzoo/mdeq-tiny-mnist (preset `mdeq-tiny-mnist`, "
         f"{summary['parameters']:,} parameters).",
         "",
         "## Data",

@@ -75,7 +75,7 @@ def test_main_writes_the_report(tmp_path, monkeypatch):
     assert {r["checkpointing"] for r in report["training"]} == {True}
     summary = report["summary"]
     for ckpt in ("on",):
-        tag = f"deq-flow-cpu, encoder checkpointing {ckpt}"
+        tag = f"deq-flow-cpu-synth, encoder checkpointing {ckpt}"
         assert summary[f"{tag}: saved deq_growth_2_to_4_1_state"] == 0.0
         assert abs(summary[f"{tag}: step_peak deq_growth_2_to_4_1_state"]) < 0.05
         assert summary[f"{tag}: saved raft_growth_2_to_4"] > 0.05

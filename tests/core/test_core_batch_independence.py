@@ -136,7 +136,7 @@ def _mdeq(dtype):
     from deqzoo.models.mdeq import ARCHITECTURES, MDEQConfig, MDEQModel
 
     torch.manual_seed(0)
-    kw = dict(ARCHITECTURES["mdeq-mnist-tiny"]["config"])
+    kw = dict(ARCHITECTURES["mdeq-tiny-mnist"]["config"])
     kw["deq"] = {"f_solver": "anderson", "f_max_iter": 40, "f_tol": 1e-9 if dtype == torch.float64 else 1e-5}
     cfg = MDEQConfig(**kw)
     model = MDEQModel(cfg).to(dtype).eval()

@@ -13,7 +13,7 @@ dynamo = pytest.importorskip("torch._dynamo")
 
 def _model():
     torch.manual_seed(0)
-    model = deqzoo.create_model("mdeq-mnist-tiny").eval()  # weight-normalised convolutions: the norm hook
+    model = deqzoo.create_model("mdeq-tiny-mnist").eval()  # weight-normalised convolutions: the norm hook
     model.set_deq(f_solver="anderson", f_max_iter=12, f_tol=1e-5, on_nonconvergence="ignore")
     return model
 

@@ -21,7 +21,7 @@ TINY = ["--steps", "4", "--batch-size", "1", "--keep-every", "2", "--save-every"
         "--no-progress"]
 
 
-def _run(out, model="deq-flow-cpu", *extra):
+def _run(out, model="deq-flow-cpu-synth", *extra):
     assert train(["--model", model, "--out", str(out), *TINY, *extra]) == 0
 
 
@@ -34,13 +34,14 @@ def runs(tmp_path_factory):
     """An uninterrupted DEQ-Flow run of 4 steps and a RAFT-twin run of 2, snapshots every 2 steps."""
     root = tmp_path_factory.mktemp("runs")
     _run(root / "deq")
-    assert train(["--model", "raft-cpu", "--out", str(root / "raft"), *TINY, "--steps", "2"]) == 0
+    assert train(["--model", "deq-flow-cpu-raft-baseline", "--out", str(root / "raft"), *TINY,
+                  "--steps", "2"]) == 0
     return root
 
 
 def test_snapshots_of_an_interrupted_and_resumed_run_equal_the_uninterrupted_ones(tmp_path, runs):
     whole = runs / "deq"
-    _run(tmp_path / "split", "deq-flow-cpu", "--stop-after", "2")  # what a killed session leaves, at step 2
+    _run(tmp_path / "split", "deq-flow-cpu-synth", "--stop-after", "2")  # a killed session's leftover: step 2
     split = tmp_path / "split" / "snapshots"
     assert sorted(p.name for p in split.iterdir()) == ["step-000000", "step-000002"]
     assert not (tmp_path / "split" / "model").exists()  # stopped early: no final model yet
@@ -80,7 +81,8 @@ def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path
     report = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert [r["step"] for r in report["common_steps"]] == [0, 2]  # the steps both runs have
-    for name, model, steps in (("deq", "deq-flow-cpu", [0, 2, 4]), ("raft", "raft-cpu", [0, 2])):
+    for name, model, steps in (("deq", "deq-flow-cpu-synth", [0, 2, 4]),
+                               ("raft", "deq-flow-cpu-raft-baseline", [0, 2])):
         points = report["curves"][name]
         assert [p["step"] for p in points] == steps
         for point in points:
@@ -88,7 +90,7 @@ def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path
             snap = runs / name / "snapshots" / f"step-{point['step']:06d}"
             ref = deqzoo.create_model(model)
             ref.load_state_dict(load_file(str(snap / "model.safetensors")))
-            if model == "deq-flow-cpu":
+            if model == "deq-flow-cpu-synth":
                 ref.set_deq(**INFERENCE_DEQ)
                 assert ref.config.deq["f_tol"] == 5e-3 and ref.config.deq["f_max_iter"] == 24
             direct = evaluate(ref, limit=2, progress=False, baselines=False)
@@ -114,22 +116,22 @@ def test_curves_equal_a_direct_evaluate_of_each_snapshot_and_are_cached(tmp_path
 def test_max_shift_and_size_train_and_score_on_other_pairs(tmp_path, runs):
     """train.py --max-shift draws the training pairs with it (recorded in run.json; another value refused on
     resume); curves.py --max-shift / --size score held-out pairs drawn with them, cached apart."""
-    _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "16")
+    _run(tmp_path / "big", "deq-flow-cpu-raft-baseline", "--steps", "2", "--max-shift", "16")
     assert json.loads((tmp_path / "big" / "run.json").read_text())["max_shift"] == 16
     default, big = _weights(runs / "raft" / "model"), _weights(tmp_path / "big" / "model")
     assert any(not torch.equal(default[k], big[k]) for k in default)  # other pairs, other weights
     with pytest.raises(SystemExit, match="max_shift"):
-        _run(tmp_path / "big", "raft-cpu", "--steps", "2", "--max-shift", "8")
+        _run(tmp_path / "big", "deq-flow-cpu-raft-baseline", "--steps", "2", "--max-shift", "8")
     for bad in ("-1", "64", "nan"):  # refused before any folder is made
         with pytest.raises(SystemExit):
-            _run(tmp_path / "bad", "raft-cpu", "--max-shift", bad)
+            _run(tmp_path / "bad", "deq-flow-cpu-raft-baseline", "--max-shift", bad)
         assert not (tmp_path / "bad").exists()
     out = tmp_path / "curves"
     assert curves.main([str(tmp_path / "big"), "--limit", "2", "--max-shift", "16", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["max_shift"] == 16
     point = report["curves"]["big"][-1]
-    ref = deqzoo.create_model("raft-cpu")
+    ref = deqzoo.create_model("deq-flow-cpu-raft-baseline")
     ref.load_state_dict(load_file(str(tmp_path / "big" / "snapshots" / "step-000002" / "model.safetensors")))
     image1, image2, gt, valid = synthetic_batch(range(2), (64, 64), "held-out", max_shift=16)
     with torch.no_grad():
@@ -152,20 +154,21 @@ def test_config_overrides_change_the_model_are_recorded_and_bad_ones_are_refused
     model, run.json records it, a resume with another --config is refused; an unknown key, a wrong value or a
     key that has its own option is refused before the run folder exists."""
     wide = {"hidden_dim": 24, "context_dim": 24}
-    _run(tmp_path / "wide", "raft-cpu", "--steps", "2", "--config", json.dumps(wide))
+    _run(tmp_path / "wide", "deq-flow-cpu-raft-baseline", "--steps", "2", "--config", json.dumps(wide))
     assert json.loads((tmp_path / "wide" / "run.json").read_text())["config"] == wide
     snap = tmp_path / "wide" / "snapshots" / "step-000002"
     assert json.loads((snap / "config.json").read_text())["hidden_dim"] == 24
     loaded = deqzoo.from_pretrained(str(snap))
     assert loaded.config.hidden_dim == 24 and loaded.config.context_dim == 24
     assert sum(p.numel() for p in loaded.parameters()) < sum(
-        p.numel() for p in deqzoo.create_model("raft-cpu").parameters())
+        p.numel() for p in deqzoo.create_model("deq-flow-cpu-raft-baseline").parameters())
     with pytest.raises(SystemExit, match="config"):
-        _run(tmp_path / "wide", "raft-cpu", "--steps", "2", "--config", '{"hidden_dim": 32}')
+        _run(tmp_path / "wide", "deq-flow-cpu-raft-baseline", "--steps", "2",
+             "--config", '{"hidden_dim": 32}')
     for bad, err in (('{"hiden_dim": 24}', "unknown key 'hiden_dim'"), ('{"hidden_dim": 0}', "hidden_dim"),
                      ('{"flow_residual_weight": 1}', None), ('[1]', None)):
         with pytest.raises(ConfigError if err else SystemExit, match=err):
-            _run(tmp_path / "bad", "raft-cpu", "--config", bad)
+            _run(tmp_path / "bad", "deq-flow-cpu-raft-baseline", "--config", bad)
         assert not (tmp_path / "bad").exists()
 
 
@@ -181,9 +184,10 @@ def test_curves_refuses_a_folder_without_snapshots_and_a_foreign_report(tmp_path
 def test_a_rerun_with_another_recipe_is_refused(runs, capsys):
     before = sorted(p.name for p in (runs / "deq" / "snapshots").iterdir())
     with pytest.raises(SystemExit, match="steps: 4.*now steps: 6"):
-        train(["--model", "deq-flow-cpu", "--out", str(runs / "deq"), *TINY, "--steps", "6"])
+        train(["--model", "deq-flow-cpu-synth", "--out", str(runs / "deq"), *TINY, "--steps", "6"])
     with pytest.raises(SystemExit, match="deq"):
-        train(["--model", "deq-flow-cpu", "--out", str(runs / "deq"), *TINY, "--deq", '{"n_states": 6}'])
+        train(["--model", "deq-flow-cpu-synth", "--out", str(runs / "deq"), *TINY,
+               "--deq", '{"n_states": 6}'])
     assert sorted(p.name for p in (runs / "deq" / "snapshots").iterdir()) == before
 
 
@@ -213,7 +217,7 @@ def test_cards_section_is_inserted_once_replaced_in_place_and_nothing_else_chang
     root = Path(__file__).resolve().parents[2]
     copies = tmp_path / "runs"
     shutil.copytree(runs / "deq", copies / "deq")
-    _run(copies / "raft", "raft-cpu")
+    _run(copies / "raft", "deq-flow-cpu-raft-baseline")
     for name in ("deq", "raft"):
         shutil.move(copies / name / "snapshots" / "step-000004", tmp_path / f"later-{name}")
     card = tmp_path / "card"
@@ -306,11 +310,11 @@ def test_cards_section_refuses_a_missing_card_and_a_card_that_cannot_take_it_bef
 
 def test_cards_section_needs_one_recipe_and_two_runs():
     point = {"step": 0, "elapsed": 1.0, "cpu_seconds": 1.0, "epe_held_out": 5.0}
-    recipe = {"model": "deq-flow-cpu", "steps": 10, "batch_size": 8, "size": [64, 64], "lr": 4e-4,
+    recipe = {"model": "deq-flow-cpu-synth", "steps": 10, "batch_size": 8, "size": [64, 64], "lr": 4e-4,
               "weight_decay": 1e-4, "clip": 1.0, "seed": 0, "deq": {"n_states": 6}}
     report = {"curves": {"a": [point], "b": [point]}, "limit": None,
               "common_steps": [{"step": 0, "a": 5.0, "b": 5.0}],
-              "recipes": {"a": recipe, "b": {**recipe, "model": "raft-cpu", "deq": {}}}}
+              "recipes": {"a": recipe, "b": {**recipe, "model": "deq-flow-cpu-raft-baseline", "deq": {}}}}
     assert "| 0 | 5.0000 | 5.0000 | +0.0000 |" in curves.progress_section(report, "cmd")
     report["recipes"]["b"]["lr"] = 2e-4
     with pytest.raises(ValueError, match=r"differ in \['lr'\]: not one recipe"):
@@ -338,13 +342,13 @@ def test_operating_point_numbers_equal_an_independent_evaluation_and_are_cached(
     assert op.VAL_SEED > 8 * 20000  # never a training pair of the long runs (seed 8 s + i)
     for row in report["rows"]:
         snap = f"snapshots/step-{row['step']:06d}"
-        twin = deqzoo.create_model("raft-cpu")
+        twin = deqzoo.create_model("deq-flow-cpu-raft-baseline")
         twin.load_state_dict(load_file(str(runs / "raft" / snap / "model.safetensors")))
         with torch.no_grad():
             expected = epe(twin.eval()(image1, image2).flow, flow, valid)
         assert row["twin"]["val"] == pytest.approx(expected, rel=1e-6)
         for k in (2, 3):
-            deq = deqzoo.create_model("deq-flow-cpu")
+            deq = deqzoo.create_model("deq-flow-cpu-synth")
             deq.load_state_dict(load_file(str(runs / "deq" / snap / "model.safetensors")))
             deq.set_deq(**{**INFERENCE_DEQ, "f_max_iter": k})
             with torch.no_grad():
@@ -406,8 +410,8 @@ def test_cards_section_of_stopped_runs_from_their_report_lists_every_later_pair(
     import shutil
 
     shutil.copytree(runs / "deq", tmp_path / "deq")
-    _run(tmp_path / "raft", "raft-cpu")
-    _run(tmp_path / "deq-lr", "deq-flow-cpu", "--lr", "2e-4")
+    _run(tmp_path / "raft", "deq-flow-cpu-raft-baseline")
+    _run(tmp_path / "deq-lr", "deq-flow-cpu-synth", "--lr", "2e-4")
     long_runs, later = tmp_path / "long", tmp_path / "later"
     assert curves.main([str(tmp_path / "deq"), str(tmp_path / "raft"), "--names", "DEQ-Flow", "RAFT twin",
                         "--limit", "2", "--out", str(long_runs)]) == 0

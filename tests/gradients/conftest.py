@@ -20,7 +20,7 @@ def mdeq():
     from deqzoo.models.mdeq.configuration_mdeq import ARCHITECTURES
 
     torch.manual_seed(0)
-    model = MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-mnist-tiny"]["config"])).double()
+    model = MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-tiny-mnist"]["config"])).double()
     x = torch.randn(2, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     return model, {"pixel_values": x}, lambda m, i: _weighted(m(**i).logits)
 

@@ -73,7 +73,7 @@ def test_reversible_from_config_and_create_model():
     from deqzoo.models.implicit2 import Implicit2Config
 
     assert Implicit2Config(deq={"b_mode": "reversible"}).deq_config.b_mode_kwargs == {}
-    model = deqzoo.create_model("deq-flow-cpu", deq={"b_mode": "reversible", "f_max_iter": 3})
+    model = deqzoo.create_model("deq-flow-cpu-synth", deq={"b_mode": "reversible", "f_max_iter": 3})
     assert model.config.deq_config.b_mode == "reversible" and model.config.deq_config.b_mode_kwargs == {}
     # options given with the new mode are kept; a mode's options are not dropped when the mode stays
     cfg = Implicit2Config(deq={"b_mode": "reversible", "b_mode_kwargs": {"beta": 0.5}}).deq_config

@@ -75,7 +75,7 @@ def test_base_model_loads_from_head_checkpoint(tmp_path):
     if "mdeq" not in register_all():
         pytest.skip("mdeq family not available")
     torch.manual_seed(0)
-    model = deqzoo.create_model("mdeq-mnist-tiny")
+    model = deqzoo.create_model("mdeq-tiny-mnist")
     model.save_pretrained(tmp_path)
     base = transformers.AutoModel.from_pretrained(tmp_path)
     prefix = model.base_model_prefix

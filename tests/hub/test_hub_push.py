@@ -399,7 +399,7 @@ def test_hypersolver_push_to_hub_and_from_pretrained(fake_hub, tmp_path, monkeyp
     hub, endpoint = fake_hub
     # the mixin's HfApi() takes $HF_ENDPOINT as read at import time; the fixture sets it later
     monkeypatch.setattr(hub_mixin, "HfApi", functools.partial(HfApi, endpoint=endpoint))
-    model = deqzoo.create_model("mdeq-mnist-tiny")
+    model = deqzoo.create_model("mdeq-tiny-mnist")
     hs = HyperSolver(default_config(model, "me/mdeq"))
     for p in hs.parameters():
         p.data.normal_()
@@ -412,7 +412,7 @@ def test_hypersolver_push_to_hub_and_from_pretrained(fake_hub, tmp_path, monkeyp
     _assert_same_weights(hs, back)
     assert back.config.model_fingerprint == model_fingerprint(model)
     model.set_hypersolver(back)  # trained for this model
-    other = deqzoo.create_model("mdeq-mnist-tiny")  # same architecture, other weights
+    other = deqzoo.create_model("mdeq-tiny-mnist")  # same architecture, other weights
     with pytest.raises(HyperSolverError, match="does not fit model"):
         other.set_hypersolver(back)
 

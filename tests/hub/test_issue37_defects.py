@@ -172,7 +172,7 @@ def test_timm_pretrained_cfg_overlay_file_is_loaded(tmp_path):
     save_file(state, path)
     other = timm.create_model("mdeq_tiny_mnist", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     assert all(torch.equal(other.state_dict()[k], state[k]) for k in state)
-    key = "model.classifier.weight"
+    key = "classifier.weight"
     assert not torch.equal(other.state_dict()[key], net.state_dict()[key])
     torch.save(state, tmp_path / "other.pth")
     with pytest.raises(CheckpointError, match="safetensors files only"):

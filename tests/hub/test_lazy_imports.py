@@ -123,7 +123,7 @@ def test_lipschitz_callback_is_imported_on_first_use_and_projects():
     assert LipschitzProjectionCallback is callback_module.LipschitzProjectionCallback
     assert issubclass(LipschitzProjectionCallback, TrainerCallback)
     assert type(pickle.loads(pickle.dumps(LipschitzProjectionCallback()))) is LipschitzProjectionCallback
-    model = deqzoo.create_model("lipschitz-mdeq-mnist-tiny")
+    model = deqzoo.create_model("lipschitz-mdeq-tiny-mnist")
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)  # far outside the constraints

@@ -234,22 +234,22 @@ def test_huge_num_labels_in_python_is_refused_before_building_labels():
 
 def test_create_model_checks_the_budget_before_building():
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"create_model\('deq-transformer-tiny'\): this config would "
-                                              r"allocate 1,16\d,\d{3},\d{3} parameters"):
-        deqzoo.create_model("deq-transformer-tiny", vocab_size=9_000_000)
+    with pytest.raises(CheckpointError, match=r"create_model\('deq-transformer-tiny-pydoc'\): this config "
+                                              r"would allocate 1,16\d,\d{3},\d{3} parameters"):
+        deqzoo.create_model("deq-transformer-tiny-pydoc", vocab_size=9_000_000)
     assert time.perf_counter() - start < 10
     with pytest.raises(ConfigError, match="key 'd_model' must be int"):
-        deqzoo.create_model("deq-transformer-tiny", d_model="128")
+        deqzoo.create_model("deq-transformer-tiny-pydoc", d_model="128")
 
 
 def test_create_model_refuses_an_unknown_key_instead_of_building_the_preset_unchanged():
     """PretrainedConfig keeps unknown keywords as attributes no model reads: a typo must not pass silently."""
     with pytest.raises(ConfigError, match="DEQFlowConfig: unknown key 'hiden_dim'. Did you mean 'hidden_dim"):
-        deqzoo.create_model("deq-flow-cpu", hiden_dim=96)
+        deqzoo.create_model("deq-flow-cpu-synth", hiden_dim=96)
     with pytest.raises(ConfigError, match="unknown key 'num_lables'. Did you mean 'num_labels'"):  # property
         deqzoo.create_model("mdeq-tiny-mnist", num_lables=3)
     # fields and settable properties still work, and change the model
-    assert deqzoo.create_model("deq-flow-cpu", hidden_dim=96).config.hidden_dim == 96
+    assert deqzoo.create_model("deq-flow-cpu-synth", hidden_dim=96).config.hidden_dim == 96
     head = deqzoo.create_model("mdeq-tiny-mnist", num_labels=3).classifier
     assert head.out_features == 3
 

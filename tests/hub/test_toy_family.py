@@ -1,9 +1,9 @@
 """A family costs its two files and one declaration: a toy family package holding exactly
 `configuration_toyfam.py`, `modeling_toyfam.py` and an `__init__.py` with its one `Family` declaration, placed
 among deqzoo's families (on `deqzoo.models.__path__`, as a folder `deqzoo/models/toyfam/` would be) with
-nothing else edited, goes through list_models, create_model (by preset and by its published name), the name
-table, save_pretrained, deqzoo.from_pretrained, transformers' Auto classes after deqzoo.register() and the
-app's checkpoint list, in a fresh interpreter (registration state is what is under test)."""
+nothing else edited, goes through list_models, create_model (by its one name: published model = preset),
+the name table, save_pretrained, deqzoo.from_pretrained, transformers' Auto classes after deqzoo.register()
+and the app's checkpoint list, in a fresh interpreter (registration state is what is under test)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION = '''
 from deqzoo.modeling_utils import DEQPretrainedConfig
 
-ARCHITECTURES = {"toyfam-tiny": {"task": "feature-extraction", "auto": "AutoModel",
-                                 "config": {"hidden_size": 6}, "description": "toy"}}
+ARCHITECTURES = {"toyfam-tiny-demo": {"task": "feature-extraction", "auto": "AutoModel",
+                                      "config": {"hidden_size": 6}, "description": "toy"}}
 
 
 class ToyFamConfig(DEQPretrainedConfig):
@@ -64,7 +64,7 @@ from ..registry import Family
 FAMILY = Family(model_type="toyfam", config=f"{__name__}.configuration_toyfam:ToyFamConfig",
                 models={"AutoModel": f"{__name__}.modeling_toyfam:ToyFamModel"},
                 architectures=f"{__name__}.configuration_toyfam:ARCHITECTURES",
-                names={"toyfam-tiny-demo": "toyfam-tiny"}, app=("toyfam-tiny-demo",))
+                names=("toyfam-tiny-demo",), app=("toyfam-tiny-demo",))
 '''
 
 SCRIPT = '''
@@ -76,9 +76,9 @@ from deqzoo.factory import canonical_name, model_names
 from deqzoo.models.registry import app_checkpoints
 out = {}
 rows = {m.name: m for m in deqzoo.list_models("architecture")}
-out["listed"] = [rows["toyfam-tiny"].model_type, rows["toyfam-tiny"].parameters]
+out["listed"] = [rows["toyfam-tiny-demo"].model_type, rows["toyfam-tiny-demo"].parameters]
 torch.manual_seed(0)
-model = deqzoo.create_model("toyfam-tiny-demo").eval()          # published name -> its preset
+model = deqzoo.create_model("toyfam-tiny-demo").eval()          # the published name is its preset's
 out["created"] = [type(model).__name__, model.config.hidden_size, canonical_name("toyfam_tiny_demo")]
 out["names"] = [r for r in model_names() if r["name"] == "toyfam-tiny-demo"]
 out["app"] = app_checkpoints().get("toyfam")
@@ -112,7 +112,7 @@ def test_a_family_is_two_files_and_one_declaration(tmp_path):
     assert out["listed"] == ["toyfam", 3 * 6 + 6 + 6 * 6]  # inject (weight + bias) + mix, on the meta device
     assert out["created"] == ["ToyFamModel", 6, "toyfam-tiny-demo"]
     assert out["names"] == [{"name": "toyfam-tiny-demo", "hub_id": "deqzoo/toyfam-tiny-demo",
-                             "preset": "toyfam-tiny", "timm": None}]
+                             "preset": "toyfam-tiny-demo", "timm": None}]
     assert out["app"] == ["deqzoo/toyfam-tiny-demo"] and out["registered"]
     assert out["equal"] == [True, True]
     assert out["auto"] == ["ToyFamConfig", "ToyFamModel"]

@@ -116,7 +116,7 @@ def test_corrupted_and_invalid_files(tmp_path):
 
 
 def test_save_load_round_trip(tmp_path):
-    model = deqzoo.create_model("mdeq-mnist-tiny")
+    model = deqzoo.create_model("mdeq-tiny-mnist")
     hs = HyperSolver(default_config(model, "mine", alpha_base="anderson"))
     for p in hs.parameters():
         p.data.normal_()
@@ -134,7 +134,7 @@ def test_save_load_round_trip(tmp_path):
 
 def test_save_refuses_a_model_checkpoint_folder(tmp_path):
     """--out pointing at a model's own folder must not replace the model's config.json/model.safetensors."""
-    model = deqzoo.create_model("mdeq-mnist-tiny")
+    model = deqzoo.create_model("mdeq-tiny-mnist")
     model.save_pretrained(tmp_path / "model")
     before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()}
     hs = HyperSolver(default_config(model, "mine", alpha_base="anderson"))
@@ -272,7 +272,7 @@ def test_use_override_and_old_configs(tmp_path):
         load_hypersolver(old)
     vector = HyperSolver(HyperSolverConfig(state_kind="vector", pool=4, use="initializer"))
     with pytest.raises(ValueError, match="has no initializer"):
-        set_hypersolver(deqzoo.create_model("mdeq-mnist-tiny"), vector, check=False)
+        set_hypersolver(deqzoo.create_model("mdeq-tiny-mnist"), vector, check=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

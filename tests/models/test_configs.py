@@ -109,7 +109,7 @@ def test_whole_config_checks_run_after_init_and_before_a_save(tmp_path):
     with pytest.raises(ConfigError, match="MDEQConfig: key 'branch_channels': entry 10 is not divisible by "
                                           "num_groups=4"):
         MDEQConfig(branch_channels=[10, 20], num_groups=4)
-    config = MDEQConfig(**ARCHITECTURES["mdeq-mnist-tiny"]["config"])
+    config = MDEQConfig(**ARCHITECTURES["mdeq-tiny-mnist"]["config"])
     config.num_groups = 3  # a valid int on its own; only the whole config shows it divides no stream
     with pytest.raises(ConfigError, match="not divisible by num_groups=3"):
         config.validate()
@@ -143,7 +143,7 @@ def test_the_engine_config_is_a_validated_nested_field():
 
 def _tiny_mdeq(**config):
     torch.manual_seed(0)
-    preset = {**ARCHITECTURES["mdeq-mnist-tiny"]["config"], "deq": {"f_max_iter": 2, "f_tol": 1e-9}}
+    preset = {**ARCHITECTURES["mdeq-tiny-mnist"]["config"], "deq": {"f_max_iter": 2, "f_tol": 1e-9}}
     return MDEQForImageClassification(MDEQConfig(**{**preset, **config})).eval()
 
 
@@ -195,7 +195,7 @@ def test_a_presets_model_class_follows_its_task():
             classes[name] = cls.__name__
     assert classes["mdeq-cifar-tiny"] == "MDEQForImageClassification"
     assert classes["mdeq-cityscapes-small"] == "MDEQForSemanticSegmentation"
-    assert classes["deq-transformer-tiny"] == "DEQTransformerForCausalLM"
+    assert classes["deq-transformer-tiny-pydoc"] == "DEQTransformerForCausalLM"
     assert classes["ignn-chains"] == "IGNNForNodeClassification"
-    assert classes["deq-flow-cpu"] == "DEQFlowForOpticalFlow"
-    assert classes["implicit2-isiren-1l256d"] == "Implicit2ForSignalRepresentation"
+    assert classes["deq-flow-cpu-synth"] == "DEQFlowForOpticalFlow"
+    assert classes["implicit2-isiren-camera"] == "Implicit2ForSignalRepresentation"

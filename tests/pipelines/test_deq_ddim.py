@@ -208,33 +208,33 @@ def test_invert_refuses_an_empty_batch_naming_it(empty):
 
 
 def test_ieee_convolutions_turns_tf32_off_on_cuda_only_and_restores_it():
-    """On a CUDA device the UNet's convolutions run in IEEE float32 inside, the process's TF32 setting comes
-    back after (also on an exception, and through torch's per-operator flags where those set conv and RNN
-    apart); other devices are left alone. (The H100 measurement behind it is in the helper's comment.)"""
+    """On a CUDA device the UNet's convolutions run in IEEE float32 inside (torch's per-operator flag
+    `torch.backends.cudnn.conv.fp32_precision`), RNNs and matmuls keep theirs, and the process's setting comes
+    back after (also on an exception, and a user's own choice, legacy flag or new); other devices are left
+    alone. (The H100 measurement behind it is in the helper's comment.)"""
     from deqzoo.pipelines.deq_ddim.pipeline_deq_ddim import ieee_convolutions
 
     cudnn = torch.backends.cudnn
-    assert cudnn.allow_tf32 is True  # torch's default, which the GPU solve stalled on
+    assert cudnn.conv.fp32_precision == "tf32" and cudnn.allow_tf32 is True  # torch's default: the stall
+    rnn, matmul = cudnn.rnn.fp32_precision, torch.backends.cuda.matmul.fp32_precision
     with ieee_convolutions(torch.device("cpu")):
-        assert cudnn.allow_tf32 is True
+        assert cudnn.conv.fp32_precision == "tf32"
     with ieee_convolutions(torch.device("cuda", 0)):
-        assert cudnn.allow_tf32 is False
-    assert cudnn.allow_tf32 is True
+        assert cudnn.conv.fp32_precision == "ieee"
+        assert (cudnn.rnn.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == (rnn, matmul)
+    assert cudnn.conv.fp32_precision == "tf32" and cudnn.allow_tf32 is True
     with pytest.raises(KeyError), ieee_convolutions("cuda"):
         raise KeyError("inside")
-    assert cudnn.allow_tf32 is True
-    rnn = cudnn.rnn.fp32_precision
-    cudnn.rnn.fp32_precision = "ieee"  # conv and RNN apart: torch refuses to read the legacy flag
+    assert cudnn.conv.fp32_precision == "tf32"
+    cudnn.allow_tf32 = False  # a user's own choice through the legacy flag is kept
     try:
-        with pytest.raises(RuntimeError):
-            _ = cudnn.allow_tf32
-        conv = cudnn.conv.fp32_precision
+        before = cudnn.conv.fp32_precision  # "none": conv inherits cuDNN's level, which the flag set
         with ieee_convolutions("cuda"):
             assert cudnn.conv.fp32_precision == "ieee"
-        assert cudnn.conv.fp32_precision == conv
+        assert cudnn.allow_tf32 is False and cudnn.conv.fp32_precision == before
     finally:
-        cudnn.rnn.fp32_precision = rnn
-    assert cudnn.allow_tf32 is True
+        cudnn.allow_tf32 = True
+    assert cudnn.conv.fp32_precision == "tf32" and cudnn.allow_tf32 is True
 
 
 @pytest.mark.parametrize("allow_tf32", [False, True])
@@ -250,7 +250,7 @@ def test_the_unet_runs_without_tf32_during_sampling_and_inversion_unless_allowed
     forward = unet.forward
 
     def recording_forward(*args, **kwargs):
-        seen.append(torch.backends.cudnn.allow_tf32)
+        seen.append(torch.backends.cudnn.conv.fp32_precision)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(unet, "forward", recording_forward)
@@ -259,8 +259,8 @@ def test_the_unet_runs_without_tf32_during_sampling_and_inversion_unless_allowed
                allow_tf32=allow_tf32)
     inv = pipe.invert(out.images, num_inference_steps=4, steps=1, allow_tf32=allow_tf32)
     assert len(seen) >= out.unet_calls > 0 and inv.latents.shape[0] == 2
-    assert set(seen) == ({True} if allow_tf32 else {False})
-    assert torch.backends.cudnn.allow_tf32 is True
+    assert set(seen) == ({"tf32"} if allow_tf32 else {"ieee"})
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
     again = pipe(batch_size=2, num_inference_steps=4, generator=torch.manual_seed(0), output_type="pt",
                  allow_tf32=not allow_tf32)
     assert torch.equal(out.images, again.images)
@@ -276,9 +276,9 @@ def test_ieee_convolutions_overlapping_holders_restore_once_the_last_leaves():
     cudnn = torch.backends.cudnn
     with ieee_convolutions("cuda"):
         with ieee_convolutions("cuda"):
-            assert cudnn.allow_tf32 is False
-        assert cudnn.allow_tf32 is False
-    assert cudnn.allow_tf32 is True
+            assert cudnn.conv.fp32_precision == "ieee"
+        assert cudnn.conv.fp32_precision == "ieee"
+    assert cudnn.conv.fp32_precision == "tf32"
     entered, release, seen = threading.Event(), threading.Event(), []
 
     def first():
@@ -292,5 +292,5 @@ def test_ieee_convolutions_overlapping_holders_restore_once_the_last_leaves():
     with ieee_convolutions("cuda"):  # enters while the thread holds it ...
         release.set()
         thread.join(10)  # ... and the thread leaves first
-        seen.append(cudnn.allow_tf32)
-    assert seen == [False] and cudnn.allow_tf32 is True
+        seen.append(cudnn.conv.fp32_precision)
+    assert seen == ["ieee"] and cudnn.conv.fp32_precision == "tf32"

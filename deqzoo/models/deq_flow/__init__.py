@@ -10,8 +10,8 @@ FAMILY = Family(
     # no Auto class for optical flow: the head is found by config.architectures
     heads={"DEQFlowForOpticalFlow": f"{_P}.modeling_deq_flow:DEQFlowForOpticalFlow"},
     architectures=f"{_P}.configuration_deq_flow:ARCHITECTURES",
-    names={"deq-flow-cpu-synth": "deq-flow-cpu", "deq-flow-cpu-raft-baseline": "raft-cpu",
-           "deq-flow-cpu-synth-20k": "deq-flow-cpu", "deq-flow-cpu-raft-baseline-20k": "raft-cpu"},
+    names=("deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline", "deq-flow-cpu-synth-20k",
+           "deq-flow-cpu-raft-baseline-20k"),
     app=("deq-flow-cpu-synth",),  # the app's flow tab compares solves: DEQ-Flow, not the explicit twin
     task="flow",
     extra="vision",  # torchvision's RAFT blocks

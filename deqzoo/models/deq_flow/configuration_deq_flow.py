@@ -162,7 +162,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deq-flow-tiny-gma": _preset(_upstream("tiny", True), "DEQ-Flow tiny with GMA, 2.52 M parameters"),
     "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
     "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
-    "deq-flow-cpu": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
-    "raft-cpu": _preset({**_CPU, "implicit": False, "num_flow_updates": 12},
-                        "the explicit RAFT twin of deq-flow-cpu: same blocks, 12 unrolled updates"),
+    "deq-flow-cpu-synth": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
+    "deq-flow-cpu-raft-baseline": _preset(
+        {**_CPU, "implicit": False, "num_flow_updates": 12},
+        "the explicit RAFT twin of deq-flow-cpu-synth: same blocks, 12 unrolled updates"),
 }
+# the 20k-step checkpoints: the same two architectures, trained longer (examples/deq_flow/long_runs.sh)
+for _name in ("deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline"):
+    ARCHITECTURES[f"{_name}-20k"] = {**ARCHITECTURES[_name], "description": ARCHITECTURES[_name][
+        "description"] + f"; deqzoo/{_name}-20k (20k steps)"}

@@ -373,7 +373,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
     Example:
         >>> import torch
         >>> import deqzoo
-        >>> model = deqzoo.create_model("deq-flow-cpu").eval()
+        >>> model = deqzoo.create_model("deq-flow-cpu-synth").eval()
         >>> out = model(torch.rand(1, 3, 60, 70), torch.rand(1, 3, 60, 70))
         >>> tuple(out.flow.shape), out.deq_stats.nfe > 0
         ((1, 2, 60, 70), True)
@@ -485,7 +485,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         Example:
             >>> import torch
             >>> import deqzoo
-            >>> model = deqzoo.create_model("deq-flow-cpu")
+            >>> model = deqzoo.create_model("deq-flow-cpu-synth")
             >>> feats = model.features(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64))
             >>> tuple(feats.context.shape), len(feats.pyramid)
             ((1, 48, 8, 8), 3)
@@ -654,7 +654,7 @@ class DEQFlowForOpticalFlow(DEQFlowModel):
     Example:
         >>> import torch
         >>> import deqzoo
-        >>> model = deqzoo.create_model("deq-flow-cpu").eval()
+        >>> model = deqzoo.create_model("deq-flow-cpu-synth").eval()
         >>> frames = torch.rand(3, 3, 64, 64)
         >>> flows, stats = model.estimate_sequence(frames, reuse=True)
         >>> len(flows), tuple(flows[0].shape)

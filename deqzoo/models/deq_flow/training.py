@@ -27,7 +27,7 @@ def two_stage_backward(model, image1: torch.Tensor, image2: torch.Tensor, flow_g
 
     Example:
         >>> import torch, deqzoo
-        >>> model = deqzoo.create_model("deq-flow-cpu").train()
+        >>> model = deqzoo.create_model("deq-flow-cpu-synth").train()
         >>> _ = model.set_deq(on_nonconvergence="ignore")
         >>> a, b, gt = torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), torch.zeros(1, 2, 64, 64)
         >>> out = two_stage_backward(model, a, b, gt)

@@ -106,17 +106,17 @@ _DEQ = {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3, "b_mode": "ift"
         "b_tol": 1e-4}
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "deq-transformer-tiny": {
+    "deq-transformer-tiny-pydoc": {
         "task": "text-generation",
         "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
         "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
     },
-    "deq-transformer-small": {
+    "deq-transformer-small-pystd": {
         "task": "text-generation",
         "config": {**_SMALL, "d_inner": 768, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
         "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 192 (pystd)",
     },
-    "deq-transformer-small-explicit": {
+    "deq-transformer-small-pystd-explicit": {
         "task": "text-generation",
         "config": {**_SMALL, "d_inner": 144, "pre_lnorm": True, "explicit_layers": 2, "deq": _DEQ},
         "description": "The small DEQ-Transformer's explicit twin: 2 untied pre-LN blocks, equal parameters",

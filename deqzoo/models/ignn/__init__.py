@@ -13,7 +13,7 @@ FAMILY = Family(
         "IGNNForGraphClassification": f"{_P}.modeling_ignn:IGNNForGraphClassification",
     },
     architectures=f"{_P}.configuration_ignn:ARCHITECTURES",
-    names={"ignn-chains": "ignn-chains"},
+    names=("ignn-chains",),
     app=("ignn-chains",),
     task="chains",
     export={"IGNNForNodeClassification": "graph node classifier"},

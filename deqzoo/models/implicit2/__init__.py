@@ -10,8 +10,7 @@ FAMILY = Family(
     # no Auto class for coordinate-to-signal networks: heads found by config.architectures
     heads={"Implicit2ForSignalRepresentation": f"{_P}.modeling_implicit2:Implicit2ForSignalRepresentation"},
     architectures=f"{_P}.configuration_implicit2:ARCHITECTURES",
-    names={"implicit2-isiren-camera": "implicit2-isiren-1l256d",
-           "implicit2-igabor-mfn-camera": "implicit2-igabor-mfn-1l256d"},
+    names=("implicit2-isiren-camera", "implicit2-igabor-mfn-camera"),
     app=("implicit2-isiren-camera", "implicit2-igabor-mfn-camera"),
     task="implicit2",
     export={"Implicit2ForSignalRepresentation": "signal"},

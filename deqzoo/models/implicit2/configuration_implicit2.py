@@ -103,12 +103,15 @@ def _preset(filter_type: str, layers: int, width: int, implicit: bool, what: str
 _NAMES = {"siren": "SIREN", "fourier": "Fourier-MFN", "gabor": "Gabor-MFN"}
 
 # Named presets for deqzoo.create_model: the paper's 1L-256D / 1L-512D implicit networks and the explicit
-# 1L / 4L-256D baselines, per filter.
+# 1L / 4L-256D baselines, per filter. A 1L-256D preset that is an embedded checkpoint takes its name
+# (implicit2-isiren-camera, implicit2-igabor-mfn-camera): one name per model.
+_CHECKPOINTS = {"siren": "implicit2-isiren-camera", "gabor": "implicit2-igabor-mfn-camera"}
 ARCHITECTURES: dict[str, dict[str, Any]] = {}
 for _f, _n in _NAMES.items():
     _i = "isiren" if _f == "siren" else f"i{_f}-mfn"
     _e = "siren" if _f == "siren" else f"{_f}-mfn"
-    ARCHITECTURES[f"implicit2-{_i}-1l256d"] = _preset(_f, 1, 256, True, f"implicit {_n}, 1 layer, D=256")
+    ARCHITECTURES[_CHECKPOINTS.get(_f, f"implicit2-{_i}-1l256d")] = _preset(
+        _f, 1, 256, True, f"implicit {_n}, 1 layer, D=256")
     ARCHITECTURES[f"implicit2-{_i}-1l512d"] = _preset(_f, 1, 512, True, f"implicit {_n}, 1 layer, D=512")
     ARCHITECTURES[f"implicit2-{_e}-1l256d"] = _preset(_f, 1, 256, False, f"explicit {_n}, 1 layer, D=256")
     ARCHITECTURES[f"implicit2-{_e}-4l256d"] = _preset(_f, 4, 256, False, f"explicit {_n}, 4 layers, D=256")

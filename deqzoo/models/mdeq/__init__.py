@@ -21,11 +21,8 @@ FAMILY = Family(
     architectures=f"{_P}.configuration_mdeq:ARCHITECTURES",
     image_processor=f"{_P}.image_processing_mdeq:MDEQImageProcessor",
     timm_module="deqzoo.integrations.timm",
-    names={
-        "mdeq-tiny-mnist": "mdeq-mnist-tiny",
-        "mdeq-tiny-mnist-reversible": "mdeq-mnist-tiny",  # same architecture, b_mode="reversible"
-        "lipschitz-mdeq-tiny-mnist": "lipschitz-mdeq-mnist-tiny",
-    },
+    heads={"MDEQTimm": "deqzoo.integrations.timm:MDEQTimm"},  # a timm model saved with save_pretrained
+    names=("mdeq-tiny-mnist", "mdeq-tiny-mnist-reversible", "lipschitz-mdeq-tiny-mnist"),
     app=("mdeq-tiny-mnist", "lipschitz-mdeq-tiny-mnist"),
     hypersolver_state="multires",
     task="mnist",

@@ -241,9 +241,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mdeq-cityscapes-xl": _preset("MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)", _SEG, **_CITYSCAPES, **_XL,
                                   dropout=0.04),
     # ours: the embedded MNIST checkpoints (28x28 grayscale, 2 streams)
-    "mdeq-mnist-tiny": _preset("Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 "
+    "mdeq-tiny-mnist": _preset("Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 "
                                "channels at 14x14 and 7x7); deqzoo/mdeq-tiny-mnist", **_MNIST_TINY),
-    "lipschitz-mdeq-mnist-tiny": _preset("Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-mnist-tiny; "
+    "mdeq-tiny-mnist-reversible": _preset(
+        "mdeq-tiny-mnist's architecture trained with b_mode='reversible' (4 coupled steps, beta 0.8); "
+        "deqzoo/mdeq-tiny-mnist-reversible",
+        **{**_MNIST_TINY, "deq": {**_MNIST_TINY["deq"], "b_mode": "reversible", "f_max_iter": 4,
+                                  "b_mode_kwargs": {"beta": 0.8}}}),
+    "lipschitz-mdeq-tiny-mnist": _preset("Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-tiny-mnist; "
                                          "deqzoo/lipschitz-mdeq-tiny-mnist", **_MNIST_TINY,
                                          **_LIPSCHITZ_SWITCHES),
 }

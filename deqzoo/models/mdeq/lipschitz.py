@@ -184,7 +184,7 @@ def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bo
 
     Example:
         >>> import deqzoo
-        >>> model = deqzoo.create_model("lipschitz-mdeq-mnist-tiny")
+        >>> model = deqzoo.create_model("lipschitz-mdeq-tiny-mnist")
         >>> stats = project_lipschitz(model)
         >>> stats["max_conv_norm_after"] <= model.config.conv_norm * (1 + 1e-6)
         True

@@ -17,7 +17,7 @@ conversion/mdeq_locuslab.py).
 
 Example:
     >>> import torch, deqzoo
-    >>> model = deqzoo.create_model("mdeq-mnist-tiny").eval()
+    >>> model = deqzoo.create_model("mdeq-tiny-mnist").eval()
     >>> out = model(torch.randn(2, 1, 28, 28), output_hidden_states=True)
     >>> out.logits.shape, [tuple(h.shape) for h in out.hidden_states]
     (torch.Size([2, 10]), [(2, 16, 14, 14), (2, 16, 7, 7)])
@@ -346,7 +346,7 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
 
         Example:
             >>> import deqzoo
-            >>> round(deqzoo.create_model("lipschitz-mdeq-mnist-tiny").lipschitz_bound(), 4)
+            >>> round(deqzoo.create_model("lipschitz-mdeq-tiny-mnist").lipschitz_bound(), 4)
             0.6779
         """
         cfg = self.config

@@ -93,30 +93,20 @@ def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.
     return images.float() * 2.0 - 1.0
 
 
-# Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default
-# (torch.backends.cudnn.allow_tf32 is True), rounding the UNet's products to about 1e-3 relative. The chain's
-# fixed point is then defined only to that precision: the residual stalls near 1e-3, above the solve's default
-# tol 1e-5, and the safeguard re-runs T + 1 exact sweeps. Measured on an H100 (ddim-digits-16, batch 8,
-# T = 10 / 25 / 50; benchmarks/results/gpu_h100/2026-11-27/ddim_global_tf32_*.json): with TF32, depth
-# 21 / 51 / 101 and 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone
-# converges) and 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this
-# size the IEEE convolutions cost no visible time per image.
-def _convolutions_to_ieee() -> Callable[[], None]:
-    """Switch cuDNN convolutions to IEEE float32; returns what puts the process's setting back."""
-    cudnn = torch.backends.cudnn
-    try:
-        previous = cudnn.allow_tf32
-    except RuntimeError:  # torch >= 2.9's per-operator flags set conv and RNN apart: switch the convolutions
-        before = cudnn.conv.fp32_precision
-        cudnn.conv.fp32_precision = "ieee"
-        return lambda: setattr(cudnn.conv, "fp32_precision", before)
-    cudnn.allow_tf32 = False
-    return lambda: setattr(cudnn, "allow_tf32", previous)
-
-
+# Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default (torch.backends.cudnn.conv
+# .fp32_precision is "tf32"), rounding the UNet's products to about 1e-3 relative. The chain's fixed point is
+# then defined only to that precision: the residual stalls near 1e-3, above the solve's default tol 1e-5, and
+# the safeguard re-runs T + 1 exact sweeps. Measured on an H100 (ddim-digits-16, batch 8, T = 10 / 25 / 50;
+# benchmarks/results/gpu_h100/2026-11-27/ddim_global_tf32_*.json): with TF32, depth 21 / 51 / 101 and
+# 1.6 / 2.6 / 2.3x DDIMPipeline's time; in IEEE float32, depth 14 / 19 / 26 (Anderson alone converges) and
+# 1.06 / 0.95 / 0.60x, max error against the sequential chain 1e-4 instead of 7e-4; at this size the IEEE
+# convolutions cost no visible time per image. torch's per-operator flag (the API torch documents for TF32;
+# it refuses the legacy `cudnn.allow_tf32` once conv and RNN differ) switches the convolutions only: RNNs and
+# matmuls keep the process's setting.
 class _IEEEConvolutions:
-    """The flag is process-wide and solves may overlap (threads of a server, nested calls): the first holder
-    switches, the last one out restores, so an overlap never leaves the process switched."""
+    """torch.backends.cudnn.conv.fp32_precision = "ieee" while held. The flag is process-wide and solves may
+    overlap (threads of a server, nested calls), which torch's save-and-restore contexts do not cover: the
+    first holder switches, the last one out restores, so an overlap never leaves the process switched."""
 
     def __init__(self) -> None:
         self.lock, self.holders, self.restore = threading.Lock(), 0, None
@@ -125,7 +115,8 @@ class _IEEEConvolutions:
     def hold(self) -> Iterator[None]:
         with self.lock:
             if self.holders == 0:
-                self.restore = _convolutions_to_ieee()
+                self.restore = torch.backends.cudnn.conv.fp32_precision
+                torch.backends.cudnn.conv.fp32_precision = "ieee"
             self.holders += 1
         try:
             yield
@@ -133,7 +124,7 @@ class _IEEEConvolutions:
             with self.lock:
                 self.holders -= 1
                 if self.holders == 0:
-                    self.restore()
+                    torch.backends.cudnn.conv.fp32_precision = self.restore
 
 
 _IEEE = _IEEEConvolutions()
@@ -147,9 +138,9 @@ def ieee_convolutions(device: torch.device | str) -> Iterator[None]:
 
     Example:
         >>> with ieee_convolutions("cuda"):
-        ...     inside = torch.backends.cudnn.allow_tf32
-        >>> inside, torch.backends.cudnn.allow_tf32
-        (False, True)
+        ...     inside = torch.backends.cudnn.conv.fp32_precision
+        >>> inside, torch.backends.cudnn.conv.fp32_precision
+        ('ieee', 'tf32')
     """
     if torch.device(device).type != "cuda":
         yield

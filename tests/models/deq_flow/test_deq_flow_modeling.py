@@ -63,7 +63,7 @@ def test_presets_have_the_upstream_parameter_counts(size):
 
 
 def test_cpu_preset_and_its_raft_twin_have_equal_parameter_counts():
-    deq, raft = deqzoo.create_model("deq-flow-cpu"), deqzoo.create_model("raft-cpu")
+    deq, raft = deqzoo.create_model("deq-flow-cpu-synth"), deqzoo.create_model("deq-flow-cpu-raft-baseline")
     assert deq.config.implicit and not raft.config.implicit
     shapes = {k: v.shape for k, v in deq.state_dict().items()}
     assert shapes == {k: v.shape for k, v in raft.state_dict().items()}

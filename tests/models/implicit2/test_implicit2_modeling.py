@@ -175,10 +175,10 @@ def test_render_covers_the_range_at_any_resolution():
 
 
 def test_presets_build():
-    assert {"implicit2-isiren-1l256d", "implicit2-igabor-mfn-1l512d", "implicit2-gabor-mfn-4l256d"} <= set(
+    assert {"implicit2-isiren-camera", "implicit2-igabor-mfn-1l512d", "implicit2-gabor-mfn-4l256d"} <= set(
         ARCHITECTURES
     )
-    model = deqzoo.create_model("implicit2-igabor-mfn-1l256d") if hasattr(deqzoo, "create_model") else None
+    model = deqzoo.create_model("implicit2-igabor-mfn-camera") if hasattr(deqzoo, "create_model") else None
     if model is not None:
         assert model.config.hidden_size == 256 and model.config.implicit
 

@@ -39,7 +39,7 @@ def test_two_process_ddp_finetune_keeps_parameters_identical(tmp_path):
         str(_free_port()),
         str(SCRIPT),
         "--model",
-        "mdeq-mnist-tiny",
+        "mdeq-tiny-mnist",
         "--out",
         str(tmp_path),
         "--max-steps",
@@ -65,7 +65,7 @@ def test_two_process_ddp_finetune_keeps_parameters_identical(tmp_path):
         assert torch.equal(rank0[key], rank1[key]), key
     # the replicas did train: parameters moved away from the (seeded, identical) initialization
     torch.manual_seed(0)
-    init = deqzoo.create_model("mdeq-mnist-tiny").state_dict()
+    init = deqzoo.create_model("mdeq-tiny-mnist").state_dict()
     moved = [k for k in rank0 if rank0[k].is_floating_point() and not torch.equal(rank0[k], init[k])]
     assert "classifier.weight" in moved and any("fullstage" in k for k in moved)
     assert (tmp_path / "final" / "model.safetensors").is_file()
@@ -81,7 +81,7 @@ def test_trainer_with_lipschitz_callback_keeps_the_constraints(tmp_path):
     finetune_trainer.main(
         [
             "--model",
-            "lipschitz-mdeq-mnist-tiny",
+            "lipschitz-mdeq-tiny-mnist",
             "--out",
             str(tmp_path),
             "--max-steps",

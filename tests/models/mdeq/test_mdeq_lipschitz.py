@@ -167,7 +167,7 @@ def test_projection_enforces_conv_norm_and_gamma():
 
 
 def test_lipschitz_preset_contracts_and_plain_mdeq_has_no_bound():
-    cfg = MDEQConfig(**ARCHITECTURES["lipschitz-mdeq-mnist-tiny"]["config"])
+    cfg = MDEQConfig(**ARCHITECTURES["lipschitz-mdeq-tiny-mnist"]["config"])
     model = MDEQForImageClassification(cfg).eval()
     bound = model.lipschitz_bound()
     assert bound < 1
@@ -177,6 +177,6 @@ def test_lipschitz_preset_contracts_and_plain_mdeq_has_no_bound():
     # fixed-point residuals of a contraction shrink at least by the Lipschitz factor each step
     ratios = (trace[1:] / trace[:-1]).tolist()
     assert max(ratios) <= bound + 1e-6, ratios
-    plain = MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-mnist-tiny"]["config"]))
+    plain = MDEQForImageClassification(MDEQConfig(**ARCHITECTURES["mdeq-tiny-mnist"]["config"]))
     with pytest.raises(ValueError, match="lipschitz=True"):
         plain.lipschitz_bound()

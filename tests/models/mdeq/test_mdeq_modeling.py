@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 
 def tiny_config(**overrides) -> MDEQConfig:
-    kwargs = dict(ARCHITECTURES["mdeq-mnist-tiny"]["config"])
+    kwargs = dict(ARCHITECTURES["mdeq-tiny-mnist"]["config"])
     kwargs.update(overrides)
     return MDEQConfig(**kwargs)
 
@@ -223,7 +223,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_jacobian_regularizer_is_added_to_the_training_loss():
     torch.manual_seed(0)
     cfg = tiny_config(
-        jac_loss_weight=0.5, deq={**ARCHITECTURES["mdeq-mnist-tiny"]["config"]["deq"], "jac_reg_samples": 1}
+        jac_loss_weight=0.5, deq={**ARCHITECTURES["mdeq-tiny-mnist"]["config"]["deq"], "jac_reg_samples": 1}
     )
     model = MDEQForImageClassification(cfg).train()
     x, y = torch.randn(2, 1, 28, 28), torch.tensor([1, 2])

@@ -31,9 +31,7 @@ def test_models_are_registered_with_pretrained_tags_each_listed_once():
 
 def test_features_only_one_map_per_resolution_with_channels_and_strides():
     net = timm.create_model("mdeq_cifar_large", features_only=True, deq={"f_max_iter": 2})
-    assert (
-        net.model.model.config.deq["f_solver"] == "broyden"
-    )  # the preset's solver, with the override merged
+    assert net.model.config.deq["f_solver"] == "broyden"  # the preset's solver, with the override merged
     assert net.feature_info.channels() == [32, 64, 128, 256]
     assert net.feature_info.reduction() == [1, 2, 4, 8]
     feats = net(torch.randn(1, 3, 32, 32))
@@ -63,13 +61,13 @@ def test_pretrained_loads_the_embedded_checkpoint_offline():
     assert new_head(x).shape == (2, 3)
 
 
-def test_timm_wrapper_delegates_to_the_model_and_solves_once_per_call():
-    """forward_features / forward_head are MDEQForImageClassification's own; forward, forward_features and
-    forward_intermediates (features_only) each run the DEQ solve exactly once."""
+def test_timm_model_solves_once_per_call():
+    """forward, forward_features and forward_intermediates (features_only) each run the DEQ solve exactly
+    once; the timm class's results equal the transformers class's on the same weights."""
     net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
-    model = net.model
+    model = deqzoo.from_pretrained("mdeq-tiny-mnist").eval()
     solves = []
-    model.mdeq.deq.register_forward_hook(lambda *_: solves.append(1))
+    net.mdeq.deq.register_forward_hook(lambda *_: solves.append(1))
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         logits = net(x)
@@ -82,7 +80,58 @@ def test_timm_wrapper_delegates_to_the_model_and_solves_once_per_call():
         solves.clear()
         torch.testing.assert_close(net.forward_head(net.forward_features(x), pre_logits=True),
                                    model.forward_head(model.forward_features(x), pre_logits=True))
-    assert len(solves) == 2
+    assert len(solves) == 1
+
+
+def test_timm_native_class_meets_timms_own_expectations(tmp_path):
+    """The timm entry point is MDEQForImageClassification itself with timm's conventions, not a wrapper:
+    the embedded checkpoint's keys are its keys (timm's own `load_checkpoint` reads the safetensors file into
+    it), forward returns the logits tensor equal to the transformers class's, `forward_head(pre_logits=True)`
+    is that class's pooled feature, `reset_classifier` follows timm (0: the pooled features), `pretrained_cfg`
+    / `default_cfg` are timm's, and a saved one loads back as the same class (transformers' Auto class reads
+    it as the plain head)."""
+    import transformers
+    from safetensors.torch import save_file
+    from timm.models import load_checkpoint
+
+    from deqzoo.hub.loading import resolve
+    from deqzoo.integrations.timm import MDEQTimm
+    from deqzoo.models.mdeq import MDEQForImageClassification
+
+    ref = deqzoo.from_pretrained("mdeq-tiny-mnist").eval()
+    net = timm.create_model("mdeq_tiny_mnist", pretrained=True).eval()
+    assert type(net) is MDEQTimm and isinstance(net, MDEQForImageClassification)
+    assert net.pretrained_cfg["hf_hub_id"] == "deqzoo/mdeq-tiny-mnist"
+    assert net.default_cfg == net.pretrained_cfg and net.pretrained_cfg["classifier"] == "classifier"
+    assert isinstance(net.get_submodule("classifier"), torch.nn.Linear)
+    assert net.get_submodule(net.pretrained_cfg["first_conv"]).in_channels == net.in_chans == 1
+    fresh = timm.create_model("mdeq_tiny_mnist").eval()
+    load_checkpoint(fresh, str(resolve("deqzoo/mdeq-tiny-mnist") / "model.safetensors"))  # timm's loader
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        logits = net(x)
+        assert isinstance(logits, torch.Tensor) and logits.shape == (3, net.num_classes) == (3, 10)
+        assert torch.equal(logits, ref(x).logits) and torch.equal(fresh(x), logits)
+        pooled = net.forward_head(net.forward_features(x), pre_logits=True)
+        assert pooled.shape == (3, net.num_features) == (3, ref.config.final_chansize)
+        torch.testing.assert_close(pooled, ref.forward_head(ref.forward_features(x), pre_logits=True))
+        torch.testing.assert_close(ref.classifier(pooled), logits)
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, tmp_path / "timm.safetensors")
+        again = timm.create_model("mdeq_tiny_mnist", pretrained=True,  # timm's state dict, no prefix
+                                  pretrained_cfg_overlay=dict(file=str(tmp_path / "timm.safetensors")))
+        assert torch.equal(again.eval()(x), logits)
+        net.reset_classifier(0)  # timm: no head, forward gives the pooled features
+        assert net.num_classes == 0 and isinstance(net.get_classifier(), torch.nn.Identity)
+        torch.testing.assert_close(net(x), pooled)
+        net.reset_classifier(4)
+        assert net(x).shape == (3, 4) and net.config.num_labels == 4
+    net.save_pretrained(tmp_path / "saved")
+    deqzoo.register()  # transformers' Auto classes know the family
+    back = deqzoo.from_pretrained(tmp_path / "saved").eval()
+    auto = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "saved").eval()
+    assert type(back) is MDEQTimm and type(auto) is MDEQForImageClassification
+    with torch.no_grad():
+        assert torch.equal(back(x), net.eval()(x)) and torch.equal(auto(x).logits, back(x))
 
 
 def _stratified_held_out(per_class: int = 20):
@@ -111,11 +160,11 @@ def test_rgb_images_through_timms_own_transform_classify_as_the_originals():
     images, labels = _stratified_held_out()
     rgb = torch.stack([transform(Image.fromarray(im, mode="L").convert("RGB")) for im in images])
     assert rgb.shape == (200, 3, 28, 28)
-    reference = to_pixel_values(images, net.model)  # the image processor on the originals
+    reference = to_pixel_values(images, net)  # the image processor on the originals
     torch.testing.assert_close(net._pixels(rgb), reference, atol=1e-5, rtol=0)
     with torch.no_grad():
         acc_rgb = float((net(rgb).argmax(1) == torch.as_tensor(labels)).float().mean())
-        acc_ref = float((net.model(reference).logits.argmax(1) == torch.as_tensor(labels)).float().mean())
+        acc_ref = float((net(reference).argmax(1) == torch.as_tensor(labels)).float().mean())
     assert abs(acc_rgb - acc_ref) <= 0.01 and acc_ref >= 0.95, (acc_rgb, acc_ref)
     # a coloured image: timm's path equals the image processor's conversion (PIL's "L", no inversion)
     # within its 8-bit rounding
@@ -124,7 +173,7 @@ def test_rgb_images_through_timms_own_transform_classify_as_the_originals():
     g = torch.Generator().manual_seed(0)
     colour = torch.randint(0, 256, (28, 28, 3), generator=g, dtype=torch.uint8).numpy()
     pil = Image.fromarray(colour, mode="RGB")
-    std = net.model.config.image_std[0]
+    std = net.config.image_std[0]
     processor = MDEQImageProcessor.from_pretrained(ROOT / "model_cards" / "mdeq-tiny-mnist")
     gray = processor(pil, do_invert=False, return_tensors="pt")["pixel_values"]
     assert gray.shape == (1, 1, 28, 28)
@@ -155,7 +204,7 @@ def test_grad_checkpointing_recomputes_the_head_with_the_same_gradients_and_stat
     x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 3, 7, 9])
     head_runs = []
     # a pre-hook: the recomputation stops once the saved tensors are recomputed, before forward hooks
-    ckpt.model.final_layer.register_forward_pre_hook(lambda *_: head_runs.append(1))
+    ckpt.final_layer.register_forward_pre_hook(lambda *_: head_runs.append(1))
     ref = _train_step(plain, x, y)
     got = _train_step(ckpt, x, y)
     assert len(head_runs) == 2, "the head is recomputed in the backward pass"
