@@ -11,7 +11,7 @@ FAMILY = Family(
     # no Auto class for grid classification with a halting head: the head is found by config.architectures
     heads={"ReasonerForGridClassification": f"{_P}.modeling_reasoner:ReasonerForGridClassification"},
     architectures=f"{_P}.configuration_reasoner:ARCHITECTURES",
-    names={"trm-sudoku6": "trm-sudoku6", "trm-sudoku6-twin": "trm-sudoku6-twin"},
+    names=("trm-sudoku6", "trm-sudoku6-twin"),
     app=("trm-sudoku6",),  # the app's reasoner tab runs the reasoner, not its twin
     export="its per-sample halting changes the batch between segments; not checked for tracing",
 )
