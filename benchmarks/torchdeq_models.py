@@ -157,7 +157,7 @@ class _TorchDEQ(nn.Module):
         trace = info[f"{self.stop_mode}_trace"].detach().reshape(b, -1)
         below = trace < self.tol
         first = torch.where(below.any(1), below.float().argmax(1) + 2, self.max_iter).cpu()
-        if not self.anderson:  # the trace's offset is checked for TorchDEQ's Anderson only (the cases' solver)
+        if not self.anderson:  # that offset is checked for TorchDEQ's Anderson only (the cases' solver)
             first = None
         stats = SolverStats(nfe=int(info["nstep"].max()), rel_residual=rel, nfe_per_sample=first,
                             abs_residual=info["abs_lowest"].detach().reshape(-1),
