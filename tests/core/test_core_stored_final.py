@@ -105,6 +105,10 @@ def test_deq_config_stored():
         DEQConfig(f_final_step="last")
     with pytest.raises(ValueError, match="solve: final='stored' needs a solver"):
         solve(f, z0, solver="broyden", final="stored")
+    for bad in ("last", -1, 1.5):
+        with pytest.raises(ValueError, match="solve: final must be"):
+            solve(f, z0, final=bad)
+    assert torch.equal(solve(f, z0, final=0)[0], solve(f, z0)[0])  # 0: off, as before
 
 
 def test_ift_adjoint_with_stored_step_is_closer_to_the_exact_adjoint_at_no_call():

@@ -57,17 +57,16 @@ def solver_kwarg_names(name: str) -> set[str] | None:
 
 
 def check_final(final, solver: str, what: str) -> None:
-    """A final-step setting: False/True, an int n >= 1 (`final_step`), or "stored" (f of the answer as the
-    solver computed it: solvers that take ``return_f``). The error names `what` and the value."""
+    """A final-step setting: False/True, an int n >= 0 (`final_step`; 0 is off), or "stored" (f of the answer
+    as the solver computed it: solvers that take ``return_f``). The error names `what` and the value."""
     if final == "stored":
         names = solver_kwarg_names(solver)
         if names is not None and "return_f" not in names:
             supported = sorted(n for n in SOLVERS if "return_f" in (solver_kwarg_names(n) or ()))
             raise ValueError(f"{what}='stored' needs a solver that keeps f of its iterates "
                              f"({', '.join(supported)}), got {solver!r}")
-    elif isinstance(final, str) or not isinstance(final, (bool, int, np.integer)) or (
-            not isinstance(final, bool) and final < 1):
-        raise ValueError(f"{what} must be a bool, an integer >= 1 or 'stored', got {final!r}")
+    elif isinstance(final, str) or not isinstance(final, (bool, int, np.integer)) or final < 0:
+        raise ValueError(f"{what} must be a bool, an integer >= 0 (0: off) or 'stored', got {final!r}")
 
 
 def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
