@@ -7,6 +7,7 @@ A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -302,6 +303,11 @@ class _Tracker:
         )  # fmt: skip
 
 
+def _held(name: str) -> property:
+    """An attribute of `_MaskedTracker` kept in its `vals` dict."""
+    return property(lambda self: self.vals[name], lambda self, value: self.vals.__setitem__(name, value))
+
+
 class _MaskedTracker(_Tracker):
     """The fixed-trip form of `_Tracker`: every row stays in the batch and the solver runs its `max_iter`
     steps (or, in eager mode, until a check every `check_every` steps finds no row iterating); a row that
@@ -319,6 +325,7 @@ class _MaskedTracker(_Tracker):
     """
 
     def __init__(self, *args, check_every: int = 4, **kwargs):
+        object.__setattr__(self, "vals", {})  # before `_Tracker.__init__` sets the state (`_held`)
         super().__init__(*args, **kwargs)
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an integer >= 0 (0: never), got {check_every!r}")
@@ -326,6 +333,8 @@ class _MaskedTracker(_Tracker):
         self.rows = torch.arange(self.batch, device=self.x0.device)  # every row, always (stop rules read it)
         self.check_every = 0 if torch.compiler.is_compiling() else check_every
         self.ended = False
+
+    ended = _held("ended")
 
     @property
     def done(self) -> bool:
@@ -340,41 +349,40 @@ class _MaskedTracker(_Tracker):
         x = torch.where(self.active[:, None], x, self.best_x)
         return _check_output(g(x, None) if self.rowwise else g(x), x)
 
+    STATE = ("best_x", "best", "nfe", "active", "nonfinite", "diverged", "best_fx")
+    # the state, the step count and the end flag live in a dict (`vals`), written by item: under dynamo,
+    # attribute writes to an object made after a ``torch.while_loop`` are lost (torch 2.14; item writes to a
+    # dict are kept), and `fixed_point(fixed_trip="while")` writes them after its loop
+    best_x, best, nfe, active, nonfinite, diverged, best_fx, steps = (
+        _held(n) for n in STATE + ("steps",))
+
+    @property
+    def state(self) -> tuple:
+        """The per-row state the masked rule updates (`masked_rule`), in `STATE`'s order."""
+        return tuple(getattr(self, name) for name in self.STATE)
+
+    @state.setter
+    def state(self, values: tuple) -> None:
+        for name, value in zip(self.STATE, values, strict=True):
+            setattr(self, name, value)
+
     def update_sq(self, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
                   fx: torch.Tensor | None = None) -> None:  # fmt: skip
-        """`_Tracker.update_sq`'s rule on every row, the stopped rows masked out."""
-        a = g_sq.sqrt()
-        rel = a / (f_sq.sqrt() + 1e-12)
-        r = rel if self.rel else a
-        act = self.active
-        self.nfe = self.nfe + act
-        finite = torch.isfinite(r)
-        i = 1 if self.rel else 0
-        improved = act & finite & (r < self.best[i])
-        diverged = act & finite & (a > self.div_factor * self.best[0].clamp_min(1e-30))
-        stopped_r = self.best[i].masked_fill(torch.isinf(self.best[i]), 0.0)  # before this step's update
-        self.best = torch.where(improved, torch.stack((a, rel)), self.best)
-        self.best_x = torch.where(improved[:, None], x, self.best_x)
-        if self.keep_f:  # as `_Tracker._keep_f`, on every row (a frozen row's `improved` is False)
-            if fx is None:
-                raise ValueError(f"solver {self.name!r}: keep_f needs f(x) handed to the tracker's update")
-            first = self.best_fx is None
-            self.best_fx = fx.clone() if first else torch.where(improved[:, None], fx, self.best_fx)
-        best_r = self.best[i]
-        # the trace entry as `_Tracker`'s: the iterating rows' residuals (NaN if not finite), the stopped
-        # rows at their best (inf as 0)
-        self.trace.append(torch.where(act, torch.where(finite, r, math.nan), stopped_r).amax())
-        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe >= self.max_iter)
+        """`_Tracker.update_sq`'s rule on every row, the stopped rows masked out (`masked_rule`)."""
+        if self.keep_f and fx is None:
+            raise ValueError(f"solver {self.name!r}: keep_f needs f(x) handed to the tracker's update")
+        rules = None
         if self.rules:
             from ..halting import Step
 
-            step = Step(x, fx if fx is not None else x, self.rows, self.nfe, a, rel, self.unflatten)
-            for rule in self.rules:
-                stop = stop | rule(step)
-        stop = stop & act
-        self.nonfinite = self.nonfinite | (stop & ~finite)
-        self.diverged = self.diverged | (stop & diverged)
-        self.active = act & ~stop
+            def rules(nfe, a, rel):
+                step = Step(x, fx if fx is not None else x, self.rows, nfe, a, rel, self.unflatten)
+                return functools.reduce(torch.logical_or, [rule(step) for rule in self.rules])
+
+        self.state, entry = masked_rule(self.state, x, g_sq, f_sq, fx, rel=self.rel, tol=self.tol,
+                                        max_iter=self.max_iter, div_factor=self.div_factor,
+                                        keep_f=self.keep_f, rules=rules)  # fmt: skip
+        self.trace.append(entry)
         self.steps += 1
         if self.keep_steps and self.steps in self.keep_steps:
             self.kept[self.steps] = self.best_x.clone()
@@ -402,6 +410,39 @@ class _MaskedTracker(_Tracker):
             solver=self.name, stop_mode=self.stop_mode, tol=self.tol, nonfinite=self.nonfinite.any(),
             diverged=self.diverged.any(), extra=extra, nfe_per_sample=self.nfe,
         )  # fmt: skip
+
+
+def masked_rule(state: tuple, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
+                fx: torch.Tensor | None, *, rel: bool, tol: float, max_iter: int, div_factor: float,
+                keep_f: bool = False, rules=None) -> tuple[tuple, torch.Tensor]:  # fmt: skip
+    """One step of `_Tracker`'s stop rule on every row, the stopped rows masked out: the fixed-trip solve's
+    bookkeeping as a pure function of tensors (`_MaskedTracker.update_sq` and the ``torch.while_loop`` body
+    of `fixed_point(fixed_trip="while")` both run it). `state` is `_MaskedTracker.STATE`'s tuple (best_fx
+    None until the first step with keep_f, which keeps that step's f whatever its residual); `rules`, if
+    given, maps (nfe, abs residual, rel residual) to more stops. Returns the new state and the step's trace
+    entry (the iterating rows' largest residual, NaN if one is not finite, the stopped rows at their best)."""
+    best_x, best, nfe, act, nonfinite, diverged_rows, best_fx = state
+    a = g_sq.sqrt()
+    relr = a / (f_sq.sqrt() + 1e-12)
+    r = relr if rel else a
+    nfe = nfe + act
+    finite = torch.isfinite(r)
+    i = 1 if rel else 0
+    improved = act & finite & (r < best[i])
+    diverged = act & finite & (a > div_factor * best[0].clamp_min(1e-30))
+    stopped_r = best[i].masked_fill(torch.isinf(best[i]), 0.0)  # before this step's update
+    best = torch.where(improved, torch.stack((a, relr)), best)
+    best_x = torch.where(improved[:, None], x, best_x)
+    if keep_f:  # as `_Tracker._keep_f`, on every row (a frozen row's `improved` is False)
+        best_fx = fx.clone() if best_fx is None else torch.where(improved[:, None], fx, best_fx)
+    best_r = best[i]
+    entry = torch.where(act, torch.where(finite, r, math.nan), stopped_r).amax()
+    stop = (best_r < tol) | ~finite | diverged | (nfe >= max_iter)
+    if rules is not None:
+        stop = stop | rules(nfe, a, relr)
+    stop = stop & act
+    return (best_x, best, nfe, act & ~stop, nonfinite | (stop & ~finite), diverged_rows | (stop & diverged),
+            best_fx), entry  # fmt: skip
 
 
 def make_tracker(x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str, keep_steps=(),
