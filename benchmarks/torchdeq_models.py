@@ -9,8 +9,19 @@ stopping point and reports the residual of the point before; deqzoo returns its 
 the model's own tolerance; TorchDEQ's tolerance is scanned over a log grid and the one whose returned residual
 is nearest deqzoo's (log scale) is timed. Timing: one thread, rounds interleaved (the order alternates each
 round, since a shared machine's load drifts), medians reported. Ratios are deqzoo / TorchDEQ, for deqzoo
-as configured (``deqzoo``) and with ``f_final_step=True`` (``deqzoo+final``: f of the answer where one more
-evaluation shows it better, that point's residual reported; its tolerance matched the same way).
+as configured (``deqzoo``), with ``f_final_step=True`` (``deqzoo+final``: f of the answer where one more
+evaluation shows it better, that point's residual reported; its tolerance matched the same way), matched to
+TorchDEQ's return rule (``deqzoo+stored``: ``f_final_step="stored"``: both stop when a sample's residual at
+its iterate is under tolerance and both return f of that iterate, already computed; deqzoo's samples leave
+f's batch as they stop, TorchDEQ's batch runs until its last one, so its other samples end further below
+tolerance: deqzoo's tolerance is the largest on a grid from TorchDEQ's down, eight per decade, whose worst
+sample's returned residual is no worse than TorchDEQ's worst; its Anderson regularised as TorchDEQ's,
+``lam_mode="abs"``, λ = 1e-4). ``deqzoo@worst``: deqzoo as configured (its own stop rule and returned point,
+the iterate), its tolerance matched the same way on the worst sample (the issue's acceptance measure: a
+returned residual, max over the batch, no worse than TorchDEQ's).
+Per sample: ``nfe_per_sample`` (TorchDEQ's: the first call at which the sample met the tolerance, from its
+trace) and ``compaction_bound`` (sum of per-sample calls / (batch × the largest): the share of whole-batch
+f work left when samples leave f's batch as they stop). ``returned_rel_residual_max``: the worst sample.
 
 Work: the calls of f_θ counted by a wrapper around f (``f_calls_median``: the same count on both sides,
 whatever each library's own statistic counts). Profile: each side's share of the timed call spent inside the
@@ -70,6 +81,7 @@ class _Recorder(nn.Module):
         self.inner, self.cuda = inner, cuda
         self.last = None
         self.nfe = 0
+        self.nfe_rows: list[int] | None = None  # per-sample f calls (the stop step) of the last call
         self.f_seconds, self.calls = 0.0, 0
 
     def forward(self, f, z0, **kwargs):
@@ -89,6 +101,8 @@ class _Recorder(nn.Module):
 
         z, stats = self.inner(rowwise(timed) if marked else timed, z0, **kwargs)
         self.last, self.nfe = (f, z), stats.nfe
+        rows = stats.nfe_per_sample
+        self.nfe_rows = None if rows is None else [int(n) for n in rows]
         if self.cuda:  # f's timer read only launch time
             self.f_seconds = math.nan
         return z, stats
@@ -103,6 +117,8 @@ class _TorchDEQ(nn.Module):
         from torchdeq import get_deq
 
         self.jac_samples = cfg.jac_reg_samples  # the training step's Jacobian term (module docstring)
+        self.tol, self.stop_mode, self.max_iter = tol, cfg.f_stop_mode, cfg.f_max_iter
+        self.anderson = cfg.f_solver == "anderson"
         kw = dict(cfg.f_solver_kwargs)
         anderson = cfg.f_solver == "anderson"
         self.solver_kwargs = {"m": kw.get("m", 6), "lam": kw.get("lam", 1e-4)} if anderson else {}
@@ -134,7 +150,16 @@ class _TorchDEQ(nn.Module):
             zd = packer.flatten(z).detach().requires_grad_()
             fz = packer.flatten(f(packer.unflatten(zd)))
             jac_loss = jac_reg(fz, zd, vecs=self.jac_samples)
-        stats = SolverStats(nfe=int(info["nstep"].max()), rel_residual=rel,
+        # each sample's stop step under TorchDEQ's own rule applied per sample: the first f call whose
+        # residual (at that call's iterate, in its stop mode) is under tol; the budget where none is. Its
+        # trace starts with a placeholder entry (1e8), and its Anderson traces from its third call (the first
+        # two, x0 and f(x0), untraced)
+        trace = info[f"{self.stop_mode}_trace"].detach().reshape(b, -1)
+        below = trace < self.tol
+        first = torch.where(below.any(1), below.float().argmax(1) + 2, self.max_iter).cpu()
+        if not self.anderson:  # that offset is checked for TorchDEQ's Anderson only (the cases' solver)
+            first = None
+        stats = SolverStats(nfe=int(info["nstep"].max()), rel_residual=rel, nfe_per_sample=first,
                             abs_residual=info["abs_lowest"].detach().reshape(-1),
                             trace=torch.zeros(0, dtype=torch.float64),
                             converged=torch.ones(b, dtype=torch.bool), solver="torchdeq",
@@ -152,6 +177,13 @@ class _NoSolve(nn.Module):
         return z0, SolverStats.no_solve(first.shape[0])
 
 
+def _compaction_bound(rows: list[int] | None) -> float | None:
+    """The share of whole-batch f work a solve needs when each sample leaves f's batch at its own stop step:
+    sum of per-sample f calls / (batch × the largest): what calling f on fewer rows can save at best (f's
+    cost taken as linear in its rows)."""
+    return None if not rows else sum(rows) / (len(rows) * max(rows))
+
+
 def _residual(rec: _Recorder) -> float:
     """Mean per-sample relative residual of the point the DEQ module returned (float64, one more f call)."""
     from deqzoo.core.state import StatePacker
@@ -162,6 +194,7 @@ def _residual(rec: _Recorder) -> float:
         packer = StatePacker(z)
         x, fx = packer.flatten(z).double(), packer.flatten(f(z)).double()
     r = torch.linalg.vector_norm(fx - x, dim=1) / (torch.linalg.vector_norm(fx, dim=1) + 1e-12)
+    rec.res_max = float(r.max())  # the acceptance's measure: the worst sample of the batch
     return float(r.mean())
 
 
@@ -278,6 +311,38 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     modules["no-solve"] = record(_NoSolve())  # the floor's "rest of the model" (module docstring)
     for mod in modules.values():
         measure(mod)
+    # matched to TorchDEQ's return rule: the same stop test (each sample's residual at its iterate) and the
+    # same returned point, f of that iterate, already computed (no call); its tolerance the largest on the
+    # grid, from TorchDEQ's down, whose returned residual is no worse than TorchDEQ's for the worst sample
+    # (TorchDEQ's batch iterates until its last sample stops, so its other samples end further below tol)
+    # (eight per decade). Anderson also regularised as TorchDEQ's, H + λI with λ = 1e-4 (``lam_mode="abs"``)
+    worst = modules["torchdeq"].res_max
+
+    def no_worse(config, start: float) -> list:
+        """[(tol, worst sample's returned residual)] from `start` down, eight per decade, to the first
+        tolerance whose worst sample is no worse than TorchDEQ's (the last entry)."""
+        scan = []
+        for tol in [start * 10 ** (-i / 8) for i in range(24)]:
+            probe = record(DEQ(config.update(f_tol=tol)))
+            measure(probe)
+            scan.append((tol, probe.res_max))
+            if probe.res_max <= worst:
+                break
+        return scan
+
+    stored = cfg.update(f_final_step="stored")
+    if cfg.f_solver == "anderson":
+        stored = stored.update(f_solver_kwargs={**cfg.f_solver_kwargs, "lam": 1e-4, "lam_mode": "abs"})
+    scan_s = no_worse(stored, tol_t)
+    tol_s = scan_s[-1][0]
+    modules["deqzoo+stored"] = record(DEQ(stored.update(f_tol=tol_s)))
+    # the card's own rule and returned point (its iterate, so its tolerance bounds the returned residual),
+    # its tolerance matched on the worst sample the same way: the acceptance's measure of issue #55
+    scan_w = no_worse(cfg, 10 ** (1 / 4) * worst)
+    tol_w = scan_w[-1][0]
+    modules["deqzoo@worst"] = record(DEQ(cfg.update(f_tol=tol_w)))
+    measure(modules["deqzoo@worst"])
+    measure(modules["deqzoo+stored"])
     if modules["deqzoo"].calls > modules["torchdeq"].calls and not model.training:  # module docstring
         model.config.on_nonconvergence = "ignore"  # the capped solve stops above tolerance by design
         capped = ours.inner.config.update(f_max_iter=modules["torchdeq"].calls)
@@ -286,6 +351,8 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     times: dict[str, list[float]] = {k: [] for k in modules}
     res: dict[str, list[float]] = {k: [] for k in modules}
     nfe: dict[str, list[int]] = {k: [] for k in modules}
+    rows: dict[str, list[int] | None] = {}
+    res_max: dict[str, list[float]] = {k: [] for k in modules}
     share: dict[str, list[float]] = {k: [] for k in modules}
     order = list(modules)
     for i in range(rounds):
@@ -295,11 +362,13 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
             res[key].append(r)
             nfe[key].append(modules[key].calls)
             share[key].append(modules[key].f_share)
+            rows[key] = modules[key].nfe_rows
+            res_max[key].append(modules[key].res_max)
     use(original)
     med = {k: statistics.median(v) for k, v in times.items()}
     rest = med.pop("no-solve")
-    for table in (res, nfe, share):
-        table.pop("no-solve")
+    for table in (res, nfe, share, rows, res_max):
+        table.pop("no-solve", None)
     floor = None
     if not cuda:  # deqzoo's seconds per f call (median share of the median time), at the fewer calls
         calls = {k: statistics.median(nfe[k]) for k in ("deqzoo", "torchdeq")}
@@ -308,14 +377,18 @@ def bench_case(name: str, *, rounds: int, quick: bool, device: str = "cpu", batc
     return {
         "case": name, "device": device, "batch": batch, "rounds": rounds,
         "f_solver": cfg.f_solver, "f_max_iter": cfg.f_max_iter,
-        "tol": {"deqzoo": tol_o, "deqzoo+final": tol_f, "torchdeq": tol_t}
+        "tol": {"deqzoo": tol_o, "deqzoo+final": tol_f, "torchdeq": tol_t, "deqzoo+stored": tol_s,
+                "deqzoo@worst": tol_w}
         | ({"deqzoo@calls": tol_o} if "deqzoo@calls" in med else {}),
         "returned_rel_residual": {k: statistics.median(v) for k, v in res.items()},
+        "returned_rel_residual_max": {k: statistics.median(v) for k, v in res_max.items()},
         "f_calls_median": {k: statistics.median(v) for k, v in nfe.items()},
         "f_share_median": {k: None if cuda else statistics.median(v) for k, v in share.items()},
         "seconds_median": med, "seconds": times, "model_without_solve_seconds_median": rest,
         "ratio": {k: med[k] / med["torchdeq"] for k in med if k != "torchdeq"}, "floor": floor,
+        "nfe_per_sample": rows, "compaction_bound": {k: _compaction_bound(v) for k, v in rows.items()},
         "torchdeq_tol_scan": scan, "deqzoo_tol_scan": scan_o, "deqzoo_final_tol_scan": scan_f,
+        "deqzoo_stored_tol_scan_max_residual": scan_s, "deqzoo_worst_tol_scan_max_residual": scan_w,
     }  # fmt: skip
 
 
@@ -323,13 +396,16 @@ def format_table(results: list[dict]) -> str:
     rows = [f"{'case':<12} {'DEQ module':<13} {'median s':>9} {'ratio':>6} {'residual':>9} {'tol':>8} "
             f"{'f calls':>7} {'in f':>5}"]
     for r in results:
-        shown = ("deqzoo", "deqzoo+final", "deqzoo@calls", "torchdeq")
+        shown = ("deqzoo", "deqzoo+final", "deqzoo+stored", "deqzoo@worst", "deqzoo@calls", "torchdeq")
         for k in [m for m in shown if m in r["seconds_median"]]:
             ratio = r["ratio"].get(k, 1.0)
             rows.append(f"{r['case']:<12} {k:<13} {r['seconds_median'][k]:9.4f} {ratio:6.2f} "
                         f"{r['returned_rel_residual'][k]:9.2e} {r['tol'][k]:8.1e} "
                         f"{r['f_calls_median'][k]:7.1f} "
                         + ("    -" if r["f_share_median"][k] is None else f"{r['f_share_median'][k]:5.0%}"))
+        if r.get("returned_rel_residual_max"):
+            rows.append(f"{r['case']:<12} {'max residual':<13} " + ", ".join(
+                f"{k} {v:.2e}" for k, v in r["returned_rel_residual_max"].items()))
         if r.get("floor") is not None:
             rows.append(f"{r['case']:<12} {'floor':<13} {'':>9} {r['floor']:6.2f}  (no more f calls than "
                         "TorchDEQ at deqzoo's cost per call + the model without its solve, "

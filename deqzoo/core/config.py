@@ -76,7 +76,9 @@ class DEQConfig:
     ``f_final_step`` returns f(z) from the solver's best z where that point's residual, measured with one more
     evaluation of f, is lower (`deqzoo.core.solvers.final_step`; the statistics describe the returned point);
     An int ``f_final_step`` = n >= 1 returns fⁿ(z) for every sample, better or not: 1 as TorchDEQ and
-    DEQ-Flow v2.0 return, 2 as ImpSq (their converters write it).
+    DEQ-Flow v2.0 return, 2 as ImpSq (their converters write it). ``f_final_step="stored"`` returns f of the
+    solver's best z as the solver already computed it (no further call; fixed_point and anderson): TorchDEQ's
+    return rule, one f step past the stopping iterate for free; the statistics keep the iterate's residual.
     ``f_compact`` (default True): when f is marked `deqzoo.core.halting.rowwise`, call it on the samples
     still iterating only (False: on the whole batch every step, the stopped samples at their answer).
 
@@ -116,7 +118,7 @@ class DEQConfig:
     f_stop_mode: str = "rel"
     f_solver_kwargs: dict[str, Any] = field(default_factory=dict)
     f_max_iter_min: int = 0
-    f_final_step: bool | int = False  # or n >= 1: fⁿ of the answer (issue 58: what the originals return)
+    f_final_step: bool | int | str = False  # or n >= 1: fⁿ of the answer (issue 58); or "stored" (#55)
     f_compact: bool = True
     # backward
     b_mode: str = "ift"
@@ -139,8 +141,11 @@ class DEQConfig:
     f_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.f_final_step, bool):
-            _check_int("f_final_step", self.f_final_step, 1, MAX_GRAPH_STEPS, "(a bool or a number of steps)")
+        if self.f_final_step == "stored":  # needs the solver's name, checked below
+            pass
+        elif not isinstance(self.f_final_step, bool):
+            _check_int("f_final_step", self.f_final_step, 1, MAX_GRAPH_STEPS,
+                       "(a bool, a number of steps or 'stored')")
         if not isinstance(self.f_compact, bool):
             raise TypeError(f"DEQConfig.f_compact must be a bool, got {self.f_compact!r}")
         from .backward import BACKWARD_MODES, MODE_KWARGS
@@ -149,6 +154,10 @@ class DEQConfig:
 
         _check_name("f_solver", self.f_solver, SOLVERS)
         _check_name("b_solver", self.b_solver, SOLVERS)
+        if self.f_final_step == "stored":
+            from .solvers import check_final
+
+            check_final("stored", self.f_solver, "DEQConfig.f_final_step")
         _check_name("b_mode", self.b_mode, BACKWARD_MODES)
         _check_name("on_nonconvergence", self.on_nonconvergence, _ON_NONCONVERGENCE)
         _check_name("f_stop_mode", self.f_stop_mode, _STOP_MODES)

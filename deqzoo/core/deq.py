@@ -225,7 +225,9 @@ class DEQ(nn.Module):
             # weight norms checked once per solve, not per f call (compiled: the model's reset_norm did it)
             with torch.no_grad(), contextlib.nullcontext() if compiling else checked_once():
                 run = get_solver(cfg.f_solver)
-                if cfg.f_final_step:
+                if cfg.f_final_step == "stored":  # f of the answer, already computed (no call)
+                    kwargs["return_f"] = True
+                elif cfg.f_final_step:
                     # an int n: fⁿ of each sample's answer, as the original releases return (issue 58)
                     steps = 0 if cfg.f_final_step is True else cfg.f_final_step
                     run = functools.partial(final_step, run, steps=steps)

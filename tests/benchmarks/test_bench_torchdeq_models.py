@@ -96,7 +96,15 @@ def test_floor_is_the_fewer_f_calls_at_deqzoo_cost_plus_the_model_without_its_so
     med = r["seconds_median"]
     calls, residual = r["f_calls_median"], r["returned_rel_residual"]
     capped = calls["deqzoo"] > calls["torchdeq"]  # deqzoo capped at TorchDEQ's calls, timed alongside
-    assert set(med) == {"deqzoo", "deqzoo+final", "torchdeq"} | ({"deqzoo@calls"} if capped else set())
+    assert set(med) == {"deqzoo", "deqzoo+final", "deqzoo+stored", "deqzoo@worst", "torchdeq"} | (
+        {"deqzoo@calls"} if capped else set())
+    # the two rows matched on the worst sample: their last scanned tolerance is the one timed, and it met
+    # TorchDEQ's worst returned residual when it was scanned
+    worst = r["returned_rel_residual_max"]
+    for key, scan in (("deqzoo+stored", r["deqzoo_stored_tol_scan_max_residual"]),
+                      ("deqzoo@worst", r["deqzoo_worst_tol_scan_max_residual"])):
+        assert r["tol"][key] == scan[-1][0] and scan[-1][1] <= max(worst["torchdeq"], min(s[1] for s in scan))
+        assert len(r["nfe_per_sample"][key]) == 8 and max(r["nfe_per_sample"][key]) <= r["f_max_iter"]
     assert len(r["seconds"]["no-solve"]) == 2
     if capped:  # it stops where TorchDEQ stops, so its best point is no better than the full solve's
         assert calls["deqzoo@calls"] == calls["torchdeq"]
@@ -107,3 +115,28 @@ def test_floor_is_the_fewer_f_calls_at_deqzoo_cost_plus_the_model_without_its_so
     want = (min(calls["torchdeq"], calls["deqzoo"]) * per_call + rest) / med["torchdeq"]
     assert r["floor"] == pytest.approx(want, rel=1e-12)
     assert 0 < r["model_without_solve_seconds_median"] < med["deqzoo"]
+
+
+def test_torchdeq_per_sample_stop_is_the_call_count_of_its_solve_alone():
+    """The adapter's per-sample count (the first call at which a sample meets the tolerance, read from
+    TorchDEQ's trace) equals the calls TorchDEQ makes solving that sample alone (a batch of one stops
+    then)."""
+    a = torch.tensor([0.2, 0.6, 0.9], dtype=torch.float64)[:, None]
+    c = torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cfg = DEQConfig(f_solver="anderson", f_max_iter=60, f_tol=1e-3)  # TorchDEQ's Anderson: both cases' solver
+
+    def run(rows):
+        calls = [0]
+
+        def f(z):
+            calls[0] += 1
+            return torch.tanh(a[rows] * z + c[rows])
+
+        with torch.no_grad():
+            _, stats = bench._TorchDEQ(cfg, 1e-3).eval()(f, torch.zeros(len(rows), 5, dtype=torch.float64))
+        return stats.nfe_per_sample.tolist(), calls[0]
+
+    per_sample, _ = run([0, 1, 2])
+    alone = [run([i])[1] for i in range(3)]
+    assert per_sample == alone and len(set(alone)) == 3
+    assert bench._compaction_bound(per_sample) == pytest.approx(sum(alone) / (3 * max(alone)))

@@ -28,7 +28,15 @@ import torch
 
 from ..state import State, StatePacker
 from ..stats import SolverStats
-from ._contract import SOLVERS, _check_solve_args, final_step, get_solver, register_solver, solver_kwarg_names
+from ._contract import (
+    SOLVERS,
+    _check_solve_args,
+    check_final,
+    final_step,
+    get_solver,
+    register_solver,
+    solver_kwarg_names,
+)
 from .anderson import anderson
 from .broyden import InverseJacobian, broyden
 from .fixed_point import fixed_point
@@ -52,14 +60,15 @@ __all__ = [
 
 
 def solve(f: Callable[[State], State], z0: State, solver: str = "anderson", max_iter: int = 50,
-          tol: float = 1e-4, stop_mode: str = "rel", final: bool | int = False, **solver_kwargs
+          tol: float = 1e-4, stop_mode: str = "rel", final: bool | int | str = False, **solver_kwargs
 ) -> tuple[State, SolverStats]:
     """Find z* = f(z*) starting at z0 (no autograd graph is built).
 
     z0 is a tensor or a tuple/list of tensors with a common batch dimension first; f returns the same
     structure. Stopping and statistics are per sample; each sample's lowest-residual iterate is returned
     (``final=True``: or f of it, where one more evaluation shows it is better; an int n: fⁿ of it, always;
-    see `final_step`).
+    see `final_step`; ``final="stored"``: f of it as the solver already computed it, no further call, the
+    statistics' residuals those of the iterate, TorchDEQ's return rule: solvers with ``return_f``).
     An f marked with `deqzoo.core.halting.rowwise` is called on the iterating rows only, ``f(z, rows)``;
     ``halt=[...]`` adds per-sample stop rules (`deqzoo.core.halting`) to the built-in solvers.
 
@@ -72,12 +81,15 @@ def solve(f: Callable[[State], State], z0: State, solver: str = "anderson", max_
         (True, True)
     """
     _check_solve_args(max_iter, tol, stop_mode)  # before anything is allocated, for user solvers too
+    check_final(final, solver, "solve: final")
     packer = StatePacker(z0)
     x0 = packer.flatten(z0)
     packer.check_finite(x0)
     with torch.no_grad():
         run = get_solver(solver)
-        if final:
+        if final == "stored":
+            solver_kwargs["return_f"] = True
+        elif final:
             run = functools.partial(final_step, run, steps=0 if final is True else final)
         x, stats = run(packer.wrap(f), x0.detach(), max_iter=max_iter, tol=tol, stop_mode=stop_mode,
                        **solver_kwargs)  # fmt: skip

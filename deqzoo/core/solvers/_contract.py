@@ -7,6 +7,7 @@ A solver is ``fn(g, x0, *, max_iter, tol, stop_mode, **kwargs) -> (x, SolverStat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -54,6 +55,19 @@ def solver_kwarg_names(name: str) -> set[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {"max_iter", "tol", "stop_mode"}
+
+
+def check_final(final, solver: str, what: str) -> None:
+    """A final-step setting: False/True, an int n >= 0 (`final_step`; 0 is off), or "stored" (f of the answer
+    as the solver computed it: solvers that take ``return_f``). The error names `what` and the value."""
+    if final == "stored":
+        names = solver_kwarg_names(solver)
+        if names is not None and "return_f" not in names:
+            supported = sorted(n for n in SOLVERS if "return_f" in (solver_kwarg_names(n) or ()))
+            raise ValueError(f"{what}='stored' needs a solver that keeps f of its iterates "
+                             f"({', '.join(supported)}), got {solver!r}")
+    elif isinstance(final, str) or not isinstance(final, (bool, int, np.integer)) or final < 0:
+        raise ValueError(f"{what} must be a bool, an integer >= 0 (0: off) or 'stored', got {final!r}")
 
 
 def _check_solve_args(max_iter: int, tol: float, stop_mode: str) -> None:
@@ -123,10 +137,16 @@ class _Tracker:
 
     `update` also accepts whole-batch tensors (B rows) from a solver that keeps the whole batch (GMRES, the
     unrolled backward): it reads the iterating rows from them.
+
+    ``keep_f=True`` also keeps each row's f of its best iterate (the f output handed to `update` with it),
+    and `result` returns those instead of the iterates: the solver's answer advanced by the f step it has
+    already computed, at no further call (``solve(final="stored")``). For a solver whose first iterate is x0
+    (fixed point, Anderson): a row never improved (non-finite from its first step) then returns f(x0).
     """
 
     def __init__(self, x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str,
-                 keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None, g=None):  # fmt: skip
+                 keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None, g=None,
+                 keep_f: bool = False):  # fmt: skip
         from ..halting import check_rules, is_rowwise
 
         _check_solve_args(max_iter, tol, stop_mode)
@@ -155,6 +175,8 @@ class _Tracker:
             rule.start(b, dev)
         self.rowwise = g is not None and is_rowwise(g)
         self.unflatten = getattr(g, "unflatten", None)
+        self.keep_f = bool(keep_f)
+        self.best_fx = self.best_fx_c = None  # f of the best iterates (keep_f): set by the first update
 
     def call(self, g, x: torch.Tensor) -> torch.Tensor:
         """f of the iterating rows' iterate x (n, D), checked."""
@@ -192,6 +214,8 @@ class _Tracker:
         diverged = finite & (a > self.div_factor * self.best_c[0].clamp_min(1e-30))
         self.best_c = torch.where(improved, torch.stack((a, rel)), self.best_c)
         self.best_x_c = torch.where(improved[:, None], x, self.best_x_c)
+        if self.keep_f:
+            self._keep_f(improved, fx)
         best_r = self.best_c[1 if self.rel else 0]
         # the step's trace entry: the largest residual over the batch (stopped rows at their best), NaN if
         # a row's residual is not finite
@@ -218,6 +242,8 @@ class _Tracker:
         keep = ~stop
         self.rows = self.rows[keep]
         self.best_c, self.best_x_c, self.nfe_c = self.best_c[:, keep], self.best_x_c[keep], self.nfe_c[keep]
+        if self.keep_f:
+            self.best_fx_c = self.best_fx_c[keep]
         self.n -= n_stop
         self.done = self.n == 0
         return keep
@@ -231,18 +257,37 @@ class _Tracker:
         self.best[:, rows] = best
         self.best_x.index_copy_(0, rows, best_x)
         self.nfe[rows] = nfe
+        if self.keep_f:
+            self.best_fx.index_copy_(0, rows, self.best_fx_c if sel is None else self.best_fx_c[sel])
+
+    def _keep_f(self, improved: torch.Tensor, fx: torch.Tensor | None) -> None:
+        """keep_f: f of each row's best iterate follows it. The first step's f is kept whatever its
+        residual: its iterate is x0, which a row never improved on keeps as its answer."""
+        if fx is None:
+            raise ValueError(f"solver {self.name!r}: keep_f needs f(x) handed to the tracker's update")
+        if fx.shape[0] != self.n:  # whole-batch tensors
+            fx = fx[self.rows]
+        if self.best_fx_c is None:
+            self.best_fx_c = fx.clone(memory_format=torch.contiguous_format)
+            self.best_fx = self.x0.clone(memory_format=torch.contiguous_format)  # rows written as they stop
+        else:
+            self.best_fx_c = torch.where(improved[:, None], fx, self.best_fx_c)
 
     def result(self) -> torch.Tensor:
-        """The best iterates (a tensor of the solver's own, never the caller's x0)."""
+        """The best iterates (a tensor of the solver's own, never the caller's x0); with keep_f, f of them."""
         if self.n:
             self._write(None, self.rows)
-        return self.best_x
+        return self.best_fx if self.keep_f else self.best_x
 
     def stats(self, nfe: int | None = None, **extra) -> SolverStats:
         """The statistics of the solve: the per-row best residuals and evaluation counts, the trace, the
         flags, the copies kept for fixed-point correction (steps after the solve ended keep the final best
-        iterate) and the solver's own `extra` entries. `nfe` defaults to the largest per-row count."""
-        best_x = self.result()
+        iterate) and the solver's own `extra` entries. `nfe` defaults to the largest per-row count. With
+        keep_f the residuals are those of the best iterates, whose f `result` returns (not measured at f)."""
+        self.result()
+        best_x = self.best_x
+        if self.keep_f:
+            extra = {"returned": "f(best iterate)", **extra}
         if self.keep_steps:
             extra = {"kept": {k: self.kept.get(k, best_x) for k in self.keep_steps}, **extra}
         flags = {"nonfinite": self.nonfinite.cpu(), "diverged": self.diverged.cpu()}
@@ -256,6 +301,11 @@ class _Tracker:
             stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.nonfinite.any()),
             diverged=bool(self.diverged.any()), extra=extra, nfe_per_sample=nfe_rows,
         )  # fmt: skip
+
+
+def _held(name: str) -> property:
+    """An attribute of `_MaskedTracker` kept in its `vals` dict."""
+    return property(lambda self: self.vals[name], lambda self, value: self.vals.__setitem__(name, value))
 
 
 class _MaskedTracker(_Tracker):
@@ -275,6 +325,7 @@ class _MaskedTracker(_Tracker):
     """
 
     def __init__(self, *args, check_every: int = 4, **kwargs):
+        object.__setattr__(self, "vals", {})  # before `_Tracker.__init__` sets the state (`_held`)
         super().__init__(*args, **kwargs)
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an integer >= 0 (0: never), got {check_every!r}")
@@ -282,6 +333,8 @@ class _MaskedTracker(_Tracker):
         self.rows = torch.arange(self.batch, device=self.x0.device)  # every row, always (stop rules read it)
         self.check_every = 0 if torch.compiler.is_compiling() else check_every
         self.ended = False
+
+    ended = _held("ended")
 
     @property
     def done(self) -> bool:
@@ -296,36 +349,40 @@ class _MaskedTracker(_Tracker):
         x = torch.where(self.active[:, None], x, self.best_x)
         return _check_output(g(x, None) if self.rowwise else g(x), x)
 
+    STATE = ("best_x", "best", "nfe", "active", "nonfinite", "diverged", "best_fx")
+    # the state, the step count and the end flag live in a dict (`vals`), written by item: under dynamo,
+    # attribute writes to an object made after a ``torch.while_loop`` are lost (torch 2.14; item writes to a
+    # dict are kept), and `fixed_point(fixed_trip="while")` writes them after its loop
+    best_x, best, nfe, active, nonfinite, diverged, best_fx, steps = (
+        _held(n) for n in STATE + ("steps",))
+
+    @property
+    def state(self) -> tuple:
+        """The per-row state the masked rule updates (`masked_rule`), in `STATE`'s order."""
+        return tuple(getattr(self, name) for name in self.STATE)
+
+    @state.setter
+    def state(self, values: tuple) -> None:
+        for name, value in zip(self.STATE, values, strict=True):
+            setattr(self, name, value)
+
     def update_sq(self, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
                   fx: torch.Tensor | None = None) -> None:  # fmt: skip
-        """`_Tracker.update_sq`'s rule on every row, the stopped rows masked out."""
-        a = g_sq.sqrt()
-        rel = a / (f_sq.sqrt() + 1e-12)
-        r = rel if self.rel else a
-        act = self.active
-        self.nfe = self.nfe + act
-        finite = torch.isfinite(r)
-        i = 1 if self.rel else 0
-        improved = act & finite & (r < self.best[i])
-        diverged = act & finite & (a > self.div_factor * self.best[0].clamp_min(1e-30))
-        stopped_r = self.best[i].masked_fill(torch.isinf(self.best[i]), 0.0)  # before this step's update
-        self.best = torch.where(improved, torch.stack((a, rel)), self.best)
-        self.best_x = torch.where(improved[:, None], x, self.best_x)
-        best_r = self.best[i]
-        # the trace entry as `_Tracker`'s: the iterating rows' residuals (NaN if not finite), the stopped
-        # rows at their best (inf as 0)
-        self.trace.append(torch.where(act, torch.where(finite, r, math.nan), stopped_r).amax())
-        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe >= self.max_iter)
+        """`_Tracker.update_sq`'s rule on every row, the stopped rows masked out (`masked_rule`)."""
+        if self.keep_f and fx is None:
+            raise ValueError(f"solver {self.name!r}: keep_f needs f(x) handed to the tracker's update")
+        rules = None
         if self.rules:
             from ..halting import Step
 
-            step = Step(x, fx if fx is not None else x, self.rows, self.nfe, a, rel, self.unflatten)
-            for rule in self.rules:
-                stop = stop | rule(step)
-        stop = stop & act
-        self.nonfinite = self.nonfinite | (stop & ~finite)
-        self.diverged = self.diverged | (stop & diverged)
-        self.active = act & ~stop
+            def rules(nfe, a, rel):
+                step = Step(x, fx if fx is not None else x, self.rows, nfe, a, rel, self.unflatten)
+                return functools.reduce(torch.logical_or, [rule(step) for rule in self.rules])
+
+        self.state, entry = masked_rule(self.state, x, g_sq, f_sq, fx, rel=self.rel, tol=self.tol,
+                                        max_iter=self.max_iter, div_factor=self.div_factor,
+                                        keep_f=self.keep_f, rules=rules)  # fmt: skip
+        self.trace.append(entry)
         self.steps += 1
         if self.keep_steps and self.steps in self.keep_steps:
             self.kept[self.steps] = self.best_x.clone()
@@ -334,9 +391,11 @@ class _MaskedTracker(_Tracker):
         return None
 
     def result(self) -> torch.Tensor:
-        return self.best_x
+        return self.best_fx if self.keep_f else self.best_x
 
     def stats(self, nfe: int | None = None, **extra) -> SolverStats:
+        if self.keep_f:
+            extra = {"returned": "f(best iterate)", **extra}
         if not torch.compiler.is_compiling():  # nfe: f's calls (on the whole batch), as compiled
             nfe = self.steps if nfe is None else nfe
             return super().stats(nfe, compacted=False, fixed_trip=True, **extra)
@@ -353,18 +412,51 @@ class _MaskedTracker(_Tracker):
         )  # fmt: skip
 
 
+def masked_rule(state: tuple, x: torch.Tensor, g_sq: torch.Tensor, f_sq: torch.Tensor,
+                fx: torch.Tensor | None, *, rel: bool, tol: float, max_iter: int, div_factor: float,
+                keep_f: bool = False, rules=None) -> tuple[tuple, torch.Tensor]:  # fmt: skip
+    """One step of `_Tracker`'s stop rule on every row, the stopped rows masked out: the fixed-trip solve's
+    bookkeeping as a pure function of tensors (`_MaskedTracker.update_sq` and the ``torch.while_loop`` body
+    of `fixed_point(fixed_trip="while")` both run it). `state` is `_MaskedTracker.STATE`'s tuple (best_fx
+    None until the first step with keep_f, which keeps that step's f whatever its residual); `rules`, if
+    given, maps (nfe, abs residual, rel residual) to more stops. Returns the new state and the step's trace
+    entry (the iterating rows' largest residual, NaN if one is not finite, the stopped rows at their best)."""
+    best_x, best, nfe, act, nonfinite, diverged_rows, best_fx = state
+    a = g_sq.sqrt()
+    relr = a / (f_sq.sqrt() + 1e-12)
+    r = relr if rel else a
+    nfe = nfe + act
+    finite = torch.isfinite(r)
+    i = 1 if rel else 0
+    improved = act & finite & (r < best[i])
+    diverged = act & finite & (a > div_factor * best[0].clamp_min(1e-30))
+    stopped_r = best[i].masked_fill(torch.isinf(best[i]), 0.0)  # before this step's update
+    best = torch.where(improved, torch.stack((a, relr)), best)
+    best_x = torch.where(improved[:, None], x, best_x)
+    if keep_f:  # as `_Tracker._keep_f`, on every row (a frozen row's `improved` is False)
+        best_fx = fx.clone() if best_fx is None else torch.where(improved[:, None], fx, best_fx)
+    best_r = best[i]
+    entry = torch.where(act, torch.where(finite, r, math.nan), stopped_r).amax()
+    stop = (best_r < tol) | ~finite | diverged | (nfe >= max_iter)
+    if rules is not None:
+        stop = stop | rules(nfe, a, relr)
+    stop = stop & act
+    return (best_x, best, nfe, act & ~stop, nonfinite | (stop & ~finite), diverged_rows | (stop & diverged),
+            best_fx), entry  # fmt: skip
+
+
 def make_tracker(x0: torch.Tensor, max_iter: int, tol: float, stop_mode: str, name: str, keep_steps=(),
             div_factor: float = 1e6, halt=None, g=None, fixed_trip: bool | None = None,
-            check_every: int = 4) -> _Tracker:  # fmt: skip
+            check_every: int = 4, keep_f: bool = False) -> _Tracker:  # fmt: skip
     """The bookkeeping of a solve: `_MaskedTracker` (fixed trip, no host read per step) when `fixed_trip`
     is True, or when it is None and the solve is being compiled (`torch.compiler.is_compiling()`); else
     `_Tracker` (rows leave the batch as they stop)."""
     if fixed_trip is None:
         fixed_trip = torch.compiler.is_compiling()
     if fixed_trip:
-        return _MaskedTracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g,
+        return _MaskedTracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g, keep_f,
                               check_every=check_every)  # fmt: skip
-    return _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g)
+    return _Tracker(x0, max_iter, tol, stop_mode, name, keep_steps, div_factor, halt, g, keep_f)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:

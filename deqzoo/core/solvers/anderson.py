@@ -25,7 +25,8 @@ from ._contract import (
 @torch.no_grad()
 def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int = 6, lam: float = 1e-5,
              tau: float = 1.0, keep_steps: Iterable[int] = (), div_factor: float = 1e6, halt=None,
-             lam_mode: str = "rel", fixed_trip: bool | None = None, check_every: int = 4):
+             lam_mode: str = "rel", fixed_trip: bool | None = None, check_every: int = 4,
+             return_f: bool = False):
     """Anderson acceleration (type I, constrained least squares over the last m residuals).
 
     The Gram matrix of the stored residuals is updated one row per step (one batched product, O(m·D)), never
@@ -36,7 +37,8 @@ def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int
     is singular or not finite takes a plain damped fixed-point step; nothing here raises. Histories are kept
     per row and compacted with the rows that still iterate (`deqzoo.core.halting`), so a sample's answer
     does not depend on its batch-mates. ``fixed_trip`` / ``check_every``: the masked fixed-trip loop (the
-    default under `torch.compile`; see `deqzoo.core.solvers.fixed_point`).
+    default under `torch.compile`; see `deqzoo.core.solvers.fixed_point`). ``return_f``: f of each row's
+    best iterate, already computed, instead of the iterate (``solve(final="stored")``).
 
     ``lam_mode="abs"`` regularises with lam itself, H + lam I, as the original releases do (DEQ-Flow v1.0 and
     v2.0, locuslab/deq, TorchDEQ: lam 1e-4), so a converted checkpoint can run its original's Anderson.
@@ -54,7 +56,7 @@ def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int
         return _empty_result(x0, "anderson", tol, stop_mode)
     m = min(int(m), max_iter)  # more slots than steps are never used
     tracker = make_tracker(x0, max_iter, tol, stop_mode, "anderson", keep_steps, div_factor, halt, g,
-                           fixed_trip, check_every)  # fmt: skip
+                           fixed_trip, check_every, return_f)  # fmt: skip
     cap = min(m, 8)
     G = x0.new_empty(b, cap, d)  # g_j = f(x_j) - x_j; slots are read only once written
     Y = x0.new_empty(b, cap, d)  # f(x_j) - (1 - tau) g_j
