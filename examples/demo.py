@@ -261,6 +261,17 @@ def card_demo(name: str, output_dir: Path) -> tuple[dict[str, Any], Any, Any, di
     return _demo_row(str(name), solver, True, summary, stats, elapsed), stats, model, meta, directory
 
 
+def demo_entry(directory: Path) -> dict[str, Any]:
+    """A card's `deqzoo_demo` entry (the demo's metric and converged flag) for a freshly written checkpoint
+    folder: the card writers record what `deqzoo demo` will show for it (tests/test_cards_agree.py holds
+    the card to it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        row = card_demo(str(directory), Path(scratch))[0]
+    return {"metric": row["metric"], "converged": row["converged"]}
+
+
 def _demo_cells(row: dict[str, Any]) -> list[str]:
     short = row["model"].split("/", 1)[1] if row["model"].startswith("deqzoo/") else row["model"]
     if row.get("failed"):

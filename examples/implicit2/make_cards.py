@@ -33,6 +33,7 @@ from deqzoo.models.implicit2 import Implicit2ForSignalRepresentation
 
 if __package__ in (None, ""):  # run as a file (`python examples/...`): `examples` from the clone
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.demo import demo_entry
 from examples.implicit2.images import evaluate
 from utils.cards import write_model_card
 
@@ -216,17 +217,6 @@ def long_comparison(implicit: dict, explicit: dict, target: float = 32.0) -> str
     )
 
 
-def _demo_entry(directory: Path) -> dict:
-    """The card's `deqzoo_demo` entry: the demo's metric and converged flag for the written folder."""
-    import tempfile
-
-    from examples.demo import card_demo
-
-    with tempfile.TemporaryDirectory() as scratch:
-        row = card_demo(str(directory), Path(scratch))[0]
-    return {"metric": row["metric"], "converged": row["converged"]}
-
-
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -364,7 +354,7 @@ current tolerance; at most 100 fixed-point steps from a zero state), and the num
             license="mit",
         )
         write_model_card(dst, **card)
-        write_model_card(dst, **card, demo=_demo_entry(dst))  # what `deqzoo demo` shows for this folder
+        write_model_card(dst, **card, demo=demo_entry(dst))  # what `deqzoo demo` shows for this folder
         print(f"{name}: {result}")
     return 0
 

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: the clone's root first, so `exam
 
 from safetensors import safe_open
 
+from examples.demo import demo_entry
 from examples.reasoner.sudoku import HALTING_RULES, MULTIPLES, metrics_from_report
 from utils.cards import write_model_card
 
@@ -253,10 +254,12 @@ def grad_mode_section(table: dict | None) -> str:
         return ""
     from examples.reasoner.grad_modes import markdown
 
-    return ("## Gradient modes at equal training CPU time (small budget)\n\n"
+    return (f"## Gradient modes at equal training CPU time ({table['cpu_seconds']:g} CPU-s each)\n\n"
             "`examples/reasoner/grad_modes.py`: the same preset and data stream trained for the same CPU "
-            "seconds under each gradient mode. **A small-budget table**: it ranks the modes early in "
-            "training, not at convergence.\n\n" + markdown(table) + "\n")
+            "seconds under each gradient mode, one thread. It says which modes train this small reasoner "
+            "within that budget, not which is best at convergence; the \"deq\" modes (IFT, phantom, "
+            "reversible) run 2 forward iterations, so IFT's gradient is taken far from a fixed point.\n\n"
+            + markdown(table) + "\n")
 
 
 # -------------------------------------------------------------------------------------------------- card
@@ -386,14 +389,16 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                  "```", ""]
     metric_list = [{"type": key, "name": _metric_name(key, cfg.halt_max_steps), "value": value}
                    for key, value in metrics.items()]
-    return write_model_card(
-        dest, model_id=f"deqzoo/{name}",
+    card = dict(
+        model_id=f"deqzoo/{name}",
         title=f"{name}: {'recursive reasoner' if role == 'reasoner' else 'one-pass twin'} for 6×6 Sudoku",
         pipeline_tag="token-classification", task_module="sudoku6", datasets=["sudoku6-generated"],
         dataset_name="6×6 Sudoku, 1,000 held-out",  # short: the catalog row quotes it
         metrics=metric_list, tags=["reasoner", "trm", "recursive-reasoning", "sudoku"],
         train_command=run.command(f"runs/{name}"), eval_command=f"deqzoo eval deqzoo/{name}",
         body_markdown="\n".join(sections))
+    write_model_card(dest, **card)  # the demo reads the card's task: write it, then add what the demo shows
+    return write_model_card(dest, **card, demo=demo_entry(dest))
 
 
 def _metric_name(key: str, trained: int) -> str:
