@@ -553,13 +553,6 @@ PREDICTORS: dict[str, Callable[..., str]] = {
 }
 
 
-def register_predictor(task: str, predict: Callable[..., str]) -> None:
-    """Add a task's predict function (for code that ships its own task, e.g. a plugin or a test)."""
-    if not task or not isinstance(task, str) or not callable(predict):
-        raise ValueError(f"register_predictor needs a task name and a callable, got {task!r}, {predict!r}")
-    PREDICTORS[task] = predict
-
-
 def predict(model, task: object, inputs: list[str]) -> str:
     """Run `model` on `inputs` with the predict function of `task` (a card's ``deqzoo_task`` value); one
     input except for a task whose function takes several (optical flow: two images)."""

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -70,27 +71,18 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
 
 
 def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]."""
-    if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) and getattr(images, "ndim", 1) > 0 \
-            and len(images) == 0:  # an empty batch has no shape to check and nothing to invert or compare
+    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]
+    (diffusers' own image preprocessing, without resizing)."""
+    if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) and len(images) == 0:
         raise ValueError(f"images is an empty batch ({type(images).__name__} of length 0); "
                          "give at least one image")
-    if isinstance(images, list) and images and hasattr(images[0], "mode"):
-        images = np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images])
-        if images.ndim == 3:
-            images = images[..., None]
-    if isinstance(images, np.ndarray):
-        images = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
-    if not isinstance(images, torch.Tensor) or images.ndim != 4:
-        raise ValueError(
-            "images must be a list of PIL images, an (N, H, W, C) array or an (N, C, H, W) tensor "
-            f"in [0, 1]; got {type(images).__name__} of shape {getattr(images, 'shape', None)}"
-        )
+    # vae_latent_channels=0: a 4-channel image is an image here, not a latent to pass through unnormalized
+    images = VaeImageProcessor(do_resize=False, vae_latent_channels=0).preprocess(images).float()
     if shape is not None and tuple(images.shape[1:]) != tuple(shape):
         raise ValueError(
             f"images have shape (C, H, W) = {tuple(images.shape[1:])}; the UNet expects {tuple(shape)}"
         )
-    return images.float() * 2.0 - 1.0
+    return images
 
 
 # Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default (torch.backends.cudnn.conv
