@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import embedded_folder, load_catalog, sha256_file
-from .saving import atomic_save
+from .saving import atomic_save, write_whole
 
 MARKER = ".deqzoo-embedded"
 
@@ -117,9 +117,7 @@ def _populate_one(cache: Path, cid: str, entry: dict[str, Any]) -> str:
 
     atomic_save(snapshot, write)  # a reader sees all of the snapshot or none of it
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp_ref = ref.with_name(".main.tmp")
-    tmp_ref.write_text(commit)
-    os.replace(tmp_ref, ref)
+    write_whole(ref, commit)
     return f"written: {snapshot}"
 
 

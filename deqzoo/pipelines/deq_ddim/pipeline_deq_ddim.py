@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.schedulers import DDIMParallelScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -167,6 +168,12 @@ class DDIMChain:
         self.a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], scheduler.final_alpha_cumprod)
         self.scale = torch.cat([self.a_t[:1], self.a_prev]).sqrt()  # c_0 .. c_T
         self.use_clipped = use_clipped_model_output
+        # the batched step takes the final alpha as 1: a scheduler with set_alpha_to_one=False steps one
+        # timestep at a time with DDIMScheduler.step
+        self.batched = None
+        if scheduler.config.set_alpha_to_one:
+            self.batched = DDIMParallelScheduler.from_config(scheduler.config)
+            self.batched.set_timesteps(num_inference_steps)
         self.max_unet_batch = max_unet_batch
         self.allow_tf32 = allow_tf32
         self.unet_calls = 0
@@ -183,42 +190,15 @@ class DDIMChain:
                 self.unet_images += len(xs)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    # Adapted from diffusers.schedulers.scheduling_ddim.DDIMScheduler.step (eta = 0): batched over images that
-    # sit at different timesteps (DDIMScheduler.step takes one timestep per call); pinned against it by
-    # tests/pipelines/test_deq_ddim_step.py for every prediction type, clipping and thresholding.
     def step(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,) (DDIMScheduler.step)."""
+        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,): diffusers' batched step
+        (`DDIMParallelScheduler.batch_step_no_noise`), pinned against DDIMScheduler.step by
+        tests/pipelines/test_deq_ddim_step.py for every prediction type, clipping and thresholding."""
         model_output = self.eps(x, self.timesteps[idx])
-        cfg = self.scheduler.config
-        if cfg.thresholding:  # dynamic thresholding: diffusers' own step, one call per timestep present
-            return self._scheduler_steps(model_output, x, idx)
-        view = (-1,) + (1,) * (x.ndim - 1)
-        a_t = self.a_t[idx].to(x.device).view(view)
-        a_prev = self.a_prev[idx].to(x.device).view(view)
-        beta_t = 1 - a_t
-        # the operations and their order follow DDIMScheduler.step, so float32 results agree to rounding
-        if cfg.prediction_type == "epsilon":
-            pred_x0 = (x - beta_t ** (0.5) * model_output) / a_t ** (0.5)
-            pred_eps = model_output
-        elif cfg.prediction_type == "sample":
-            pred_x0 = model_output
-            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
-        elif cfg.prediction_type == "v_prediction":
-            pred_x0 = (a_t**0.5) * x - (beta_t**0.5) * model_output
-            pred_eps = (a_t**0.5) * model_output + (beta_t**0.5) * x
-        else:
-            raise ValueError(
-                f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler"
-            )
-        if cfg.clip_sample:
-            pred_x0 = pred_x0.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
-        if self.use_clipped:
-            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
-        return a_prev ** (0.5) * pred_x0 + (1 - a_prev) ** (0.5) * pred_eps
-
-    def _scheduler_steps(self, model_output: torch.Tensor, x: torch.Tensor, idx: torch.Tensor
-                         ) -> torch.Tensor:
-        out = torch.empty_like(x)
+        if self.batched is not None:
+            return self.batched.batch_step_no_noise(model_output, self.timesteps[idx], x, eta=0.0,
+                                                    use_clipped_model_output=self.use_clipped)
+        out = torch.empty_like(x)  # diffusers' own step, one call per timestep present (see __init__)
         for i in torch.unique(idx).tolist():
             sel = idx == i
             out[sel] = self.scheduler.step(model_output[sel], int(self.timesteps[i]), x[sel], eta=0.0,
