@@ -239,6 +239,8 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     return found
 
 
+# `resolve`'s own keywords, the one list every loader passes on (transformers reads them too)
+RESOLVE_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 # Keywords of transformers' from_pretrained that would load something other than a safetensors checkpoint.
 _REFUSED = {"gguf_file": "GGUF files are not safetensors",
             "adapter_kwargs": "adapters name another model to load",
@@ -268,7 +270,7 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
                             "state_dict= (there is no checkpoint folder to read them from)")
     else:
         directory = resolve(name_or_path, endpoint=endpoint,
-                            **{k: kwargs[k] for k in _RESOLVE_KEYWORDS if k in kwargs})
+                            **{k: kwargs[k] for k in RESOLVE_KEYWORDS if k in kwargs})
         name_or_path = str(directory)
         subfolder = kwargs.get("subfolder") or ""
         folder = confined(directory, subfolder, f"subfolder={subfolder!r}") if subfolder else directory
@@ -301,10 +303,6 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
         name_or_path = None  # transformers takes either a folder or tensors
     kwargs.update(use_safetensors=True, trust_remote_code=False)  # config.json's auto_map never runs
     return name_or_path, config, kwargs
-
-
-# `resolve`'s own keywords (transformers reads them too: they are passed on)
-_RESOLVE_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -323,12 +323,11 @@ class DEQDDIMPipeline(DiffusionPipeline):
         """diffusers' own loader, safetensors only, on a repository deqzoo resolved (local folder, embedded
         id, HF cache, Hub: safe files only) and checked first (`check_repository`): component classes from an
         allow-list, no file linking out of its folder, no pickle-only weights."""
-        from ...hub.loading import resolve
+        from ...hub.loading import RESOLVE_KEYWORDS, resolve
 
         if kwargs.pop("use_safetensors", True) is False:
             raise ValueError("DEQDDIMPipeline loads safetensors only; use_safetensors=False is not supported")
-        hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only",
-                                          "force_download") if k in kwargs}
+        hub = {k: kwargs.pop(k) for k in RESOLVE_KEYWORDS if k in kwargs}
         directory = check_repository(resolve(pretrained_model_name_or_path, **hub),
                                      scheduler_given=kwargs.get("scheduler") is not None)
         return super().from_pretrained(str(directory), use_safetensors=True, **kwargs)
