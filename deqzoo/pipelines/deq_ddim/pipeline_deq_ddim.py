@@ -571,17 +571,8 @@ def check_repository(directory: Any, *, scheduler_given: bool = False) -> Any:
     return directory
 
 
-def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
-    """A `DEQDDIMPipeline` from a local diffusers repository (`DEQDDIMPipeline.from_pretrained`, which checks
-    it first: see `check_repository`). A scheduler saved as DDPM/PNDM is refused unless `scheduler` (a
-    DDIMScheduler) is given.
-
-    Example:
-        >>> import deqzoo
-        >>> pipe = load_repository("model_cards/ddim-digits-16")  # doctest: +SKIP
-    """
-    given = {} if scheduler is None else {"scheduler": scheduler}
-    return DEQDDIMPipeline.from_pretrained(directory, **given)
+# the loader the family declaration names (deqzoo.models.registry): diffusers' own, after `check_repository`
+load_repository = DEQDDIMPipeline.from_pretrained
 
 
 def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
