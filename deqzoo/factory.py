@@ -219,12 +219,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     if not config_path.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     raw = read_json(config_path)  # the one read: passed on as config= (the class's loader takes its dict)
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str):
-        raise CheckpointError(f"{config_path}: key 'model_type' must be a string naming the family, "
-                              f"got {model_type!r}")
     try:
-        family = family_for(model_type)
+        family = family_for(raw.get("model_type"))
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from err
     architectures = raw.get("architectures")

@@ -1,6 +1,6 @@
 """HyperSolverConfig: what a hypersolver is (state kind, sizes, memory m, unroll K), which model it serves."""
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..configuration_utils import ConfigError, ranged, strict_config
@@ -29,8 +29,7 @@ class HyperSolverConfig:
 
     Example:
         >>> cfg = HyperSolverConfig(state_kind="vector", state_channels=[8], pool=4)
-        >>> from dataclasses import asdict  # huggingface_hub's mixin saves asdict(config)
-        >>> HyperSolverConfig.from_dict(asdict(cfg)) == cfg
+        >>> HyperSolverConfig.from_dict(cfg.to_dict()) == cfg
         True
     """
 
@@ -63,6 +62,9 @@ class HyperSolverConfig:
         if not 1 <= len(self.state_channels) <= 16:
             raise HyperSolverConfigError(f"key 'state_channels' must be a list of 1 to 16 integers, got "
                                          f"{self.state_channels!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "HyperSolverConfig":
