@@ -14,7 +14,7 @@ from typing import Any
 from .core.config import merge_settings
 from .hub.cards import card_metrics, read_model_card
 from .hub.catalog import load_catalog
-from .hub.loading import CheckpointError, resolve
+from .hub.loading import RESOLVE_KEYWORDS, CheckpointError, resolve
 from .hub.validation import check_budget, confined, read_json
 from .models.registry import (
     PIPELINES,
@@ -196,8 +196,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
         >>> import deqzoo
         >>> model = deqzoo.from_pretrained("deqzoo/mdeq-tiny-mnist", deq={"f_max_iter": 12})  # doctest: +SKIP
     """
-    hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "force_download",
-                                  "endpoint") if k in kwargs}  # transformers reads them too: kept in kwargs
+    # `resolve`'s keywords (transformers reads them too: kept in kwargs)
+    hub = {k: kwargs[k] for k in (*RESOLVE_KEYWORDS, "endpoint") if k in kwargs}
     name = str(name_or_path)
     if not Path(name).exists() and (published := _published_id(name)):
         name_or_path = published  # the bare name (or timm spelling) of an embedded checkpoint
@@ -219,12 +219,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, deq: dict[str, Any] | No
     if not config_path.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     raw = read_json(config_path)  # the one read: passed on as config= (the class's loader takes its dict)
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str):
-        raise CheckpointError(f"{config_path}: key 'model_type' must be a string naming the family, "
-                              f"got {model_type!r}")
     try:
-        family = family_for(model_type)
+        family = family_for(raw.get("model_type"))
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from err
     architectures = raw.get("architectures")

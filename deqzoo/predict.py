@@ -337,11 +337,10 @@ def signal_settings(model) -> dict[str, Any]:
 
 
 def save_png(image: torch.Tensor, path: Path) -> None:
-    """Write a (H, W, C) image in [0, 1] as an 8-bit PNG."""
-    from PIL import Image
+    """Write a (H, W, C) image in [0, 1] as an 8-bit PNG (grayscale for one channel)."""
+    from torchvision.io import write_png
 
-    arr = (image.detach().cpu().numpy() * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
-    Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(path)
+    write_png((image.detach().cpu() * 255.0 + 0.5).clamp(0, 255).to(torch.uint8).permute(2, 0, 1), str(path))
 
 
 def render_signal(model, input: str) -> str:
@@ -404,10 +403,10 @@ _MAX_PREDICT_PIXELS = 1024 * 1024  # the all-pairs correlation volume grows with
 
 def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
     """Write a (2, H, W) flow as a colour PNG (torchvision's flow_to_image: hue = direction)."""
-    from PIL import Image
+    from torchvision.io import write_png
     from torchvision.utils import flow_to_image
 
-    Image.fromarray(flow_to_image(flow.detach().float().cpu()).permute(1, 2, 0).numpy()).save(path)
+    write_png(flow_to_image(flow.detach().float().cpu()), str(path))
     return Path(path)
 
 
@@ -551,13 +550,6 @@ PREDICTORS: dict[str, Callable[..., str]] = {
     "flow": estimate_flow,
     "sudoku6": solve_grid,
 }
-
-
-def register_predictor(task: str, predict: Callable[..., str]) -> None:
-    """Add a task's predict function (for code that ships its own task, e.g. a plugin or a test)."""
-    if not task or not isinstance(task, str) or not callable(predict):
-        raise ValueError(f"register_predictor needs a task name and a callable, got {task!r}, {predict!r}")
-    PREDICTORS[task] = predict
 
 
 def predict(model, task: object, inputs: list[str]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from deqzoo.hub.cards import CARD_NAME, _items
-from deqzoo.hub.saving import write_whole
+from deqzoo.hub.saving import atomic_save, write_whole
 
 _TASK_NAMES = {"graph-ml": "Graph Machine Learning", "image-segmentation": "Image Segmentation",
                "text-generation": "Text Generation", "image-classification": "Image Classification"}
@@ -211,3 +211,18 @@ Task module used by `deqzoo eval|demo|predict`: `{task_module}`.
     path.parent.mkdir(parents=True, exist_ok=True)
     write_whole(path, render_model_card(meta, body))  # README.md alone: the other files stay
     return path
+
+
+def save(model, directory, processor=None) -> Path:
+    """Publish step: a model (and its processor or tokenizer) saved atomically together into `directory`
+    (moved here from `deqzoo.hub`: writing `model_cards/<name>/` is the repository's job)."""
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp / "m")  # itself atomic; moved up so model + processor land in one rename
+        for item in (tmp / "m").iterdir():
+            item.rename(tmp / item.name)
+        (tmp / "m").rmdir()
+        if processor is not None:
+            processor.save_pretrained(str(tmp))
+
+    return atomic_save(directory, write)

@@ -18,17 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import embedded_folder, load_catalog, sha256_file
-from .saving import atomic_save
+from .saving import atomic_save, write_whole
 
 MARKER = ".deqzoo-embedded"
-
-
-def hf_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, else the hub cache huggingface_hub itself reads in this process ($HF_HUB_CACHE, else
-    $HF_HOME/hub, else ~/.cache/huggingface/hub, as its `constants` resolved them)."""
-    from huggingface_hub import constants
-
-    return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
 
 
 def _timm_config(cid: str) -> dict[str, Any] | None:
@@ -79,7 +71,9 @@ def populate_hf_cache(cache_dir: str | os.PathLike | None = None, names: list[st
         >>> status["deqzoo/mdeq-tiny-mnist"].startswith("written")
         True
     """
-    cache = hf_cache_dir(cache_dir)
+    from huggingface_hub import constants  # the cache huggingface_hub itself reads in this process
+
+    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
     catalog = load_catalog()
     wanted = sorted(catalog) if names is None else names
     unknown = [n for n in wanted if n not in catalog]
@@ -117,9 +111,7 @@ def _populate_one(cache: Path, cid: str, entry: dict[str, Any]) -> str:
 
     atomic_save(snapshot, write)  # a reader sees all of the snapshot or none of it
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp_ref = ref.with_name(".main.tmp")
-    tmp_ref.write_text(commit)
-    os.replace(tmp_ref, ref)
+    write_whole(ref, commit)
     return f"written: {snapshot}"
 
 

@@ -220,19 +220,27 @@ def mismatch_report(model: torch.nn.Module, found: dict[str, list], source: str)
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, *,
-                     strict: bool = True, ignore_mismatched_sizes: bool = False) -> dict[str, list]:
+                     strict: bool = True, ignore_mismatched_sizes: bool = False, new_head: bool = False
+                     ) -> dict[str, list]:
     """`compare_state`'s findings; raises listing every problem when a key is mis-shaped (unless
-    `ignore_mismatched_sizes`) or mistyped, or, with `strict`, missing or unexpected."""
+    `ignore_mismatched_sizes`) or mistyped, or, with `strict`, missing or unexpected; with `new_head` (a
+    checkpoint of another class: transformers' re-heading) keys outside the base model are not held to it."""
     found = compare_state(model, state)
-    fatal = found["mistyped_keys"] or (found["mismatched_keys"] and not ignore_mismatched_sizes) or (
-        strict and (found["missing_keys"] or found["unexpected_keys"]))
-    if fatal:
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    strict_keys = {kind: [k for k in found[kind] if not (new_head and not k.startswith(prefix))]
+                   for kind in ("missing_keys", "unexpected_keys")} if strict else {}
+    mismatched = found["mismatched_keys"] and not ignore_mismatched_sizes
+    if found["mistyped_keys"] or mismatched or any(strict_keys.values()):
         hint = ("\n  (pass ignore_mismatched_sizes=True to re-initialise mis-shaped weights, as for a new "
-                "number of labels)" if found["mismatched_keys"] and not ignore_mismatched_sizes else "")
-        raise CheckpointMismatchError(mismatch_report(model, found, source) + hint)
+                "number of labels)" if mismatched else "") + (
+            "\n  (pass strict=False to load anyway: the missing weights are newly initialised and reported, "
+            "as transformers does)" if any(strict_keys.values()) else "")
+        raise CheckpointMismatchError(mismatch_report(model, {**found, **strict_keys}, source) + hint)
     return found
 
 
+# `resolve`'s own keywords, the one list every loader passes on (transformers reads them too)
+RESOLVE_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 # Keywords of transformers' from_pretrained that would load something other than a safetensors checkpoint.
 _REFUSED = {"gguf_file": "GGUF files are not safetensors",
             "adapter_kwargs": "adapters name another model to load",
@@ -262,7 +270,7 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
                             "state_dict= (there is no checkpoint folder to read them from)")
     else:
         directory = resolve(name_or_path, endpoint=endpoint,
-                            **{k: kwargs[k] for k in _RESOLVE_KEYWORDS if k in kwargs})
+                            **{k: kwargs[k] for k in RESOLVE_KEYWORDS if k in kwargs})
         name_or_path = str(directory)
         subfolder = kwargs.get("subfolder") or ""
         folder = confined(directory, subfolder, f"subfolder={subfolder!r}") if subfolder else directory
@@ -295,10 +303,6 @@ def prepare_pretrained(model_cls: type, name_or_path: str | os.PathLike | None, 
         name_or_path = None  # transformers takes either a folder or tensors
     kwargs.update(use_safetensors=True, trust_remote_code=False)  # config.json's auto_map never runs
     return name_or_path, config, kwargs
-
-
-# `resolve`'s own keywords (transformers reads them too: they are passed on)
-_RESOLVE_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -337,26 +341,10 @@ def precheck(model_cls: type, config: Any, directory: Path | None, *, state: dic
         return None
     state, files = header_state(directory, variant) if directory is not None else (state, ["state_dict="])
     bridged = _bridge_prefix(meta_model, state)
-    found = check_state_dict(meta_model, bridged, ", ".join(files) or source, strict=False,
-                             ignore_mismatched_sizes=ignore_mismatched_sizes)
-    if strict:
-        _refuse_missing_or_unexpected(meta_model, config, found, ", ".join(files))
+    other_class = bool(config.architectures) and model_cls.__name__ not in config.architectures
+    check_state_dict(meta_model, bridged, ", ".join(files) or source, strict=strict, new_head=other_class,
+                     ignore_mismatched_sizes=ignore_mismatched_sizes)
     return meta_model if bridged is not state else None
-
-
-def _refuse_missing_or_unexpected(model: torch.nn.Module, config: Any, found: dict[str, list],
-                                  source: str) -> None:
-    """Strict loading: missing or unexpected keys refuse the load, naming them, except a task head's keys
-    outside the base model when the checkpoint comes from another class (transformers' re-heading)."""
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    other_class = bool(config.architectures) and type(model).__name__ not in config.architectures
-    found = {**found, "mismatched_keys": [], "mistyped_keys": []}
-    for kind in ("missing_keys", "unexpected_keys"):
-        found[kind] = [k for k in found[kind] if not (other_class and not k.startswith(prefix))]
-    if found["missing_keys"] or found["unexpected_keys"]:
-        raise CheckpointMismatchError(
-            mismatch_report(model, found, source) + "\n  (pass strict=False to load anyway: the missing "
-            "weights are newly initialised and reported, as transformers does)")
 
 
 def _bridge_prefix(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

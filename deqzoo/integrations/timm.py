@@ -33,7 +33,7 @@ from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
 from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
 from ..models.registry import declared_family, timm_names
 
-__all__ = ["MDEQTimm", "TIMM_MODELS", "timm_name"]
+__all__ = ["MDEQTimm", "TIMM_MODELS"]
 
 # ITU-R 601 luma weights, PIL's "L" conversion (deqzoo's image processor converts with PIL)
 _LUMA = (0.299, 0.587, 0.114)
@@ -42,22 +42,6 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 
 # timm name -> (deqzoo preset, deqzoo checkpoint id or None), derived from the MDEQ family's declaration
 TIMM_MODELS: dict[str, tuple[str, str | None]] = timm_names(declared_family("mdeq"))
-
-
-def timm_name(name: str) -> str:
-    """The timm name of a deqzoo model or preset name; unknown names raise with did-you-mean suggestions.
-
-    Example:
-        >>> timm_name("deqzoo/mdeq-tiny-mnist"), timm_name("mdeq-cifar-tiny")
-        ('mdeq_tiny_mnist', 'mdeq_cifar_tiny')
-    """
-    from ..factory import canonical_name, did_you_mean
-
-    for candidate in (name, canonical_name(name).replace("-", "_"), name.replace("-", "_")):
-        if candidate in TIMM_MODELS:
-            return candidate
-    raise ValueError(f"{name!r} is not a deqzoo timm model.{did_you_mean(name.replace('_', '-'))} "
-                     f"timm names: {sorted(TIMM_MODELS)}")
 
 
 class MDEQTimm(MDEQForImageClassification):

@@ -123,12 +123,12 @@ sys.modules.setdefault(TOY_MODULE, sys.modules[__name__])
 @pytest.fixture
 def toy_family():
     from deqzoo.integrations.transformers import register_family, unregister_family
-    from deqzoo.predict import PREDICTORS, register_predictor
+    from deqzoo.predict import PREDICTORS
     from examples.tasks import TASKS, register_task
 
     register_family(TOY_FAMILY)
     register_task(TOY_MODULE, TOY_MODULE)  # evaluate / demo (a clone's programs)
-    register_predictor(TOY_MODULE, predict)  # `deqzoo predict` (the package's)
+    PREDICTORS[TOY_MODULE] = predict  # `deqzoo predict` (the package's)
     yield TOY_FAMILY
     TASKS.pop(TOY_MODULE, None)
     PREDICTORS.pop(TOY_MODULE, None)
@@ -137,8 +137,7 @@ def toy_family():
 
 def make_toy_checkpoint(directory, *, seed: int = 0, card: bool = True):
     """Save a toy model (+ processor, + card) to `directory`; returns the model."""
-    from deqzoo.hub import save
-    from utils.cards import write_model_card
+    from utils.cards import save, write_model_card
 
     torch.manual_seed(seed)
     model = ToyDEQForImageClassification(ToyDEQConfig(deq={"f_solver": "anderson", "f_max_iter": 40,

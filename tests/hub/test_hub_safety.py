@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 import deqzoo
-from deqzoo.hub import CheckpointError, save
+from deqzoo.hub import CheckpointError
 from deqzoo.hub.safetensors_io import read_safetensors_header
+from utils.cards import save
 
 toy = importlib.import_module("deqzoo_hub_toy_family")
 

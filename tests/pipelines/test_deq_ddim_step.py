@@ -1,5 +1,5 @@
-"""DDIMChain.step is adapted from diffusers' DDIMScheduler.step (batched over images at different timesteps):
-pinned here against DDIMScheduler.step itself, image by image, for every prediction type, with and without
+"""DDIMChain.step is diffusers' batched DDIM step (images at different timesteps in one call): pinned here
+against DDIMScheduler.step itself, image by image, for every prediction type, with and without
 clipping, clipped-model-output and dynamic thresholding, in float32 and float64."""
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ class _FixedUNet(torch.nn.Module):
 @pytest.mark.parametrize("prediction_type", ["epsilon", "sample", "v_prediction"])
 @pytest.mark.parametrize("clip", ["none", "clip", "threshold"])
 @pytest.mark.parametrize("use_clipped", [False, True])
-def test_batched_step_equals_ddim_scheduler_step(dtype, prediction_type, clip, use_clipped):
+@pytest.mark.parametrize("alpha_one", [True, False])  # False: the last step's alpha is alphas_cumprod[0]
+def test_batched_step_equals_ddim_scheduler_step(dtype, prediction_type, clip, use_clipped, alpha_one):
     scheduler = DDIMScheduler(prediction_type=prediction_type, clip_sample=clip == "clip",
+                              set_alpha_to_one=alpha_one,
                               clip_sample_range=0.8, thresholding=clip == "threshold",
                               dynamic_thresholding_ratio=0.9, sample_max_value=1.2)
     T = 12

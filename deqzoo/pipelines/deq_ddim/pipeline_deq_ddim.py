@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.schedulers import DDIMParallelScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -70,27 +72,18 @@ def check_components(unet: Any, scheduler: Any, eta: float = 0.0) -> None:
 
 
 def _to_model_space(images: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]."""
-    if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) and getattr(images, "ndim", 1) > 0 \
-            and len(images) == 0:  # an empty batch has no shape to check and nothing to invert or compare
+    """PIL list / (N, H, W, C) numpy / (N, C, H, W) tensor, in [0, 1] -> float32 tensor in [-1, 1]
+    (diffusers' own image preprocessing, without resizing)."""
+    if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) and len(images) == 0:
         raise ValueError(f"images is an empty batch ({type(images).__name__} of length 0); "
                          "give at least one image")
-    if isinstance(images, list) and images and hasattr(images[0], "mode"):
-        images = np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images])
-        if images.ndim == 3:
-            images = images[..., None]
-    if isinstance(images, np.ndarray):
-        images = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
-    if not isinstance(images, torch.Tensor) or images.ndim != 4:
-        raise ValueError(
-            "images must be a list of PIL images, an (N, H, W, C) array or an (N, C, H, W) tensor "
-            f"in [0, 1]; got {type(images).__name__} of shape {getattr(images, 'shape', None)}"
-        )
+    # vae_latent_channels=0: a 4-channel image is an image here, not a latent to pass through unnormalized
+    images = VaeImageProcessor(do_resize=False, vae_latent_channels=0).preprocess(images).float()
     if shape is not None and tuple(images.shape[1:]) != tuple(shape):
         raise ValueError(
             f"images have shape (C, H, W) = {tuple(images.shape[1:])}; the UNet expects {tuple(shape)}"
         )
-    return images.float() * 2.0 - 1.0
+    return images
 
 
 # Why: on Ampere and later GPUs torch runs cuDNN convolutions in TF32 by default (torch.backends.cudnn.conv
@@ -175,6 +168,12 @@ class DDIMChain:
         self.a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], scheduler.final_alpha_cumprod)
         self.scale = torch.cat([self.a_t[:1], self.a_prev]).sqrt()  # c_0 .. c_T
         self.use_clipped = use_clipped_model_output
+        # the batched step takes the final alpha as 1: a scheduler with set_alpha_to_one=False steps one
+        # timestep at a time with DDIMScheduler.step
+        self.batched = None
+        if scheduler.config.set_alpha_to_one:
+            self.batched = DDIMParallelScheduler.from_config(scheduler.config)
+            self.batched.set_timesteps(num_inference_steps)
         self.max_unet_batch = max_unet_batch
         self.allow_tf32 = allow_tf32
         self.unet_calls = 0
@@ -191,42 +190,15 @@ class DDIMChain:
                 self.unet_images += len(xs)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    # Adapted from diffusers.schedulers.scheduling_ddim.DDIMScheduler.step (eta = 0): batched over images that
-    # sit at different timesteps (DDIMScheduler.step takes one timestep per call); pinned against it by
-    # tests/pipelines/test_deq_ddim_step.py for every prediction type, clipping and thresholding.
     def step(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,) (DDIMScheduler.step)."""
+        """DDIM steps (eta = 0) of images x (N, C, H, W) at step indices idx (N,): diffusers' batched step
+        (`DDIMParallelScheduler.batch_step_no_noise`), pinned against DDIMScheduler.step by
+        tests/pipelines/test_deq_ddim_step.py for every prediction type, clipping and thresholding."""
         model_output = self.eps(x, self.timesteps[idx])
-        cfg = self.scheduler.config
-        if cfg.thresholding:  # dynamic thresholding: diffusers' own step, one call per timestep present
-            return self._scheduler_steps(model_output, x, idx)
-        view = (-1,) + (1,) * (x.ndim - 1)
-        a_t = self.a_t[idx].to(x.device).view(view)
-        a_prev = self.a_prev[idx].to(x.device).view(view)
-        beta_t = 1 - a_t
-        # the operations and their order follow DDIMScheduler.step, so float32 results agree to rounding
-        if cfg.prediction_type == "epsilon":
-            pred_x0 = (x - beta_t ** (0.5) * model_output) / a_t ** (0.5)
-            pred_eps = model_output
-        elif cfg.prediction_type == "sample":
-            pred_x0 = model_output
-            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
-        elif cfg.prediction_type == "v_prediction":
-            pred_x0 = (a_t**0.5) * x - (beta_t**0.5) * model_output
-            pred_eps = (a_t**0.5) * model_output + (beta_t**0.5) * x
-        else:
-            raise ValueError(
-                f"scheduler prediction_type {cfg.prediction_type!r} is not supported by DDIMScheduler"
-            )
-        if cfg.clip_sample:
-            pred_x0 = pred_x0.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
-        if self.use_clipped:
-            pred_eps = (x - a_t ** (0.5) * pred_x0) / beta_t ** (0.5)
-        return a_prev ** (0.5) * pred_x0 + (1 - a_prev) ** (0.5) * pred_eps
-
-    def _scheduler_steps(self, model_output: torch.Tensor, x: torch.Tensor, idx: torch.Tensor
-                         ) -> torch.Tensor:
-        out = torch.empty_like(x)
+        if self.batched is not None:
+            return self.batched.batch_step_no_noise(model_output, self.timesteps[idx], x, eta=0.0,
+                                                    use_clipped_model_output=self.use_clipped)
+        out = torch.empty_like(x)  # diffusers' own step, one call per timestep present (see __init__)
         for i in torch.unique(idx).tolist():
             sel = idx == i
             out[sel] = self.scheduler.step(model_output[sel], int(self.timesteps[i]), x[sel], eta=0.0,
@@ -351,12 +323,11 @@ class DEQDDIMPipeline(DiffusionPipeline):
         """diffusers' own loader, safetensors only, on a repository deqzoo resolved (local folder, embedded
         id, HF cache, Hub: safe files only) and checked first (`check_repository`): component classes from an
         allow-list, no file linking out of its folder, no pickle-only weights."""
-        from ...hub.loading import resolve
+        from ...hub.loading import RESOLVE_KEYWORDS, resolve
 
         if kwargs.pop("use_safetensors", True) is False:
             raise ValueError("DEQDDIMPipeline loads safetensors only; use_safetensors=False is not supported")
-        hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only",
-                                          "force_download") if k in kwargs}
+        hub = {k: kwargs.pop(k) for k in RESOLVE_KEYWORDS if k in kwargs}
         directory = check_repository(resolve(pretrained_model_name_or_path, **hub),
                                      scheduler_given=kwargs.get("scheduler") is not None)
         return super().from_pretrained(str(directory), use_safetensors=True, **kwargs)
@@ -600,17 +571,8 @@ def check_repository(directory: Any, *, scheduler_given: bool = False) -> Any:
     return directory
 
 
-def load_repository(directory: str | Any, scheduler: DDIMScheduler | None = None) -> DEQDDIMPipeline:
-    """A `DEQDDIMPipeline` from a local diffusers repository (`DEQDDIMPipeline.from_pretrained`, which checks
-    it first: see `check_repository`). A scheduler saved as DDPM/PNDM is refused unless `scheduler` (a
-    DDIMScheduler) is given.
-
-    Example:
-        >>> import deqzoo
-        >>> pipe = load_repository("model_cards/ddim-digits-16")  # doctest: +SKIP
-    """
-    given = {} if scheduler is None else {"scheduler": scheduler}
-    return DEQDDIMPipeline.from_pretrained(directory, **given)
+# the loader the family declaration names (deqzoo.models.registry): diffusers' own, after `check_repository`
+load_repository = DEQDDIMPipeline.from_pretrained
 
 
 def _mse01(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
