@@ -31,11 +31,14 @@ class ConfigError(DeqzooError, ValueError):
 
 
 def ranged(low: float | None = None, high: float | None = None, *, as_float: bool = False,
-           **field_options: Any) -> Any:
+           open_low: bool = False, open_high: bool = False, **field_options: Any) -> Any:
     """A strict dataclass field (huggingface_hub's ``validated_field``) whose number, or each number of whose
-    list, is finite and lies in [low, high] (None: open); a list holds at most MAX_LIST_LENGTH entries.
+    list, is finite and lies in [low, high] (None: unbounded; ``open_low``/``open_high``: the bound itself is
+    out); a list holds at most MAX_LIST_LENGTH entries.
     Messages hold ``{key}``, filled in with the field's name when the error is raised (`_config_error`).
     ``as_float``: the built config holds the number (each entry) as a float, an int given (5) too (5.0)."""
+
+    bounds = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
 
     def check(value: Any) -> None:
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -47,8 +50,9 @@ def ranged(low: float | None = None, high: float | None = None, *, as_float: boo
                 continue
             if not math.isfinite(item):
                 raise ValueError(f"{where} must be float (finite), got {item!r}")
-            if (low is not None and item < low) or (high is not None and item > high):
-                raise ValueError(f"{where} is {item!r}, outside the allowed range [{low}, {high}]")
+            if ((low is not None and (item < low or open_low and item == low))
+                    or (high is not None and (item > high or open_high and item == high))):
+                raise ValueError(f"{where} is {item!r}, outside the allowed range {bounds}")
 
     return validated_field(check, metadata={"as_float": as_float}, **field_options)
 

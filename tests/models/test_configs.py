@@ -71,7 +71,7 @@ def test_float_fields_given_ints_are_stored_and_saved_as_floats(cls, floats, kep
     (MDEQConfig, "num_groups", 2.0, "key 'num_groups' must be int, got 2.0 (float)"),
     (MDEQConfig, "wnorm", 1, "key 'wnorm' must be bool, got 1 (int)"),
     (MDEQConfig, "dropout", math.inf, "key 'dropout' must be float (finite), got inf"),
-    (MDEQConfig, "dropout", 1.5, "key 'dropout' is 1.5, outside the allowed range [0.0, 1.0]"),
+    (MDEQConfig, "dropout", 1.5, "key 'dropout' is 1.5, outside the allowed range [0.0, 1.0)"),
     (MDEQConfig, "branch_channels", [16, 0], "an entry of 'branch_channels' is 0, outside"),
     (MDEQConfig, "branch_channels", (16, "a"), "key 'branch_channels' must be a list of int"),
     (MDEQConfig, "image_std", [1.0] * 2000, "key 'image_std' has 2,000 entries, above the limit of 1024"),
@@ -83,6 +83,11 @@ def test_float_fields_given_ints_are_stored_and_saved_as_floats(cls, floats, kep
     (IGNNConfig, "graph_head_hidden", "64", "key 'graph_head_hidden' must be int or None, got '64'"),
     (Implicit2Config, "hidden_size", 10**6, "key 'hidden_size' is 1000000, outside the allowed range"),
     (Implicit2Config, "spectral_max_norm", math.nan, "key 'spectral_max_norm' must be float (finite)"),
+    (Implicit2Config, "input_scale", 0, "key 'input_scale' is 0, outside the allowed range (0.0, None]"),
+    (IGNNConfig, "spectral_radius", 0.0, "key 'spectral_radius' is 0.0, outside the allowed range (0.0, None]"),
+    (MDEQConfig, "conv_norm", 0.0, "key 'conv_norm' is 0.0, outside the allowed range (0.0, None]"),
+    (MDEQConfig, "fusion_alpha", 1.5, "key 'fusion_alpha' is 1.5, outside the allowed range [0.0, 1.0]"),
+    (MDEQConfig, "final_conv_kernel", 2, "key 'final_conv_kernel' must be one of 1, 3, got 2"),
 ])
 def test_a_bad_value_is_refused_at_construction_and_at_assignment(cls, key, value, message):
     with pytest.raises(ConfigError, match=f"^{cls.__name__}: ") as info:
@@ -122,7 +127,7 @@ def test_whole_config_checks_run_after_init_and_before_a_save(tmp_path):
         DEQFlowConfig(encoder_layers=[64, 64])
     with pytest.raises(ConfigError, match="key 'coordinate_range' must be two finite numbers low < high"):
         Implicit2Config(coordinate_range=[1.0, -1.0])
-    with pytest.raises(ConfigError, match="IGNNConfig: key 'dropout' must be in \\[0, 1\\), got 1.0"):
+    with pytest.raises(ConfigError, match="IGNNConfig: key 'dropout' is 1.0, outside the allowed range"):
         IGNNConfig(dropout=1.0)
 
 

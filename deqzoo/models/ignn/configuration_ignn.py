@@ -7,7 +7,7 @@ spectral normalization of W, Ω₁, Ω₂.
 
 from typing import Any, Literal
 
-from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import DEQPretrainedConfig, ranged, strict_config
 
 # The original solves with plain fixed-point iteration, at most 300 steps, stopping at an absolute tolerance.
 DEFAULT_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 300, "f_tol": 3e-6,
@@ -54,7 +54,7 @@ class IGNNConfig(DEQPretrainedConfig):
     hidden_size: int = ranged(1, 65536, default=16)
     num_layers: int = ranged(1, 64, default=1)
     kappa: float | int | None = ranged(0.0, None, default=0.9)
-    spectral_radius: float | int | None = ranged(0.0, None, default=None)
+    spectral_radius: float | int | None = ranged(0.0, None, open_low=True, default=None)
     pf_tol: float | int = ranged(0.0, 1.0, default=1e-6)
     pf_max_iter: int = ranged(1, 1_000_000, default=2000)
     injection: Literal["adjacency", "adjacency+linear"] = "adjacency"
@@ -62,17 +62,10 @@ class IGNNConfig(DEQPretrainedConfig):
     norm_clip: bool = False
     norm_clip_value: float | int = ranged(0.0, None, default=1.0)
     activation: Literal["relu", "tanh", "identity"] = "relu"
-    dropout: float | int = ranged(0.0, 1.0, default=0.5)
+    dropout: float | int = ranged(0.0, 1.0, open_high=True, default=0.5)
     normalize_states: bool = True
     graph_pooling: Literal["add", "mean", "max"] = "add"
     graph_head_hidden: int | None = ranged(1, 65536, default=None)
-
-    def validate_open_bounds(self) -> None:
-        """A spectral radius is > 0; a dropout rate < 1."""
-        if self.spectral_radius == 0:
-            raise ConfigError("key 'spectral_radius' must be > 0 or None, got 0")
-        if self.dropout >= 1:
-            raise ConfigError(f"key 'dropout' must be in [0, 1), got {self.dropout!r}")
 
 
 # Named presets for deqzoo.create_model (see deqzoo.models.registry).

@@ -69,17 +69,14 @@ class Implicit2Config(DEQPretrainedConfig):
     num_layers: int = ranged(1, 64, default=1)
     filter_type: Literal["siren", "fourier", "gabor"] = "siren"
     implicit: bool = True
-    input_scale: float | int = ranged(0.0, None, default=256.0, as_float=True)
-    gabor_alpha: float | int = ranged(0.0, None, default=3.0, as_float=True)
-    spectral_max_norm: float | int | None = ranged(0.0, None, default=0.97, as_float=True)
+    input_scale: float | int = ranged(0.0, None, open_low=True, default=256.0, as_float=True)
+    gabor_alpha: float | int = ranged(0.0, None, open_low=True, default=3.0, as_float=True)
+    spectral_max_norm: float | int | None = ranged(0.0, None, open_low=True, default=0.97, as_float=True)
     coordinate_range: list[float | int] | tuple[float | int, ...] = ranged(default=(-1.0, 1.0), as_float=True)
     out_of_range: Literal["raise", "allow"] = "raise"
 
-    def validate_positive(self) -> None:
-        """Scales and the spectral bound are > 0; the coordinate range is two numbers, low < high."""
-        for key in ("input_scale", "gabor_alpha", "spectral_max_norm"):
-            if getattr(self, key) == 0:
-                raise ConfigError(f"key {key!r} must be > 0, got {getattr(self, key)!r}")
+    def validate_coordinate_range(self) -> None:
+        """The coordinate range is two numbers, low < high."""
         low_high = self.coordinate_range
         if len(low_high) != 2 or not low_high[0] < low_high[1]:
             raise ConfigError(f"key 'coordinate_range' must be two finite numbers low < high, got "

@@ -32,7 +32,7 @@ Example:
     (2, [24, 24])
 """
 
-from typing import Any
+from typing import Any, Literal
 
 from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
 
@@ -92,7 +92,7 @@ class MDEQConfig(DEQPretrainedConfig):
     big_kernels: _Ints | None = ranged(0, 2, default=None)
     expansion_factor: float | int = ranged(1e-3, 64, default=5)
     num_groups: int = ranged(1, 4096, default=8)
-    dropout: float | int = ranged(0.0, 1.0, default=0.0, as_float=True)
+    dropout: float | int = ranged(0.0, 1.0, open_high=True, default=0.0, as_float=True)
     wnorm: bool = True
     downsample_times: int = ranged(0, 8, default=0)
     block_gn_affine: bool = True
@@ -100,18 +100,18 @@ class MDEQConfig(DEQPretrainedConfig):
     post_gn_affine: bool = True
     head_channels: _Ints | None = ranged(1, 65536, default=None)
     final_chansize: int = ranged(1, 65536, default=200)
-    final_conv_kernel: int = ranged(1, 3, default=1)
+    final_conv_kernel: Literal[1, 3] = 1
     bn_momentum: float | int = ranged(0.0, 1.0, default=0.1, as_float=True)
     num_layers: int = ranged(0, 1024, default=10)
     image_size: _Ints = ranged(1, 65536, default=(32, 32))
     image_mean: _Numbers = ranged(default=None)
     image_std: _Numbers = ranged(default=None)
     lipschitz: bool = False
-    residual_alpha: float | int = ranged(default=0.5, as_float=True)
-    fusion_alpha: float | int = ranged(default=0.3, as_float=True)
-    conv_norm: float | int = ranged(default=2.0, as_float=True)
-    gamma_bound: float | int = ranged(default=1.0, as_float=True)
-    relu_slope: float | int = ranged(default=0.35, as_float=True)
+    residual_alpha: float | int = ranged(0.0, 1.0, default=0.5, as_float=True)
+    fusion_alpha: float | int = ranged(0.0, 1.0, default=0.3, as_float=True)
+    conv_norm: float | int = ranged(0.0, None, open_low=True, default=2.0, as_float=True)
+    gamma_bound: float | int = ranged(0.0, None, open_low=True, default=1.0, as_float=True)
+    relu_slope: float | int = ranged(0.0, None, open_low=True, default=0.35, as_float=True)
     spectral_fft_size: int = ranged(1, 8192, default=64)
     init_std: float | int = ranged(0.0, None, default=0.01, as_float=True)
     jac_loss_weight: float | int = ranged(0.0, None, default=0.0, as_float=True)
@@ -152,27 +152,17 @@ class MDEQConfig(DEQPretrainedConfig):
                 raise ConfigError(f"key 'expansion_factor': expansion_factor*channels="
                                   f"{int(self.expansion_factor * c)} is not divisible by "
                                   f"num_groups={self.num_groups}")
-        if not self.dropout < 1.0:
-            raise ConfigError(f"key 'dropout' must be in [0, 1), got {self.dropout}")
-        if self.final_conv_kernel not in (1, 3):
-            raise ConfigError(f"key 'final_conv_kernel' must be 1 or 3, got {self.final_conv_kernel}")
         for key in ("image_mean", "image_std"):
             if len(_per_channel(getattr(self, key), self.in_channels)) != self.in_channels:
                 raise ConfigError(f"key {key!r} needs {self.in_channels} entries (in_channels), got "
                                   f"{getattr(self, key)}")
 
     def validate_lipschitz(self) -> None:
-        """The five constants of the Lipschitz bound, and an FFT grid large enough for it to hold."""
+        """Conv norms kept by projection, and an FFT grid large enough for the bound to hold."""
         if not self.lipschitz:
             return
         if self.wnorm:
             raise ConfigError("key 'wnorm': lipschitz=True keeps conv norms by projection; set wnorm=False")
-        checks = {"residual_alpha": 0.0 <= self.residual_alpha <= 1.0,
-                  "fusion_alpha": 0.0 <= self.fusion_alpha <= 1.0, "conv_norm": self.conv_norm > 0,
-                  "gamma_bound": self.gamma_bound > 0, "relu_slope": self.relu_slope > 0}
-        for key, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"key {key!r}={getattr(self, key)} is out of range")
         if self.spectral_fft_size < max(self.image_size) + 4:
             raise ConfigError(f"key 'spectral_fft_size'={self.spectral_fft_size} must be >= "
                               f"max(image_size)+4={max(self.image_size) + 4} for the conv-norm bound to hold")
