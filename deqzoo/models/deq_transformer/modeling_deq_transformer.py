@@ -612,15 +612,6 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the memory of equilibria is our own cache type
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
-
-    def get_output_embeddings(self):
-        return None  # tying is internal to the head
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.model.set_input_embeddings(value)
-
     @torch.no_grad()
     def resize_token_embeddings(self, new_num_tokens: int | None = None,
                                 pad_to_multiple_of: int | None = None,

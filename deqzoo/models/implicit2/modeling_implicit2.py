@@ -178,6 +178,8 @@ class Implicit2Model(Implicit2PreTrainedModel):
         (torch.Size([1, 64, 32]), True)
     """
 
+    _input_embed_layer = "init_filter"  # transformers' get_input_embeddings: the map of coordinates into u
+
     def __init__(self, config: Implicit2Config):
         super().__init__(config)
         c = config
@@ -285,10 +287,6 @@ class Implicit2Model(Implicit2PreTrainedModel):
         return self._output(Implicit2ModelOutput(
             last_hidden_state=z, hidden_states=(u0, z) if hidden else None, deq_stats=stats), return_dict)
 
-    def get_input_embeddings(self) -> nn.Module:
-        """The first filter (the map of coordinates into the state's injection)."""
-        return self.init_filter
-
 
 class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
     """An implicit representation of a signal: values Φ(x) = W′ z(x) + b′ at coordinates x.
@@ -331,9 +329,6 @@ class Implicit2ForSignalRepresentation(Implicit2PreTrainedModel):
                 raise ValueError(f"labels have shape {tuple(labels.shape)}, the values {tuple(values.shape)}")
             loss = F.mse_loss(values, labels)
         return self._output(Implicit2Output(loss=loss, values=values, **out), return_dict)  # out: its fields
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.implicit2.get_input_embeddings()
 
     @torch.no_grad()
     def sample(self, sizes: tuple[int, ...] | list[int], chunk: int = 65536) -> tuple[torch.Tensor, list]:
