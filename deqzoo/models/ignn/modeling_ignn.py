@@ -497,29 +497,24 @@ class IGNNModel(IGNNPreTrainedModel):
 
 def _check_sparse_structure(adjacency: torch.Tensor, n: int) -> None:
     """Validate a sparse adjacency's index arrays before torch converts it (torch's CSR -> COO conversion
-    trusts them: invalid row pointers or column indices crash the interpreter)."""
-    if adjacency.layout == torch.sparse_csr:
-        crow, col, values = adjacency.crow_indices(), adjacency.col_indices(), adjacency.values()
-        if crow.dim() != 1 or crow.numel() != n + 1:
-            raise ValueError(f"CSR adjacency: crow_indices has {crow.numel()} entries, needs num_nodes+1 = "
-                             f"{n + 1}")
-        if col.dim() != 1 or values.dim() != 1 or col.numel() != values.numel():
-            raise ValueError(f"CSR adjacency: col_indices ({tuple(col.shape)}) and values "
-                             f"({tuple(values.shape)}) must be 1-D of equal length")
-        if int(crow[0]) != 0 or int(crow[-1]) != col.numel() or bool((crow[1:] < crow[:-1]).any()):
-            raise ValueError(f"CSR adjacency: crow_indices must start at 0, never decrease and end at nnz = "
-                             f"{col.numel()}; got first {int(crow[0])}, last {int(crow[-1])}")
-        indices = col
-    else:
-        indices = adjacency._indices()
-        if adjacency._values().dim() != 1:
-            raise ValueError("adjacency values must be scalars (a 2-D sparse matrix with 1-D values)")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
-        raise ValueError(f"adjacency holds node indices in [{int(indices.min())}, {int(indices.max())}] but "
-                         f"the graph has {n} nodes (valid: 0..{n - 1})")
+    trusts them: invalid row pointers or column indices crash the interpreter), with torch's own invariant
+    checks (rebuilding the tensor over the same arrays copies nothing)."""
+    csr = adjacency.layout == torch.sparse_csr
+    indices, values = (adjacency.col_indices(), adjacency.values()) if csr else (adjacency._indices(),
+                                                                                 adjacency._values())
+    if values.dim() != 1:
+        raise ValueError("adjacency values must be scalars (a 2-D sparse matrix with 1-D values)")
     if indices.shape[-1] > MAX_GRAPH_EDGES:
         raise ValueError(f"adjacency has {indices.shape[-1]:,} edges, above the limit of {MAX_GRAPH_EDGES:,} "
                          "(MAX_GRAPH_EDGES)")
+    try:
+        if csr:
+            torch.sparse_csr_tensor(adjacency.crow_indices(), indices, values, (n, n), check_invariants=True)
+        else:
+            torch.sparse_coo_tensor(indices, values, (n, n), check_invariants=True)
+    except RuntimeError as err:
+        raise ValueError(f"adjacency ({'CSR' if csr else 'COO'}, a graph of {n} nodes, valid indices "
+                         f"0..{n - 1}) is not a valid sparse matrix: {err}") from err
 
 
 def _adjacency_to_edges(adjacency: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
