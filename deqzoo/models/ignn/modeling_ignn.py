@@ -551,6 +551,14 @@ def _pool(z: torch.Tensor, batch: torch.Tensor | None, num_graphs: int, how: str
     return out
 
 
+def _label_loss(logits: torch.Tensor, labels: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    """The heads' cross-entropy, one label per node or graph (-100 skipped, cross_entropy's default)."""
+    if labels is not None and labels.shape != logits.shape[:1]:
+        raise ValueError(f"labels must have shape ({logits.shape[0]},) (one per {what}, -100 to skip), got "
+                         f"{tuple(labels.shape)}")
+    return None if labels is None else F.cross_entropy(logits, labels)
+
+
 class IGNNForNodeClassification(IGNNPreTrainedModel):
     """IGNN with the original node classifier: L2-normalized states -> dropout -> Linear (no bias).
 
@@ -583,14 +591,7 @@ class IGNNForNodeClassification(IGNNPreTrainedModel):
         if self.config.normalize_states:
             z = F.normalize(z, dim=-1)
         logits = self.classifier(self.dropout(z))
-        loss = None
-        if labels is not None:
-            if labels.shape != logits.shape[:1]:
-                raise ValueError(
-                    f"labels must have shape ({logits.shape[0]},) (one per node, -100 to skip), "
-                    f"got {tuple(labels.shape)}"
-                )
-            loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        loss = _label_loss(logits, labels, "node")
         # the backbone's fields (states, stats, graph) carried over as they are
         return self._output(IGNNNodeClassifierOutput(loss=loss, logits=logits, **out), return_dict)
 
@@ -630,13 +631,7 @@ class IGNNForGraphClassification(IGNNPreTrainedModel):
         g = out.graph
         pooled = _pool(out.last_hidden_state, g.batch, g.num_graphs, self.config.graph_pooling)
         logits = self.classifier(self.dropout(F.relu(self.pre_classifier(pooled))))
-        loss = None
-        if labels is not None:
-            if labels.shape != logits.shape[:1]:
-                raise ValueError(
-                    f"labels must have shape ({logits.shape[0]},) (one per graph), got {tuple(labels.shape)}"
-                )
-            loss = F.cross_entropy(logits, labels)
+        loss = _label_loss(logits, labels, "graph")
         output = IGNNGraphClassifierOutput(loss=loss, logits=logits, pooled_output=pooled, **out)
         return self._output(output, return_dict)
 
