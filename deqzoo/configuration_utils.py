@@ -57,6 +57,17 @@ def ranged(low: float | None = None, high: float | None = None, *, as_float: boo
     return validated_field(check, metadata={"as_float": as_float}, **field_options)
 
 
+def preset(task: str, description: str, **config: Any) -> dict[str, Any]:
+    """One entry of a family's ``ARCHITECTURES`` (the named presets of `deqzoo.create_model`): its task, one
+    line describing it, and its config's keys.
+
+    Example:
+        >>> preset("graph-ml", "a toy", hidden_size=8)
+        {'task': 'graph-ml', 'description': 'a toy', 'config': {'hidden_size': 8}}
+    """
+    return {"task": task, "description": description, "config": config}
+
+
 def _type_name(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

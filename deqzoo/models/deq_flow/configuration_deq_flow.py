@@ -13,7 +13,7 @@ block unrolled ``num_flow_updates`` times from zero, every iterate supervised (R
 
 from typing import Any, Literal
 
-from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, preset, ranged, strict_config
 
 _Norm = Literal["instance", "batch", "group", "none"]
 
@@ -131,7 +131,10 @@ class DEQFlowConfig(DEQPretrainedConfig):
         return 8 * 2 * 2 ** (self.corr_levels - 1)
 
 
-def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
+_TASK = "optical-flow"
+
+
+def _upstream(size: str, what: str, gma: bool = False) -> dict[str, Any]:
     """The original's presets (locuslab/deq-flow code.v.2.0 core/deq_flow.py and update.py)."""
     if size == "tiny":
         dims = {"feature_dim": 64, "hidden_dim": 32, "context_dim": 32, "motion_corr_layers": [64, 48],
@@ -142,11 +145,7 @@ def _upstream(size: str, gma: bool = False) -> dict[str, Any]:
                 "motion_corr_layers": [256 + 2 * extra, 192 + 3 * extra // 2],
                 "motion_flow_layers": [128 + extra, 64 + extra // 2], "motion_dim": 128 + extra,
                 "flow_head_dim": 2 * (128 + extra)}
-    return {**dims, "gma": gma, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
-
-
-def _preset(config: dict[str, Any], what: str) -> dict[str, Any]:
-    return {"task": "optical-flow", "config": config, "description": what}
+    return preset(_TASK, what, **dims, gma=gma, weight_norm=True, architectures=["DEQFlowForOpticalFlow"])
 
 
 # A CPU-sized preset (trained here) and its explicit RAFT twin: same blocks, same parameter count.
@@ -156,16 +155,16 @@ _CPU = {"encoder_layers": [32, 32, 48, 64], "feature_dim": 64, "context_dim": 48
         "mask_dim": 64, "weight_norm": True, "architectures": ["DEQFlowForOpticalFlow"]}
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "deq-flow-tiny": _preset(_upstream("tiny"), "DEQ-Flow tiny (the original's --tiny), 2.49 M parameters"),
-    "deq-flow-b": _preset(_upstream("B"), "DEQ-Flow-B (the original's default size), 5.24 M parameters"),
-    "deq-flow-h": _preset(_upstream("H"), "DEQ-Flow-H (the original's --huge), 13.39 M parameters"),
-    "deq-flow-tiny-gma": _preset(_upstream("tiny", True), "DEQ-Flow tiny with GMA, 2.52 M parameters"),
-    "deq-flow-b-gma": _preset(_upstream("B", True), "DEQ-Flow-B with GMA, 5.78 M parameters"),
-    "deq-flow-h-gma": _preset(_upstream("H", True), "DEQ-Flow-H with GMA, 15.56 M parameters"),
-    "deq-flow-cpu-synth": _preset(dict(_CPU), "a CPU-sized DEQ-Flow on torchvision RAFT blocks"),
-    "deq-flow-cpu-raft-baseline": _preset(
-        {**_CPU, "implicit": False, "num_flow_updates": 12},
-        "the explicit RAFT twin of deq-flow-cpu-synth: same blocks, 12 unrolled updates"),
+    "deq-flow-tiny": _upstream("tiny", "DEQ-Flow tiny (the original's --tiny), 2.49 M parameters"),
+    "deq-flow-b": _upstream("B", "DEQ-Flow-B (the original's default size), 5.24 M parameters"),
+    "deq-flow-h": _upstream("H", "DEQ-Flow-H (the original's --huge), 13.39 M parameters"),
+    "deq-flow-tiny-gma": _upstream("tiny", "DEQ-Flow tiny with GMA, 2.52 M parameters", True),
+    "deq-flow-b-gma": _upstream("B", "DEQ-Flow-B with GMA, 5.78 M parameters", True),
+    "deq-flow-h-gma": _upstream("H", "DEQ-Flow-H with GMA, 15.56 M parameters", True),
+    "deq-flow-cpu-synth": preset(_TASK, "a CPU-sized DEQ-Flow on torchvision RAFT blocks", **_CPU),
+    "deq-flow-cpu-raft-baseline": preset(
+        _TASK, "the explicit RAFT twin of deq-flow-cpu-synth: same blocks, 12 unrolled updates",
+        **_CPU, implicit=False, num_flow_updates=12),
 }
 # the 20k-step checkpoints: the same two architectures, trained longer (examples/deq_flow/long_runs.sh)
 for _name in ("deq-flow-cpu-synth", "deq-flow-cpu-raft-baseline"):

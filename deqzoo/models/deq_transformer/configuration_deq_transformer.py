@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, preset, ranged, strict_config
 
 
 @strict_config
@@ -105,33 +105,24 @@ _SMALL = dict(vocab_size=4096, d_model=192, n_head=6, d_head=32, tgt_len=64, mem
 _DEQ = {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3, "b_mode": "ift", "b_max_iter": 12,
         "b_tol": 1e-4}
 
+_LM = "text-generation"
+
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "deq-transformer-tiny-pydoc": {
-        "task": "text-generation",
-        "config": {**_TINY, "d_inner": 512, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
-        "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
-    },
-    "deq-transformer-small-pystd": {
-        "task": "text-generation",
-        "config": {**_SMALL, "d_inner": 768, "variant": "bai2019", "pre_lnorm": True, "deq": _DEQ},
-        "description": "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 192 (pystd)",
-    },
-    "deq-transformer-small-pystd-explicit": {
-        "task": "text-generation",
-        "config": {**_SMALL, "d_inner": 144, "pre_lnorm": True, "explicit_layers": 2, "deq": _DEQ},
-        "description": "The small DEQ-Transformer's explicit twin: 2 untied pre-LN blocks, equal parameters",
-    },
-    "deq-transformer-torchdeq-tiny": {
-        "task": "text-generation",
-        "config": {**_TINY, "d_inner": 256, "variant": "torchdeq", "n_block": 2, "deq": _DEQ},
-        "description": "TorchDEQ's redesigned DEQ-Transformer (pre-LN, post-attention LN), two blocks in f",
-    },
-    "deq-transformer-wt103": {
-        "task": "text-generation",
-        "config": {"vocab_size": 267735, "d_model": 700, "n_head": 10, "d_head": 70, "d_inner": 48000,
-                   "variant": "bai2019", "cutoffs": [20000, 40000, 200000], "div_val": 4, "tgt_len": 150,
-                   "mem_len": 150, "weight_norm": True, "tie_projs": [False, True, True, True],
-                   "deq": {"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3}},
-        "description": "locuslab/deq DEQ-Sequence WikiText-103 (adaptive embedding/softmax); convert weights",
-    },
+    "deq-transformer-tiny-pydoc": preset(
+        _LM, "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 128 (pydoc)",
+        **_TINY, d_inner=512, variant="bai2019", pre_lnorm=True, deq=_DEQ),
+    "deq-transformer-small-pystd": preset(
+        _LM, "Bai et al. (2019) DEQ-Transformer, one pre-LN weight-tied block, d_model 192 (pystd)",
+        **_SMALL, d_inner=768, variant="bai2019", pre_lnorm=True, deq=_DEQ),
+    "deq-transformer-small-pystd-explicit": preset(
+        _LM, "The small DEQ-Transformer's explicit twin: 2 untied pre-LN blocks, equal parameters",
+        **_SMALL, d_inner=144, pre_lnorm=True, explicit_layers=2, deq=_DEQ),
+    "deq-transformer-torchdeq-tiny": preset(
+        _LM, "TorchDEQ's redesigned DEQ-Transformer (pre-LN, post-attention LN), two blocks in f",
+        **_TINY, d_inner=256, variant="torchdeq", n_block=2, deq=_DEQ),
+    "deq-transformer-wt103": preset(
+        _LM, "locuslab/deq DEQ-Sequence WikiText-103 (adaptive embedding/softmax); convert weights",
+        vocab_size=267735, d_model=700, n_head=10, d_head=70, d_inner=48000, variant="bai2019",
+        cutoffs=[20000, 40000, 200000], div_val=4, tgt_len=150, mem_len=150, weight_norm=True,
+        tie_projs=[False, True, True, True], deq={"f_solver": "anderson", "f_max_iter": 30, "f_tol": 1e-3}),
 }

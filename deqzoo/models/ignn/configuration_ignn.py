@@ -7,7 +7,7 @@ spectral normalization of W, Ω₁, Ω₂.
 
 from typing import Any, Literal
 
-from ...configuration_utils import DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import DEQPretrainedConfig, preset, ranged, strict_config
 
 # The original solves with plain fixed-point iteration, at most 300 steps, stopping at an absolute tolerance.
 DEFAULT_DEQ: dict[str, Any] = {"f_solver": "fixed_point", "f_max_iter": 300, "f_tol": 3e-6,
@@ -70,34 +70,26 @@ class IGNNConfig(DEQPretrainedConfig):
 
 # Named presets for deqzoo.create_model (see deqzoo.models.registry).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "ignn-chains": {
-        "task": "graph-ml",
-        "config": {
-            "in_features": 100,
-            "hidden_size": 16,
-            "num_labels": 2,
-            "kappa": 0.9,
-            "dropout": 0.5,
-            "architectures": ["IGNNForNodeClassification"],
-        },
-        "description": "IGNN node classifier for the synthetic chains task "
-        "(the paper's long-range benchmark).",
-    },
-    "ignn-graph": {
-        "task": "graph-ml",
-        "config": {
-            "in_features": 7,
-            "hidden_size": 64,
-            "num_layers": 3,
-            "num_labels": 2,
-            "kappa": 0.9,
-            "spectral_radius": 1.0,
-            "graph_pooling": "add",
-            "graph_head_hidden": 64,
-            "architectures": ["IGNNForGraphClassification"],
-        },
-        "description": "IGNN graph classifier as the original's graph-classification model "
-        "(3 implicit layers, "
+    "ignn-chains": preset(
+        "graph-ml", "IGNN node classifier for the synthetic chains task (the paper's long-range benchmark).",
+        in_features=100,
+        hidden_size=16,
+        num_labels=2,
+        kappa=0.9,
+        dropout=0.5,
+        architectures=["IGNNForNodeClassification"],
+    ),
+    "ignn-graph": preset(
+        "graph-ml", "IGNN graph classifier as the original's graph-classification model (3 implicit layers, "
         "add pooling, 2-layer MLP).",
-    },
+        in_features=7,
+        hidden_size=64,
+        num_layers=3,
+        num_labels=2,
+        kappa=0.9,
+        spectral_radius=1.0,
+        graph_pooling="add",
+        graph_head_hidden=64,
+        architectures=["IGNNForGraphClassification"],
+    ),
 }

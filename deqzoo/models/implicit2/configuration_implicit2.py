@@ -16,7 +16,7 @@ injection, or a Fourier/Gabor MFN), so both share one code path, as in the origi
 
 from typing import Any, Literal
 
-from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, preset, ranged, strict_config
 
 # The original (locuslab/ImpSq, modules/modeling_utils.py: construct_model_args tol=1e-3; 1e-2 in its first
 # commit only): forward iteration to a whole-signal relative residual of 1e-3 (at most 100 steps) and the
@@ -84,17 +84,8 @@ class Implicit2Config(DEQPretrainedConfig):
 
 
 def _preset(filter_type: str, layers: int, width: int, implicit: bool, what: str) -> dict[str, Any]:
-    return {
-        "task": "implicit-representation",
-        "config": {
-            "filter_type": filter_type,
-            "num_layers": layers,
-            "hidden_size": width,
-            "implicit": implicit,
-            "architectures": ["Implicit2ForSignalRepresentation"],
-        },
-        "description": what,
-    }
+    return preset("implicit-representation", what, filter_type=filter_type, num_layers=layers,
+                  hidden_size=width, implicit=implicit, architectures=["Implicit2ForSignalRepresentation"])
 
 
 _NAMES = {"siren": "SIREN", "fourier": "Fourier-MFN", "gabor": "Gabor-MFN"}

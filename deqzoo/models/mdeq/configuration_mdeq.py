@@ -34,7 +34,7 @@ Example:
 
 from typing import Any, Literal
 
-from ...configuration_utils import ConfigError, DEQPretrainedConfig, ranged, strict_config
+from ...configuration_utils import ConfigError, DEQPretrainedConfig, preset, ranged, strict_config
 
 __all__ = ["ARCHITECTURES", "MDEQConfig"]
 
@@ -177,10 +177,6 @@ def _deq(f_solver: str, f_thres: int, b_thres: int, stop_mode: str) -> dict[str,
             "b_tol": 1e-3}
 
 
-def _preset(description: str, task: str = "image-classification", **config: Any) -> dict[str, Any]:
-    return {"task": task, "description": description, "config": config}
-
-
 _IMAGENET_STATS = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 _IMAGENET = {"image_size": [224, 224], **_IMAGENET_STATS, "num_labels": 1000, "dropout": 0.0,
              "downsample_times": 2, "deq": _deq("broyden", 26, 27, "abs")}
@@ -208,37 +204,40 @@ _LIPSCHITZ_SWITCHES: dict = {"wnorm": False, "lipschitz": True, "residual_alpha"
                              "conv_norm": 2.0, "gamma_bound": 1.0, "relu_slope": 0.35,
                              "spectral_fft_size": 32}
 _SMALL = {"branch_channels": [32, 64, 128, 256], "expansion_factor": 5, "num_groups": 8}
-_SEG = "image-segmentation"
+_CLS, _SEG = "image-classification", "image-segmentation"
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "mdeq-cifar-tiny": _preset("MDEQ-Tiny for CIFAR-10 (cls_mdeq_TINY.yaml): 2 streams of 24 channels",
-                               **_CIFAR, branch_channels=[24, 24], head_channels=[8, 16], final_chansize=200,
-                               dropout=0.25),
-    "mdeq-cifar-large": _preset("MDEQ-Large for CIFAR-10 (cls_mdeq_LARGE.yaml): 4 streams 32-256 channels",
-                                **_CIFAR, branch_channels=[32, 64, 128, 256], head_channels=[14, 28, 56, 112],
-                                final_chansize=1680, dropout=0.3),
-    "mdeq-imagenet-small": _preset("MDEQ-Small for ImageNet (cls_mdeq_SMALL.yaml)", **_IMAGENET, **_SMALL,
-                                   head_channels=[24, 48, 96, 192], final_chansize=2048, num_layers=5),
-    "mdeq-imagenet-large": _preset("MDEQ-Large for ImageNet (cls_mdeq_LARGE.yaml of MDEQ-Vision)",
-                                   **_IMAGENET, **_WIDE, head_channels=[32, 64, 128, 256],
-                                   final_chansize=2048, num_layers=4),
-    "mdeq-imagenet-xl": _preset("MDEQ-XL for ImageNet (cls_mdeq_XL.yaml)", **_IMAGENET, **_XL,
-                                head_channels=[32, 64, 128, 256], final_chansize=2048, num_layers=4),
-    "mdeq-cityscapes-small": _preset("MDEQ-Small for Cityscapes (seg_mdeq_SMALL.yaml)", _SEG, **_CITYSCAPES,
-                                     **_SMALL, dropout=0.05),
-    "mdeq-cityscapes-large": _preset("MDEQ-Large for Cityscapes (seg_mdeq_LARGE.yaml)", _SEG, **_CITYSCAPES,
-                                     **_WIDE, dropout=0.03),
-    "mdeq-cityscapes-xl": _preset("MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)", _SEG, **_CITYSCAPES, **_XL,
-                                  dropout=0.04),
+    "mdeq-cifar-tiny": preset(_CLS, "MDEQ-Tiny for CIFAR-10 (cls_mdeq_TINY.yaml): 2 streams of 24 "
+                              "channels",
+                              **_CIFAR, branch_channels=[24, 24], head_channels=[8, 16], final_chansize=200,
+                              dropout=0.25),
+    "mdeq-cifar-large": preset(_CLS, "MDEQ-Large for CIFAR-10 (cls_mdeq_LARGE.yaml): 4 streams 32-256 "
+                               "channels",
+                               **_CIFAR, branch_channels=[32, 64, 128, 256], head_channels=[14, 28, 56, 112],
+                               final_chansize=1680, dropout=0.3),
+    "mdeq-imagenet-small": preset(_CLS, "MDEQ-Small for ImageNet (cls_mdeq_SMALL.yaml)", **_IMAGENET,
+                                  **_SMALL, head_channels=[24, 48, 96, 192], final_chansize=2048,
+                                  num_layers=5),
+    "mdeq-imagenet-large": preset(_CLS, "MDEQ-Large for ImageNet (cls_mdeq_LARGE.yaml of MDEQ-Vision)",
+                                  **_IMAGENET, **_WIDE, head_channels=[32, 64, 128, 256],
+                                  final_chansize=2048, num_layers=4),
+    "mdeq-imagenet-xl": preset(_CLS, "MDEQ-XL for ImageNet (cls_mdeq_XL.yaml)", **_IMAGENET, **_XL,
+                               head_channels=[32, 64, 128, 256], final_chansize=2048, num_layers=4),
+    "mdeq-cityscapes-small": preset(_SEG, "MDEQ-Small for Cityscapes (seg_mdeq_SMALL.yaml)", **_CITYSCAPES,
+                                    **_SMALL, dropout=0.05),
+    "mdeq-cityscapes-large": preset(_SEG, "MDEQ-Large for Cityscapes (seg_mdeq_LARGE.yaml)", **_CITYSCAPES,
+                                    **_WIDE, dropout=0.03),
+    "mdeq-cityscapes-xl": preset(_SEG, "MDEQ-XL for Cityscapes (seg_mdeq_XL.yaml)", **_CITYSCAPES, **_XL,
+                                 dropout=0.04),
     # ours: the embedded MNIST checkpoints (28x28 grayscale, 2 streams)
-    "mdeq-tiny-mnist": _preset("Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 "
-                               "channels at 14x14 and 7x7); deqzoo/mdeq-tiny-mnist", **_MNIST_TINY),
-    "mdeq-tiny-mnist-reversible": _preset(
-        "mdeq-tiny-mnist's architecture trained with b_mode='reversible' (4 coupled steps, beta 0.8); "
+    "mdeq-tiny-mnist": preset(_CLS, "Tiny MDEQ for 28x28 grayscale digits (stride-2 stem, 2 streams of 16 "
+                              "channels at 14x14 and 7x7); deqzoo/mdeq-tiny-mnist", **_MNIST_TINY),
+    "mdeq-tiny-mnist-reversible": preset(
+        _CLS, "mdeq-tiny-mnist's architecture trained with b_mode='reversible' (4 coupled steps, beta 0.8); "
         "deqzoo/mdeq-tiny-mnist-reversible",
         **{**_MNIST_TINY, "deq": {**_MNIST_TINY["deq"], "b_mode": "reversible", "f_max_iter": 4,
                                   "b_mode_kwargs": {"beta": 0.8}}}),
-    "lipschitz-mdeq-tiny-mnist": _preset("Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-tiny-mnist; "
-                                         "deqzoo/lipschitz-mdeq-tiny-mnist", **_MNIST_TINY,
-                                         **_LIPSCHITZ_SWITCHES),
+    "lipschitz-mdeq-tiny-mnist": preset(_CLS, "Lipschitz MDEQ (Sato & Iiduka) twin of mdeq-tiny-mnist; "
+                                        "deqzoo/lipschitz-mdeq-tiny-mnist", **_MNIST_TINY,
+                                        **_LIPSCHITZ_SWITCHES),
 }
