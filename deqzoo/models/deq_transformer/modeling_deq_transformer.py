@@ -27,6 +27,7 @@ from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
+from ..initialization import norm_init_
 from .configuration_deq_transformer import DEQTransformerConfig
 
 # Documented input limit, checked before any work: positions one forward attends over (new tokens + memory).
@@ -409,8 +410,7 @@ class DEQTransformerPreTrainedModel(DEQPreTrainedModel):
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, 0.0, 0.02)
         elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
+            norm_init_(module)
         elif isinstance(module, DEQTransformerAttention):
             init.uniform_(module.r_w_bias, -0.05, 0.05)
             init.uniform_(module.r_r_bias, -0.05, 0.05)
@@ -689,19 +689,15 @@ class DEQTransformerForCausalLM(DEQTransformerPreTrainedModel, GenerationMixin):
             h = h[:, -logits_to_keep:]
         logits = self.crit(h)
         loss = None
-        shift_labels = kwargs.get("shift_labels")
-        if shift_labels is not None:  # transformers' convention: labels already aligned with the logits
-            if shift_labels.shape != input_ids.shape:
-                raise ValueError(f"shift_labels shape {tuple(shift_labels.shape)} != input_ids shape "
+        # transformers' convention: `shift_labels` are aligned with the logits, `labels` with input_ids
+        shifted = kwargs.get("shift_labels") is not None
+        name, targets = ("shift_labels", kwargs["shift_labels"]) if shifted else ("labels", labels)
+        if targets is not None:
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(targets.shape)} != input_ids shape "
                                  f"{tuple(input_ids.shape)}")
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-                                   ignore_index=-100)
-        elif labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+            scores, targets = (logits, targets) if shifted else (logits[:, :-1], targets[:, 1:])
+            loss = F.cross_entropy(scores.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # -100 skipped
         loss = self._add_jac_loss(loss, out.deq_stats, self.config.jac_reg_weight)
         result = DEQTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                               hidden_states=out.hidden_states, attentions=out.attentions,
