@@ -84,7 +84,7 @@ def test_float_fields_given_ints_are_stored_and_saved_as_floats(cls, floats, kep
     (Implicit2Config, "hidden_size", 10**6, "key 'hidden_size' is 1000000, outside the allowed range"),
     (Implicit2Config, "spectral_max_norm", math.nan, "key 'spectral_max_norm' must be float (finite)"),
     (Implicit2Config, "input_scale", 0, "key 'input_scale' is 0, outside the allowed range (0.0, None]"),
-    (IGNNConfig, "spectral_radius", 0.0, "key 'spectral_radius' is 0.0, outside the allowed range (0.0, None]"),
+    (IGNNConfig, "spectral_radius", 0.0, "key 'spectral_radius' is 0.0, outside the allowed range (0.0,"),
     (MDEQConfig, "conv_norm", 0.0, "key 'conv_norm' is 0.0, outside the allowed range (0.0, None]"),
     (MDEQConfig, "fusion_alpha", 1.5, "key 'fusion_alpha' is 1.5, outside the allowed range [0.0, 1.0]"),
     (MDEQConfig, "final_conv_kernel", 2, "key 'final_conv_kernel' must be one of 1, 3, got 2"),
