@@ -141,9 +141,7 @@ class DEQConfig:
     f_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.f_final_step == "stored":  # needs the solver's name, checked below
-            pass
-        elif not isinstance(self.f_final_step, bool):
+        if self.f_final_step != "stored" and not isinstance(self.f_final_step, bool):  # "stored": below
             _check_int("f_final_step", self.f_final_step, 1, MAX_GRAPH_STEPS,
                        "(a bool, a number of steps or 'stored')")
         if not isinstance(self.f_compact, bool):
