@@ -206,6 +206,21 @@ def iterations_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def budgets_table(reports: list[dict]) -> str:
+    """Exact-solve against test-time segments for reasoners trained at different segment budgets (the bar's
+    amendments): the same network and recipe, only `halt_max_steps` differs."""
+    lines = ["| trained segments | " + " | ".join(f"{k}× halting off" for k in MULTIPLES)
+             + " | 4× / 16× stability halting (mean segments) |",
+             "| --- |" + " --- |" * (len(MULTIPLES) + 1)]
+    for rep in sorted(reports, key=lambda r: r["trained_segments"]):
+        rate = {(r["multiple"], r["halting"]): r for r in rep["rows"]}
+        cells = [f"{100 * rate[(k, 'budget')]['exact']:.1f}" for k in MULTIPLES]
+        stab = [rate.get((k, "stability")) for k in (4, 16)]
+        cells.append(" / ".join(f"{100 * r['exact']:.1f} ({r['segments']:.2f})" for r in stab if r) or "–")
+        lines.append(f"| {rep['trained_segments']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def curve_table(run: Run) -> str:
     lines = ["| step | CPU-s | wall-s | puzzles seen | loss | cell acc. % | exact % (trained budget) | "
              "exact % / mean segments, ACT |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -285,7 +300,8 @@ GRAD_MODE_TEXT = {
 
 
 def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other_name: str | None,
-              other_run: Run | None, other_report: dict | None, grad_modes: dict | None) -> Path:
+              other_run: Run | None, other_report: dict | None, grad_modes: dict | None,
+              other_budgets: list[dict] = ()) -> Path:
     from deqzoo.models.reasoner import ReasonerForGridClassification
 
     model = ReasonerForGridClassification.from_pretrained(run.checkpoint)
@@ -352,6 +368,12 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
             sections += [f"The twin `{other_name}` (1 segment = 1×):", "", iterations_table(other_report), ""]
         sections += ["## The bar (fixed in examples/reasoner/README.md before the long runs)", "",
                      bar(report, other_report, run, other_run), ""]
+        if other_budgets:
+            sections += ["## Other trained budgets (the bar's amendments, not published)", "",
+                         "The same network, recipe, seed and 0.5 process CPU-hours, trained at other segment "
+                         "budgets (`examples/reasoner/results/`, README \"The bar\"); exact-solve % on all "
+                         "1,000 held-out puzzles, 1× = the trained segments:", "",
+                         budgets_table([report, *other_budgets]), ""]
     else:
         sections += ["## Exact-solve against test-time iterations", "",
                      "Rerunning the one pass on its own output (2×, 4×, 16× segments):", "",
@@ -425,6 +447,8 @@ def main(argv=None) -> list[Path]:
     p.add_argument("--twin-checkpoint", default=None)
     p.add_argument("--twin-eval", default=None, action="append")
     p.add_argument("--grad-modes", default=None, help="grad_modes.py's grad_modes.json")
+    p.add_argument("--other-budget", default=[], action="append", help="evaluate.py's JSON of a reasoner "
+                   "trained at another segment budget (repeatable): a table in the reasoner's card")
     p.add_argument("--replace", action="store_true", help="replace this writer's files in existing folders")
     p.add_argument("--allow-subset", action="store_true", help="accept a report on part of the held-out set "
                    "(tests only: `deqzoo eval` scores all of it)")
@@ -446,7 +470,8 @@ def main(argv=None) -> list[Path]:
     grad_modes = json.loads(Path(args.grad_modes).read_text()) if args.grad_modes else None
     written = [write_one(dests[0], name=args.name, run=run, report=report, role="reasoner",
                          other_name=args.twin_name, other_run=twin, other_report=twin_report,
-                         grad_modes=grad_modes)]
+                         grad_modes=grad_modes,
+                         other_budgets=[json.loads(Path(b).read_text()) for b in args.other_budget])]
     if twin is not None:
         written.append(write_one(dests[1], name=args.twin_name, run=twin, report=twin_report, role="twin",
                                  other_name=args.name, other_run=run, other_report=report,

@@ -74,6 +74,24 @@ def test_card_has_the_numbers_deqzoo_eval_prints(runs, tmp_path, capsys):
     assert twin.num_parameters() == card.num_parameters()
 
 
+def test_other_budgets_table_reads_each_report(runs, tmp_path):
+    """`--other-budget`: one row per trained budget, each rate read from that report (not the card's own)."""
+    root, out = runs
+    report = json.loads(out["reasoner"][1].read_text())
+    rows = [{**r, "exact": 0.5 if r["halting"] == "budget" else r["exact"]} for r in report["rows"]]
+    other = {**report, "trained_segments": 7, "rows": rows}
+    (root / "other.json").write_text(json.dumps(other))
+    _write(root, out, tmp_path, "--other-budget", str(root / "other.json"))
+    _, body = read_model_card(tmp_path / "tiny-reasoner")
+    section = body.split("## Other trained budgets")[1].split("## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| 2 |") or line.startswith("| 7 |")]
+    own = {r["multiple"]: r["exact"] for r in report["rows"] if r["halting"] == "budget"}
+    assert rows[0].split(" | ")[1:5] == [f"{100 * own[k]:.1f}" for k in (1, 2, 4, 16)]
+    assert rows[1].split(" | ")[1:5] == ["50.0"] * 4
+    _, twin_body = read_model_card(tmp_path / "tiny-twin")
+    assert "Other trained budgets" not in twin_body
+
+
 def test_card_writer_refuses_bad_inputs(runs, tmp_path):
     root, out = runs
     (r, r_eval), (_, t_eval) = out["reasoner"], out["twin"]
