@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig
+from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig, _engine_policy
 from .core import DEQ, DEQConfig, SolverStats
 
 __all__ = ["ConfigError", "DEQModelOutput", "DEQNonConvergenceWarning", "DEQPreTrainedModel",
@@ -84,8 +84,7 @@ class DEQPreTrainedModel(PreTrainedModel):
             if policy not in ON_NONCONVERGENCE:
                 raise ValueError(f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {policy!r}")
             self.config.on_nonconvergence = policy
-            # the engine raises (its error carries the stats); warning once is the model's job
-            changes["on_nonconvergence"] = "raise" if policy == "raise" else "ignore"
+            changes["on_nonconvergence"] = _engine_policy(policy)
         new = self.config.deq_config.update(**changes)
         self.config.deq = new.to_dict()
         for module in self.modules():

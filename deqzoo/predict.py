@@ -79,19 +79,6 @@ def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[st
     return image
 
 
-def image_processor(model):
-    """The MDEQ image processor a classification checkpoint's config describes."""
-    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
-
-    return MDEQImageProcessor.from_config(model.config)
-
-
-def class_labels(model) -> dict[int, str]:
-    """{class index: label} from the config's id2label."""
-    id2label = getattr(model.config, "id2label", None) or {}
-    return {int(k): str(v) for k, v in id2label.items()}
-
-
 # Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.
 MAX_IMAGE_PIXELS = 4096 * 4096
 
@@ -103,12 +90,14 @@ def classify_image(model, input: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
     image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
+    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
     model.eval()
-    pixels = image_processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
-    out = model(pixel_values=pixels)
+    pixels = MDEQImageProcessor.from_config(model.config)(image, return_tensors="pt")["pixel_values"]
+    out = model(pixel_values=pixels.to(torch.float32))
     probs = torch.softmax(out.logits[0].float(), dim=-1)
     top = torch.topk(probs, k=min(3, probs.numel()))
-    names = class_labels(model)
+    names = model.config.id2label  # {int: str}, as transformers' config holds it
     ranked = [(names.get(int(i), str(int(i))), float(p)) for p, i in zip(top.values, top.indices)]
     scores = ", ".join(f"{label} {p:.4f}" for label, p in ranked)
     converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
