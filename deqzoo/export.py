@@ -37,6 +37,7 @@ from torch import nn
 from .core import DEQ, SolverStats, remove_norm
 from .core.backward import phantom_steps
 from .errors import DeqzooError
+from .models.registry import declared_families
 
 __all__ = ["ExportError", "FixedIterationDEQ", "batch_dynamic_shapes", "export_onnx", "export_program",
            "exportable", "graph_operator", "trace"]
@@ -203,8 +204,6 @@ def graph_operator(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor,
 
 def _served_as(model: nn.Module):
     """The wrapper serving `model` and its family's declaration; ExportError says why not."""
-    from .models.registry import declared_families
-
     families, name = declared_families(), type(model).__name__
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = families.get(model_type)

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,10 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...core import DEQ, DEQConfig, SolverStats, solve
+from ...errors import CheckpointError
+from ...hub.loading import RESOLVE_KEYWORDS, resolve
+from ...hub.safetensors_io import check_component_folder
+from ...hub.validation import confined, read_json
 
 __all__ = [
     "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
@@ -323,8 +328,6 @@ class DEQDDIMPipeline(DiffusionPipeline):
         """diffusers' own loader, safetensors only, on a repository deqzoo resolved (local folder, embedded
         id, HF cache, Hub: safe files only) and checked first (`check_repository`): component classes from an
         allow-list, no file linking out of its folder, no pickle-only weights."""
-        from ...hub.loading import RESOLVE_KEYWORDS, resolve
-
         if kwargs.pop("use_safetensors", True) is False:
             raise ValueError("DEQDDIMPipeline loads safetensors only; use_safetensors=False is not supported")
         hub = {k: kwargs.pop(k) for k in RESOLVE_KEYWORDS if k in kwargs}
@@ -541,12 +544,6 @@ def check_repository(directory: Any, *, scheduler_given: bool = False) -> Any:
     model_index.json names only the UNet2DModel and a scheduler from `_REPO_COMPONENTS` (its content never
     chooses code), every component file stays inside its folder and weights are safetensors
     (`deqzoo.hub.safetensors_io.check_component_folder`). Returns the directory."""
-    from pathlib import Path
-
-    from ...errors import CheckpointError
-    from ...hub.safetensors_io import check_component_folder
-    from ...hub.validation import confined, read_json
-
     directory = Path(directory)
     index_path = confined(directory, "model_index.json", directory)
     index = read_json(index_path)
