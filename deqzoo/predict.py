@@ -86,12 +86,12 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 @torch.no_grad()
 def classify_image(model, input: str) -> str:
     """One line: the label of an image file (any size or mode), the top-3 probabilities, convergence."""
+    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
     path = Path(input)
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
     image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
-    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
-
     model.eval()
     pixels = MDEQImageProcessor.from_config(model.config)(image, return_tensors="pt")["pixel_values"]
     out = model(pixel_values=pixels.to(torch.float32))

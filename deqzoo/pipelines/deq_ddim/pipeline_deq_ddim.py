@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers import DDIMInverseScheduler, DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.schedulers import DDIMParallelScheduler
 from diffusers.utils import BaseOutput
@@ -264,15 +264,13 @@ class DDIMChain:
         return torch.stack(states, dim=1)
 
     def invert_ode(self, x0: torch.Tensor) -> torch.Tensor:
-        """DDIM ODE inversion: run the deterministic chain backwards from x_0, approximating eps(X_i, t_i) by
-        eps(X_{i+1}, t_i) (no clipping); returns the x_T estimate."""
+        """DDIM ODE inversion (diffusers' `DDIMInverseScheduler`, no clipping): run the deterministic chain
+        backwards from x_0, approximating eps(X_i, t_i) by eps(X_{i+1}, t_i); returns the x_T estimate."""
+        inverse = DDIMInverseScheduler.from_config(self.scheduler.config, clip_sample=False)
+        inverse.set_timesteps(self.T)
         x = x0
-        for i in reversed(range(self.T)):
-            ii = torch.full((len(x),), i, dtype=torch.long)
-            e = self.eps(x, self.timesteps[ii])
-            a_t, a_prev = self.a_t[i].to(x), self.a_prev[i].to(x)
-            pred_x0 = (x - (1 - a_prev) ** 0.5 * e) / a_prev**0.5
-            x = a_t**0.5 * pred_x0 + (1 - a_t) ** 0.5 * e
+        for t in self.timesteps.flip(0):
+            x = inverse.step(self.eps(x, t.repeat(len(x))), int(t), x).prev_sample
         return x
 
 
