@@ -14,6 +14,9 @@ from transformers.utils import ModelOutput
 
 from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig, _engine_policy
 from .core import DEQ, DEQConfig, SolverStats
+from .hub.loading import prepare_pretrained
+from .hub.push import push_folder
+from .hub.saving import atomic_save
 
 __all__ = ["ConfigError", "DEQModelOutput", "DEQNonConvergenceWarning", "DEQPreTrainedModel",
            "DEQPretrainedConfig"]
@@ -158,8 +161,6 @@ class DEQPreTrainedModel(PreTrainedModel):
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
             ...     "deqzoo/mdeq-tiny-mnist", deq={"f_solver": "broyden", "f_max_iter": 12})
         """
-        from .hub.loading import prepare_pretrained
-
         path, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path, strict=strict,
                                                   max_parameters=max_parameters, **kwargs)
         result = super().from_pretrained(path, *model_args, config=config, **kwargs)
@@ -173,8 +174,6 @@ class DEQPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """transformers' ``save_pretrained`` (safetensors only), atomic (`deqzoo.hub.saving.atomic_save`): the
         path holds the old or the new complete checkpoint, other files there are kept."""
-        from .hub.saving import atomic_save
-
         if kwargs.pop("safe_serialization", True) is False:
             raise ValueError("save_pretrained(safe_serialization=False) is not supported: deqzoo writes "
                              "safetensors only (a pickle is never written nor read)")
@@ -188,8 +187,6 @@ class DEQPreTrainedModel(PreTrainedModel):
         parent_save = super().save_pretrained
         atomic_save(save_directory, lambda tmp: parent_save(str(tmp), *args, **kwargs))
         if push_to_hub:
-            from .hub.push import push_folder
-
             push_folder(save_directory, repo_id=repo_id, token=kwargs.get("token"), **push_options)
 
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None,
@@ -204,8 +201,6 @@ class DEQPreTrainedModel(PreTrainedModel):
             >>> model.push_to_hub("me/mdeq-tiny-mnist", create_pr=True, tags=["mnist"])  # doctest: +SKIP
         """
         import tempfile
-
-        from .hub.push import push_folder
 
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(Path(tmp) / "checkpoint", max_shard_size=max_shard_size)

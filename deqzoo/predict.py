@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hub.validation import read_json
+
 
 def free_path(path: str | Path) -> Path:
     """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file.
@@ -289,8 +291,6 @@ def classify_nodes(model, input: str) -> str:
     path = Path(text)
     if not path.is_file():
         raise ValueError(f"predict input {text!r} is neither a chain length (an integer) nor a JSON file")
-    from .hub.validation import read_json
-
     graph = read_json(path, max_bytes=MAX_GRAPH_FILE_BYTES, max_depth=4)
     for key in ("x", "edge_index"):
         if key not in graph:
