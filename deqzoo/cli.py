@@ -196,29 +196,22 @@ def _clone_program(marker: str, module: str, refusal: str):
     return _import_from_clone(root, module)
 
 
-def _benchmarks_folder() -> Path | None:
-    root = _clone_root()
-    return None if root is None else root / "benchmarks"
-
-
 def benchmark_names() -> list[str]:
     """The benchmarks `deqzoo bench NAME` runs: the modules of the clone's `benchmarks/` (not imported)."""
-    folder = _benchmarks_folder()
-    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_")) if folder else []
+    root = _clone_root()
+    files = (root / "benchmarks").glob("*.py") if root else ()
+    return sorted(p.stem for p in files if not p.name.startswith("_"))
 
 
 def cmd_bench(args, rest: list[str]) -> int:
     args.name = args.name.replace("-", "_")  # `deqzoo bench deq-ddim` runs benchmarks/deq_ddim.py
-    known = benchmark_names()
+    known, root = benchmark_names(), _clone_root()
     # the clone's own benchmark modules (or one trusted code already imported): the argument never names
     # other code
     if args.name not in known and f"benchmarks.{args.name}" not in sys.modules:
-        if _benchmarks_folder() is None:
-            raise CLIError(f"unknown benchmark {args.name!r}: " + _from_a_clone("bench", "[bench]"))
-        raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}")
-    folder = _benchmarks_folder()
-    module = _import_from_clone(None if folder is None else folder.parent, f"benchmarks.{args.name}")
-    return int(module.main(rest) or 0)
+        raise CLIError(f"unknown benchmark {args.name!r}; known benchmarks: {known}" if root else
+                       f"unknown benchmark {args.name!r}: " + _from_a_clone("bench", "[bench]"))
+    return int(_import_from_clone(root, f"benchmarks.{args.name}").main(rest) or 0)
 
 
 def cmd_train_hypersolver(rest: list[str]) -> int:

@@ -37,6 +37,7 @@ from torch import nn
 from .core import DEQ, SolverStats, remove_norm
 from .core.backward import phantom_steps
 from .errors import DeqzooError
+from .models.registry import declared_families
 
 __all__ = ["ExportError", "FixedIterationDEQ", "batch_dynamic_shapes", "export_onnx", "export_program",
            "exportable", "graph_operator", "trace"]
@@ -127,15 +128,12 @@ def _fixed_iteration_copy(model: nn.Module, max_iter: int | None, tau: float) ->
     # weight/spectral norms are recomputed per forward behind a data-pointer cache: fold them into plain
     # weights (the engine's remove_norm leaves outputs unchanged)
     remove_norm(model)
+    model.set_deq(on_nonconvergence="ignore")  # the convergence warning reads tensor values: off here
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, DEQ) and not isinstance(child, FixedIterationDEQ):
                 budget = max_iter if max_iter is not None else child.config.f_max_iter
                 setattr(module, name, FixedIterationDEQ(child.config, budget, tau))
-    for module in model.modules():  # the convergence warning reads tensor values: off in an exported model
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "on_nonconvergence"):
-            config.on_nonconvergence = "ignore"
     return model
 
 
@@ -203,8 +201,6 @@ def graph_operator(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor,
 
 def _served_as(model: nn.Module):
     """The wrapper serving `model` and its family's declaration; ExportError says why not."""
-    from .models.registry import declared_families
-
     families, name = declared_families(), type(model).__name__
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = families.get(model_type)

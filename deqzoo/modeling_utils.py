@@ -12,8 +12,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig
+from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig, _engine_policy
 from .core import DEQ, DEQConfig, SolverStats
+from .hub.loading import prepare_pretrained
+from .hub.push import push_folder
+from .hub.saving import atomic_save
 
 __all__ = ["ConfigError", "DEQModelOutput", "DEQNonConvergenceWarning", "DEQPreTrainedModel",
            "DEQPretrainedConfig"]
@@ -84,8 +87,7 @@ class DEQPreTrainedModel(PreTrainedModel):
             if policy not in ON_NONCONVERGENCE:
                 raise ValueError(f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {policy!r}")
             self.config.on_nonconvergence = policy
-            # the engine raises (its error carries the stats); warning once is the model's job
-            changes["on_nonconvergence"] = "raise" if policy == "raise" else "ignore"
+            changes["on_nonconvergence"] = _engine_policy(policy)
         new = self.config.deq_config.update(**changes)
         self.config.deq = new.to_dict()
         for module in self.modules():
@@ -159,8 +161,6 @@ class DEQPreTrainedModel(PreTrainedModel):
             >>> model = MDEQForImageClassification.from_pretrained(  # doctest: +SKIP
             ...     "deqzoo/mdeq-tiny-mnist", deq={"f_solver": "broyden", "f_max_iter": 12})
         """
-        from .hub.loading import prepare_pretrained
-
         path, config, kwargs = prepare_pretrained(cls, pretrained_model_name_or_path, strict=strict,
                                                   max_parameters=max_parameters, **kwargs)
         result = super().from_pretrained(path, *model_args, config=config, **kwargs)
@@ -174,8 +174,6 @@ class DEQPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """transformers' ``save_pretrained`` (safetensors only), atomic (`deqzoo.hub.saving.atomic_save`): the
         path holds the old or the new complete checkpoint, other files there are kept."""
-        from .hub.saving import atomic_save
-
         if kwargs.pop("safe_serialization", True) is False:
             raise ValueError("save_pretrained(safe_serialization=False) is not supported: deqzoo writes "
                              "safetensors only (a pickle is never written nor read)")
@@ -189,8 +187,6 @@ class DEQPreTrainedModel(PreTrainedModel):
         parent_save = super().save_pretrained
         atomic_save(save_directory, lambda tmp: parent_save(str(tmp), *args, **kwargs))
         if push_to_hub:
-            from .hub.push import push_folder
-
             push_folder(save_directory, repo_id=repo_id, token=kwargs.get("token"), **push_options)
 
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None,
@@ -205,8 +201,6 @@ class DEQPreTrainedModel(PreTrainedModel):
             >>> model.push_to_hub("me/mdeq-tiny-mnist", create_pr=True, tags=["mnist"])  # doctest: +SKIP
         """
         import tempfile
-
-        from .hub.push import push_folder
 
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(Path(tmp) / "checkpoint", max_shard_size=max_shard_size)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hub.validation import read_json
+
 
 def free_path(path: str | Path) -> Path:
     """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file.
@@ -79,19 +81,6 @@ def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[st
     return image
 
 
-def image_processor(model):
-    """The MDEQ image processor a classification checkpoint's config describes."""
-    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
-
-    return MDEQImageProcessor.from_config(model.config)
-
-
-def class_labels(model) -> dict[int, str]:
-    """{class index: label} from the config's id2label."""
-    id2label = getattr(model.config, "id2label", None) or {}
-    return {int(k): str(v) for k, v in id2label.items()}
-
-
 # Documented limit of `deqzoo predict` for image classifiers: pixels of the input, checked before decoding.
 MAX_IMAGE_PIXELS = 4096 * 4096
 
@@ -99,16 +88,18 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 @torch.no_grad()
 def classify_image(model, input: str) -> str:
     """One line: the label of an image file (any size or mode), the top-3 probabilities, convergence."""
+    from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
+
     path = Path(input)
     if not path.is_file():
         raise FileNotFoundError(f"predict: no image file at {input!r}")
     image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
     model.eval()
-    pixels = image_processor(model)(image, return_tensors="pt")["pixel_values"].to(torch.float32)
-    out = model(pixel_values=pixels)
+    pixels = MDEQImageProcessor.from_config(model.config)(image, return_tensors="pt")["pixel_values"]
+    out = model(pixel_values=pixels.to(torch.float32))
     probs = torch.softmax(out.logits[0].float(), dim=-1)
     top = torch.topk(probs, k=min(3, probs.numel()))
-    names = class_labels(model)
+    names = model.config.id2label  # {int: str}, as transformers' config holds it
     ranked = [(names.get(int(i), str(int(i))), float(p)) for p, i in zip(top.values, top.indices)]
     scores = ", ".join(f"{label} {p:.4f}" for label, p in ranked)
     converged = "converged" if bool(out.deq_stats.converged.all()) else "NOT converged"
@@ -300,8 +291,6 @@ def classify_nodes(model, input: str) -> str:
     path = Path(text)
     if not path.is_file():
         raise ValueError(f"predict input {text!r} is neither a chain length (an integer) nor a JSON file")
-    from .hub.validation import read_json
-
     graph = read_json(path, max_bytes=MAX_GRAPH_FILE_BYTES, max_depth=4)
     for key in ("x", "edge_index"):
         if key not in graph:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import embedded_folder, load_catalog, sha256_file
+from .loading import verify_embedded
 from .saving import atomic_save, write_whole
 
 MARKER = ".deqzoo-embedded"
@@ -45,8 +46,6 @@ def snapshot_files(cid: str, entry: dict[str, Any]) -> dict[str, bytes | Path]:
     folder = embedded_folder(entry)
     if folder is None:
         raise FileNotFoundError(f"{cid}: the embedded folder is not part of this install")
-    from .loading import verify_embedded
-
     verify_embedded(entry, folder)
     files: dict[str, bytes | Path] = {rel: folder / rel for rel in sorted(entry["files"])}
     timm_keys = _timm_config(cid) if "config.json" in files else None

@@ -10,6 +10,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError  # defined with the other errors; re-exported here
+from .validation import confined, read_json
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -91,8 +92,6 @@ def check_component_folder(folder: str | os.PathLike, source: str | os.PathLike)
     """A component folder of a diffusers repository (``unet/``, ``scheduler/``), before diffusers reads it:
     every entry stays inside it (a link leading out is refused), weights are safetensors with sound headers,
     and a folder offering only pickle weights is refused (diffusers would unpickle them)."""
-    from .validation import confined
-
     folder = Path(folder)
     entries = sorted(folder.iterdir())
     for entry in entries:
@@ -105,8 +104,6 @@ def check_component_folder(folder: str | os.PathLike, source: str | os.PathLike)
 
 def weight_files(directory: str | os.PathLike, variant: str | None = None) -> list[Path]:
     """The safetensors files of a checkpoint (single file or sharded via the index)."""
-    from .validation import confined, read_json
-
     directory = Path(directory)
     refuse_pickles(directory, variant)
     single_name, index_name = weight_names(variant)

@@ -139,10 +139,6 @@ def write_whole(path: Path, text: str) -> None:
     os.replace(path.with_name(path.name + ".part"), path)
 
 
-def _write(path: Path, data: Any) -> None:
-    write_whole(path, json.dumps(data))
-
-
 def _manifest(folder: Path) -> set[str] | None:
     try:
         return set(json.loads((folder / PRODUCED).read_text()))
@@ -245,11 +241,11 @@ def atomic_save(directory: str | os.PathLike, write: Callable[[Path], Any], *, l
             raise FileExistsError(f"{target}: exists and is not a directory; a checkpoint is a directory")
         tmp = Path(tempfile.mkdtemp(prefix=_prefix(target), dir=target.parent))
         try:
-            _write(tmp / PRODUCED, [])  # from now on the sibling reads as "never swapped in"
+            write_whole(tmp / PRODUCED, "[]")  # from now on the sibling reads as "never swapped in"
             write(tmp)
             produced = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*")
                         if (p.is_file() or p.is_symlink()) and p.name != PRODUCED}
-            _write(tmp / PRODUCED, sorted(produced))
+            write_whole(tmp / PRODUCED, json.dumps(sorted(produced)))
             _refuse_folders_in_the_way(target, produced)
             umask = os.umask(0)
             os.umask(umask)  # mkdtemp (and transformers' writer) make owner-only entries: the usual modes
@@ -299,6 +295,6 @@ def _swap_in(tmp: Path, target: Path, produced: set[str]) -> None:
                                target, tmp, ", ".join(kept[:5]))
             (target / PRODUCED).unlink()
             return
-    _write(target / JOURNAL, {"tmp": tmp.name})
+    write_whole(target / JOURNAL, json.dumps({"tmp": tmp.name}))
     _stage("journal")
     _roll_forward(target)

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ..core import DEQ
+from ..models.registry import declared_family
 from .configuration import USES
+from .io import check_compatible
 from .modeling import HyperSolver
 
 __all__ = ["CapturingDEQ", "HyperDEQ", "attached_hypersolver", "deq_layers", "injection_of",
@@ -19,8 +21,6 @@ __all__ = ["CapturingDEQ", "HyperDEQ", "attached_hypersolver", "deq_layers", "in
 
 def state_kind(model: nn.Module) -> str:
     """The hypersolver state kind the model's family declares ("vector" when it declares none)."""
-    from ..models.registry import declared_family
-
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = declared_family(model_type) if isinstance(model_type, str) else None
     return (family.hypersolver_state if family is not None else None) or "vector"
@@ -107,8 +107,6 @@ def set_hypersolver(model: nn.Module, hypersolver: HyperSolver, *, check: bool =
     """Make every DEQ layer of `model` solve with `hypersolver` (replacing one attached before); with
     ``check`` its recorded fingerprint must be the model's (the error names both); ``use`` overrides its
     config's ("initializer" or "hyperanderson")."""
-    from .io import check_compatible
-
     if not isinstance(hypersolver, HyperSolver):
         raise TypeError(f"set_hypersolver takes a HyperSolver (or use from_pretrained(..., hypersolver=id)), "
                         f"got {type(hypersolver).__name__}")

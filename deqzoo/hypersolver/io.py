@@ -17,6 +17,9 @@ from torch import nn
 
 from ..errors import CheckpointError, DeqzooError
 from ..hub.catalog import sha256_file
+from ..hub.loading import load_weights_file, resolve
+from ..hub.saving import atomic_save
+from ..hub.validation import confined, read_json
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 
 __all__ = ["HyperSolverError", "check_compatible", "read_hypersolver", "model_fingerprint",
@@ -67,9 +70,6 @@ def check_compatible(model: nn.Module, hypersolver: nn.Module) -> None:
 def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.PathLike, **kwargs) -> Path:
     """huggingface_hub's ``save_pretrained`` (the weights' sha256 in config.json; ``push_to_hub=True``),
     atomic and keeping other files; a folder holding another kind of checkpoint is refused."""
-    from ..hub.saving import atomic_save
-    from ..hub.validation import read_json
-
     directory = Path(directory)
     existing = directory / CONFIG_NAME
     if existing.is_file():
@@ -94,8 +94,6 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
 
 def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
     """`deqzoo.hub.resolve` of a hypersolver (a directory, an embedded id, a Hub repository)."""
-    from ..hub.loading import resolve
-
     try:
         return resolve(name_or_path, **hub_kwargs)
     except CheckpointError as err:
@@ -106,9 +104,6 @@ def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
 
 def read_hypersolver(cls: type[nn.Module], name_or_path: str | os.PathLike, **hub_kwargs) -> nn.Module:
     """Load and verify a hypersolver of class `cls` (``HyperSolver.from_pretrained``; module docstring)."""
-    from ..hub.loading import load_weights_file
-    from ..hub.validation import confined, read_json
-
     folder = resolve_hypersolver(name_or_path, **hub_kwargs)
     try:
         cfg_path, w_path = (confined(folder, name, folder) for name in (CONFIG_NAME, WEIGHTS_NAME))

@@ -26,7 +26,9 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from ..core.hyper import HyperNet
+from ..hub.catalog import sha256_file
 from .configuration import HyperSolverConfig
+from .io import read_hypersolver, save_hypersolver
 
 __all__ = ["HyperSolver"]
 
@@ -80,14 +82,10 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> Path:
         """The mixin's save, atomic and keeping other files (`deqzoo.hypersolver.save_hypersolver`)."""
-        from .io import save_hypersolver
-
         return save_hypersolver(self, save_directory, **kwargs)
 
     def _save_pretrained(self, save_directory: Path) -> None:
         """The mixin's model.safetensors, then its sha256 into the config the mixin writes next."""
-        from ..hub.catalog import sha256_file
-
         super()._save_pretrained(save_directory)
         self.config.training["weights_sha256"] = sha256_file(Path(save_directory) / "model.safetensors")
 
@@ -95,8 +93,6 @@ class HyperSolver(nn.Module, PyTorchModelHubMixin, library_name="deqzoo", tags=[
     def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs) -> HyperSolver:
         """Load and verify (`deqzoo.hypersolver.load_hypersolver`): safetensors only, never the mixin's pickle
         fallback; hub keywords (revision, cache_dir, token, local_files_only, ...) as in huggingface_hub."""
-        from .io import read_hypersolver
-
         return read_hypersolver(cls, name_or_path, **hub_kwargs)
 
     def feature_width(self) -> int:

@@ -29,6 +29,7 @@ from timm.models import checkpoint as timm_checkpoint
 from timm.models._features import feature_take_indices
 from torch import nn
 
+from ..hub.loading import load_weights_file
 from ..models.mdeq.configuration_mdeq import ARCHITECTURES, MDEQConfig
 from ..models.mdeq.modeling_mdeq import MDEQForImageClassification
 from ..models.registry import declared_family, timm_names
@@ -91,8 +92,6 @@ class MDEQTimm(MDEQForImageClassification):
             kwargs["deq"] = {**kwargs.get("deq", {}), **deq}
             model = cls(MDEQConfig(**kwargs))
             if load_weights:  # pretrained_cfg_overlay=dict(file=...): that file's weights (checked)
-                from ..hub.loading import load_weights_file
-
                 model = load_weights_file(model, weights_file).eval()
         if num_classes is not None and num_classes != model.num_classes:
             model.reset_classifier(num_classes)  # a new head (0: none, timm's features-only convention)

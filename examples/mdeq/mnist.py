@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from deqzoo.core import SolverStats
-from deqzoo.predict import class_labels, image_processor
+from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
 from examples.demo import DemoSummary
 
 __all__ = ["EVAL_BATCH_SIZE", "demo", "evaluate", "interleaved_test_split", "load_split",
@@ -72,7 +72,7 @@ def to_pixel_values(images: np.ndarray, model) -> torch.Tensor:
     """uint8 images (N, 28, 28) -> pixel_values through the model's image processor (as the pipeline does)."""
     from PIL import Image
 
-    proc = image_processor(model)
+    proc = MDEQImageProcessor.from_config(model.config)
     batch = proc([Image.fromarray(im, mode="L") for im in images], return_tensors="pt")["pixel_values"]
     return batch.to(torch.float32)
 
@@ -124,7 +124,7 @@ def demo(model) -> tuple[str, SolverStats]:
     model.eval()
     out = model(pixel_values=to_pixel_values(x, model))
     pred = out.logits.argmax(-1).tolist()
-    names = class_labels(model)
+    names = model.config.id2label
     shown = " ".join(names.get(p, str(p)) for p in pred)
     right = sum(int(p == t) for p, t in zip(pred, y.tolist()))
     summary = DemoSummary(f"digits 0-9 -> predicted {shown} ({right}/10 correct)", f"{right}/10 correct")

@@ -542,13 +542,10 @@ def _pool(z: torch.Tensor, batch: torch.Tensor | None, num_graphs: int, how: str
     if batch is None:
         batch = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
     out = z.new_zeros(num_graphs, z.shape[1])
-    if how == "max":
-        return out.index_reduce_(0, batch, z, "amax", include_self=False)
-    out = out.index_add_(0, batch, z)
-    if how == "mean":
-        counts = torch.bincount(batch, minlength=num_graphs).clamp_min(1).to(z.dtype)
-        out = out / counts.unsqueeze(1)
-    return out
+    if how == "add":
+        return out.index_add_(0, batch, z)
+    # per graph's nodes ("max" / "mean"); a graph index without nodes keeps its zeros
+    return out.index_reduce_(0, batch, z, "amax" if how == "max" else "mean", include_self=False)
 
 
 def _label_loss(logits: torch.Tensor, labels: torch.Tensor | None, what: str) -> torch.Tensor | None:

@@ -33,17 +33,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers import DDIMInverseScheduler, DDIMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.schedulers import DDIMParallelScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...core import DEQ, DEQConfig, SolverStats, solve
+from ...errors import CheckpointError
+from ...hub.loading import RESOLVE_KEYWORDS, resolve
+from ...hub.safetensors_io import check_component_folder
+from ...hub.validation import confined, read_json
 
 __all__ = [
     "DDIMChain", "DEQDDIMInversionOutput", "DEQDDIMPipeline", "DEQDDIMPipelineOutput", "check_components",
@@ -259,15 +264,13 @@ class DDIMChain:
         return torch.stack(states, dim=1)
 
     def invert_ode(self, x0: torch.Tensor) -> torch.Tensor:
-        """DDIM ODE inversion: run the deterministic chain backwards from x_0, approximating eps(X_i, t_i) by
-        eps(X_{i+1}, t_i) (no clipping); returns the x_T estimate."""
+        """DDIM ODE inversion (diffusers' `DDIMInverseScheduler`, no clipping): run the deterministic chain
+        backwards from x_0, approximating eps(X_i, t_i) by eps(X_{i+1}, t_i); returns the x_T estimate."""
+        inverse = DDIMInverseScheduler.from_config(self.scheduler.config, clip_sample=False)
+        inverse.set_timesteps(self.T)
         x = x0
-        for i in reversed(range(self.T)):
-            ii = torch.full((len(x),), i, dtype=torch.long)
-            e = self.eps(x, self.timesteps[ii])
-            a_t, a_prev = self.a_t[i].to(x), self.a_prev[i].to(x)
-            pred_x0 = (x - (1 - a_prev) ** 0.5 * e) / a_prev**0.5
-            x = a_t**0.5 * pred_x0 + (1 - a_t) ** 0.5 * e
+        for t in self.timesteps.flip(0):
+            x = inverse.step(self.eps(x, t.repeat(len(x))), int(t), x).prev_sample
         return x
 
 
@@ -323,8 +326,6 @@ class DEQDDIMPipeline(DiffusionPipeline):
         """diffusers' own loader, safetensors only, on a repository deqzoo resolved (local folder, embedded
         id, HF cache, Hub: safe files only) and checked first (`check_repository`): component classes from an
         allow-list, no file linking out of its folder, no pickle-only weights."""
-        from ...hub.loading import RESOLVE_KEYWORDS, resolve
-
         if kwargs.pop("use_safetensors", True) is False:
             raise ValueError("DEQDDIMPipeline loads safetensors only; use_safetensors=False is not supported")
         hub = {k: kwargs.pop(k) for k in RESOLVE_KEYWORDS if k in kwargs}
@@ -541,12 +542,6 @@ def check_repository(directory: Any, *, scheduler_given: bool = False) -> Any:
     model_index.json names only the UNet2DModel and a scheduler from `_REPO_COMPONENTS` (its content never
     chooses code), every component file stays inside its folder and weights are safetensors
     (`deqzoo.hub.safetensors_io.check_component_folder`). Returns the directory."""
-    from pathlib import Path
-
-    from ...errors import CheckpointError
-    from ...hub.safetensors_io import check_component_folder
-    from ...hub.validation import confined, read_json
-
     directory = Path(directory)
     index_path = confined(directory, "model_index.json", directory)
     index = read_json(index_path)

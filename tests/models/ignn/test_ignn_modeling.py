@@ -277,3 +277,21 @@ def test_implicit_layer_init():
         # U(-b, b) with >= 256 draws: max |w| near b, std within 10% of b / sqrt(3)
         assert float(w.abs().max()) > 0.95 * bound
         assert abs(float(w.std()) - bound / 3**0.5) < 0.1 * bound / 3**0.5
+
+
+@pytest.mark.parametrize("how", ["add", "mean", "max"])
+def test_graph_pooling_matches_a_per_graph_reduction(how):
+    from deqzoo.models.ignn.modeling_ignn import _pool
+
+    torch.manual_seed(0)
+    z = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    batch = torch.tensor([0, 0, 1, 1, 1, 3, 3])  # graph 2 has no nodes: it pools to zeros
+    ref = torch.zeros(4, 3, dtype=torch.float64)
+    for g in (0, 1, 3):
+        rows = z[batch == g]
+        ref[g] = {"add": rows.sum(0), "mean": rows.mean(0), "max": rows.amax(0)}[how]
+    out = _pool(z, batch, 4, how)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(out.square().sum(), z)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), z)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)

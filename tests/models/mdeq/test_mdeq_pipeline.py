@@ -12,7 +12,7 @@ import deqzoo
 from deqzoo.hub import read_model_card, resolve
 from deqzoo.hub.cards import card_metrics
 from deqzoo.models.mdeq.image_processing_mdeq import MDEQImageProcessor
-from deqzoo.predict import classify_image, image_processor
+from deqzoo.predict import classify_image
 from examples.mdeq import mnist
 
 torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def test_task_demo_and_predict(tmp_path):
 # --- inputs as people give them: polarity, RGB / RGBA, digits the project did not make (issue 31) ---
 
 def _accuracy(model, images: np.ndarray, labels: np.ndarray, mode: str, **proc_kwargs) -> float:
-    proc = image_processor(model)
+    proc = MDEQImageProcessor.from_config(model.config)
     preds = []
     for s in range(0, len(labels), 100):
         batch = images[s : s + 100]
