@@ -34,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import math
-
 from typing import Protocol
 
 import torch
@@ -120,7 +119,8 @@ def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
     L, info = torch.linalg.cholesky_ex(A)
     a = torch.cholesky_solve(A.new_ones(A.shape[0], A.shape[1], 1), L)[:, :, 0]
     alpha = a / a.sum(1, keepdim=True)
-    return alpha.masked_fill_(~torch.isfinite(reg)[:, None] | (info != 0)[:, None], math.nan)
+    good = (reg < math.inf) & (info == 0)  # reg >= 0: `< inf` is isfinite in one op
+    return alpha.masked_fill_(~good[:, None], math.nan)
 
 
 def step(net: HyperNet, X: torch.Tensor, G: torch.Tensor, C: torch.Tensor, order: torch.Tensor,

@@ -212,7 +212,7 @@ class _Tracker:
         rel = a / (f_sq.sqrt() + 1e-12)
         r = rel if self.rel else a
         self.steps += 1  # every iterating row's evaluation count
-        finite = torch.isfinite(r)
+        finite = r < math.inf  # isfinite in one op: a residual is >= 0, inf or NaN
         improved = r < self.best_c[1 if self.rel else 0]  # False where r is NaN or inf (best starts at inf)
         diverged = finite & (a > self.div_factor * self.best_c[0].clamp_min(1e-30))
         self.best_c = torch.where(improved, torch.stack((a, rel)), self.best_c)
@@ -259,7 +259,7 @@ class _Tracker:
         if not self.step_r:
             return torch.zeros(0, dtype=torch.float64)
         rs, stopped = zip(*self.step_r, strict=True)
-        r = torch.nn.utils.rnn.pad_sequence(list(rs), batch_first=True)  # residuals >= 0: the padding is no max
+        r = torch.nn.utils.rnn.pad_sequence(list(rs), batch_first=True)  # residuals >= 0: padding is no max
         r = torch.where(torch.isfinite(r), r, math.nan).amax(1)
         return torch.maximum(r, torch.stack(stopped)).cpu()
 
