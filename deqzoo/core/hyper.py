@@ -114,8 +114,8 @@ def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
     A = H.to(torch.float64, copy=True)
     reg = lam * A.diagonal(dim1=1, dim2=2).amax(1) + 1e-300
     A.diagonal(dim1=1, dim2=2).add_(reg[:, None])  # H + reg I, as a sum with the identity rounds
-    # a non-finite entry makes its diagonal (|g_i·g_j| <= max(|g_i|², |g_j|²)), so reg, non-finite; the
-    # factorisation of such a system reports nothing: its row is marked below (cholesky_ex never raises)
+    # a non-finite Gram entry comes with a non-finite diagonal one (|g_i·g_j| <= max(|g_i|², |g_j|²)), hence a
+    # non-finite reg; such a system is factorised anyway (cholesky_ex never raises) and its row marked below
     L, info = torch.linalg.cholesky_ex(A)
     a = torch.cholesky_solve(A.new_ones(A.shape[0], A.shape[1], 1), L)[:, :, 0]
     alpha = a / a.sum(1, keepdim=True)
