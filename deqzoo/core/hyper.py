@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -110,17 +111,16 @@ def least_squares_alpha(H: torch.Tensor, lam: float = LAM) -> torch.Tensor:
         >>> least_squares_alpha(G @ G.transpose(1, 2)).tolist()
         [[0.5, 0.5]]
     """
-    H = H.double()
-    n = H.shape[-1]
-    reg = lam * H.diagonal(dim1=1, dim2=2).amax(1) + 1e-300
-    A = H + reg[:, None, None] * torch.eye(n, dtype=H.dtype, device=H.device)
-    finite = torch.isfinite(A).flatten(1).all(1)
-    A = torch.where(finite[:, None, None], A, torch.eye(n, dtype=H.dtype, device=H.device))
+    A = H.to(torch.float64, copy=True)
+    reg = lam * A.diagonal(dim1=1, dim2=2).amax(1) + 1e-300
+    A.diagonal(dim1=1, dim2=2).add_(reg[:, None])  # H + reg I, as a sum with the identity rounds
+    # a non-finite Gram entry comes with a non-finite diagonal one (|g_i·g_j| <= max(|g_i|², |g_j|²)), hence a
+    # non-finite reg; such a system is factorised anyway (cholesky_ex never raises) and its row marked below
     L, info = torch.linalg.cholesky_ex(A)
-    a = torch.cholesky_solve(torch.ones(H.shape[0], n, 1, dtype=H.dtype, device=H.device), L)[:, :, 0]
+    a = torch.cholesky_solve(A.new_ones(A.shape[0], A.shape[1], 1), L)[:, :, 0]
     alpha = a / a.sum(1, keepdim=True)
-    bad = (~finite) | (info != 0)
-    return torch.where(bad[:, None], torch.full_like(alpha, float("nan")), alpha)
+    good = (reg < math.inf) & (info == 0)  # reg >= 0: `< inf` is isfinite in one op
+    return alpha.masked_fill_(~good[:, None], math.nan)
 
 
 def step(net: HyperNet, X: torch.Tensor, G: torch.Tensor, C: torch.Tensor, order: torch.Tensor,

@@ -26,8 +26,9 @@ class Family:
     `hypersolver_state`: "multires", "sequence" or None ("vector"); `task`: its cards' `deqzoo_task`; `extra`
     / `requires`: the pip extra it needs and the modules that provide it. For :mod:`deqzoo.export`: `export`
     (head class -> wrapper kind, or why none), `export_refused`, `export_prepare` ("module:function" run as
-    ``prepare(model, graph)``), `onnx_refused`. `row_independent`: "eval", "always" or "no", when its forward
-    solve may hand f only the rows still iterating (`deqzoo.core.halting.rowwise`).
+    ``prepare(model, graph)``), `onnx_refused`. `row_independent`: "eval", "always", "no" or "unless_dropout"
+    (eval, and training when the config's ``dropout`` is 0: f's only batch coupling in training is a dropout
+    mask), when its forward solve may hand f only the rows still iterating (`deqzoo.core.halting.rowwise`).
     """
 
     model_type: str

@@ -129,7 +129,40 @@ def _families():
 
 def test_registry_declares_row_independence():
     fams = _families()
-    assert fams["mdeq"] == "eval" and fams["deq_transformer"] == "eval" and fams["ignn"] == "no"
+    assert fams["mdeq"] == "unless_dropout" and fams["deq_transformer"] == "eval" and fams["ignn"] == "no"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_mdeq_f_is_row_independent_in_training_without_dropout(dropout):
+    """The "unless_dropout" declaration, checked: mdeq-tiny-mnist's f in training mode (GroupNorms, which
+    normalise each sample on its own; dropout 0) maps a batch as it maps each row alone (float64, 1e-12), so
+    the training solve compacts; with dropout (a mask drawn per forward) the solve keeps the whole batch."""
+    from deqzoo.core.regularize import reset_dropout
+    from deqzoo.models.mdeq import ARCHITECTURES, MDEQConfig, MDEQModel
+
+    torch.manual_seed(0)
+    kw = dict(ARCHITECTURES["mdeq-tiny-mnist"]["config"], dropout=dropout, on_nonconvergence="ignore")
+    kw["deq"] = {"f_solver": "anderson", "f_max_iter": 12, "f_tol": 1e-9}
+    model = MDEQModel(MDEQConfig(**kw)).double().train()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, model.config.in_channels, 28, 28, dtype=torch.float64, generator=g)
+    injection = [model.stage0(model.downsample(x)) if model.stage0 is not None else model.downsample(x)]
+    injection += [None] * (model.config.num_branches - 1)
+    shapes = model.state_shapes(*injection[0].shape[-2:])
+    zs = [torch.randn(5, *s, dtype=torch.float64, generator=g) for s in shapes]
+    if dropout == 0:
+        with torch.no_grad():
+            whole = model.fullstage(zs, injection)
+            for i in range(5):
+                alone = model.fullstage([z[i : i + 1] for z in zs], [None if t is None else t[i : i + 1]
+                                                                     for t in injection])  # fmt: skip
+                for a, b in zip(whole, alone, strict=True):
+                    _close(a[i : i + 1], b, torch.float64)
+    reset_dropout(model.fullstage)
+    out = model(x)
+    assert model.training and out.deq_stats.extra["compacted"] == (dropout == 0)
+    out.last_hidden_state.sum().backward()  # the IFT backward runs on the compacted solve's answer
+    assert all(p.grad is not None for p in model.fullstage.parameters() if p.requires_grad)
 
 
 def _mdeq(dtype):
@@ -178,7 +211,7 @@ def _deq_transformer(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("family", ["mdeq", "deq_transformer"])
 def test_row_independent_families_answer_each_sample_as_alone(family, dtype):
-    assert _families()[family] in ("eval", "always")
+    assert _families()[family] in ("eval", "always", "unless_dropout")
     run, x = {"mdeq": _mdeq, "deq_transformer": _deq_transformer}[family](dtype)
     out, st = run(x)
     assert st.extra["compacted"]

@@ -133,7 +133,9 @@ class _Tracker:
     None while every row goes on, or a (n,) bool mask of the rows that go on: the solver then compacts its
     state with it (`compact`). `done` is True once no row iterates. One host synchronisation per step (the
     number of rows that stop). The tracker's own per-row state is compacted too: the whole batch's arrays
-    are written only when rows stop (and by `result` / `stats`), so a step costs a few small ops.
+    are written only when rows stop (and by `result` / `stats`), so a step costs a few small ops: the rows
+    still iterating have all been evaluated `steps` times (a count, not a tensor), and the trace is built
+    from each step's residuals once, by `stats`.
 
     `update` also accepts whole-batch tensors (B rows) from a solver that keeps the whole batch (GMRES, the
     unrolled backward): it reads the iterating rows from them.
@@ -161,10 +163,11 @@ class _Tracker:
         # ... and the iterating rows, in the order of `rows`
         self.rows = torch.arange(b, device=dev)
         self.n = b
-        self.best_x_c, self.best_c, self.nfe_c = x0, self.best.clone(), self.nfe.clone()
+        self.best_x_c, self.best_c = x0, self.best.clone()
         self.stopped_max = torch.zeros((), dtype=torch.float64, device=dev)  # the stopped rows' largest best
         self.done = False
-        self.trace: list[torch.Tensor] = []
+        self.trace: list[torch.Tensor] = []  # the masked tracker's entries; `_Tracker` builds it in `stats`
+        self.step_r: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residuals, stopped_max) per step
         self.tol, self.stop_mode, self.name, self.steps = tol, stop_mode, name, 0
         self.rel = stop_mode == "rel"
         self.keep_steps = sorted({int(k) for k in keep_steps})
@@ -208,26 +211,27 @@ class _Tracker:
         a = g_sq.sqrt()
         rel = a / (f_sq.sqrt() + 1e-12)
         r = rel if self.rel else a
-        self.nfe_c = self.nfe_c + 1
-        finite = torch.isfinite(r)
-        improved = finite & (r < self.best_c[1 if self.rel else 0])
+        self.steps += 1  # every iterating row's evaluation count
+        finite = r < math.inf  # isfinite in one op: a residual is >= 0, inf or NaN
+        improved = r < self.best_c[1 if self.rel else 0]  # False where r is NaN or inf (best starts at inf)
         diverged = finite & (a > self.div_factor * self.best_c[0].clamp_min(1e-30))
         self.best_c = torch.where(improved, torch.stack((a, rel)), self.best_c)
         self.best_x_c = torch.where(improved[:, None], x, self.best_x_c)
         if self.keep_f:
             self._keep_f(improved, fx)
         best_r = self.best_c[1 if self.rel else 0]
-        # the step's trace entry: the largest residual over the batch (stopped rows at their best), NaN if
-        # a row's residual is not finite
-        self.trace.append(torch.maximum(torch.where(finite, r, math.nan).amax(), self.stopped_max))
-        stop = (best_r < self.tol) | ~finite | diverged | (self.nfe_c >= self.max_iter)
+        self.step_r.append((r, self.stopped_max))  # the step's trace entry, made by `stats`
+        if self.steps >= self.max_iter:  # the budget: every row stops
+            stop = torch.ones_like(finite)
+        else:
+            stop = (best_r < self.tol) | ~finite | diverged
         if self.rules:
             from ..halting import Step
 
-            step = Step(x, fx if fx is not None else x, self.rows, self.nfe_c, a, rel, self.unflatten)
+            nfe = torch.full_like(self.rows, self.steps)
+            step = Step(x, fx if fx is not None else x, self.rows, nfe, a, rel, self.unflatten)
             for rule in self.rules:
                 stop = stop | rule(step)
-        self.steps += 1
         if self.keep_steps and self.steps in self.keep_steps:
             self.kept[self.steps] = self.best_x.index_copy(0, self.rows, self.best_x_c)
         n_stop = int(stop.sum())  # the step's one host synchronisation
@@ -241,22 +245,33 @@ class _Tracker:
         self.stopped_max = torch.maximum(self.stopped_max, gone.masked_fill(torch.isinf(gone), 0.0).amax())
         keep = ~stop
         self.rows = self.rows[keep]
-        self.best_c, self.best_x_c, self.nfe_c = self.best_c[:, keep], self.best_x_c[keep], self.nfe_c[keep]
+        self.best_c, self.best_x_c = self.best_c[:, keep], self.best_x_c[keep]
         if self.keep_f:
             self.best_fx_c = self.best_fx_c[keep]
         self.n -= n_stop
         self.done = self.n == 0
         return keep
 
+    def _trace(self) -> torch.Tensor:
+        """Per step: the largest residual over the batch (the stopped rows at their best), NaN if a row's
+        residual is not finite; made from every step's residuals at once (a few ops per solve, not per
+        step). On the CPU."""
+        if not self.step_r:
+            return torch.zeros(0, dtype=torch.float64)
+        rs, stopped = zip(*self.step_r, strict=True)
+        r = torch.nn.utils.rnn.pad_sequence(list(rs), batch_first=True)  # residuals >= 0: padding is no max
+        r = torch.where(torch.isfinite(r), r, math.nan).amax(1)
+        return torch.maximum(r, torch.stack(stopped)).cpu()
+
     def _write(self, sel: torch.Tensor | None, rows: torch.Tensor) -> None:
         """The whole batch's arrays at `rows`, from the iterating rows selected by `sel` (None: all)."""
         if sel is None:
-            best, best_x, nfe = self.best_c, self.best_x_c, self.nfe_c
+            best, best_x = self.best_c, self.best_x_c
         else:
-            best, best_x, nfe = self.best_c[:, sel], self.best_x_c[sel], self.nfe_c[sel]
+            best, best_x = self.best_c[:, sel], self.best_x_c[sel]
         self.best[:, rows] = best
         self.best_x.index_copy_(0, rows, best_x)
-        self.nfe[rows] = nfe
+        self.nfe[rows] = self.steps
         if self.keep_f:
             self.best_fx.index_copy_(0, rows, self.best_fx_c if sel is None else self.best_fx_c[sel])
 
@@ -296,7 +311,7 @@ class _Tracker:
         nfe_rows = self.nfe.cpu()
         return SolverStats(
             nfe=int(nfe_rows.max()) if nfe is None else nfe, abs_residual=res[0], rel_residual=res[1],
-            trace=torch.stack(self.trace).cpu() if self.trace else torch.zeros(0, dtype=torch.float64),
+            trace=self._trace(),
             converged=(self.best[1 if self.rel else 0] < self.tol).cpu(), solver=self.name,
             stop_mode=self.stop_mode, tol=self.tol, nonfinite=bool(self.nonfinite.any()),
             diverged=bool(self.diverged.any()), extra=extra, nfe_per_sample=nfe_rows,
@@ -392,6 +407,9 @@ class _MaskedTracker(_Tracker):
 
     def result(self) -> torch.Tensor:
         return self.best_fx if self.keep_f else self.best_x
+
+    def _trace(self) -> torch.Tensor:
+        return torch.stack(self.trace).cpu() if self.trace else torch.zeros(0, dtype=torch.float64)
 
     def stats(self, nfe: int | None = None, **extra) -> SolverStats:
         if self.keep_f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -90,7 +91,7 @@ def anderson(g, x0, *, max_iter: int, tol: float, stop_mode: str = "rel", m: int
                 alpha = least_squares_alpha(H[:, :n, :n] + lam * eye, 0.0)
             else:
                 alpha = least_squares_alpha(H[:, :n, :n], lam)
-            ok = torch.isfinite(alpha).all(1, keepdim=True)
+            ok = (alpha.abs() < math.inf).all(1, keepdim=True)  # isfinite in two ops
             plain = torch.zeros_like(alpha)
             plain[:, slot] = 1.0  # a failed system: plain damped step
             alpha = torch.where(ok, alpha, plain)

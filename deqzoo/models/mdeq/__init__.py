@@ -11,7 +11,7 @@ from ..registry import Family, lazy_exports
 _P = __name__
 FAMILY = Family(
     model_type="mdeq",
-    row_independent="eval",
+    row_independent="unless_dropout",  # GroupNorm per sample; see modeling_mdeq.MDEQModel.forward
     config=f"{_P}.configuration_mdeq:MDEQConfig",
     models={
         "AutoModel": f"{_P}.modeling_mdeq:MDEQModel",

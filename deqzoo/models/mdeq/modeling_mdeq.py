@@ -433,8 +433,9 @@ class MDEQModel(MDEQPreTrainedModel):
                 gathered[:] = rows, [None if t is None else t[rows] for t in injection]
             return self.fullstage(zs, gathered[1])
 
-        # row-independent in eval mode (GroupNorm, no dropout): stopped samples leave f's batch
-        zs, stats = self.deq(f if self.training else rowwise(f), tuple(z0))
+        # row-independent (GroupNorm per sample) unless a dropout mask is drawn for the batch in training:
+        # stopped samples leave f's batch (registry: row_independent="unless_dropout")
+        zs, stats = self.deq(f if self.training and self.config.dropout else rowwise(f), tuple(z0))
         zs = tuple(zs)
         hidden = zs if self._flag(output_hidden_states, "output_hidden_states") else None
         return self._output(MDEQModelOutput(deq_stats=stats, last_hidden_state=zs[0], hidden_states=hidden),
