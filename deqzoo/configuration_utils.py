@@ -134,8 +134,8 @@ class DEQPretrainedConfig(PretrainedConfig):
     default_deq: ClassVar[dict[str, Any]] = {}
 
     deq: dict[str, Any] | DEQConfig | None = None
-    # What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
-    # model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError with the stats).
+    # What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once
+    # per model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError).
     on_nonconvergence: typing.Literal["warn", "ignore", "raise"] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
