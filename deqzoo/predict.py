@@ -303,9 +303,6 @@ def classify_nodes(model, input: str) -> str:
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
         raise ValueError(f"{path}: 'x', 'edge_index' and 'edge_weight' must be numeric arrays "
                          f"(x: nodes x features, edge_index: 2 x edges) ({err})") from err
-    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"{path}: key 'edge_index' must be [[sources...], [targets...]], got shape "
-                         f"{tuple(edge_index.shape)}")
     model = node_classifier(model).eval()
     with torch.no_grad():
         out = model(x, edge_index, weight)
