@@ -174,13 +174,12 @@ def _lipschitz_convs(model: nn.Module):
 
 
 @torch.no_grad()
-def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bound: float | None = None,
-                      fft_size: int | None = None) -> dict[str, float]:
+def project_lipschitz(model: nn.Module) -> dict[str, float]:
     """Project f_θ's parameters back onto the Lipschitz constraints: every marked conv's operator norm <= c
     (rescale     the kernel) and every mean-only GroupNorm's |γ| <= γ̄ (clamp). Call after each optimizer step.
 
-    The constants default to the model's config (``model.config.conv_norm``...). Returns the largest conv norm
-    before projection and the number of projected convs.
+    The constants are the model's config's (``conv_norm``, ``gamma_bound``, ``spectral_fft_size``). Returns the
+    largest conv norm before projection and the number of projected convs.
 
     Example:
         >>> import deqzoo
@@ -189,12 +188,7 @@ def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bo
         >>> stats["max_conv_norm_after"] <= model.config.conv_norm * (1 + 1e-6)
         True
     """
-    cfg = getattr(model, "config", None)
-    c = conv_norm if conv_norm is not None else getattr(cfg, "conv_norm", None)
-    g = gamma_bound if gamma_bound is not None else getattr(cfg, "gamma_bound", None)
-    n = fft_size if fft_size is not None else getattr(cfg, "spectral_fft_size", 64)
-    if c is None or g is None:
-        raise ValueError("project_lipschitz needs conv_norm and gamma_bound (from arguments or model.config)")
+    c, g, n = model.config.conv_norm, model.config.gamma_bound, model.config.spectral_fft_size
     before, after, projected = 0.0, 0.0, 0
     for conv in _lipschitz_convs(model):
         if conv.weight.device.type == "meta":
