@@ -178,7 +178,7 @@ def project_lipschitz(model: nn.Module) -> dict[str, float]:
     """Project f_θ's parameters back onto the Lipschitz constraints: every marked conv's operator norm <= c
     (rescale     the kernel) and every mean-only GroupNorm's |γ| <= γ̄ (clamp). Call after each optimizer step.
 
-    The constants are the model's config's (``conv_norm``, ``gamma_bound``, ``spectral_fft_size``). Returns the
+    The constants are the model config's (``conv_norm``, ``gamma_bound``, ``spectral_fft_size``). Returns the
     largest conv norm before projection and the number of projected convs.
 
     Example:
