@@ -107,31 +107,24 @@ class ScaledReLU(nn.Module):
 class MeanOnlyGroupNorm(nn.Module):
     """GroupNorm without variance division, with |γ| <= γ̄ (clamped in forward and by the projection)."""
 
-    def __init__(self, num_groups: int, num_channels: int, gamma_bound: float = 1.0, affine: bool = True):
+    def __init__(self, num_groups: int, num_channels: int, gamma_bound: float = 1.0):
         super().__init__()
         if num_channels % num_groups:
             raise ValueError(f"num_channels={num_channels} is not divisible by num_groups={num_groups}")
         self.num_groups, self.num_channels, self.gamma_bound = num_groups, num_channels, float(gamma_bound)
-        self.affine = affine
-        if affine:
-            self.weight = nn.Parameter(torch.ones(num_channels))
-            self.bias = nn.Parameter(torch.zeros(num_channels))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c = x.shape[:2]
         g = x.reshape(b, self.num_groups, -1)
         x = (g - g.mean(dim=-1, keepdim=True)).reshape(x.shape)
         shape = (1, c) + (1,) * (x.dim() - 2)
-        if self.affine:
-            gamma = self.weight.clamp(-self.gamma_bound, self.gamma_bound)
-            return x * gamma.reshape(shape) + self.bias.reshape(shape)
-        return x * min(1.0, self.gamma_bound)
+        gamma = self.weight.clamp(-self.gamma_bound, self.gamma_bound)
+        return x * gamma.reshape(shape) + self.bias.reshape(shape)
 
     def extra_repr(self) -> str:
-        return f"{self.num_groups}, {self.num_channels}, gamma_bound={self.gamma_bound}, affine={self.affine}"
+        return f"{self.num_groups}, {self.num_channels}, gamma_bound={self.gamma_bound}"
 
 
 class IsometricUpsample(nn.Module):
@@ -201,6 +194,6 @@ def project_lipschitz(model: nn.Module) -> dict[str, float]:
             sigma = c
         after = max(after, sigma)
     for mod in model.modules():
-        if isinstance(mod, MeanOnlyGroupNorm) and mod.affine and mod.weight.device.type != "meta":
+        if isinstance(mod, MeanOnlyGroupNorm) and mod.weight.device.type != "meta":
             mod.weight.clamp_(-g, g)
     return {"max_conv_norm_before": before, "max_conv_norm_after": after, "projected": float(projected)}

@@ -84,7 +84,7 @@ class _Parts:
 
     def gn(self, groups: int, channels: int, affine: bool) -> nn.Module:
         if self.lip:
-            return MeanOnlyGroupNorm(groups, channels, self.cfg.gamma_bound, affine=True)
+            return MeanOnlyGroupNorm(groups, channels, self.cfg.gamma_bound)  # always affine
         return nn.GroupNorm(groups, channels, affine=affine)
 
     def act(self) -> nn.Module:
