@@ -111,22 +111,20 @@ def load_tokenizer(model):
     """The tokenizer saved with the checkpoint the model was loaded from."""
     from transformers import AutoTokenizer
 
-    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
-    if path and not (Path(path) / "tokenizer.json").is_file():
-        from .hub import resolve  # a hub id (e.g. the embedded checkpoint): its local directory
-
-        try:
-            path = str(resolve(path))
-        except Exception:  # noqa: BLE001 - reported below with the name that failed
-            pass
-    if not path or not (Path(path) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
-                                "model from a checkpoint directory that contains its tokenizer")
+    from .hub import resolve  # a directory, or a hub id (e.g. the embedded checkpoint): its local directory
     from .integrations.transformers import register_family  # AutoTokenizer may read config.json's type
     from .models.registry import family_for
 
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    try:
+        folder = resolve(path) if path else None
+    except Exception:  # noqa: BLE001 - reported below with the name that failed
+        folder = None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
+                                "model from a checkpoint directory that contains its tokenizer")
     register_family(family_for(model.config.model_type))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 # Documented limit of `deqzoo predict` for the language model (a few pages of text).
