@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from .hub.validation import read_json
 
 
-def free_path(path: str | Path) -> Path:
-    """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file.
+def free_path(path: str | Path, suffix: str | None = None) -> Path:
+    """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file;
+    with `suffix` (".png"), a path not ending in it is refused.
 
     Example:
         >>> import tempfile
@@ -37,6 +38,8 @@ def free_path(path: str | Path) -> Path:
         'flow-1.png'
     """
     path = Path(path)
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise ValueError(f"predict: output {path} must end in {suffix}")
     if not path.exists():
         return path
     for i in range(1, 10000):
@@ -348,10 +351,7 @@ def render_signal(model, input: str) -> str:
                          "optionally ':out.png'") from None
     if not (1 <= h <= 8192 and 1 <= w <= 8192):
         raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
-    path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
+    path = free_path(target or f"implicit2_{s['image']}_{h}x{w}.png", ".png")
     start = time.perf_counter()
     image = model.eval().render(h, w)
     save_png(image, path)
@@ -422,10 +422,8 @@ def estimate_flow(model, *inputs: str) -> str:
     if a.shape[-2:] != b.shape[-2:]:
         raise ValueError(f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
                          f"{tuple(b.shape[-2:])}; the two frames must have the same size")
-    path = Path(parts[2] if len(parts) == 3 else f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
+    path = free_path(parts[2] if len(parts) == 3 else f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png",
+                     ".png")
     with torch.no_grad():
         out = model.eval()(a[None], b[None])
     flow_png(out.flow[0], path)
