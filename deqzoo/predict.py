@@ -372,13 +372,9 @@ def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int
 
 
 def sample_digits(pipe, input: str) -> str:
-    """Write a grid of 64 samples to the PNG path `input` (created; an existing file is not overwritten)."""
-    path = Path(input)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: {input!r} must name a .png file to write the sample grid to")
-    if path.exists():
-        raise FileExistsError(f"predict: {input!r} exists; choose a new file name")
-    out, stats = sample_grid(pipe, path)
+    """Write a grid of 64 samples to the PNG path `input` (a numbered name if that exists, as every predict
+    output: an existing file is never overwritten)."""
+    out, stats = sample_grid(pipe, free_path(input, ".png"))
     return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"
 
 
