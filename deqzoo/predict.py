@@ -51,7 +51,7 @@ def free_path(path: str | Path, suffix: str | None = None) -> Path:
 
 def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[str, ...] | None = None):
     """A PIL image, checked before decoding (pixels from the header against `max_pixels`, mode against
-    `modes`; bombs and unreadable files): ValueError starting with `label`.
+    `modes`; bombs and unreadable files): ValueError starting with `label` (FileNotFoundError: no file).
 
     Example:
         >>> import tempfile
@@ -65,6 +65,8 @@ def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[st
 
     from PIL import Image, UnidentifiedImageError
 
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{label} names no image file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -93,10 +95,7 @@ def classify_image(model, input: str) -> str:
     """One line: the label of an image file (any size or mode), the top-3 probabilities, convergence."""
     from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
 
-    path = Path(input)
-    if not path.is_file():
-        raise FileNotFoundError(f"predict: no image file at {input!r}")
-    image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
+    image = open_image(input, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
     model.eval()
     pixels = MDEQImageProcessor.from_config(model.config)(image, return_tensors="pt")["pixel_values"]
     out = model(pixel_values=pixels.to(torch.float32))
@@ -393,8 +392,6 @@ def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
 def read_image(path: str) -> torch.Tensor:
     """An image file as a uint8 (C, H, W) tensor (RGB, or RGBA where it has transparency), checked before
     decoding (pixels against _MAX_PREDICT_PIXELS, decompression bombs, unreadable files)."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"predict: image {path!r} does not exist")
     img = open_image(path, f"predict: {path}", max_pixels=_MAX_PREDICT_PIXELS)
     arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
