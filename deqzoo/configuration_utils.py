@@ -1,7 +1,6 @@
 """Strict configs as transformers v5 writes them (huggingface_hub's ``@strict``: typed fields checked on every
 assignment, ``validate_*`` methods), raising :class:`ConfigError`; the base config of every zoo model."""
 
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -19,9 +18,6 @@ from .core import DEQConfig
 from .core.config import merge_settings
 from .errors import DeqzooError
 
-# What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once per
-# model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError with the stats).
-ON_NONCONVERGENCE = ("warn", "ignore", "raise")
 MAX_LIST_LENGTH = 1024  # no config list (channels per branch, cutoffs) is longer; a longer one is an error
 MAX_LABELS = 1_000_000  # transformers builds id2label eagerly: a huge num_labels would hang before any model
 
@@ -138,7 +134,9 @@ class DEQPretrainedConfig(PretrainedConfig):
     default_deq: ClassVar[dict[str, Any]] = {}
 
     deq: dict[str, Any] | DEQConfig | None = None
-    on_nonconvergence: str | None = None
+    # What a model does when a forward solve ends above its tolerance (at its iteration cap): "warn" once
+    # per model instance (the default), "ignore", or "raise" (the engine raises DEQConvergenceError).
+    on_nonconvergence: typing.Literal["warn", "ignore", "raise"] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         labels = kwargs.get("num_labels")
@@ -154,9 +152,7 @@ class DEQPretrainedConfig(PretrainedConfig):
             if field.metadata.get("as_float") and value is not None:
                 setattr(self, field.name, [float(v) for v in value] if isinstance(value, (list, tuple))
                         else float(value))
-        deq = self.deq.to_dict() if isinstance(self.deq, DEQConfig) else self.deq
-        if deq is not None and not isinstance(deq, dict):
-            raise ConfigError(f"key 'deq' must be a mapping of solver settings, got {type(deq).__name__}")
+        deq = self.deq.to_dict() if isinstance(self.deq, DEQConfig) else self.deq  # types checked by @strict
         deq = merge_settings(self.default_deq, deq or {})  # a changed b_mode drops the default's options
         if self.on_nonconvergence is None:  # older configs kept the policy in `deq` only
             self.on_nonconvergence = "raise" if deq.get("on_nonconvergence") == "raise" else "warn"
@@ -165,9 +161,6 @@ class DEQPretrainedConfig(PretrainedConfig):
 
     def validate_deq(self) -> None:
         """``deq`` is a DEQConfig's dict (names, ranges, combinations checked by DEQConfig itself)."""
-        if self.on_nonconvergence not in ON_NONCONVERGENCE:
-            raise ConfigError(f"key 'on_nonconvergence' must be one of {ON_NONCONVERGENCE}, got "
-                              f"{self.on_nonconvergence!r}")
         _solver_settings(self.deq)
 
     @property

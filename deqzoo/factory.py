@@ -173,8 +173,7 @@ def _check_override_keys(config_cls: type, overrides: dict[str, Any]) -> None:
     PretrainedConfig would keep a typo (``hiden_dim=96``) as an attribute no model reads."""
     from .configuration_utils import ConfigError  # the config class was just imported: transformers is loaded
 
-    is_dataclass = dataclasses.is_dataclass(config_cls)
-    known = {f.name for f in dataclasses.fields(config_cls)} if is_dataclass else set()
+    known = {f.name for f in dataclasses.fields(config_cls)}  # transformers v5 configs are dataclasses
     known |= {name for name, param in inspect.signature(config_cls.__init__).parameters.items()
               if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)}
     known |= {name for name in dir(config_cls)

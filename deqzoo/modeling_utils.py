@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .configuration_utils import ON_NONCONVERGENCE, ConfigError, DEQPretrainedConfig, _engine_policy
+from .configuration_utils import ConfigError, DEQPretrainedConfig, _engine_policy
 from .core import DEQ, DEQConfig, SolverStats
 from .hub.loading import prepare_pretrained
 from .hub.push import push_folder
@@ -84,9 +84,7 @@ class DEQPreTrainedModel(PreTrainedModel):
         """
         policy = changes.pop("on_nonconvergence", None)
         if policy is not None:
-            if policy not in ON_NONCONVERGENCE:
-                raise ValueError(f"on_nonconvergence must be one of {ON_NONCONVERGENCE}, got {policy!r}")
-            self.config.on_nonconvergence = policy
+            self.config.on_nonconvergence = policy  # the strict config refuses a policy it does not name
             changes["on_nonconvergence"] = _engine_policy(policy)
         new = self.config.deq_config.update(**changes)
         self.config.deq = new.to_dict()

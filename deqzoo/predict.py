@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from .hub.validation import read_json
 
 
-def free_path(path: str | Path) -> Path:
-    """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file.
+def free_path(path: str | Path, suffix: str | None = None) -> Path:
+    """`path`, or path-1, path-2, ... when a file is there: a prediction never overwrites a user's file;
+    with `suffix` (".png"), a path not ending in it is refused.
 
     Example:
         >>> import tempfile
@@ -37,6 +38,8 @@ def free_path(path: str | Path) -> Path:
         'flow-1.png'
     """
     path = Path(path)
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise ValueError(f"predict: output {path} must end in {suffix}")
     if not path.exists():
         return path
     for i in range(1, 10000):
@@ -48,7 +51,7 @@ def free_path(path: str | Path) -> Path:
 
 def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[str, ...] | None = None):
     """A PIL image, checked before decoding (pixels from the header against `max_pixels`, mode against
-    `modes`; bombs and unreadable files): ValueError starting with `label`.
+    `modes`; bombs and unreadable files): ValueError starting with `label` (FileNotFoundError: no file).
 
     Example:
         >>> import tempfile
@@ -62,6 +65,8 @@ def open_image(path: str | Path, label: str, *, max_pixels: int, modes: tuple[st
 
     from PIL import Image, UnidentifiedImageError
 
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{label} names no image file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -90,10 +95,7 @@ def classify_image(model, input: str) -> str:
     """One line: the label of an image file (any size or mode), the top-3 probabilities, convergence."""
     from .models.mdeq.image_processing_mdeq import MDEQImageProcessor
 
-    path = Path(input)
-    if not path.is_file():
-        raise FileNotFoundError(f"predict: no image file at {input!r}")
-    image = open_image(path, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
+    image = open_image(input, f"predict: {input!r}", max_pixels=MAX_IMAGE_PIXELS)
     model.eval()
     pixels = MDEQImageProcessor.from_config(model.config)(image, return_tensors="pt")["pixel_values"]
     out = model(pixel_values=pixels.to(torch.float32))
@@ -111,22 +113,20 @@ def load_tokenizer(model):
     """The tokenizer saved with the checkpoint the model was loaded from."""
     from transformers import AutoTokenizer
 
-    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
-    if path and not (Path(path) / "tokenizer.json").is_file():
-        from .hub import resolve  # a hub id (e.g. the embedded checkpoint): its local directory
-
-        try:
-            path = str(resolve(path))
-        except Exception:  # noqa: BLE001 - reported below with the name that failed
-            pass
-    if not path or not (Path(path) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
-                                "model from a checkpoint directory that contains its tokenizer")
+    from .hub import resolve  # a directory, or a hub id (e.g. the embedded checkpoint): its local directory
     from .integrations.transformers import register_family  # AutoTokenizer may read config.json's type
     from .models.registry import family_for
 
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    try:
+        folder = resolve(path) if path else None
+    except Exception:  # noqa: BLE001 - reported below with the name that failed
+        folder = None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json next to the model (name_or_path={path!r}); load the "
+                                "model from a checkpoint directory that contains its tokenizer")
     register_family(family_for(model.config.model_type))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 # Documented limit of `deqzoo predict` for the language model (a few pages of text).
@@ -303,9 +303,6 @@ def classify_nodes(model, input: str) -> str:
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
         raise ValueError(f"{path}: 'x', 'edge_index' and 'edge_weight' must be numeric arrays "
                          f"(x: nodes x features, edge_index: 2 x edges) ({err})") from err
-    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"{path}: key 'edge_index' must be [[sources...], [targets...]], got shape "
-                         f"{tuple(edge_index.shape)}")
     model = node_classifier(model).eval()
     with torch.no_grad():
         out = model(x, edge_index, weight)
@@ -353,10 +350,7 @@ def render_signal(model, input: str) -> str:
                          "optionally ':out.png'") from None
     if not (1 <= h <= 8192 and 1 <= w <= 8192):
         raise ValueError(f"predict: render size {h}x{w} outside [1, 8192]")
-    path = Path(target) if target else Path(f"implicit2_{s['image']}_{h}x{w}.png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
+    path = free_path(target or f"implicit2_{s['image']}_{h}x{w}.png", ".png")
     start = time.perf_counter()
     image = model.eval().render(h, w)
     save_png(image, path)
@@ -377,13 +371,9 @@ def sample_grid(pipe, path: str | Path, *, n: int = 64, num_inference_steps: int
 
 
 def sample_digits(pipe, input: str) -> str:
-    """Write a grid of 64 samples to the PNG path `input` (created; an existing file is not overwritten)."""
-    path = Path(input)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: {input!r} must name a .png file to write the sample grid to")
-    if path.exists():
-        raise FileExistsError(f"predict: {input!r} exists; choose a new file name")
-    out, stats = sample_grid(pipe, path)
+    """Write a grid of 64 samples to the PNG path `input` (a numbered name if that exists, as every predict
+    output: an existing file is never overwritten)."""
+    out, stats = sample_grid(pipe, free_path(input, ".png"))
     return f"wrote {out} (64 DEQ-DDIM samples, T=10, {stats.nfe} solver evaluations)"
 
 
@@ -402,8 +392,6 @@ def flow_png(flow: torch.Tensor, path: str | Path) -> Path:
 def read_image(path: str) -> torch.Tensor:
     """An image file as a uint8 (C, H, W) tensor (RGB, or RGBA where it has transparency), checked before
     decoding (pixels against _MAX_PREDICT_PIXELS, decompression bombs, unreadable files)."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"predict: image {path!r} does not exist")
     img = open_image(path, f"predict: {path}", max_pixels=_MAX_PREDICT_PIXELS)
     arr = np.asarray(img.convert("RGBA" if img.mode in ("RGBA", "LA", "P") else "RGB"))
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
@@ -427,10 +415,8 @@ def estimate_flow(model, *inputs: str) -> str:
     if a.shape[-2:] != b.shape[-2:]:
         raise ValueError(f"predict: {parts[0]} is {tuple(a.shape[-2:])} (H, W) but {parts[1]} is "
                          f"{tuple(b.shape[-2:])}; the two frames must have the same size")
-    path = Path(parts[2] if len(parts) == 3 else f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"predict: output {path} must end in .png")
-    path = free_path(path)
+    path = free_path(parts[2] if len(parts) == 3 else f"flow_{Path(parts[0]).stem}_{Path(parts[1]).stem}.png",
+                     ".png")
     with torch.no_grad():
         out = model.eval()(a[None], b[None])
     flow_png(out.flow[0], path)

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from huggingface_hub.utils.sha import sha_fileobj
 
 NAMESPACE = "deqzoo"
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"
@@ -31,12 +32,9 @@ def embedded_folder(entry: dict[str, Any]) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return sha_fileobj(handle).hex()  # huggingface_hub's chunked sha256 (the Hub's LFS oid)
 
 
 def load_catalog(path: Path | None = None, section: str = "checkpoints") -> dict[str, dict[str, Any]]:

@@ -35,9 +35,8 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH,
-              expect: type = dict) -> Any:
-    """Parse a JSON file with size and nesting limits; the top level must be `expect` (a dict by default).
+def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse a JSON file with size and nesting limits; the top level must be an object (a dict).
 
     Example:
         >>> import tempfile, pathlib
@@ -66,10 +65,9 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, max_d
     depth = _depth(data)
     if depth > max_depth:
         raise CheckpointError(f"{path}: JSON nested {depth} levels deep, above the limit of {max_depth}")
-    if expect is not None and not isinstance(data, expect):
-        kind = "null" if data is None else type(data).__name__
-        want = "object" if expect is dict else expect.__name__
-        raise CheckpointError(f"{path}: the top level must be a JSON {want}, got {kind}")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: the top level must be a JSON object, got "
+                              f"{'null' if data is None else type(data).__name__}")
     return data
 
 

@@ -14,9 +14,9 @@ Example:
 
 from .attach import HyperDEQ, attached_hypersolver, remove_hypersolver, set_hypersolver
 from .configuration import HyperSolverConfig, HyperSolverConfigError
-from .io import HyperSolverError, check_compatible, model_fingerprint, resolve_hypersolver, save_hypersolver
+from .io import HyperSolverError, check_compatible, model_fingerprint, save_hypersolver
 from .modeling import HyperSolver, load_hypersolver
 
 __all__ = ["HyperDEQ", "HyperSolver", "HyperSolverConfig", "HyperSolverConfigError", "HyperSolverError",
            "attached_hypersolver", "check_compatible", "load_hypersolver", "model_fingerprint",
-           "remove_hypersolver", "resolve_hypersolver", "save_hypersolver", "set_hypersolver"]
+           "remove_hypersolver", "save_hypersolver", "set_hypersolver"]

@@ -23,7 +23,7 @@ from ..hub.validation import confined, read_json
 from .configuration import HyperSolverConfig, HyperSolverConfigError
 
 __all__ = ["HyperSolverError", "check_compatible", "read_hypersolver", "model_fingerprint",
-           "resolve_hypersolver", "save_hypersolver"]
+           "save_hypersolver"]
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
@@ -92,20 +92,11 @@ def save_hypersolver(hypersolver: PyTorchModelHubMixin, directory: str | os.Path
     return atomic_save(directory, write)
 
 
-def resolve_hypersolver(name_or_path: str | os.PathLike, **hub_kwargs) -> Path:
-    """`deqzoo.hub.resolve` of a hypersolver (a directory, an embedded id, a Hub repository)."""
-    try:
-        return resolve(name_or_path, **hub_kwargs)
-    except CheckpointError as err:
-        raise HyperSolverError(f"hypersolver {str(name_or_path)!r} is neither a directory nor an embedded "
-                               f"hypersolver nor found on the Hub, or its files fail their checks: "
-                               f"{err}") from None
-
-
 def read_hypersolver(cls: type[nn.Module], name_or_path: str | os.PathLike, **hub_kwargs) -> nn.Module:
-    """Load and verify a hypersolver of class `cls` (``HyperSolver.from_pretrained``; module docstring)."""
-    folder = resolve_hypersolver(name_or_path, **hub_kwargs)
+    """Load and verify a hypersolver of class `cls` (``HyperSolver.from_pretrained``; module docstring): a
+    directory, an embedded id or a Hub repository (`deqzoo.hub.resolve`)."""
     try:
+        folder = resolve(name_or_path, **hub_kwargs)
         cfg_path, w_path = (confined(folder, name, folder) for name in (CONFIG_NAME, WEIGHTS_NAME))
         if not w_path.is_file() or w_path.stat().st_size > MAX_WEIGHTS_BYTES:
             raise HyperSolverError(f"{w_path}: missing or larger than a hypersolver can be "
@@ -119,4 +110,4 @@ def read_hypersolver(cls: type[nn.Module], name_or_path: str | os.PathLike, **hu
                                    "corrupted or replaced")
         return load_weights_file(cls(config), w_path).eval()
     except (CheckpointError, HyperSolverConfigError) as err:
-        raise HyperSolverError(str(err)) from None
+        raise HyperSolverError(f"hypersolver {str(name_or_path)!r}: {err}") from None

@@ -47,9 +47,7 @@ def register_family(family: Family) -> None:
         declare_family(family)
     require(family.extra, family.requires, f"the {family.model_type} family")
     config_cls = family.load(family.config)
-    if getattr(config_cls, "model_type", None) != family.model_type:
-        raise ValueError(f"{config_cls.__name__}.model_type={config_cls.model_type!r} but the registry says "
-                         f"{family.model_type!r}")
+    # transformers refuses a config class whose model_type differs from the declaration's, naming both
     transformers.AutoConfig.register(family.model_type, config_cls, exist_ok=True)
     for auto_name, path in family.models.items():
         getattr(transformers, auto_name).register(config_cls, family.load(path), exist_ok=True)

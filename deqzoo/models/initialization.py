@@ -27,14 +27,3 @@ def default_init_(module: nn.Module) -> None:
         dims = tuple(range(1, weight.dim()))
         init.copy_(module.weight_g, torch.linalg.vector_norm(weight, dim=dims, keepdim=True))
 
-
-def norm_init_(module: nn.Module) -> None:
-    """A normalization layer as PyTorch builds it: affine weight 1 and bias 0 (when it has them) and, for a
-    BatchNorm2d, fresh running statistics."""
-    if getattr(module, "weight", None) is not None:
-        init.ones_(module.weight)
-        init.zeros_(module.bias)
-    if isinstance(module, nn.BatchNorm2d):
-        init.zeros_(module.running_mean)
-        init.ones_(module.running_var)
-        init.zeros_(module.num_batches_tracked)

@@ -176,7 +176,7 @@ def test_predict_chain_length_limit(ignn):
 
 
 @pytest.mark.parametrize("graph,message", [
-    ({"x": [[0.0] * 100], "edge_index": [[0, 1, 2]]}, "must be \\[\\[sources...\\], \\[targets...\\]\\]"),
+    ({"x": [[0.0] * 100], "edge_index": [[0, 1, 2]]}, "edge_index must have shape \\(2, num_edges\\), got"),
     ({"x": "abc", "edge_index": [[0], [0]]}, "must be numeric arrays"),
     ({"x": [[0.0] * 100], "edge_index": [[0], [7]]}, "node indices in \\[0, 7\\]"),
     ({"edge_index": [[0], [0]]}, "missing key 'x'"),

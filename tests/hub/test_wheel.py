@@ -178,10 +178,9 @@ def test_wheel_install_loads_every_checkpoint_offline(wheel_env):
         "for cid in sorted(load_catalog()):\n"
         "    model = deqzoo.from_pretrained(cid)\n"
         "    out['models'][cid] = [type(model).__name__, str(resolve(cid))]\n"
-        "from deqzoo.hypersolver.io import resolve_hypersolver\n"
         "hyper = 'deqzoo/hyperdeq-mdeq-tiny-mnist'\n"
         "model = deqzoo.from_pretrained('deqzoo/mdeq-tiny-mnist', hypersolver=hyper)\n"
-        "out['hypersolver'] = str(resolve_hypersolver(hyper))\n"
+        "out['hypersolver'] = str(resolve(hyper))\n"
         "print(json.dumps(out))\n")
     proc = subprocess.run([str(python), "-c", code], cwd=work, env=env, capture_output=True, text=True,
                           timeout=900)

@@ -8,6 +8,7 @@ import torch
 
 import deqzoo
 from deqzoo.core.solvers import anderson
+from deqzoo.hub import resolve
 from deqzoo.hypersolver import (
     HyperSolver,
     HyperSolverConfig,
@@ -18,7 +19,6 @@ from deqzoo.hypersolver import (
     set_hypersolver,
 )
 from deqzoo.hypersolver.attach import HyperDEQ
-from deqzoo.hypersolver.io import resolve_hypersolver
 from examples.hypersolver._problems import default_config
 
 MDEQ, MDEQ_HS = "deqzoo/mdeq-tiny-mnist", "deqzoo/hyperdeq-mdeq-tiny-mnist"
@@ -85,7 +85,7 @@ def test_wrong_model_is_a_clear_error_naming_both():
 
 
 def test_corrupted_and_invalid_files(tmp_path):
-    src = resolve_hypersolver(MDEQ_HS)
+    src = resolve(MDEQ_HS)
     bad = tmp_path / "hs"
     shutil.copytree(src, bad)
     data = bytearray((bad / "model.safetensors").read_bytes())
@@ -111,7 +111,7 @@ def test_corrupted_and_invalid_files(tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(HyperSolverError, match="config.json: malformed JSON"):
         load_hypersolver(bad)
-    with pytest.raises(HyperSolverError, match="neither a directory nor an embedded"):
+    with pytest.raises(HyperSolverError, match="hypersolver 'deqzoo/hyperdeq-nothing': .* is not embedded"):
         load_hypersolver("deqzoo/hyperdeq-nothing")
 
 
@@ -254,7 +254,7 @@ def test_use_override_and_old_configs(tmp_path):
     """A config without ``use`` (saved before the key existed) loads as HyperAnderson, as it ran then;
     ``use`` is validated, and an initializer-only use of a hypersolver without h_φ is refused."""
     old = tmp_path / "old"
-    shutil.copytree(resolve_hypersolver(MDEQ_HS), old)
+    shutil.copytree(resolve(MDEQ_HS), old)
     cfg = json.loads((old / "config.json").read_text())
     del cfg["use"]
     (old / "config.json").write_text(json.dumps(cfg))

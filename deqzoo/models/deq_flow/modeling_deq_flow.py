@@ -29,7 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ...core import DEQ, DeferredState, SolverStats, apply_norm, fp_correction, reset_norm, residual_penalty
 from ...core.regularize import FP_WEIGHTS
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
-from ..initialization import default_init_, norm_init_
+from ..initialization import default_init_
 from .configuration_deq_flow import DEFAULT_REUSE, REUSE_MODES, DEQFlowConfig
 
 __all__ = [
@@ -356,7 +356,7 @@ class DEQFlowPreTrainedModel(DEQPreTrainedModel):
             if getattr(module, "encoder_conv", False):
                 init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
-            norm_init_(module)
+            super()._init_weights(module)  # transformers': weight 1, bias 0, fresh running statistics
         elif isinstance(module, GlobalAggregate):
             init.zeros_(module.gamma)
 

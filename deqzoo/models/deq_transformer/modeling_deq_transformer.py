@@ -27,7 +27,6 @@ from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
-from ..initialization import norm_init_
 from .configuration_deq_transformer import DEQTransformerConfig
 
 # Documented input limit, checked before any work: positions one forward attends over (new tokens + memory).
@@ -410,7 +409,7 @@ class DEQTransformerPreTrainedModel(DEQPreTrainedModel):
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, 0.0, 0.02)
         elif isinstance(module, nn.LayerNorm):
-            norm_init_(module)
+            super()._init_weights(module)  # transformers': weight 1, bias 0
         elif isinstance(module, DEQTransformerAttention):
             init.uniform_(module.r_w_bias, -0.05, 0.05)
             init.uniform_(module.r_r_bias, -0.05, 0.05)

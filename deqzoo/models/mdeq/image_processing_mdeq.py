@@ -152,7 +152,6 @@ class MDEQImageProcessor(TorchvisionBackend):
             raise ValueError(
                 f"MDEQImageProcessor.do_invert must be True, False or None (auto), got {do_invert!r}")
         super().__init__(num_channels=num_channels, do_invert=do_invert, **kwargs)
-        self.num_channels, self.do_invert = num_channels, do_invert  # None stays None (auto), not the default
 
     @classmethod
     def from_config(cls, config, **kwargs) -> MDEQImageProcessor:

@@ -107,31 +107,24 @@ class ScaledReLU(nn.Module):
 class MeanOnlyGroupNorm(nn.Module):
     """GroupNorm without variance division, with |γ| <= γ̄ (clamped in forward and by the projection)."""
 
-    def __init__(self, num_groups: int, num_channels: int, gamma_bound: float = 1.0, affine: bool = True):
+    def __init__(self, num_groups: int, num_channels: int, gamma_bound: float = 1.0):
         super().__init__()
         if num_channels % num_groups:
             raise ValueError(f"num_channels={num_channels} is not divisible by num_groups={num_groups}")
         self.num_groups, self.num_channels, self.gamma_bound = num_groups, num_channels, float(gamma_bound)
-        self.affine = affine
-        if affine:
-            self.weight = nn.Parameter(torch.ones(num_channels))
-            self.bias = nn.Parameter(torch.zeros(num_channels))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c = x.shape[:2]
         g = x.reshape(b, self.num_groups, -1)
         x = (g - g.mean(dim=-1, keepdim=True)).reshape(x.shape)
         shape = (1, c) + (1,) * (x.dim() - 2)
-        if self.affine:
-            gamma = self.weight.clamp(-self.gamma_bound, self.gamma_bound)
-            return x * gamma.reshape(shape) + self.bias.reshape(shape)
-        return x * min(1.0, self.gamma_bound)
+        gamma = self.weight.clamp(-self.gamma_bound, self.gamma_bound)
+        return x * gamma.reshape(shape) + self.bias.reshape(shape)
 
     def extra_repr(self) -> str:
-        return f"{self.num_groups}, {self.num_channels}, gamma_bound={self.gamma_bound}, affine={self.affine}"
+        return f"{self.num_groups}, {self.num_channels}, gamma_bound={self.gamma_bound}"
 
 
 class IsometricUpsample(nn.Module):
@@ -174,13 +167,12 @@ def _lipschitz_convs(model: nn.Module):
 
 
 @torch.no_grad()
-def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bound: float | None = None,
-                      fft_size: int | None = None) -> dict[str, float]:
+def project_lipschitz(model: nn.Module) -> dict[str, float]:
     """Project f_θ's parameters back onto the Lipschitz constraints: every marked conv's operator norm <= c
     (rescale     the kernel) and every mean-only GroupNorm's |γ| <= γ̄ (clamp). Call after each optimizer step.
 
-    The constants default to the model's config (``model.config.conv_norm``...). Returns the largest conv norm
-    before projection and the number of projected convs.
+    The constants are the model config's (``conv_norm``, ``gamma_bound``, ``spectral_fft_size``). Returns the
+    largest conv norm before projection and the number of projected convs.
 
     Example:
         >>> import deqzoo
@@ -189,12 +181,7 @@ def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bo
         >>> stats["max_conv_norm_after"] <= model.config.conv_norm * (1 + 1e-6)
         True
     """
-    cfg = getattr(model, "config", None)
-    c = conv_norm if conv_norm is not None else getattr(cfg, "conv_norm", None)
-    g = gamma_bound if gamma_bound is not None else getattr(cfg, "gamma_bound", None)
-    n = fft_size if fft_size is not None else getattr(cfg, "spectral_fft_size", 64)
-    if c is None or g is None:
-        raise ValueError("project_lipschitz needs conv_norm and gamma_bound (from arguments or model.config)")
+    c, g, n = model.config.conv_norm, model.config.gamma_bound, model.config.spectral_fft_size
     before, after, projected = 0.0, 0.0, 0
     for conv in _lipschitz_convs(model):
         if conv.weight.device.type == "meta":
@@ -207,6 +194,6 @@ def project_lipschitz(model: nn.Module, conv_norm: float | None = None, gamma_bo
             sigma = c
         after = max(after, sigma)
     for mod in model.modules():
-        if isinstance(mod, MeanOnlyGroupNorm) and mod.affine and mod.weight.device.type != "meta":
+        if isinstance(mod, MeanOnlyGroupNorm) and mod.weight.device.type != "meta":
             mod.weight.clamp_(-g, g)
     return {"max_conv_norm_before": before, "max_conv_norm_after": after, "projected": float(projected)}

@@ -39,7 +39,7 @@ from ...core.halting import rowwise
 from ...core.norm import apply_norm, reset_norm
 from ...core.regularize import VariationalDropout, reset_dropout
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
-from ..initialization import default_init_, norm_init_
+from ..initialization import default_init_
 from .configuration_mdeq import MDEQConfig
 from .lipschitz import IsometricUpsample, MeanOnlyGroupNorm, ScaledReLU, lipschitz_bound, project_lipschitz
 
@@ -84,7 +84,7 @@ class _Parts:
 
     def gn(self, groups: int, channels: int, affine: bool) -> nn.Module:
         if self.lip:
-            return MeanOnlyGroupNorm(groups, channels, self.cfg.gamma_bound, affine=True)
+            return MeanOnlyGroupNorm(groups, channels, self.cfg.gamma_bound)  # always affine
         return nn.GroupNorm(groups, channels, affine=affine)
 
     def act(self) -> nn.Module:
@@ -327,8 +327,11 @@ class MDEQPreTrainedModel(DEQPreTrainedModel):
             init.kaiming_uniform_(module.weight, a=5**0.5)
             if module.bias is not None:
                 init.zeros_(module.bias)
-        elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm, MeanOnlyGroupNorm)):
-            norm_init_(module)
+        elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
+            super()._init_weights(module)  # transformers': weight 1, bias 0, fresh running statistics
+        elif isinstance(module, MeanOnlyGroupNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, MDEQModule) and module.lipschitz and module.fuse_logits is not None:
             init.zeros_(module.fuse_logits)
 

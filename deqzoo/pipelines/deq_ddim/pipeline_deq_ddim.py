@@ -43,6 +43,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.schedulers import DDIMParallelScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
+from tqdm.auto import tqdm
 
 from ...core import DEQ, DEQConfig, SolverStats, solve
 from ...errors import CheckpointError
@@ -500,13 +501,8 @@ class DEQDDIMPipeline(DiffusionPipeline):
         opt = torch.optim.Adam([param], lr=lr)
         best_mse, best_x = float(init_mse.mean()), x_T.clone()
         self.unet.requires_grad_(False)
-        it = range(steps)
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(it, desc="invert")
         try:
-            for s in it:
+            for s in tqdm(range(steps), desc="invert", disable=not progress):
                 Zs, _ = deq(chain.fixed_point_map(param), Z)
                 loss = ((Zs[:, -1] - target) ** 2).mean()
                 x_before = param.detach().clone()
