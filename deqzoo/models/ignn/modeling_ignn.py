@@ -500,6 +500,8 @@ def _check_sparse_structure(adjacency: torch.Tensor, n: int) -> None:
     trusts them: invalid row pointers or column indices crash the interpreter), with torch's own invariant
     checks (rebuilding the tensor over the same arrays copies nothing)."""
     csr = adjacency.layout == torch.sparse_csr
+    # an uncoalesced COO tensor's arrays: `indices()` refuses one, and coalescing first would merge an
+    # out-of-range entry into a valid one; torch's sparse docs name `_indices()`/`_values()` for this
     indices, values = (adjacency.col_indices(), adjacency.values()) if csr else (adjacency._indices(),
                                                                                  adjacency._values())
     if values.dim() != 1:
