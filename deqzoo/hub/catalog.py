@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
-
-from huggingface_hub.utils.sha import sha_fileobj
 
 NAMESPACE = "deqzoo"
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"
@@ -32,9 +31,14 @@ def embedded_folder(entry: dict[str, Any]) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    # our own loop: huggingface_hub's `utils.sha.sha_fileobj` is not public API, and `hashlib.file_digest`
+    # needs Python 3.11 (we support 3.10)
+    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        return sha_fileobj(handle).hex()  # huggingface_hub's chunked sha256 (the Hub's LFS oid)
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_catalog(path: Path | None = None, section: str = "checkpoints") -> dict[str, dict[str, Any]]:
