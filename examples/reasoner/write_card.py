@@ -206,19 +206,34 @@ def iterations_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def budgets_table(reports: list[dict]) -> str:
-    """Exact-solve against test-time segments for reasoners trained at different segment budgets (the bar's
-    amendments): the same network and recipe, only `halt_max_steps` differs."""
-    lines = ["| trained segments | " + " | ".join(f"{k}× halting off" for k in MULTIPLES)
+def budgets_table(reports: list[dict], twins: list[dict] = ()) -> str:
+    """Exact-solve against test-time segments for reasoners trained at other segment budgets or for longer
+    (the bar's amendments and the 3-CPU-hour fallback), and for the twin at each training length: the same
+    network and recipe, only `halt_max_steps` and the CPU time differ. Each report carries `trained_cpu_s`
+    (the checkpoint's own process CPU time, filled in by `main`)."""
+    lines = ["| network | trained segments | training CPU-hours | "
+             + " | ".join(f"{k}× halting off" for k in MULTIPLES)
              + " | 4× / 16× stability halting (mean segments) |",
-             "| --- |" + " --- |" * (len(MULTIPLES) + 1)]
-    for rep in sorted(reports, key=lambda r: r["trained_segments"]):
+             "| --- | --- | --- |" + " --- |" * (len(MULTIPLES) + 1)]
+    rows = [("reasoner", rep) for rep in sorted(reports, key=lambda r: (r["trained_segments"],
+                                                                         r["trained_cpu_s"]))]
+    rows += [("twin (one pass)", rep) for rep in sorted(twins, key=lambda r: r["trained_cpu_s"])]
+    for network, rep in rows:
         rate = {(r["multiple"], r["halting"]): r for r in rep["rows"]}
         cells = [f"{100 * rate[(k, 'budget')]['exact']:.1f}" for k in MULTIPLES]
         stab = [rate.get((k, "stability")) for k in (4, 16)]
         cells.append(" / ".join(f"{100 * r['exact']:.1f} ({r['segments']:.2f})" for r in stab if r) or "–")
-        lines.append(f"| {rep['trained_segments']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {network} | {rep['trained_segments']} | {rep['trained_cpu_s'] / 3600:.2f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def read_other(path: str | Path) -> dict:
+    """evaluate.py's JSON at `path` with `trained_cpu_s` read from its checkpoint's trainer state (the run
+    folder must exist)."""
+    report = json.loads(Path(path).read_text())
+    checkpoint = Path(report["checkpoint"])
+    return {**report, "trained_cpu_s": Run(checkpoint.parent, checkpoint).cpu_s}
 
 
 def curve_table(run: Run) -> str:
@@ -301,7 +316,7 @@ GRAD_MODE_TEXT = {
 
 def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other_name: str | None,
               other_run: Run | None, other_report: dict | None, grad_modes: dict | None,
-              other_budgets: list[dict] = ()) -> Path:
+              other_budgets: list[dict] = (), other_twins: list[dict] = ()) -> Path:
     from deqzoo.models.reasoner import ReasonerForGridClassification
 
     model = ReasonerForGridClassification.from_pretrained(run.checkpoint)
@@ -369,11 +384,15 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
         sections += ["## The bar (fixed in examples/reasoner/README.md before the long runs)", "",
                      bar(report, other_report, run, other_run), ""]
         if other_budgets:
-            sections += ["## Other trained budgets (the bar's amendments, not published)", "",
-                         "The same network, recipe, seed and 0.5 process CPU-hours, trained at other segment "
-                         "budgets (`examples/reasoner/results/`, README \"The bar\"); exact-solve % on all "
-                         "1,000 held-out puzzles, 1× = the trained segments:", "",
-                         budgets_table([report, *other_budgets]), ""]
+            sections += ["## Other trained budgets (the bar's amendments and its 3-CPU-hour fallback, not "
+                         "published)", "",
+                         "The same network, recipe and seed, trained at other segment budgets or for longer "
+                         "(`examples/reasoner/results/`, README \"The bar\"), and the twin at each training "
+                         "length; exact-solve % on all 1,000 held-out puzzles, 1× = the trained segments, "
+                         "CPU-hours = the checkpoint's process CPU time:", "",
+                         budgets_table([{**report, "trained_cpu_s": run.cpu_s}, *other_budgets],
+                                       [{**other_report, "trained_cpu_s": other_run.cpu_s}, *other_twins]
+                                       if other_report is not None else list(other_twins)), ""]
     else:
         sections += ["## Exact-solve against test-time iterations", "",
                      "Rerunning the one pass on its own output (2×, 4×, 16× segments):", "",
@@ -449,6 +468,8 @@ def main(argv=None) -> list[Path]:
     p.add_argument("--grad-modes", default=None, help="grad_modes.py's grad_modes.json")
     p.add_argument("--other-budget", default=[], action="append", help="evaluate.py's JSON of a reasoner "
                    "trained at another segment budget (repeatable): a table in the reasoner's card")
+    p.add_argument("--other-twin", default=[], action="append", help="evaluate.py's JSON of the twin "
+                   "trained for another CPU time (repeatable): rows of the same table")
     p.add_argument("--replace", action="store_true", help="replace this writer's files in existing folders")
     p.add_argument("--allow-subset", action="store_true", help="accept a report on part of the held-out set "
                    "(tests only: `deqzoo eval` scores all of it)")
@@ -471,7 +492,8 @@ def main(argv=None) -> list[Path]:
     written = [write_one(dests[0], name=args.name, run=run, report=report, role="reasoner",
                          other_name=args.twin_name, other_run=twin, other_report=twin_report,
                          grad_modes=grad_modes,
-                         other_budgets=[json.loads(Path(b).read_text()) for b in args.other_budget])]
+                         other_budgets=[read_other(b) for b in args.other_budget],
+                         other_twins=[read_other(b) for b in args.other_twin])]
     if twin is not None:
         written.append(write_one(dests[1], name=args.twin_name, run=twin, report=twin_report, role="twin",
                                  other_name=args.name, other_run=run, other_report=report,

@@ -75,19 +75,29 @@ def test_card_has_the_numbers_deqzoo_eval_prints(runs, tmp_path, capsys):
 
 
 def test_other_budgets_table_reads_each_report(runs, tmp_path):
-    """`--other-budget`: one row per trained budget, each rate read from that report (not the card's own)."""
+    """`--other-budget` / `--other-twin`: one row per trained budget and per twin, each rate read from that
+    report (not the card's own) and the CPU-hours from that report's checkpoint."""
     root, out = runs
     report = json.loads(out["reasoner"][1].read_text())
     rows = [{**r, "exact": 0.5 if r["halting"] == "budget" else r["exact"]} for r in report["rows"]]
-    other = {**report, "trained_segments": 7, "rows": rows}
-    (root / "other.json").write_text(json.dumps(other))
-    _write(root, out, tmp_path, "--other-budget", str(root / "other.json"))
+    (root / "other.json").write_text(json.dumps({**report, "trained_segments": 7, "rows": rows}))
+    twin_report = json.loads(out["twin"][1].read_text())
+    rows = [{**r, "exact": 0.25} for r in twin_report["rows"]]
+    (root / "other_twin.json").write_text(json.dumps({**twin_report, "rows": rows}))
+    _write(root, out, tmp_path, "--other-budget", str(root / "other.json"), "--other-twin",
+           str(root / "other_twin.json"))
     _, body = read_model_card(tmp_path / "tiny-reasoner")
     section = body.split("## Other trained budgets")[1].split("## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| 2 |") or line.startswith("| 7 |")]
-    own = {r["multiple"]: r["exact"] for r in report["rows"] if r["halting"] == "budget"}
-    assert rows[0].split(" | ")[1:5] == [f"{100 * own[k]:.1f}" for k in (1, 2, 4, 16)]
-    assert rows[1].split(" | ")[1:5] == ["50.0"] * 4
+    table = [line.split(" | ") for line in section.splitlines() if line.startswith(("| reasoner", "| twin"))]
+    hours = {m: f"{write_card.Run(out[m][0]).cpu_s / 3600:.2f}" for m in ("reasoner", "twin")}
+    own = {r["multiple"]: f"{100 * r['exact']:.1f}" for r in report["rows"] if r["halting"] == "budget"}
+    twin = {r["multiple"]: f"{100 * r['exact']:.1f}" for r in twin_report["rows"]}
+    assert [row[:3] for row in table] == [["| reasoner", "2", hours["reasoner"]],
+                                          ["| reasoner", "7", hours["reasoner"]],
+                                          ["| twin (one pass)", "1", hours["twin"]],
+                                          ["| twin (one pass)", "1", hours["twin"]]]
+    assert [row[3:7] for row in table] == [[own[k] for k in (1, 2, 4, 16)], ["50.0"] * 4,
+                                           [twin[k] for k in (1, 2, 4, 16)], ["25.0"] * 4]
     _, twin_body = read_model_card(tmp_path / "tiny-twin")
     assert "Other trained budgets" not in twin_body
 
