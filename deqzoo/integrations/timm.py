@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models import checkpoint as timm_checkpoint
-from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..hub.loading import load_weights_file
@@ -148,7 +148,7 @@ class MDEQTimm(MDEQForImageClassification):
                               intermediates_only: bool = False):
         if output_fmt != "NCHW":
             raise ValueError(f"MDEQ features are NCHW; output_fmt={output_fmt!r} is not supported")
-        take, _ = feature_take_indices(len(self.feature_info), indices)
+        take = take_indices(len(self.feature_info), indices)
         states = self.mdeq(self._pixels(x), output_hidden_states=True).hidden_states  # the one solve
         intermediates = [states[i] for i in take]
         if intermediates_only:
@@ -157,12 +157,32 @@ class MDEQTimm(MDEQForImageClassification):
 
     def prune_intermediate_layers(self, indices: int | list[int] | None = None, prune_norm: bool = False,
                                   prune_head: bool = True) -> list[int]:
-        take, _ = feature_take_indices(len(self.feature_info), indices)
+        take = take_indices(len(self.feature_info), indices)
         if prune_head:  # the classification head is not needed for feature maps
             self.incre_modules, self.downsamp_modules = nn.ModuleList(), nn.ModuleList()
             self.final_layer = nn.Identity()
             self.reset_classifier(0)
         return take
+
+
+def take_indices(n: int, indices: int | Sequence[int] | None) -> list[int]:
+    """timm's rule for which of `n` feature maps `forward_intermediates` returns: None = all, an int k = the
+    last k, a sequence = those positions (negative ones count from the end). Ours because timm keeps its
+    helper in a private module.
+
+        >>> take_indices(4, None), take_indices(4, 2), take_indices(4, (0, -1))
+        ([0, 1, 2, 3], [2, 3], [0, 3])
+    """
+    if indices is None or isinstance(indices, int):
+        k = n if indices is None else indices
+        if not 0 < k <= n:
+            raise ValueError(f"indices={indices}: the last-n count must be 1 to {n}")
+        return list(range(n - k, n))
+    take = [i + n if i < 0 else i for i in indices]
+    bad = [i for i, t in zip(indices, take) if not 0 <= t < n]
+    if bad:
+        raise ValueError(f"indices {bad} out of range for {n} feature maps (0 to {n - 1}, or -{n} to -1)")
+    return take
 
 
 @contextmanager

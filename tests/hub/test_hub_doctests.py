@@ -9,7 +9,8 @@ MODULES = ["deqzoo", "deqzoo.factory", "deqzoo.modeling_utils", "deqzoo.hub.card
            "deqzoo.hub.safetensors_io", "deqzoo.hub.catalog", "deqzoo.integrations.transformers",
            "deqzoo.hub.saving", "deqzoo.hub.validation", "examples.tasks", "deqzoo.hub.push",
            "deqzoo.export", "deqzoo.models.registry", "deqzoo.predict", "deqzoo.core.hyper",
-           "deqzoo.core.deq", "deqzoo.core.stats", "utils.cards", "conversion"]
+           "deqzoo.core.deq", "deqzoo.core.stats", "utils.cards", "conversion",
+           "deqzoo.models.deq_flow.modeling_deq_flow", "deqzoo.integrations.timm"]
 
 
 @pytest.mark.parametrize("name", MODULES)

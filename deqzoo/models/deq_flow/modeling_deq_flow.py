@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from torchvision.models.optical_flow import raft as tv_raft
-from torchvision.models.optical_flow._utils import make_coords_grid, upsample_flow
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -101,9 +100,35 @@ def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"warp expects a flow of shape {(b, 2, h, w)} for this image, got {tuple(flow.shape)}"
         )
-    x, y = (make_coords_grid(b, h, w, device=flow.device).to(flow.dtype) + flow).unbind(1)
+    x, y = (coords_grid(b, h, w, device=flow.device).to(flow.dtype) + flow).unbind(1)
     norm = torch.stack([2 * x / max(w - 1, 1) - 1, 2 * y / max(h - 1, 1) - 1], dim=-1)
     return F.grid_sample(image, norm, mode="bilinear", padding_mode="border", align_corners=True)
+
+
+def coords_grid(batch: int, h: int, w: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """RAFT's pixel grid, (batch, 2, h, w) float32 with channel 0 = x (column) and 1 = y (row): the
+    look-up positions that flow moves. Ours because torchvision keeps its copy in a private module.
+
+        >>> coords_grid(1, 2, 3)[0, :, 1, 2].tolist()   # row 1, column 2
+        [2.0, 1.0]
+    """
+    ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+    return torch.stack((xs, ys)).float()[None].repeat(batch, 1, 1, 1)
+
+
+def upsample_flow(flow: torch.Tensor, mask: torch.Tensor | None, factor: int = 8) -> torch.Tensor:
+    """Flow at 1/`factor` resolution -> full resolution, in pixels of the full image (hence × factor).
+    With `mask` (B, 9·factor², h, w): RAFT's convex upsampling, each fine pixel a softmax-weighted
+    combination of its coarse pixel's 3×3 neighbourhood; without: bilinear. (torchvision's version is
+    private; the operations are in the order the original RAFT and DEQ-Flow code use, so converted
+    checkpoints match bit for bit.)"""
+    b, c, h, w = flow.shape
+    if mask is None:
+        return factor * F.interpolate(flow, scale_factor=factor, mode="bilinear", align_corners=True)
+    weights = torch.softmax(mask.view(b, 1, 9, factor, factor, h, w), dim=2)
+    patches = F.unfold(factor * flow, kernel_size=3, padding=1).view(b, c, 9, 1, 1, h, w)
+    fine = torch.sum(weights * patches, dim=2)  # (b, c, factor, factor, h, w)
+    return fine.permute(0, 1, 4, 2, 5, 3).reshape(b, c, factor * h, factor * w)
 
 
 def _norm_layer(kind: str):
@@ -425,7 +450,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
     def upsample(self, hidden: torch.Tensor, flow_low: torch.Tensor) -> torch.Tensor:
         """1/8-resolution flow -> full resolution: convex combination by the mask predictor's weights."""
         mask = None if self.mask_predictor is None else self.mask_predictor(hidden)
-        return upsample_flow(flow_low, up_mask=mask)
+        return upsample_flow(flow_low, mask)
 
     def build_pyramid(self, fmap1: torch.Tensor, fmap2: torch.Tensor) -> list[torch.Tensor]:
         """The correlation pyramid of a pair's features (level 0 first), returned, never stored: torchvision's
@@ -533,7 +558,7 @@ class DEQFlowModel(DEQFlowPreTrainedModel):
         features = self._features(a, b) if features is None else self._check_features(features, a)
         context = features.context
         bsz, _, h8, w8 = context.shape
-        coords0 = make_coords_grid(bsz, h8, w8).to(context)
+        coords0 = coords_grid(bsz, h8, w8).to(context)
         z0 = self._initial(initial_state, (bsz, c.hidden_dim, h8, w8), context)
         f = self.update_fn(context, coords0, features.pyramid)
         stats, supervised, terms = None, [], None

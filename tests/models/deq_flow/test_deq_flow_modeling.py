@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torchvision.models.optical_flow._utils import make_coords_grid
 from torchvision.models.optical_flow.raft import RAFT
 
 import deqzoo
@@ -24,7 +23,7 @@ from deqzoo.models.deq_flow import (
     prepare_images,
     warp,
 )
-from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, _next_start
+from deqzoo.models.deq_flow.modeling_deq_flow import DEFAULT_REUSE, _next_start, coords_grid, upsample_flow
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTS = json.loads(
@@ -318,6 +317,29 @@ def _griddata_forward_interpolate(flow: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_convex_upsampling_against_a_per_pixel_weighted_sum(dtype):
+    """Each fine pixel (8i + a, 8j + b) is the softmax(mask[:, 64k + 8a + b, i, j]) combination over k of
+    8 × the coarse flow at the k-th cell of (i, j)'s zero-padded 3×3 neighbourhood (row-major)."""
+    gen = torch.Generator().manual_seed(5)
+    f, (h, w) = 8, (3, 4)
+    flow = torch.randn(2, 2, h, w, generator=gen, dtype=torch.float64)
+    mask = torch.randn(2, 9 * f * f, h, w, generator=gen, dtype=torch.float64) * 3
+    padded = torch.nn.functional.pad(f * flow, (1, 1, 1, 1))
+    expected = torch.empty(2, 2, f * h, f * w, dtype=torch.float64)
+    for i, j, a, b in ((i, j, a, b) for i in range(h) for j in range(w) for a in range(f) for b in range(f)):
+        weights = torch.softmax(mask[:, [f * f * k + f * a + b for k in range(9)], i, j], dim=1)  # (2, 9)
+        cells = torch.stack([padded[:, :, i + dy, j + dx] for dy in range(3) for dx in range(3)], -1)
+        expected[:, :, f * i + a, f * j + b] = (cells * weights[:, None]).sum(-1)
+    got = upsample_flow(flow.to(dtype), mask.to(dtype))
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    # without a mask: bilinear, corners kept, in full-resolution pixels
+    plain = upsample_flow(flow, None)
+    torch.testing.assert_close(plain[..., [0, -1], :][..., [0, -1]], f * flow[..., [0, -1], :][..., [0, -1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_forward_interpolate_matches_rafts_griddata(dtype):
     gen = torch.Generator().manual_seed(3)
     flow = (torch.rand(2, 2, 9, 13, generator=gen, dtype=torch.float64) - 0.5) * 8  # fractional, some leave
@@ -467,7 +489,7 @@ def test_residual_loss_is_the_relative_equilibrium_residual_at_the_output():
     h, flow = out.fixed_point
     with torch.no_grad():
         features = model.features(a, b)
-        coords0 = make_coords_grid(2, *features.context.shape[-2:])
+        coords0 = coords_grid(2, *features.context.shape[-2:])
         f = model.update_fn(features.context, coords0, features.pyramid)
         fh, fflow = f((h, flow))
         num = ((fh - h).flatten(1).pow(2).sum(1) + (fflow - flow).flatten(1).pow(2).sum(1)).sqrt()
