@@ -233,7 +233,26 @@ def read_other(path: str | Path) -> dict:
     folder must exist)."""
     report = json.loads(Path(path).read_text())
     checkpoint = Path(report["checkpoint"])
-    return {**report, "trained_cpu_s": Run(checkpoint.parent, checkpoint).cpu_s}
+    run = Run(checkpoint.parent, checkpoint)
+    return {**report, "trained_cpu_s": run.cpu_s, "curve": run.curve}
+
+
+def long_curves_table(reports: list[tuple[str, dict]], every_s: float = 1800.0) -> str:
+    """Training curves of the runs longer than `every_s` CPU-seconds: train.py's periodic exact-solve at the
+    trained budget (first 200 held-out puzzles) at the last evaluation before each multiple of `every_s`."""
+    long = [(label, rep) for label, rep in reports if rep["trained_cpu_s"] > 1.2 * every_s]
+    if not long:
+        return ""
+    marks = [every_s * k for k in range(1, int(max(rep["trained_cpu_s"] for _, rep in long) // every_s) + 1)]
+    lines = ["| run | " + " | ".join(f"{m / 3600:.1f} h" for m in marks) + " |",
+             "| --- |" + " --- |" * len(marks)]
+    for label, rep in long:
+        cells = []
+        for mark in marks:
+            seen = [r for r in rep["curve"] if r["cpu_s"] <= mark]
+            cells.append(f"{100 * seen[-1]['eval']['budget']['exact']:.1f}" if seen else "–")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def curve_table(run: Run) -> str:
@@ -393,6 +412,12 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                          budgets_table([{**report, "trained_cpu_s": run.cpu_s}, *other_budgets],
                                        [{**other_report, "trained_cpu_s": other_run.cpu_s}, *other_twins]
                                        if other_report is not None else list(other_twins)), ""]
+            labelled = [(f"reasoner, {r['trained_segments']} segments", r) for r in other_budgets]
+            curves = long_curves_table(labelled + [("twin (one pass)", r) for r in other_twins])
+            if curves:
+                sections += ["Training curves of the longer runs: train.py's exact-solve % at the trained "
+                             "budget on the first 200 held-out puzzles, at the last evaluation before each "
+                             "half CPU-hour:", "", curves, ""]
     else:
         sections += ["## Exact-solve against test-time iterations", "",
                      "Rerunning the one pass on its own output (2×, 4×, 16× segments):", "",

@@ -102,6 +102,18 @@ def test_other_budgets_table_reads_each_report(runs, tmp_path):
     assert "Other trained budgets" not in twin_body
 
 
+def test_long_curves_table_reads_the_last_evaluation_before_each_half_hour():
+    def report(cpu_s, points):
+        curve = [{"cpu_s": c, "eval": {"budget": {"exact": e}}} for c, e in points]
+        return {"trained_cpu_s": cpu_s, "curve": curve}
+
+    long = report(4000, [(900, 0.1), (1700, 0.2), (1900, 0.3), (3500, 0.4), (3700, 0.5)])
+    short = report(1800, [(1700, 0.9)])
+    table = write_card.long_curves_table([("long", long), ("short", short)]).splitlines()
+    assert table[0] == "| run | 0.5 h | 1.0 h |" and table[2:] == ["| long | 20.0 | 40.0 |"]
+    assert write_card.long_curves_table([("short", short)]) == ""
+
+
 def test_card_writer_refuses_bad_inputs(runs, tmp_path):
     root, out = runs
     (r, r_eval), (_, t_eval) = out["reasoner"], out["twin"]
