@@ -210,7 +210,7 @@ def budgets_table(reports: list[dict], twins: list[dict] = ()) -> str:
     """Exact-solve against test-time segments for reasoners trained at other segment budgets or for longer
     (the bar's amendments and the 3-CPU-hour fallback), and for the twin at each training length: the same
     network and recipe, only `halt_max_steps` and the CPU time differ. Each report carries `trained_cpu_s`
-    (the checkpoint's own process CPU time, filled in by `main`)."""
+    (the checkpoint's own process CPU time: `read_other`, or the card's own `Run`)."""
     lines = ["| network | trained segments | training CPU-hours | "
              + " | ".join(f"{k}× halting off" for k in MULTIPLES)
              + " | 4× / 16× stability halting (mean segments) |",
@@ -402,7 +402,7 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
             sections += [f"The twin `{other_name}` (1 segment = 1×):", "", iterations_table(other_report), ""]
         sections += ["## The bar (fixed in examples/reasoner/README.md before the long runs)", "",
                      bar(report, other_report, run, other_run), ""]
-        if other_budgets:
+        if other_budgets or other_twins:  # a longer twin alone still gets its rows
             sections += ["## Other trained budgets (the bar's amendments and its 3-CPU-hour fallback, not "
                          "published)", "",
                          "The same network, recipe and seed, trained at other segment budgets or for longer "
