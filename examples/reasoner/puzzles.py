@@ -27,7 +27,8 @@ import numpy as np
 DATA = Path(__file__).resolve().parent / "data"
 BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}
 # the stored held-out sets: name -> (kind, size, count, seed); seeds far from any training seed
-HELDOUT = {"sudoku6_heldout": ("sudoku", 6, 1000, 10_000_006), "maze9_heldout": ("maze", 9, 500, 20_000_009)}
+HELDOUT = {"sudoku6_heldout": ("sudoku", 6, 1000, 10_000_006), "maze9_heldout": ("maze", 9, 500, 20_000_009),
+           "sudoku9_heldout": ("sudoku", 9, 1000, 10_000_009)}
 
 
 # ------------------------------------------------------------------------------------------------- sudoku
@@ -245,11 +246,15 @@ def load_heldout(name: str) -> dict[str, np.ndarray]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write-heldout", action="store_true", help="(re)build data/*.npz")
+    parser.add_argument("--write-heldout", action="store_true", help="build the missing data/*.npz")
+    parser.add_argument("--replace", action="store_true", help="with --write-heldout: rebuild existing ones too")
     args = parser.parse_args(argv)
     if args.write_heldout:
         DATA.mkdir(exist_ok=True)
         for name, (kind, n, count, seed) in HELDOUT.items():
+            if (DATA / f"{name}.npz").exists() and not args.replace:
+                print(name, "exists (--replace rebuilds it)")
+                continue
             data = make_set(kind, n, count, seed)
             np.savez_compressed(DATA / f"{name}.npz", **data, kind=kind, size=n, seed=seed)
             givens = (data["inputs"] > 0).sum(1) if kind == "sudoku" else None

@@ -46,7 +46,7 @@ from deqzoo.models.reasoner import (
 from examples.reasoner.puzzles import augment_sudoku, generate_maze, generate_sudoku, load_heldout
 
 TASKS = {"sudoku6": ("sudoku", 6, "sudoku6_heldout"), "sudoku4": ("sudoku", 4, None),
-         "sudoku9": ("sudoku", 9, None), "maze9": ("maze", 9, "maze9_heldout")}
+         "sudoku9": ("sudoku", 9, "sudoku9_heldout"), "maze9": ("maze", 9, "maze9_heldout")}
 
 
 def parse(argv=None) -> argparse.Namespace:
