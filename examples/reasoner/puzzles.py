@@ -247,7 +247,7 @@ def load_heldout(name: str) -> dict[str, np.ndarray]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write-heldout", action="store_true", help="build the missing data/*.npz")
-    parser.add_argument("--replace", action="store_true", help="with --write-heldout: rebuild existing ones too")
+    parser.add_argument("--replace", action="store_true", help="with --write-heldout: rebuild existing sets")
     args = parser.parse_args(argv)
     if args.write_heldout:
         DATA.mkdir(exist_ok=True)

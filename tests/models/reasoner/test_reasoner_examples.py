@@ -35,21 +35,33 @@ def test_sudoku_solver_counts_several_solutions():
     assert puzzles.count_sudoku_solutions(bad, 4) == 0
 
 
-def test_stored_sudoku_heldout_is_small_minimal_and_reproducible():
-    path = puzzles.DATA / "sudoku6_heldout.npz"
+@pytest.mark.parametrize("name", ["sudoku6_heldout", "sudoku9_heldout"])
+def test_stored_sudoku_heldout_is_small_minimal_and_reproducible(name):
+    path = puzzles.DATA / f"{name}.npz"
     assert path.stat().st_size <= 200_000
-    data = puzzles.load_heldout("sudoku6_heldout")
-    assert data["inputs"].shape == data["labels"].shape == (1000, 36)
+    data = puzzles.load_heldout(name)
+    kind, n, count, seed = puzzles.HELDOUT[name]
+    assert data["inputs"].shape == data["labels"].shape == (1000, n * n)
     assert len({bytes(r) for r in data["inputs"]}) == 1000
-    kind, n, count, seed = puzzles.HELDOUT["sudoku6_heldout"]
     again = puzzles.make_set(kind, n, 10, seed)  # the same generator stream: the first puzzles again
     assert np.array_equal(again["inputs"], data["inputs"][:10])
     for p, s in zip(data["inputs"][:15], data["labels"][:15]):
-        assert puzzles.count_sudoku_solutions(p, 6) == 1 and ((p == 0) | (p == s)).all()
+        assert puzzles.count_sudoku_solutions(p, n) == 1 and ((p == 0) | (p == s)).all()
         for i in np.flatnonzero(p):  # minimal: no given can go without losing uniqueness
             q = p.copy()
             q[i] = 0
-            assert puzzles.count_sudoku_solutions(q, 6) == 2
+            assert puzzles.count_sudoku_solutions(q, n) == 2
+
+
+def test_write_heldout_builds_missing_sets_and_keeps_existing_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(puzzles, "DATA", tmp_path)
+    monkeypatch.setattr(puzzles, "HELDOUT", {"a": ("sudoku", 4, 3, 1), "b": ("sudoku", 4, 3, 2)})
+    (tmp_path / "a.npz").write_bytes(b"the user's own file")
+    puzzles.main(["--write-heldout"])
+    assert (tmp_path / "a.npz").read_bytes() == b"the user's own file"
+    assert np.array_equal(puzzles.load_heldout("b")["inputs"], puzzles.make_set("sudoku", 4, 3, 2)["inputs"])
+    puzzles.main(["--write-heldout", "--replace"])
+    assert np.array_equal(puzzles.load_heldout("a")["inputs"], puzzles.make_set("sudoku", 4, 3, 1)["inputs"])
 
 
 def test_augmentation_keeps_puzzles_valid():
