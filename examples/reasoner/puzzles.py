@@ -18,6 +18,7 @@ Run ``python examples/reasoner/puzzles.py --write-heldout`` to (re)build the sto
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from collections import deque
 from pathlib import Path
@@ -252,11 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_heldout:
         DATA.mkdir(exist_ok=True)
         for name, (kind, n, count, seed) in HELDOUT.items():
-            if (DATA / f"{name}.npz").exists() and not args.replace:
+            path = DATA / f"{name}.npz"
+            if path.exists() and not args.replace:
                 print(name, "exists (--replace rebuilds it)")
                 continue
             data = make_set(kind, n, count, seed)
-            np.savez_compressed(DATA / f"{name}.npz", **data, kind=kind, size=n, seed=seed)
+            part = path.with_name(path.name + ".part")  # whole or not at all: a kill keeps the old set
+            with open(part, "wb") as f:
+                np.savez_compressed(f, **data, kind=kind, size=n, seed=seed)
+            os.replace(part, path)
             givens = (data["inputs"] > 0).sum(1) if kind == "sudoku" else None
             print(name, data["inputs"].shape, "" if givens is None else
                   f"givens mean {givens.mean():.2f} min {givens.min()} max {givens.max()}")

@@ -62,6 +62,7 @@ def test_write_heldout_builds_missing_sets_and_keeps_existing_ones(tmp_path, mon
     assert np.array_equal(puzzles.load_heldout("b")["inputs"], puzzles.make_set("sudoku", 4, 3, 2)["inputs"])
     puzzles.main(["--write-heldout", "--replace"])
     assert np.array_equal(puzzles.load_heldout("a")["inputs"], puzzles.make_set("sudoku", 4, 3, 1)["inputs"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "b.npz"]  # no .part left behind
 
 
 def test_augmentation_keeps_puzzles_valid():
