@@ -75,11 +75,15 @@ def test_edit_solve_and_see_segments_halting_and_confidence(tab_url, artifacts):
         column = int(np.flatnonzero(puzzle[:6])[0])
         cell = page.locator(f"#reasoner-grid [data-testid='cell-0-{column}']")
         assert cell.inner_text().strip() == str(puzzle[column])
+        # each step waits for the grid to show the state the next key needs: on a loaded machine a key
+        # pressed before the cell is selected, or before its editor has focus, is lost (CI, stop 65)
         cell.click()
-        page.keyboard.press("Enter")  # edit the cell
-        page.keyboard.press("Control+A")
-        page.keyboard.press("Backspace")
-        page.keyboard.press("Enter")
+        expect(cell).to_have_attribute("aria-selected", "true", timeout=10_000)
+        page.keyboard.press("Enter")  # edit the cell: Gradio mounts a textarea labelled "Edit cell"
+        editor = cell.get_by_label("Edit cell")
+        expect(editor).to_be_focused(timeout=10_000)
+        editor.fill("")
+        editor.press("Enter")
         page.locator("#reasoner-grid").get_by_text("puzzle (edit the cells)").click()  # leave the table
         # the edit lands when the grid's change event has round-tripped (slow on a loaded machine): poll
         expect(cell).to_have_text("", timeout=10_000)
