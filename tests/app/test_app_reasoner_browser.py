@@ -91,6 +91,7 @@ def test_edit_solve_and_see_segments_halting_and_confidence(tab_url, artifacts):
         number = page.get_by_label("number input for compute: segments")
         number.fill("5")
         number.press("Enter")
+        expect(page.get_by_label("range slider for compute: segments")).to_have_value("5", timeout=10_000)
         start = time.perf_counter()
         page.get_by_role("button", name="Solve", exact=True).click()
         summary = page.locator("#reasoner-summary")
