@@ -133,10 +133,15 @@ def _retire(old: Path, new: Path, produced: set[str], rel: str = "") -> list[str
     return kept
 
 
-def write_whole(path: Path, text: str) -> None:
-    """Write one file whole or not at all (a kill leaves the previous content and a `<name>.part`)."""
-    path.with_name(path.name + ".part").write_text(text, encoding="utf-8")
-    os.replace(path.with_name(path.name + ".part"), path)
+def write_whole(path: Path, content: str | bytes) -> None:
+    """Write one file whole or not at all (a kill leaves the previous content and a `<name>.part`); text is
+    written as UTF-8, bytes as they are."""
+    part = path.with_name(path.name + ".part")
+    if isinstance(content, bytes):
+        part.write_bytes(content)
+    else:
+        part.write_text(content, encoding="utf-8")
+    os.replace(part, path)
 
 
 def _manifest(folder: Path) -> set[str] | None:

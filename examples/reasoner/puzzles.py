@@ -18,7 +18,7 @@ Run ``python examples/reasoner/puzzles.py --write-heldout`` to (re)build the sto
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import random
 from collections import deque
 from pathlib import Path
@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replace", action="store_true", help="with --write-heldout: rebuild existing sets")
     args = parser.parse_args(argv)
     if args.write_heldout:
+        from deqzoo.hub.saving import write_whole  # here: the generator itself runs without importing torch
+
         DATA.mkdir(exist_ok=True)
         for name, (kind, n, count, seed) in HELDOUT.items():
             path = DATA / f"{name}.npz"
@@ -258,10 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(name, "exists (--replace rebuilds it)")
                 continue
             data = make_set(kind, n, count, seed)
-            part = path.with_name(path.name + ".part")  # whole or not at all: a kill keeps the old set
-            with open(part, "wb") as f:
-                np.savez_compressed(f, **data, kind=kind, size=n, seed=seed)
-            os.replace(part, path)
+            buffer = io.BytesIO()  # small (61 KB at 9x9): built in memory, then written whole or not at all
+            np.savez_compressed(buffer, **data, kind=kind, size=n, seed=seed)
+            write_whole(path, buffer.getvalue())
             givens = (data["inputs"] > 0).sum(1) if kind == "sudoku" else None
             print(name, data["inputs"].shape, "" if givens is None else
                   f"givens mean {givens.mean():.2f} min {givens.min()} max {givens.max()}")
