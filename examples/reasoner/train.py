@@ -41,9 +41,10 @@ from deqzoo.models.reasoner import (
     ReasonerConfig,
     ReasonerForGridClassification,
     exact_solved,
+    grid_groups,
     one_pass_twin,
 )
-from examples.reasoner.puzzles import augment_sudoku, generate_maze, generate_sudoku, load_heldout
+from examples.reasoner.puzzles import BOXES, augment_sudoku, generate_maze, generate_sudoku, load_heldout
 
 TASKS = {"sudoku6": ("sudoku", 6, "sudoku6_heldout"), "sudoku4": ("sudoku", 4, None),
          "sudoku9": ("sudoku", 9, "sudoku9_heldout"), "maze9": ("maze", 9, "maze9_heldout")}
@@ -79,7 +80,11 @@ def build_config(args) -> ReasonerConfig:
     kind, n, _ = TASKS[args.task]
     task = ({"vocab_size": n + 1, "num_labels": n + 1, "seq_len": n * n} if kind == "sudoku"
             else {"vocab_size": 5, "num_labels": 2, "seq_len": n * n})
-    cfg = ReasonerConfig(**{**preset, **task, **json.loads(args.config), "on_nonconvergence": "ignore"})
+    overrides = json.loads(args.config)
+    if overrides.get("mixer", preset.get("mixer")) == "groups" and "token_groups" not in overrides:
+        # the task's constraint structure: a Sudoku's rows, columns and boxes; a maze's rows and columns
+        task["token_groups"] = grid_groups(n, box=BOXES[n] if kind == "sudoku" else None)
+    cfg = ReasonerConfig(**{**preset, **task, **overrides, "on_nonconvergence": "ignore"})
     return one_pass_twin(cfg) if args.model == "twin" else cfg
 
 

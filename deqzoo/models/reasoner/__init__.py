@@ -18,9 +18,9 @@ FAMILY = Family(
 
 _EXPORTS = {
     **{name: ".configuration_reasoner" for name in (
-        "ARCHITECTURES", "GRAD_MODES", "HALTING_RULES", "ReasonerConfig", "one_pass_twin")},
+        "ARCHITECTURES", "GRAD_MODES", "HALTING_RULES", "ReasonerConfig", "grid_groups", "one_pass_twin")},
     **{name: ".modeling_reasoner" for name in (
-        "ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification", "ReasonerGridOutput",
+        "GroupMixer", "ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification", "ReasonerGridOutput",
         "ReasonerModel", "ReasonerModelOutput", "ReasonerNetwork", "ReasonerPreTrainedModel",
         "SegmentHalting", "exact_solved", "rms_norm")},
 }

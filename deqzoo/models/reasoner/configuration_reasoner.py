@@ -52,7 +52,13 @@ class ReasonerConfig(DEQPretrainedConfig):
             "mlp") over the positions; None: the expansion rule above (converted checkpoints set them to the
             originals' widths, which round to a multiple of 256).
         num_layers: blocks in the network (TRM: 2); h_layers: blocks of HRM's H network (None: num_layers).
-        mixer: "attention" (self-attention over cells) or "mlp" (TRM's ``mlp_t``: a SwiGLU across positions).
+        mixer: "attention" (self-attention over cells), "mlp" (TRM's ``mlp_t``: a SwiGLU across positions) or
+            "groups" (our addition, not in the originals: each position receives, per partition of
+            ``token_groups``, the mean of the other members of its group, and the mean of all other
+            positions, through one linear map: the puzzle's constraint structure, e.g. a Sudoku's rows,
+            columns and boxes, is given to the network instead of learned by a dense mixer).
+        token_groups: with mixer "groups", the partitions of the grid cells, each a list of seq_len group ids
+            (:func:`grid_groups` builds rows, columns and boxes); None otherwise.
         token_mlp_norm: what the post-norm after the "mlp" mixer normalises over: "hidden" (each position's
             features, as every other norm here) or "positions" (each feature across the positions: TRM's
             mlp_t, which adds and normalises before transposing back; converted TRM checkpoints use it).
@@ -92,7 +98,8 @@ class ReasonerConfig(DEQPretrainedConfig):
     token_intermediate_size: int | None = ranged(1, 1 << 20, default=None)
     num_layers: int = ranged(1, 64, default=2)
     h_layers: int | None = ranged(1, 64, default=None)
-    mixer: Literal["attention", "mlp"] = "attention"
+    mixer: Literal["attention", "mlp", "groups"] = "attention"
+    token_groups: list[list[int]] | None = None
     token_mlp_norm: Literal["hidden", "positions"] = "hidden"
     pos_encodings: Literal["rope", "learned", "none"] = "rope"
     rms_norm_eps: float | int = ranged(0.0, 1.0, default=1e-5, as_float=True)
@@ -118,6 +125,14 @@ class ReasonerConfig(DEQPretrainedConfig):
                               f"{self.hidden_size // self.num_heads}")
         if self.expansion <= 0:
             raise ConfigError(f"key 'expansion' must be > 0, got {self.expansion!r}")
+        if (self.mixer == "groups") != (self.token_groups is not None):
+            raise ConfigError(f"key 'token_groups' is given exactly when mixer is 'groups' (mixer "
+                              f"{self.mixer!r}, token_groups {'given' if self.token_groups else 'None'})")
+        for i, ids in enumerate(self.token_groups or ()):
+            if len(ids) != self.seq_len or min(ids) < 0 or max(ids) >= self.seq_len:
+                raise ConfigError(f"key 'token_groups': partition {i} must hold seq_len ({self.seq_len}) "
+                                  f"group ids in [0, {self.seq_len}), got {len(ids)} ids in "
+                                  f"[{min(ids, default=0)}, {max(ids, default=0)}]")
 
     @property
     def num_positions(self) -> int:
@@ -128,6 +143,25 @@ class ReasonerConfig(DEQPretrainedConfig):
     def applications_per_segment(self) -> int:
         """Network applications in one segment: h_cycles * (l_cycles + 1)."""
         return self.h_cycles * (self.l_cycles + 1)
+
+
+def grid_groups(n: int, box: tuple[int, int] | None = None) -> list[list[int]]:
+    """The partitions of an n x n grid's cells (row-major) for mixer "groups": its rows and columns, and with
+    `box` = (rows, columns) its boxes (Sudoku 9x9: (3, 3); 6x6: (2, 3)).
+
+    Example:
+        >>> rows, cols, boxes = grid_groups(4, box=(2, 2))
+        >>> rows[:5], cols[:5], boxes[:8]
+        ([0, 0, 0, 0, 1], [0, 1, 2, 3, 0], [0, 0, 1, 1, 0, 0, 1, 1])
+    """
+    cells = [divmod(i, n) for i in range(n * n)]
+    groups = [[r for r, _ in cells], [c for _, c in cells]]
+    if box is not None:
+        br, bc = box
+        if br < 1 or bc < 1 or n % br or n % bc:
+            raise ValueError(f"box {box} must divide the grid size {n} in both directions")
+        groups.append([(r // br) * (n // bc) + c // bc for r, c in cells])
+    return groups
 
 
 def one_pass_twin(config: ReasonerConfig) -> ReasonerConfig:

@@ -33,9 +33,9 @@ from ...core import DEQ, SolverStats
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_reasoner import ReasonerConfig
 
-__all__ = ["ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification", "ReasonerGridOutput",
-           "ReasonerModel", "ReasonerModelOutput", "ReasonerNetwork", "ReasonerPreTrainedModel",
-           "SegmentHalting", "exact_solved", "rms_norm"]
+__all__ = ["GroupMixer", "ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification",
+           "ReasonerGridOutput", "ReasonerModel", "ReasonerModelOutput", "ReasonerNetwork",
+           "ReasonerPreTrainedModel", "SegmentHalting", "exact_solved", "rms_norm"]
 
 
 def rms_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,9 +90,42 @@ class Attention(nn.Module):
         return self.out(attn.transpose(1, 2).reshape(b, n, d))
 
 
+class GroupMixer(nn.Module):
+    """mixer "groups": for each partition of ``config.token_groups``, every position gets the mean of the
+    OTHER members of its group (prefix positions form groups of their own, so they get zero), and every
+    position gets the mean of all other positions (the prefix, read by the Q-head, sees the grid through
+    it); the means are concatenated and mapped back to the width by one linear map.
+
+    Group sums are scatter-adds (index_add), so the cost is linear in the positions: no positions x
+    positions matrix.
+    """
+
+    def __init__(self, config: ReasonerConfig):
+        super().__init__()
+        p, g = config.num_prefix_tokens, config.seq_len
+        # prefix position k of a partition gets group id seq_len + k: a group of its own
+        self.ids = [list(range(g, g + p)) + list(part) for part in config.token_groups]
+        self.num_groups = g + p
+        self.proj = nn.Linear((len(self.ids) + 1) * config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, n, d = h.shape
+        # built from the config on each call, not kept in a buffer: from_pretrained creates the model on the
+        # meta device and a non-persistent buffer would come out uninitialised
+        ids = torch.tensor(self.ids, dtype=torch.long, device=h.device)
+        means = []
+        for part in ids:
+            sums = h.new_zeros(b, self.num_groups, d).index_add_(1, part, h)
+            count = torch.bincount(part, minlength=self.num_groups).to(h.dtype)[part]
+            means.append((sums[:, part] - h) / (count - 1).clamp(min=1).unsqueeze(-1))
+        means.append((h.sum(1, keepdim=True) - h) / max(n - 1, 1))
+        return self.proj(torch.cat(means, dim=-1))
+
+
 class ReasonerBlock(nn.Module):
-    """One post-norm block: h = rms(h + mix(h)); h = rms(h + SwiGLU(h)); mix is attention or, with
-    ``mixer="mlp"`` (TRM's mlp_t), a SwiGLU across the positions."""
+    """One post-norm block: h = rms(h + mix(h)); h = rms(h + SwiGLU(h)); mix is attention, with
+    ``mixer="mlp"`` (TRM's mlp_t) a SwiGLU across the positions, with ``mixer="groups"`` a
+    :class:`GroupMixer`."""
 
     def __init__(self, config: ReasonerConfig):
         super().__init__()
@@ -100,6 +133,8 @@ class ReasonerBlock(nn.Module):
         self.norm_positions = config.token_mlp_norm == "positions"
         if config.mixer == "mlp":
             self.token_mlp = SwiGLU(config.num_positions, config.expansion, config.token_intermediate_size)
+        elif config.mixer == "groups":
+            self.groups = GroupMixer(config)
         else:
             self.attn = Attention(config)
         self.mlp = SwiGLU(config.hidden_size, config.expansion, config.intermediate_size)
@@ -111,6 +146,8 @@ class ReasonerBlock(nn.Module):
                 h = rms_norm(t + self.token_mlp(t), self.eps).transpose(1, 2)
             else:
                 h = rms_norm(h + self.token_mlp(t).transpose(1, 2), self.eps)
+        elif hasattr(self, "groups"):
+            h = rms_norm(h + self.groups(h), self.eps)
         else:
             h = rms_norm(h + self.attn(h, cos_sin), self.eps)
         return rms_norm(h + self.mlp(h), self.eps)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deqzoo.models.reasoner import ReasonerForGridClassification
+from deqzoo.models.reasoner import ReasonerForGridClassification, grid_groups
 from examples.reasoner import evaluate, puzzles, train
 
 
@@ -125,3 +125,10 @@ def test_docstring_examples(name):
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_training_with_the_group_mixer_gets_the_tasks_partitions(tmp_path):
+    config = json.dumps({**json.loads(ARGS[-1]), "mixer": "groups"})
+    train.main(["--out", str(tmp_path / "g"), "--steps", "2", *ARGS[:-2], "--config", config])
+    model = ReasonerForGridClassification.from_pretrained(tmp_path / "g" / "checkpoint")
+    assert model.config.token_groups == grid_groups(6, box=(2, 3))
