@@ -22,6 +22,7 @@ only), so a sample's answer and segment count do not depend on its batch-mates.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -102,22 +103,32 @@ class GroupMixer(nn.Module):
 
     def __init__(self, config: ReasonerConfig):
         super().__init__()
+        ids, peers = self.tables(config)
+        # not saved (derived from the config); _init_weights refills them when loading materialises the
+        # model from the meta device, as DEQ-Transformer's inv_freq
+        self.register_buffer("group_ids", ids, persistent=False)
+        self.register_buffer("peers", peers, persistent=False)
+        self.proj = nn.Linear((len(ids) + 1) * config.hidden_size, config.hidden_size, bias=False)
+
+    @staticmethod
+    def tables(config: ReasonerConfig,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group id per partition and position, (partitions, positions); the number of other members of the
+        position's group, 1 where there are none: a whole number, exact in every dtype). Prefix position k
+        is group seq_len + k, a group of its own."""
         p, g = config.num_prefix_tokens, config.seq_len
-        # prefix position k of a partition gets group id seq_len + k: a group of its own
-        self.ids = [list(range(g, g + p)) + list(part) for part in config.token_groups]
-        self.num_groups = g + p
-        self.proj = nn.Linear((len(self.ids) + 1) * config.hidden_size, config.hidden_size, bias=False)
+        rows = [list(range(g, g + p)) + list(part) for part in config.token_groups]
+        # counted in Python: the model may be built on the meta device, where bincount has no kernel
+        others = [[max(count[i] - 1, 1) for i in row] for row, count in ((r, Counter(r)) for r in rows)]
+        return (torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(others, dtype=torch.get_default_dtype(), device=device))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, n, d = h.shape
-        # built from the config on each call, not kept in a buffer: from_pretrained creates the model on the
-        # meta device and a non-persistent buffer would come out uninitialised
-        ids = torch.tensor(self.ids, dtype=torch.long, device=h.device)
         means = []
-        for part in ids:
-            sums = h.new_zeros(b, self.num_groups, d).index_add_(1, part, h)
-            count = torch.bincount(part, minlength=self.num_groups).to(h.dtype)[part]
-            means.append((sums[:, part] - h) / (count - 1).clamp(min=1).unsqueeze(-1))
+        for part, peers in zip(self.group_ids, self.peers.to(h.dtype)):
+            sums = h.new_zeros(b, n, d).index_add_(1, part, h)  # ids < positions: n group slots suffice
+            means.append((sums[:, part] - h) / peers.unsqueeze(-1))
         means.append((h.sum(1, keepdim=True) - h) / max(n - 1, 1))
         return self.proj(torch.cat(means, dim=-1))
 
@@ -245,6 +256,10 @@ class ReasonerPreTrainedModel(DEQPreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.trunc_normal_(module.weight, std=std_embed, a=-2 * std_embed, b=2 * std_embed)
+        elif isinstance(module, GroupMixer):  # not saved: rebuilt when loading materialises from meta
+            ids, peers = module.tables(self.config, module.group_ids.device)
+            init.copy_(module.group_ids, ids)
+            init.copy_(module.peers, peers)
         elif isinstance(module, ReasonerModel):
             init.zeros_(module.prefix)
             if module.position is not None:
