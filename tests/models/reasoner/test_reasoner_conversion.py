@@ -50,31 +50,48 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("fixture", [c[1] for c in CASES])
 def test_converted_model_reproduces_the_original_segment_by_segment(converted, fixture, dtype):
+    """float64: the original's float64 outputs within 1e-10. float32: the float32 rounding, amplified by the
+    recursion, depends on the CPU's kernels (the fixtures' machine gave 0.0 against the original's float32,
+    another AVX-512 Xeon 4.7e-5 on trm_att, whose original float32 run is itself 1.4e-5 from its float64
+    run), so float32 is held to the original's own accuracy: within 1e-5 of the original's float32 outputs,
+    or at most 5x the original float32 run's error against the exact (float64) outputs."""
     tag = "f32" if dtype == torch.float32 else "f64"
     exp = load_file(FIX / fixture / "expected.safetensors")
-    logits_ref = exp[f"logits_{tag}"]
-    segments = logits_ref.shape[1]
+    names = ("logits", "q_halt_logits", "q_continue_logits")
+    segments = exp["logits_f64"].shape[1]
     # the check has resolution: each segment changes the original's logits far beyond the tolerance
-    assert segments >= 2 and (logits_ref[:, 1:] - logits_ref[:, :-1]).abs().amax() > 1e-2
+    assert segments >= 2 and (exp["logits_f64"][:, 1:] - exp["logits_f64"][:, :-1]).abs().amax() > 1e-2
     model = ReasonerForGridClassification.from_pretrained(converted[fixture]).to(dtype).eval()
     assert model.config.halt_max_steps == segments
-    carry, worst = None, 0.0
+    carry, mine = None, {k: [] for k in names}
     with torch.no_grad():
-        for s in range(segments):  # one segment at a time from the carry: every segment is compared
+        for _ in range(segments):  # one segment at a time from the carry: every segment is compared
             out = model(exp["inputs"], carry=carry, num_segments=1)
             carry = out.carry
             q = model.q_head(carry[0][:, 0])  # (halt, continue) from the answer state's first position
-            pairs = ((out.logits, logits_ref[:, s]), (out.q_halt_logits, exp[f"q_halt_logits_{tag}"][:, s]),
-                     (q[:, 1], exp[f"q_continue_logits_{tag}"][:, s]))
-            for mine, ref in pairs:
-                assert mine.dtype == dtype and mine.shape == ref.shape
-                worst = max(worst, (mine - ref).abs().max().item())
-    print(f"{fixture} {tag}: max |diff| over {segments} segments (logits, Q halt, Q continue) = {worst:.3e}")
-    assert worst < TOL[dtype]
-    # the full budget in one call ends where the segment-by-segment run ended
+            for k, v in zip(names, (out.logits, out.q_halt_logits, q[:, 1])):
+                assert v.dtype == dtype
+                mine[k].append(v)
+    mine = {k: torch.stack(v, 1) for k, v in mine.items()}
+
+    def worst(a: dict, b: dict) -> float:
+        return max((a[k].double() - b[k].double()).abs().max().item() for k in names)
+
+    ref = {k: exp[f"{k}_{tag}"] for k in names}
+    assert all(mine[k].shape == ref[k].shape for k in names)
+    diff = worst(mine, ref)
+    print(f"{fixture} {tag}: max |diff| over {segments} segments (logits, Q halt, Q continue) = {diff:.3e}")
+    if dtype == torch.float64:
+        assert diff < TOL[dtype]
+    else:
+        exact = {k: exp[f"{k}_f64"] for k in names}
+        own, ours = worst(ref, exact), worst(mine, exact)
+        print(f"  float32 error against float64: original {own:.2e}, deqzoo {ours:.2e}")
+        assert diff < TOL[dtype] or ours <= 5 * own, (diff, ours, own)
+    # the full budget in one call ends where the segment-by-segment run ended (same kernels: to rounding)
     with torch.no_grad():
         full = model(exp["inputs"])
-    assert (full.logits - logits_ref[:, -1]).abs().max().item() < TOL[dtype]
+    torch.testing.assert_close(full.logits, mine["logits"][:, -1], rtol=0, atol=100 * torch.finfo(dtype).eps)
     assert full.steps.tolist() == [segments] * exp["inputs"].shape[0]
 
 
