@@ -153,7 +153,8 @@ def plot_segments(path: Path, report: dict, twin_report: dict | None, name: str,
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"segment budget at test time (trained: {report['trained_segments']}; "
                   f"{apps} network applications per segment)")
-    ax.set_ylabel("exact-solve % (1,000 held-out 6×6 puzzles)")
+    n = report["heldout"].removeprefix("sudoku").split("_")[0]  # "sudoku9_heldout" -> "9"
+    ax.set_ylabel(f"exact-solve % ({report['puzzles']:,} held-out {n}×{n} puzzles)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
