@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -63,6 +64,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                   help="lr after warmup: constant, or cosine-annealed to 0 at --cpu-hours (if given) or "
+                        "--steps")
+    p.add_argument("--init-from", default=None,
+                   help="start from these weights (a save_pretrained folder of the same network) with a "
+                        "fresh optimizer: a continuation whose trainer state is gone")
     p.add_argument("--pool", type=int, default=5000, help="puzzles generated for training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -144,6 +151,20 @@ def evaluate(model, data, size: int, batch: int = 250) -> dict:
     return result
 
 
+def learning_rate(args, step: int, cpu_s: float = 0.0) -> float:
+    """Linear warmup, then constant, or a cosine to 0 at the run's end: at `--cpu-hours` of process CPU time
+    when that budget is given (equal-compute runs end annealed whatever the machine's speed), else at
+    `--steps` (a function of the step alone: such a run resumes exactly)."""
+    lr = args.lr * min(1.0, (step + 1) / max(args.warmup, 1))
+    if args.schedule == "cosine" and step >= args.warmup:
+        if args.cpu_hours is not None:
+            progress = cpu_s / (3600 * args.cpu_hours)
+        else:
+            progress = (step - args.warmup) / max(args.steps - args.warmup, 1)
+        lr = args.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return lr
+
+
 def save_state(out: Path, model, opt, slots: dict, step: int, info: dict) -> None:
     """checkpoint/ and trainer_state.safetensors, written to temporary names and then swapped in, so the
     previous checkpoint stays complete until the new one is."""
@@ -201,6 +222,14 @@ def main(argv=None) -> None:
         if (out / "checkpoint").exists():
             raise SystemExit(f"{out}/checkpoint exists: pass --resume to continue, or another --out")
         model = ReasonerForGridClassification(cfg)
+        if args.init_from:
+            start = ReasonerForGridClassification.from_pretrained(args.init_from)
+            # keys save_pretrained writes that do not describe the network
+            saved = {"dtype", "transformers_version", "_name_or_path"}
+            if ({k: v for k, v in start.config.to_dict().items() if k not in saved}
+                    != {k: v for k, v in cfg.to_dict().items() if k not in saved}):
+                raise SystemExit(f"--init-from {args.init_from}: its config.json is not this run's network")
+            model.load_state_dict(start.state_dict())
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -230,7 +259,7 @@ def main(argv=None) -> None:
     while step < args.steps:
         if args.cpu_hours is not None and time.process_time() - cpu0 >= 3600 * args.cpu_hours:
             break
-        lr = args.lr * min(1.0, (step + 1) / max(args.warmup, 1))
+        lr = learning_rate(args, step, time.process_time() - cpu0)
         for group in opt.param_groups:
             group["lr"] = lr
         out_ = model(slots["x"], labels=slots["y"], carry=(slots["cy"], slots["cz"]), num_segments=1,

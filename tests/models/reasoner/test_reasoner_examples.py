@@ -117,6 +117,38 @@ def test_training_resumes_exactly(tmp_path):
     assert report["rows"][2]["segments"] == 4.0
 
 
+def test_cosine_schedule_warms_up_then_anneals_to_zero_at_the_last_step():
+    args = train.parse(["--out", "x", "--lr", "1e-3", "--warmup", "10", "--steps", "110",
+                        "--schedule", "cosine"])
+    lrs = [train.learning_rate(args, step) for step in range(111)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3) and lrs[10] == pytest.approx(1e-3)
+    assert lrs[60] == pytest.approx(5e-4) and lrs[110] == pytest.approx(0.0, abs=1e-18)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # non-increasing after warmup
+    # with a CPU budget the cosine runs over process CPU time (ends annealed at any machine speed)
+    timed = train.parse(["--out", "x", "--lr", "1e-3", "--warmup", "10", "--cpu-hours", "2",
+                         "--schedule", "cosine"])
+    assert train.learning_rate(timed, 5, cpu_s=3600.0) == pytest.approx(6e-4)  # warmup first
+    assert train.learning_rate(timed, 500, cpu_s=3600.0) == pytest.approx(5e-4)
+    assert train.learning_rate(timed, 500, cpu_s=7200.0) == pytest.approx(0.0, abs=1e-18)
+    assert train.learning_rate(timed, 500, cpu_s=9000.0) == pytest.approx(0.0, abs=1e-18)
+    constant = train.parse(["--out", "x", "--lr", "1e-3", "--warmup", "10", "--steps", "110"])
+    assert train.learning_rate(constant, 110) == pytest.approx(1e-3)
+
+
+def test_init_from_starts_a_new_run_at_those_weights_and_refuses_another_network(tmp_path):
+    train.main(["--out", str(tmp_path / "a"), "--steps", "3", *ARGS])
+    # zero steps: the new run's checkpoint is the weights it started from, not a fresh initialisation
+    train.main(["--out", str(tmp_path / "b"), "--steps", "0", "--seed", "5",
+                "--init-from", str(tmp_path / "a" / "checkpoint"), *ARGS])
+    a = ReasonerForGridClassification.from_pretrained(tmp_path / "a" / "checkpoint")
+    b = ReasonerForGridClassification.from_pretrained(tmp_path / "b" / "checkpoint")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    with pytest.raises(SystemExit, match="is not this run's network"):
+        train.main(["--out", str(tmp_path / "c"), "--steps", "1", "--model", "twin",
+                    "--init-from", str(tmp_path / "a" / "checkpoint"), *ARGS])
+
+
 @pytest.mark.parametrize("name", ["deqzoo.models.reasoner.configuration_reasoner",
                                   "deqzoo.models.reasoner.modeling_reasoner", "examples.reasoner.puzzles"])
 def test_docstring_examples(name):
