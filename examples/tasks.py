@@ -29,6 +29,7 @@ TASKS: dict[str, str] = {
     "implicit2": "examples.implicit2.images",
     "flow": "examples.deq_flow.flow",
     "sudoku6": "examples.reasoner.sudoku",
+    "sudoku9": "examples.reasoner.sudoku9",
 }
 
 

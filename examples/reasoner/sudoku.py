@@ -22,6 +22,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from examples.reasoner.evaluate import solve_rates
+from examples.reasoner.puzzles import HELDOUT as HELDOUT_SETS
 from examples.reasoner.puzzles import load_heldout
 
 HELDOUT = "sudoku6_heldout"
@@ -29,12 +30,14 @@ MULTIPLES = (1, 2, 4, 16)
 HALTING_RULES = ("act", "stability")  # scored at the trained budget (1×) when the model has > 1 segment
 
 
-def _check(model) -> None:
+def _check(model, heldout: str = HELDOUT) -> None:
     cfg = model.config
-    if getattr(cfg, "model_type", None) != "reasoner" or cfg.seq_len != 36 or cfg.num_labels < 7:
-        raise ValueError(f"task sudoku6 needs a reasoner over 36 cells with >= 7 labels, got model_type "
-                         f"{getattr(cfg, 'model_type', None)!r}, seq_len {getattr(cfg, 'seq_len', None)}, "
-                         f"num_labels {getattr(cfg, 'num_labels', None)}")
+    n = HELDOUT_SETS[heldout][1]
+    task = heldout.removesuffix("_heldout")
+    if getattr(cfg, "model_type", None) != "reasoner" or cfg.seq_len != n * n or cfg.num_labels < n + 1:
+        raise ValueError(f"task {task} needs a reasoner over {n * n} cells with >= {n + 1} labels, got "
+                         f"model_type {getattr(cfg, 'model_type', None)!r}, seq_len "
+                         f"{getattr(cfg, 'seq_len', None)}, num_labels {getattr(cfg, 'num_labels', None)}")
 
 
 def metric_names(halt_max_steps: int) -> list[str]:
@@ -65,13 +68,18 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
     """Exact-solve rate on the stored held-out puzzles at 1/2/4/16× the trained segments (halting off), cell
     accuracy at 1×, and exact-solve with mean segments under ACT and stability halting at 1×. `limit`
     scores the first `limit` puzzles only."""
-    _check(model)
-    data = load_heldout(HELDOUT)
+    return evaluate_on(model, HELDOUT, limit=limit, progress=progress)
+
+
+def evaluate_on(model, heldout: str, *, limit: int | None = None, progress: bool = True) -> dict[str, float]:
+    """:func:`evaluate` on the stored held-out set `heldout` (another grid size's task module calls this)."""
+    _check(model, heldout)
+    data = load_heldout(heldout)
     inputs, labels = data["inputs"][:limit], data["labels"][:limit]
     trained = model.config.halt_max_steps
     runs = [(k, "budget") for k in MULTIPLES] + ([(1, r) for r in HALTING_RULES] if trained > 1 else [])
     out: dict[str, float] = {}
-    for k, rule in tqdm(runs, desc="sudoku6 held-out", disable=not progress):
+    for k, rule in tqdm(runs, desc=heldout.replace("_heldout", " held-out"), disable=not progress):
         rates, _, _ = solve_rates(model, inputs, labels, k * trained, rule)
         if rule == "budget":
             out[f"exact_{k}x"] = rates["exact"]
@@ -84,14 +92,19 @@ def evaluate(model, *, limit: int | None = None, progress: bool = True) -> dict[
 
 def demo(model):
     """Solve the first 100 held-out puzzles at the trained budget, then with stability halting; one line."""
+    return demo_on(model, HELDOUT)
+
+
+def demo_on(model, heldout: str):
+    """:func:`demo` on the stored held-out set `heldout`."""
     import numpy as np
     import torch
 
     from deqzoo.models.reasoner import exact_solved
     from examples.demo import DemoSummary
 
-    _check(model)
-    data = load_heldout(HELDOUT)
+    _check(model, heldout)
+    data = load_heldout(heldout)
     x = torch.from_numpy(data["inputs"][:100].astype(np.int64))
     y = torch.from_numpy(data["labels"][:100].astype(np.int64))
     model.eval()
@@ -99,7 +112,8 @@ def demo(model):
         full = model(x, halting="budget")
         halted = model(x, halting="stability")
     solved = int(exact_solved(full.logits, y).sum())
-    line = (f"sudoku6 (100 held-out minimal puzzles): {solved}/100 solved at {model.config.halt_max_steps} "
+    line = (f"{heldout.removesuffix('_heldout')} (100 held-out minimal puzzles): {solved}/100 solved at "
+            f"{model.config.halt_max_steps} "
             f"segments; with stability halting {int(exact_solved(halted.logits, y).sum())}/100 at "
             f"{halted.steps.float().mean():.2f} segments on average")
     return DemoSummary(line, f"{solved}/100 solved"), full.deq_stats

@@ -102,6 +102,63 @@ def test_other_budgets_table_reads_each_report(runs, tmp_path):
     assert "Other trained budgets" not in twin_body
 
 
+def test_two_stage_9x9_card_counts_both_stages_and_deqzoo_eval_scores_9x9(tmp_path, capsys):
+    """A 9×9 run continued from another's weights (`--init-from`, the 9×9 bar's continuation): the card
+    counts both stages' steps and CPU time, gives both commands, routes `deqzoo eval` to the sudoku9 task,
+    and checks bar item 5 against `--bar-cpu-hours`."""
+    torch.set_num_threads(1)
+    common = ["--task", "sudoku9", "--pool", "12", "--batch-size", "8", "--eval-every", "2",
+              "--eval-size", "5", "--checkpoint-every", "2", "--no-progress", "--threads", "1",
+              "--config", json.dumps({"hidden_size": 16, "num_heads": 2, "num_layers": 1, "h_cycles": 1,
+                                      "l_cycles": 1, "halt_max_steps": 2})]
+    for m in ("reasoner", "twin"):
+        train.main(["--out", str(tmp_path / f"{m}1"), "--steps", "4", "--model", m, *common])
+        (tmp_path / m).mkdir()  # the same pool: copied, as the README's commands do
+        pool = next((tmp_path / f"{m}1").glob("pool_*.npz"))
+        (tmp_path / m / pool.name).write_bytes(pool.read_bytes())
+        train.main(["--out", str(tmp_path / m), "--steps", "4", "--model", m, "--schedule", "cosine",
+                    "--init-from", str(tmp_path / f"{m}1" / "checkpoint"), *common])
+        report = evaluate.main([str(tmp_path / m / "checkpoint"), "--heldout", "sudoku9_heldout", "--limit",
+                                "40", "--multiples", "1,2,4,16",
+                                "--halting", "budget,act,stability" if m == "reasoner" else "budget"])
+        (tmp_path / f"{m}_eval.json").write_text(json.dumps(report))
+    argv = ["--out", str(tmp_path / "cards"), "--name", "tiny9", "--run", str(tmp_path / "reasoner"),
+            "--eval", str(tmp_path / "reasoner_eval.json"), "--twin-name", "tiny9-twin",
+            "--twin-run", str(tmp_path / "twin"), "--twin-eval", str(tmp_path / "twin_eval.json"),
+            "--allow-subset", "--bar-cpu-hours", "6"]
+    with pytest.raises(ValueError, match="--init-log"):  # the first stage is part of the card
+        write_card.main(argv)
+    write_card.main([*argv, "--init-log", str(tmp_path / "reasoner1" / "log.jsonl"),
+                     "--twin-init-log", str(tmp_path / "twin1" / "log.jsonl")])
+    first, second = write_card.Run(tmp_path / "reasoner1"), write_card.Run(tmp_path / "reasoner",
+                                                                            earlier_log=tmp_path / "reasoner1"
+                                                                            / "log.jsonl")
+    assert (second.step, second.stage_step, second.earlier_step) == (8, 4, 4)
+    assert second.cpu_s == pytest.approx(first.cpu_s + second.stage_cpu_s)
+    assert [r["step"] for r in second.curve] == [2, 4, 6, 8]
+    assert second.curve[2]["cpu_s"] > first.cpu_s
+    meta, body = read_model_card(tmp_path / "cards" / "tiny9")
+    assert meta["deqzoo_task"] == "sudoku9" and "9×9 Sudoku (3×3 boxes)" in body
+    assert f"**{second.cpu_s:,.0f} CPU-s" in body and "Trained in two stages: 4 steps" in body
+    assert "--out runs/tiny9-stage1 " in body and "--init-from runs/tiny9-stage1/checkpoint" in body
+    commands = body.split("## Commands")[1].split("## ")[0]
+    assert commands.count("--schedule cosine") == 2  # the reasoner's second stage and the twin's
+    assert commands.count("examples/reasoner/train.py") == 4
+    assert "sudoku9_heldout" in body and "sudoku6_heldout" not in body
+    assert "| 5. same CPU-hours, ≥ 6 each |" in body and body.split("| 5. same CPU-hours")[1].split("\n")[0]\
+        .endswith("| no |")
+    capsys.readouterr()
+    assert cli_main(["eval", str(tmp_path / "cards" / "tiny9"), "--no-progress", "--limit", "40"]) == 0
+    printed = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
+    assert printed == {k: f"{v:.4f}" for k, v in card_metrics(meta).items()}
+    # an evaluation on the 6×6 held-out set is not this card's
+    report = json.loads((tmp_path / "reasoner_eval.json").read_text())
+    (tmp_path / "wrong.json").write_text(json.dumps({**report, "heldout": "sudoku6_heldout"}))
+    with pytest.raises(ValueError, match="the sudoku9 card needs sudoku9_heldout"):
+        write_card.main([*argv[:6], "--eval", str(tmp_path / "wrong.json"), "--allow-subset", "--init-log",
+                         str(tmp_path / "reasoner1" / "log.jsonl"), "--replace"])
+
+
 def test_long_curves_table_reads_the_last_evaluation_before_each_half_hour():
     def report(cpu_s, points):
         curve = [{"cpu_s": c, "eval": {"budget": {"exact": e}}} for c, e in points]
@@ -166,7 +223,7 @@ def test_grad_mode_configs_are_distinct_and_valid():
     assert len(seen) == len(grad_modes.MODES)
 
 
-@pytest.mark.parametrize("name", ["examples.reasoner.sudoku"])
+@pytest.mark.parametrize("name", ["examples.reasoner.sudoku", "examples.reasoner.sudoku9"])
 def test_docstring_examples(name):
     import doctest
     import importlib
