@@ -1,15 +1,16 @@
 """The `sudoku9` task of `deqzoo eval` / `deqzoo demo`: :mod:`examples.reasoner.sudoku`'s evaluation and demo
 on the stored 9×9 held-out puzzles (`data/sudoku9_heldout.npz`, 1,000 minimal puzzles; givens mean 24.4).
 
-Example:
-    >>> import torch
-    >>> from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
-    >>> cfg = ReasonerConfig(seq_len=81, vocab_size=10, num_labels=10, hidden_size=16, num_heads=2,
-    ...                      mixer="mlp", pos_encodings="learned", h_cycles=1, l_cycles=1, halt_max_steps=2)
-    >>> torch.manual_seed(0) and None
-    >>> metrics = evaluate(ReasonerForGridClassification(cfg), limit=10, progress=False)
-    >>> list(metrics) == metric_names(2), metrics["exact_1x"]  # an untrained network solves none
-    (True, 0.0)
+Example (untrained networks: a 9×9 one solves none, a 6×6 one is refused before any puzzle is read):
+    >>> from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification as Reasoner
+    >>> def tiny(cells, labels):
+    ...     return Reasoner(ReasonerConfig(seq_len=cells, vocab_size=labels, num_labels=labels,
+    ...                                    hidden_size=16, num_heads=2, halt_max_steps=2))
+    >>> evaluate(tiny(81, 10), limit=10, progress=False)["exact_1x"]
+    0.0
+    >>> evaluate(tiny(36, 7), limit=10, progress=False)
+    Traceback (most recent call last):
+    ValueError: task sudoku9 needs a reasoner over 81 cells with >= 10 labels, got model_type 'reasoner', ...
 """
 
 from __future__ import annotations
