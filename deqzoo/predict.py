@@ -524,6 +524,7 @@ PREDICTORS: dict[str, Callable[..., str]] = {
     "ddim_digits": sample_digits,
     "flow": estimate_flow,
     "sudoku6": solve_grid,
+    "sudoku9": solve_grid,
 }
 
 

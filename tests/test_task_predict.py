@@ -58,3 +58,28 @@ def test_predict_decodes_with_each_checkpoints_own_generation_config():
         assert {k: shipped.get(k) for k in decoding} == decoding, name
         sampling = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
         assert {k for k in sampling if k in shipped} == set(decoding), name  # no other knob shipped
+
+
+def test_sudoku9_predict_prints_the_models_answer_row_by_row():
+    """`deqzoo predict` on a 9×9 reasoner (task sudoku9): the answer is the model's argmax, row by row, and a
+    6×6 puzzle is refused by its cell count before the model runs."""
+    import numpy as np
+    import pytest
+
+    from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
+    from deqzoo.predict import predict
+    from examples.reasoner.puzzles import load_heldout
+
+    torch.manual_seed(0)
+    model = ReasonerForGridClassification(ReasonerConfig(seq_len=81, vocab_size=10, num_labels=10,
+                                                         hidden_size=16, num_heads=2, halt_max_steps=2))
+    puzzle = load_heldout("sudoku9_heldout")["inputs"][0]
+    text = " ".join("".join(str(d) if d else "." for d in row) for row in puzzle.reshape(9, 9))
+    line = predict(model, "sudoku9", [text])
+    with torch.no_grad():
+        expected = model.eval()(torch.from_numpy(puzzle.astype(np.int64))[None]).logits.argmax(-1)[0]
+    rows = line.split(" (")[0].split(" / ")
+    assert rows == ["".join(map(str, expected[9 * r:9 * r + 9].tolist())) for r in range(9)]
+    assert line.endswith("(2 segments)")
+    with pytest.raises(ValueError, match="81 cells"):
+        predict(model, "sudoku9", ["6..... ...41. .51.6. ...3.. .....3 .6..4."])
