@@ -308,7 +308,9 @@ def long_curves_table(reports: list[tuple[str, dict]], every_s: float = 1800.0) 
 
 
 def curve_table(run: Run) -> str:
-    lines = ["| step | CPU-s | wall-s | puzzles seen | loss | cell acc. % | exact % (trained budget) | "
+    # train.py counts puzzles per process start of --init-from: a second stage's count restarts at 0
+    seen = "puzzles seen (this stage)" if run.earlier_step else "puzzles seen"
+    lines = [f"| step | CPU-s | wall-s | {seen} | loss | cell acc. % | exact % (trained budget) | "
              "exact % / mean segments, ACT |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in run.curve:
         b, a = r["eval"]["budget"], r["eval"].get("act", {})
@@ -377,7 +379,9 @@ def _schedule_text(args: dict) -> str:
 def describe_model(cfg, parameters: int) -> str:
     arch = "TRM (one network for the latent and the answer)" if cfg.architecture == "trm" else \
         "HRM (an L network for the latent, an H network for the answer)"
-    mixer = "MLP-mixer (TRM's mlp_t, a SwiGLU across positions)" if cfg.mixer == "mlp" else "self-attention"
+    mixer = {"mlp": "MLP-mixer (TRM's mlp_t, a SwiGLU across positions)", "attention": "self-attention",
+             "groups": "group mixer (each cell gets the means of its row, column and box: deqzoo's addition)",
+             }[cfg.mixer]
     return (f"{arch}; {cfg.num_layers} post-norm blocks of {mixer} + SwiGLU, width {cfg.hidden_size}, "
             f"{cfg.pos_encodings} positions; T = h_cycles = {cfg.h_cycles} cycles of n = l_cycles = "
             f"{cfg.l_cycles} latent updates and one answer update per segment "
@@ -466,7 +470,8 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                     f"{a['warmup']} warmup steps and the lr {_schedule_text(a)}, {run.stage_step:,} steps "
                     f"({run.stage_cpu_s:,.0f} CPU-s, {run.puzzles:,} puzzles drawn): {run.step:,} steps in ")
                  + f"**{run.cpu_s:,.0f} CPU-s ({run.cpu_s / 3600:.2f} CPU-hours)**, {run.wall_s:,.0f} s wall "
-                 "(`nice -n 5` on a shared 2-core machine: the wall time is mostly waiting).", ""]
+                 "on a shared 2-core machine"
+                 + (": the wall time is mostly waiting." if run.wall_s > 1.5 * run.cpu_s else "."), ""]
     if role == "reasoner":
         sections += ["## Exact-solve against test-time iterations", "",
                      f"`examples/reasoner/evaluate.py` on all {report['puzzles']:,} held-out puzzles; 1× = "

@@ -145,6 +145,7 @@ def test_two_stage_9x9_card_counts_both_stages_and_deqzoo_eval_scores_9x9(tmp_pa
     assert commands.count("--schedule cosine") == 2  # the reasoner's second stage and the twin's
     assert commands.count("examples/reasoner/train.py") == 4
     assert "sudoku9_heldout" in body and "sudoku6_heldout" not in body
+    assert "| puzzles seen (this stage) |" in body  # train.py's count restarts with --init-from
     assert "| 5. same CPU-hours, ≥ 6 each |" in body and body.split("| 5. same CPU-hours")[1].split("\n")[0]\
         .endswith("| no |")
     capsys.readouterr()
@@ -157,6 +158,17 @@ def test_two_stage_9x9_card_counts_both_stages_and_deqzoo_eval_scores_9x9(tmp_pa
     with pytest.raises(ValueError, match="the sudoku9 card needs sudoku9_heldout"):
         write_card.main([*argv[:6], "--eval", str(tmp_path / "wrong.json"), "--allow-subset", "--init-log",
                          str(tmp_path / "reasoner1" / "log.jsonl"), "--replace"])
+
+
+@pytest.mark.parametrize("mixer, words", [("mlp", "MLP-mixer"), ("attention", "self-attention"),
+                                          ("groups", "group mixer")])
+def test_card_names_the_mixer_the_config_has(mixer, words):
+    from deqzoo.models.reasoner import ReasonerConfig, grid_groups
+
+    cfg = ReasonerConfig(seq_len=16, vocab_size=5, num_labels=5, hidden_size=8, num_heads=2, mixer=mixer,
+                         token_groups=grid_groups(4, box=(2, 2)) if mixer == "groups" else None)
+    text = write_card.describe_model(cfg, 123)
+    assert f"blocks of {words}" in text and text.endswith("123 parameters.")
 
 
 def test_long_curves_table_reads_the_last_evaluation_before_each_half_hour():
