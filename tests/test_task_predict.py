@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+import pytest
 import torch
 
 import deqzoo
-from deqzoo.predict import classify_nodes, complete_text, generate_text
+from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
+from deqzoo.predict import classify_nodes, complete_text, generate_text, predict
 from examples.deq_transformer import pydoc_lm
 from examples.ignn import chains
+from examples.reasoner.puzzles import load_heldout
 
 
 def test_chains_predict_reports_the_models_probabilities(tmp_path):
@@ -63,13 +67,6 @@ def test_predict_decodes_with_each_checkpoints_own_generation_config():
 def test_sudoku9_predict_prints_the_models_answer_row_by_row():
     """`deqzoo predict` on a 9×9 reasoner (task sudoku9): the answer is the model's argmax, row by row, and a
     6×6 puzzle is refused by its cell count before the model runs."""
-    import numpy as np
-    import pytest
-
-    from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification
-    from deqzoo.predict import predict
-    from examples.reasoner.puzzles import load_heldout
-
     torch.manual_seed(0)
     model = ReasonerForGridClassification(ReasonerConfig(seq_len=81, vocab_size=10, num_labels=10,
                                                          hidden_size=16, num_heads=2, halt_max_steps=2))

@@ -10,6 +10,7 @@ import torch
 
 from deqzoo.cli import main as cli_main
 from deqzoo.hub.cards import card_metrics, read_model_card
+from deqzoo.models.reasoner import ReasonerConfig, grid_groups
 from examples.reasoner import evaluate, grad_modes, sudoku, train, write_card
 
 TINY = ["--task", "sudoku6", "--pool", "30", "--batch-size", "8", "--eval-every", "2", "--eval-size", "5",
@@ -163,8 +164,6 @@ def test_two_stage_9x9_card_counts_both_stages_and_deqzoo_eval_scores_9x9(tmp_pa
 @pytest.mark.parametrize("mixer, words", [("mlp", "MLP-mixer"), ("attention", "self-attention"),
                                           ("groups", "group mixer")])
 def test_card_names_the_mixer_the_config_has(mixer, words):
-    from deqzoo.models.reasoner import ReasonerConfig, grid_groups
-
     cfg = ReasonerConfig(seq_len=16, vocab_size=5, num_labels=5, hidden_size=8, num_heads=2, mixer=mixer,
                          token_groups=grid_groups(4, box=(2, 2)) if mixer == "groups" else None)
     text = write_card.describe_model(cfg, 123)
