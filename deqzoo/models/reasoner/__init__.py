@@ -22,7 +22,7 @@ _EXPORTS = {
     **{name: ".modeling_reasoner" for name in (
         "GroupMixer", "ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification", "ReasonerGridOutput",
         "ReasonerModel", "ReasonerModelOutput", "ReasonerNetwork", "ReasonerPreTrainedModel",
-        "SegmentHalting", "exact_solved", "rms_norm")},
+        "SegmentHalting", "SegmentOutputs", "exact_solved", "rms_norm")},
 }
 
 

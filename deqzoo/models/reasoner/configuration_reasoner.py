@@ -111,7 +111,7 @@ class ReasonerConfig(DEQPretrainedConfig):
     q_bias_init: float | int = ranged(None, None, default=-5.0, as_float=True)
     grad_mode: Literal["one_step", "last_cycle", "full", "deq"] = "last_cycle"
     halting: Literal["budget", "act", "residual", "stability"] = "budget"
-    halt_tol: float | int = ranged(0.0, None, default=1e-3, as_float=True)
+    halt_tol: float | int = ranged(0.0, None, default=1e-3, as_float=True, open_low=True)  # the engine's: > 0
     halt_patience: int = ranged(1, 4096, default=2)
 
     def validate_shapes(self) -> None:

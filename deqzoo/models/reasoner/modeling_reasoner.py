@@ -14,8 +14,8 @@ SwiGLU(h)), where mix is self-attention over positions (RoPE or learned position
 SwiGLU across positions). The token head reads y at the grid positions; the Q-head reads y at the first
 prefix position.
 
-Halting is per sample and checked after each segment by :class:`SegmentHalting`, the one seam through which
-the halting rules enter: samples that halt leave the batch (the remaining segments run on the active rows
+Halting is per sample and checked after each segment by the engine's stop rules (`deqzoo.core.halting`), fed
+by :class:`SegmentHalting`: samples that halt leave the batch (the remaining segments run on the active rows
 only), so a sample's answer and segment count do not depend on its batch-mates.
 """
 
@@ -31,12 +31,13 @@ from torch import nn
 from transformers import initialization as init
 
 from ...core import DEQ, SolverStats
+from ...core.halting import AnswerStable, HaltHead, Residual, Step
 from ...modeling_utils import DEQModelOutput, DEQPreTrainedModel
 from .configuration_reasoner import ReasonerConfig
 
 __all__ = ["GroupMixer", "ReasonerBlock", "ReasonerCarry", "ReasonerForGridClassification",
            "ReasonerGridOutput", "ReasonerModel", "ReasonerModelOutput", "ReasonerNetwork",
-           "ReasonerPreTrainedModel", "SegmentHalting", "exact_solved", "rms_norm"]
+           "ReasonerPreTrainedModel", "SegmentHalting", "SegmentOutputs", "exact_solved", "rms_norm"]
 
 
 def rms_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -443,45 +444,69 @@ class ReasonerModel(ReasonerPreTrainedModel):
         return carry
 
 
-class SegmentHalting:
-    """Per-sample halting decisions after each segment: the one place the stop rules live in this family.
+@dataclass
+class SegmentOutputs:
+    """What the halting rules see of one segment for the rows still running (the structured state of the
+    `deqzoo.core.halting.Step` the segment loop builds): the new answer state y, its per-cell argmax and the
+    Q-head's halt logit."""
 
-    Rules: "budget" (never halts early), "act" (Q-head halt logit > 0, the originals' rule with
-    no_ACT_continue), "residual" (||y_new - y_prev|| / ||y_new|| < tol per sample), "stability" (argmax answer
-    unchanged for `patience` consecutive segments). :meth:`update` takes the rows still running and returns
-    which of them halt now. It is the seam to switch to the engine's rules (deqzoo.core.halting) when they
-    land: the model only calls ``update``.
+    y: torch.Tensor
+    pred: torch.Tensor
+    q_halt_logits: torch.Tensor
+
+
+class SegmentHalting:
+    """Per-sample halting after each segment, by the engine's stop rules (`deqzoo.core.halting`).
+
+    Rules: "budget" (never halts early), "act" (`HaltHead` on the Q-head's halt logit: halts when > 0, the
+    originals' rule with no_ACT_continue), "residual" (`Residual(tol, "rel")` on the answer state:
+    ||y_new - y_prev|| / ||y_new|| < tol), "stability" (`AnswerStable` on the argmax answer: unchanged for
+    `patience` consecutive segments). The segment loop is not a root solve (each segment runs the network a
+    fixed number of times and is supervised on its own), so the engine's solvers do not drive it; what this
+    class adds is the `Step` per segment that the rules read (segments run per row as the evaluation count,
+    the answer state's change as the residual). :meth:`update` takes the rows still running and returns which
+    of them halt now.
 
     Example:
         >>> import torch
         >>> h = SegmentHalting("stability", batch_size=2, patience=1)
-        >>> rows = torch.arange(2); pred = torch.tensor([[1, 2], [3, 4]])
-        >>> h.update(rows, pred_prev=pred, pred_new=pred.clone()).tolist()
+        >>> rows, y = torch.arange(2), torch.zeros(2, 3, 4)
+        >>> pred, q = torch.tensor([[1, 2, 0], [3, 4, 0]]), torch.zeros(2)
+        >>> h.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist()  # nothing to compare yet
+        [False, False]
+        >>> h.update(rows, y_prev=y, y_new=y, pred=pred.clone(), q_halt_logits=q).tolist()
         [True, True]
     """
 
     def __init__(self, rule: str, batch_size: int, *, tol: float = 1e-3, patience: int = 1,
                  device: torch.device | str = "cpu"):
-        if rule not in ("budget", "act", "residual", "stability"):
+        rules = {"budget": lambda: (),
+                 "act": lambda: (HaltHead(lambda s: s.q_halt_logits.detach()),),
+                 "residual": lambda: (Residual(tol, "rel"),),
+                 "stability": lambda: (AnswerStable(lambda s: s.pred, k=patience),)}
+        if rule not in rules:
             raise ValueError(f"unknown halting rule {rule!r}; expected budget, act, residual or stability")
-        self.rule, self.tol, self.patience = rule, tol, patience
-        self.stable = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.rule, self.rules = rule, rules[rule]()
+        device = torch.device(device)
+        for r in self.rules:
+            r.start(batch_size, device)
+        self.segments = torch.zeros(batch_size, dtype=torch.long, device=device)
 
-    def update(self, rows: torch.Tensor, *, q_halt_logits: torch.Tensor | None = None,
-               y_prev: torch.Tensor | None = None, y_new: torch.Tensor | None = None,
-               pred_prev: torch.Tensor | None = None, pred_new: torch.Tensor | None = None) -> torch.Tensor:
-        n = rows.shape[0]
-        if self.rule == "budget":
-            return torch.zeros(n, dtype=torch.bool, device=rows.device)
-        if self.rule == "act":
-            return q_halt_logits.detach() > 0
-        if self.rule == "residual":
-            diff = torch.linalg.vector_norm((y_new - y_prev).detach().flatten(1).double(), dim=1)
-            norm = torch.linalg.vector_norm(y_new.detach().flatten(1).double(), dim=1)
-            return diff <= self.tol * norm
-        same = (pred_new == pred_prev).flatten(1).all(1)
-        self.stable[rows] = torch.where(same, self.stable[rows] + 1, torch.zeros_like(self.stable[rows]))
-        return self.stable[rows] >= self.patience
+    def update(self, rows: torch.Tensor, *, y_prev: torch.Tensor, y_new: torch.Tensor, pred: torch.Tensor,
+               q_halt_logits: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of the n running `rows` halt after the segment that took y_prev to y_new."""
+        if not self.rules:
+            return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        self.segments[rows] += 1
+        x, fx = y_prev.detach().flatten(1), y_new.detach().flatten(1)
+        abs_r = torch.linalg.vector_norm(fx - x, dim=1, dtype=torch.float64)
+        rel_r = abs_r / (torch.linalg.vector_norm(fx, dim=1, dtype=torch.float64) + 1e-12)
+        state = SegmentOutputs(y_new, pred, q_halt_logits)
+        step = Step(x, fx, rows, self.segments[rows], abs_r, rel_r, unflatten=lambda _: state)
+        stop = self.rules[0](step)
+        for r in self.rules[1:]:
+            stop = stop | r(step)
+        return stop
 
 
 class ReasonerForGridClassification(ReasonerPreTrainedModel):
@@ -547,7 +572,7 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
         y, z = carry.y.detach(), carry.z.detach()
         steps = torch.zeros(b, dtype=torch.long, device=x.device)
         halted = torch.zeros(b, dtype=torch.bool, device=x.device)
-        logits = q_halt = pred = None
+        logits = q_halt = None
         losses, stats = [], None
         for s in range(budget):
             rows = (~halted).nonzero().flatten()
@@ -560,21 +585,16 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
 
             new, stats = core.segment(pick(x), ReasonerCarry(pick(y), pick(z)))
             seg_logits, seg_q = self.heads(new.y)
-            seg_pred = seg_logits.argmax(-1)
             if labels is not None:
                 losses.append(self._segment_loss(seg_logits, seg_q, pick(labels)))
             if logits is None:
-                logits, q_halt, pred = seg_logits, seg_q, seg_pred
+                logits, q_halt = seg_logits, seg_q
             else:
                 logits = seg_logits if every else logits.index_copy(0, rows, seg_logits)
                 q_halt = seg_q if every else q_halt.index_copy(0, rows, seg_q)
-                pred_prev, pred = pred, pred.index_copy(0, rows, seg_pred)
             steps[rows] += 1
-            if s == 0 and rule.rule == "stability":  # nothing to compare with yet
-                stop = torch.zeros_like(rows, dtype=torch.bool)
-            else:
-                stop = rule.update(rows, q_halt_logits=seg_q, y_prev=pick(y), y_new=new.y,
-                                   pred_prev=pred_prev[rows] if s else None, pred_new=seg_pred)
+            stop = rule.update(rows, y_prev=pick(y), y_new=new.y, pred=seg_logits.argmax(-1),
+                               q_halt_logits=seg_q)
             if min_steps is not None:
                 stop = stop & (steps[rows] >= min_steps[rows])
             y = new.y.detach() if every else y.index_copy(0, rows, new.y.detach())

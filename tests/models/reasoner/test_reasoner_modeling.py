@@ -223,17 +223,28 @@ def test_q_head_starts_at_the_halt_bias_and_no_sample_halts():
 
 
 def test_segment_halting_rules():
-    rows = torch.arange(3)
-    h = SegmentHalting("residual", 3, tol=0.1)
-    y = torch.ones(3, 4)
-    assert h.update(rows, y_prev=y, y_new=y * torch.tensor([[1.0], [1.05], [2.0]])).tolist() == [True, True,
-                                                                                                 False]
+    rows, q = torch.arange(3), torch.tensor([0.5, -0.1, 2.0])
+    y = torch.ones(3, 2, 2)
+    pred = torch.tensor([[1], [2], [3]])
+    h = SegmentHalting("residual", 3, tol=0.1)  # relative change of y: 0, 0.05/1.05, 1/2
+    y_new = y * torch.tensor([1.0, 1.05, 2.0])[:, None, None]
+    assert h.update(rows, y_prev=y, y_new=y_new, pred=pred, q_halt_logits=q).tolist() == [True, True, False]
+    a = SegmentHalting("act", 3)
+    assert a.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [True, False, True]
     s = SegmentHalting("stability", 3, patience=2)
-    p = torch.tensor([[1], [2], [3]])
-    assert s.update(rows, pred_prev=p, pred_new=p).tolist() == [False] * 3
-    assert s.update(rows, pred_prev=p, pred_new=torch.tensor([[1], [0], [3]])).tolist() == [True, False, True]
+    for new_pred, expected in ((pred, [False] * 3), (pred, [False] * 3),  # first segment: nothing to compare
+                               (torch.tensor([[1], [0], [3]]), [True, False, True])):
+        assert s.update(rows, y_prev=y, y_new=y, pred=new_pred, q_halt_logits=q).tolist() == expected
+    # rows that left the batch keep their state: row 1 alone, answer unchanged twice more
+    for expected in ([False], [True]):
+        assert s.update(rows[1:2], y_prev=y[1:2], y_new=y[1:2], pred=torch.tensor([[0]]),
+                        q_halt_logits=q[1:2]).tolist() == expected
+    b = SegmentHalting("budget", 3)
+    assert b.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [False] * 3
     with pytest.raises(ValueError, match="unknown halting rule"):
         SegmentHalting("sometimes", 3)
+    with pytest.raises(ValueError, match="tol > 0"):
+        SegmentHalting("residual", 3, tol=0.0)
 
 
 # ------------------------------------------------------------------------------------------ I/O, errors
@@ -270,6 +281,8 @@ def test_bad_inputs_are_named():
         model(torch.zeros(2, 4, dtype=torch.long), num_segments=0)
     with pytest.raises(ValueError, match="divisible"):
         ReasonerConfig(hidden_size=10, num_heads=3)
+    with pytest.raises(ValueError, match=r"'halt_tol' is 0\.0, outside"):
+        ReasonerConfig(halt_tol=0.0)
 
 
 def test_carry_continues_the_computation():
