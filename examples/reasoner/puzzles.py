@@ -27,9 +27,12 @@ import numpy as np
 
 DATA = Path(__file__).resolve().parent / "data"
 BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}
-# the stored held-out sets: name -> (kind, size, count, seed); seeds far from any training seed
+# the stored evaluation sets: name -> (kind, size, count, seed); seeds far from any training seed.
+# sudoku9_validation (its first 200 are the 9x9 probes' validation puzzles) is for choosing inference settings
+# (select_halting.py), so that the held-out set is looked at once per choice.
 HELDOUT = {"sudoku6_heldout": ("sudoku", 6, 1000, 10_000_006), "maze9_heldout": ("maze", 9, 500, 20_000_009),
-           "sudoku9_heldout": ("sudoku", 9, 1000, 10_000_009)}
+           "sudoku9_heldout": ("sudoku", 9, 1000, 10_000_009),
+           "sudoku9_validation": ("sudoku", 9, 1000, 30_000_009)}
 
 
 # ------------------------------------------------------------------------------------------------- sudoku

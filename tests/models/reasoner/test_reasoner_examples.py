@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from deqzoo.models.reasoner import ReasonerForGridClassification, grid_groups
-from examples.reasoner import evaluate, puzzles, train
+from deqzoo.models.reasoner import ReasonerConfig, ReasonerForGridClassification, grid_groups
+from examples.reasoner import evaluate, puzzles, select_halting, train
 
 
 @pytest.mark.parametrize("n", [4, 6])
@@ -35,7 +35,7 @@ def test_sudoku_solver_counts_several_solutions():
     assert puzzles.count_sudoku_solutions(bad, 4) == 0
 
 
-@pytest.mark.parametrize("name", ["sudoku6_heldout", "sudoku9_heldout"])
+@pytest.mark.parametrize("name", ["sudoku6_heldout", "sudoku9_heldout", "sudoku9_validation"])
 def test_stored_sudoku_heldout_is_small_minimal_and_reproducible(name):
     path = puzzles.DATA / f"{name}.npz"
     assert path.stat().st_size <= 200_000
@@ -51,6 +51,11 @@ def test_stored_sudoku_heldout_is_small_minimal_and_reproducible(name):
             q = p.copy()
             q[i] = 0
             assert puzzles.count_sudoku_solutions(q, n) == 2
+
+
+def test_validation_puzzles_are_not_held_out():
+    held = {bytes(r) for r in puzzles.load_heldout("sudoku9_heldout")["labels"]}
+    assert not held & {bytes(r) for r in puzzles.load_heldout("sudoku9_validation")["labels"]}
 
 
 def test_write_heldout_builds_missing_sets_and_keeps_existing_ones(tmp_path, monkeypatch):
@@ -164,3 +169,36 @@ def test_training_with_the_group_mixer_gets_the_tasks_partitions(tmp_path):
     train.main(["--out", str(tmp_path / "g"), "--steps", "2", *ARGS[:-2], "--config", config])
     model = ReasonerForGridClassification.from_pretrained(tmp_path / "g" / "checkpoint")
     assert model.config.token_groups == grid_groups(6, box=(2, 3))
+
+
+def test_select_halting_checks_each_candidate_against_the_budget():
+    cfg = ReasonerConfig(seq_len=16, vocab_size=5, num_labels=5, hidden_size=16, num_heads=2, h_cycles=1,
+                         l_cycles=1, halt_max_steps=3)
+    torch.manual_seed(0)
+    model = ReasonerForGridClassification(cfg).eval()
+    inputs = torch.randint(0, 5, (24, 16)).numpy().astype(np.uint8)
+    labels = torch.randint(1, 5, (24, 16)).numpy().astype(np.uint8)
+    cands = ["stability:1", "stability:3", "residual:1000"]
+    report = select_halting.select(model, inputs, labels, cands, [1, 2])
+    x = torch.from_numpy(inputs.astype(np.int64))
+    for row in (r for r in report["rows"] if r["halting"] != "budget"):  # against direct calls
+        budget = row["multiple"] * 3
+        setting = {k: row[k] for k in ("halt_patience", "halt_tol") if k in row}
+        halted = ReasonerForGridClassification(ReasonerConfig.from_dict({**cfg.to_dict(), **setting})).eval()
+        halted.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            full = model(x, num_segments=budget).logits.argmax(-1)
+            out = halted(x, num_segments=budget, halting=row["halting"])
+        early = out.steps < budget
+        assert row["stopped_early"] == int(early.sum())
+        assert row["early_same_as_budget"] == int((out.logits.argmax(-1)[early] == full[early]).all(1).sum())
+    # random weights: stability:1 stops a puzzle whose answer then moves, stability:3 stops none early at 1x
+    assert report["qualifies"] == {"stability:1": False, "stability:3": False, "residual:1000": False}
+    assert report["choice"] is None
+    with torch.no_grad():  # a token head of zeros: every answer is final after one segment
+        model.lm_head.weight.zero_()
+    report = select_halting.select(model, inputs, labels, cands, [1, 2])
+    assert report["qualifies"] == {"stability:1": True, "stability:3": False, "residual:1000": True}
+    assert report["choice"] == "residual:1000"  # 1 segment against stability:1's 2
+    with pytest.raises(ValueError, match="stability:<patience>"):
+        select_halting.main(["x", "--candidates", "act:1"])
