@@ -304,8 +304,8 @@ def main(argv=None) -> None:
             tqdm.write(json.dumps(record))
     info.update(cpu_s=time.process_time() - cpu0, wall_s=time.time() - wall0)
     save_state(out, model, opt, slots, step, info)
-    log.write(json.dumps({"step": step, "final": True, "cpu_s": info["cpu_s"], "wall_s": info["wall_s"]})
-              + "\n")
+    log.write(json.dumps({"step": step, "final": True, "cpu_s": info["cpu_s"], "wall_s": info["wall_s"],
+                          "puzzles": info["puzzles"]}) + "\n")
     log.close()
 
 

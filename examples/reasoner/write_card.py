@@ -60,7 +60,7 @@ class Run:
     them apart."""
 
     def __init__(self, folder: str | Path, checkpoint: str | Path | None = None,
-                 earlier_log: str | Path | None = None):
+                 earlier_log: str | Path | None = None, counters_from_log: bool = False):
         self.folder = Path(folder)
         self.checkpoint = Path(checkpoint) if checkpoint else self.folder / "checkpoint"
         for need in (self.folder / "run.json", self.checkpoint / "config.json",
@@ -70,16 +70,23 @@ class Run:
                                         "checkpoint/{config.json,model.safetensors})")
         self.meta = json.loads((self.folder / "run.json").read_text())
         self.args = self.meta["args"]
-        state = self.checkpoint / "trainer_state.safetensors"
-        if not state.is_file():
-            raise FileNotFoundError(f"{state}: missing; the checkpoint's step and CPU time come from it")
-        with safe_open(str(state), "pt") as f:
-            meta = f.metadata()
-        self.step = int(meta["step"])
-        info = json.loads(meta["info"])
-        self.cpu_s, self.wall_s, self.puzzles = float(info["cpu_s"]), float(info["wall_s"]), info["puzzles"]
         log = self.folder / "log.jsonl"
         records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
+        state = self.checkpoint / "trainer_state.safetensors"
+        self.puzzles_step = None  # the step of the puzzle count when it is not the checkpoint's own
+        if state.is_file():
+            with safe_open(str(state), "pt") as f:
+                meta = f.metadata()
+            self.step = int(meta["step"])
+            info = json.loads(meta["info"])
+            self.cpu_s, self.wall_s = float(info["cpu_s"]), float(info["wall_s"])
+            self.puzzles = info["puzzles"]
+        elif counters_from_log:
+            self._counters_from_log(log, records)
+        else:
+            raise FileNotFoundError(f"{state}: missing; the checkpoint's step and CPU time come from it "
+                                    "(or, for the weights a finished run ends with, from its log's final "
+                                    "record: --counters-from-log)")
         # the curve up to this checkpoint (a later snapshot's records would describe other weights)
         self.curve = [r for r in records if "eval" in r and r["step"] <= self.step]
         self.stage_step, self.stage_cpu_s, self.stage_wall_s = self.step, self.cpu_s, self.wall_s
@@ -89,6 +96,29 @@ class Run:
                              "needs that first stage's log.jsonl (--init-log / --twin-init-log)")
         if earlier_log is not None:
             self._add_earlier(Path(earlier_log))
+
+    def _counters_from_log(self, log: Path, records: list[dict]) -> None:
+        """Step, CPU-s and wall-s from the log's final record (train.py writes it with the last checkpoint,
+        the weights a finished run ends with); the puzzle count from that record, or (logs before it held
+        one) from the last record that has it, whose step is kept in `puzzles_step`."""
+        final = [r for r in records if r.get("final")]
+        if not final:
+            raise ValueError(f"{log}: no final record; without the checkpoint's trainer_state.safetensors "
+                             "only a finished run's log gives its counters")
+        end = final[-1]
+        self.step, self.cpu_s, self.wall_s = int(end["step"]), float(end["cpu_s"]), float(end["wall_s"])
+        if "puzzles" in end:
+            self.puzzles = end["puzzles"]
+        else:
+            counted = [r for r in records if "puzzles" in r and r["step"] <= self.step]
+            if not counted:
+                raise ValueError(f"{log}: no record counts the puzzles drawn")
+            self.puzzles, self.puzzles_step = counted[-1]["puzzles"], counted[-1]["step"]
+
+    def puzzles_text(self) -> str:
+        """"N puzzles drawn", saying at which step when the count is not the checkpoint's."""
+        at = "" if self.puzzles_step is None else f" by step {self.puzzles_step:,}, the last logged count"
+        return f"{self.puzzles:,} puzzles drawn{at}"
 
     def _add_earlier(self, path: Path) -> None:
         """Prepend the first stage (its log's final record) to the counters and the curve."""
@@ -463,12 +493,12 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                  f"when its Q-head halts it, exploration {cfg.halt_exploration_prob}), AdamW (β 0.9/0.95, "
                  f"weight decay {a['weight_decay']} on matrices), lr {a['lr']} with {a['warmup']} warmup "
                  f"steps, gradient clipping 1.0, seed {a['seed']}, {a['threads']} thread. "
-                 + (f"Trained {run.step:,} optimizer steps ({run.puzzles:,} puzzles drawn) in "
+                 + (f"Trained {run.step:,} optimizer steps ({run.puzzles_text()}) in "
                     if not run.earlier_step else
                     f"Trained in two stages: {run.earlier_step:,} steps at a constant lr "
                     f"({run.earlier_cpu_s:,.0f} CPU-s), then from those weights with a fresh optimizer, "
                     f"{a['warmup']} warmup steps and the lr {_schedule_text(a)}, {run.stage_step:,} steps "
-                    f"({run.stage_cpu_s:,.0f} CPU-s, {run.puzzles:,} puzzles drawn): {run.step:,} steps in ")
+                    f"({run.stage_cpu_s:,.0f} CPU-s, {run.puzzles_text()}): {run.step:,} steps in ")
                  + f"**{run.cpu_s:,.0f} CPU-s ({run.cpu_s / 3600:.2f} CPU-hours)**, {run.wall_s:,.0f} s wall "
                  "on a shared 2-core machine"
                  + (": the wall time is mostly waiting." if run.wall_s > 1.5 * run.cpu_s else "."), ""]
@@ -583,6 +613,9 @@ def main(argv=None) -> list[Path]:
     p.add_argument("--twin-init-log", default=None, help="the same for --twin-run")
     p.add_argument("--bar-cpu-hours", type=float, default=0.5, help="bar item 5's CPU-hours per network "
                    "(examples/reasoner/README.md: 0.5 for the 6×6 amendment, 6.0 for the 9×9 continuation)")
+    p.add_argument("--counters-from-log", action="store_true", help="checkpoints without their "
+                   "trainer_state.safetensors (the final weights of finished runs): step, CPU-s and wall-s "
+                   "from each run's log's final record")
     p.add_argument("--replace", action="store_true", help="replace this writer's files in existing folders")
     p.add_argument("--allow-subset", action="store_true", help="accept a report on part of the held-out set "
                    "(tests only: `deqzoo eval` scores all of it)")
@@ -595,11 +628,11 @@ def main(argv=None) -> list[Path]:
         if dest.exists() and any(dest.iterdir()) and not args.replace:
             p.error(f"{dest} exists and is not empty; pass --replace to rewrite its card files "
                     f"({', '.join(CARD_FILES)})")
-    run = Run(args.run, args.checkpoint, args.init_log)
+    run = Run(args.run, args.checkpoint, args.init_log, args.counters_from_log)
     report = load_report(args.eval, run, allow_subset=args.allow_subset)
     twin = twin_report = None
     if args.twin_name:
-        twin = Run(args.twin_run, args.twin_checkpoint, args.twin_init_log)
+        twin = Run(args.twin_run, args.twin_checkpoint, args.twin_init_log, args.counters_from_log)
         twin_report = load_report(args.twin_eval, twin, allow_subset=args.allow_subset)
     grad_modes = json.loads(Path(args.grad_modes).read_text()) if args.grad_modes else None
     written = [write_one(dests[0], name=args.name, run=run, report=report, role="reasoner",
