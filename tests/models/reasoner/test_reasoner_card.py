@@ -252,3 +252,35 @@ def test_demo_counts_what_evaluate_counts(runs):
     solved = round(100 * sudoku.evaluate(model, limit=100, progress=False)["exact_1x"])
     assert line.metric == f"{solved}/100 solved" and "held-out" in str(line)
     assert stats is None  # last_cycle: no fixed-point solve to report
+
+
+def test_final_weights_without_trainer_state_take_the_counters_from_the_log(runs, tmp_path):
+    """The committed final weights of a finished run have no trainer_state.safetensors: the card reads the
+    step and CPU time from the log's final record only when told to, and says where the puzzle count is
+    from when that record has none (logs written before train.py added it)."""
+    root, out = runs
+    src, _ = out["reasoner"]
+    folder = tmp_path / "run"
+    (folder / "checkpoint").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (folder / "checkpoint" / name).write_bytes((src / "checkpoint" / name).read_bytes())
+    (folder / "run.json").write_text((src / "run.json").read_text())
+    records = [json.loads(x) for x in (src / "log.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["final"] and final["puzzles"] == write_card.Run(src).puzzles  # train.py logs the count
+    with pytest.raises(FileNotFoundError, match="--counters-from-log"):
+        write_card.Run(folder)
+    (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = write_card.Run(folder, counters_from_log=True)
+    assert (run.step, run.cpu_s, run.puzzles, run.puzzles_step) == (final["step"], final["cpu_s"],
+                                                                    final["puzzles"], None)
+    old = records[:-1] + [{k: v for k, v in final.items() if k != "puzzles"}]
+    (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    run = write_card.Run(folder, counters_from_log=True)
+    last = [r for r in records[:-1] if "puzzles" in r][-1]
+    assert (run.puzzles, run.puzzles_step) == (last["puzzles"], last["step"])
+    assert run.puzzles_text() == (f"{last['puzzles']:,} puzzles drawn by step {last['step']:,}, the last "
+                                  "logged count")
+    (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    with pytest.raises(ValueError, match="no final record"):
+        write_card.Run(folder, counters_from_log=True)
