@@ -47,6 +47,32 @@ def converted(tmp_path_factory) -> dict[str, Path]:
             for fmt, fixture, opts in CASES}
 
 
+NAMES = ("logits", "q_halt_logits", "q_continue_logits")
+# make_fixtures.py's outputs of the upstream code run on THIS machine on the committed weights (README.md,
+# "Same machine"); the upstream code cannot be part of the repository, so this check is opt-in
+UPSTREAM_HERE = os.environ.get("DEQZOO_UPSTREAM_OUTPUTS")
+
+
+def _segment_by_segment(model, inputs: torch.Tensor, segments: int) -> dict[str, torch.Tensor]:
+    """Logits, Q halt and Q continue logits (batch, segments, ...) run one segment at a time from the carry,
+    so that every segment is compared."""
+    dtype = next(model.parameters()).dtype
+    carry, mine = None, {k: [] for k in NAMES}
+    with torch.no_grad():
+        for _ in range(segments):
+            out = model(inputs, carry=carry, num_segments=1)
+            carry = out.carry
+            q = model.q_head(carry[0][:, 0])  # (halt, continue) from the answer state's first position
+            for k, v in zip(NAMES, (out.logits, out.q_halt_logits, q[:, 1])):
+                assert v.dtype == dtype
+                mine[k].append(v)
+    return {k: torch.stack(v, 1) for k, v in mine.items()}
+
+
+def _worst(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in NAMES)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("fixture", [c[1] for c in CASES])
 def test_converted_model_reproduces_the_original_segment_by_segment(converted, fixture, dtype):
@@ -57,35 +83,21 @@ def test_converted_model_reproduces_the_original_segment_by_segment(converted, f
     or at most 5x the original float32 run's error against the exact (float64) outputs."""
     tag = "f32" if dtype == torch.float32 else "f64"
     exp = load_file(FIX / fixture / "expected.safetensors")
-    names = ("logits", "q_halt_logits", "q_continue_logits")
     segments = exp["logits_f64"].shape[1]
     # the check has resolution: each segment changes the original's logits far beyond the tolerance
     assert segments >= 2 and (exp["logits_f64"][:, 1:] - exp["logits_f64"][:, :-1]).abs().amax() > 1e-2
     model = ReasonerForGridClassification.from_pretrained(converted[fixture]).to(dtype).eval()
     assert model.config.halt_max_steps == segments
-    carry, mine = None, {k: [] for k in names}
-    with torch.no_grad():
-        for _ in range(segments):  # one segment at a time from the carry: every segment is compared
-            out = model(exp["inputs"], carry=carry, num_segments=1)
-            carry = out.carry
-            q = model.q_head(carry[0][:, 0])  # (halt, continue) from the answer state's first position
-            for k, v in zip(names, (out.logits, out.q_halt_logits, q[:, 1])):
-                assert v.dtype == dtype
-                mine[k].append(v)
-    mine = {k: torch.stack(v, 1) for k, v in mine.items()}
-
-    def worst(a: dict, b: dict) -> float:
-        return max((a[k].double() - b[k].double()).abs().max().item() for k in names)
-
-    ref = {k: exp[f"{k}_{tag}"] for k in names}
-    assert all(mine[k].shape == ref[k].shape for k in names)
-    diff = worst(mine, ref)
+    mine = _segment_by_segment(model, exp["inputs"], segments)
+    ref = {k: exp[f"{k}_{tag}"] for k in NAMES}
+    assert all(mine[k].shape == ref[k].shape for k in NAMES)
+    diff = _worst(mine, ref)
     print(f"{fixture} {tag}: max |diff| over {segments} segments (logits, Q halt, Q continue) = {diff:.3e}")
     if dtype == torch.float64:
         assert diff < TOL[dtype]
     else:
-        exact = {k: exp[f"{k}_f64"] for k in names}
-        own, ours = worst(ref, exact), worst(mine, exact)
+        exact = {k: exp[f"{k}_f64"] for k in NAMES}
+        own, ours = _worst(ref, exact), _worst(mine, exact)
         print(f"  float32 error against float64: original {own:.2e}, deqzoo {ours:.2e}")
         assert diff < TOL[dtype] or ours <= 5 * own, (diff, ours, own)
     # the full budget in one call ends where the segment-by-segment run ended (same kernels: to rounding)
@@ -93,6 +105,27 @@ def test_converted_model_reproduces_the_original_segment_by_segment(converted, f
         full = model(exp["inputs"])
     torch.testing.assert_close(full.logits, mine["logits"][:, -1], rtol=0, atol=100 * torch.finfo(dtype).eps)
     assert full.steps.tolist() == [segments] * exp["inputs"].shape[0]
+
+
+@pytest.mark.skipif(not UPSTREAM_HERE, reason="opt-in: DEQZOO_UPSTREAM_OUTPUTS, the upstream code's outputs "
+                    "made on this machine (conversion/fixtures/reasoner_hrm/README.md, 'Same machine')")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("fixture", [c[1] for c in CASES])
+def test_converted_model_equals_the_upstream_code_run_on_the_same_machine(converted, fixture, dtype):
+    """Issue #56 item 7's bounds as written (1e-5 in float32, 1e-10 in float64) against the upstream code run
+    on this machine on the committed weights: across machines the upstream's own float32 outputs move by
+    more than 1e-5 (the test above), on one machine deqzoo and the upstream code compute the same numbers."""
+    tag = "f32" if dtype == torch.float32 else "f64"
+    exp = load_file(FIX / fixture / "expected.safetensors")
+    here = load_file(Path(UPSTREAM_HERE) / fixture.split("/")[1] / "expected.safetensors")
+    torch.testing.assert_close(here["inputs"], exp["inputs"], rtol=0, atol=0)
+    # the same weights: the upstream's float64 run agrees with the committed one to float64 rounding
+    assert _worst({k: here[f"{k}_f64"] for k in NAMES}, {k: exp[f"{k}_f64"] for k in NAMES}) < 1e-10
+    model = ReasonerForGridClassification.from_pretrained(converted[fixture]).to(dtype).eval()
+    mine = _segment_by_segment(model, exp["inputs"], exp["logits_f64"].shape[1])
+    diff = _worst(mine, {k: here[f"{k}_{tag}"] for k in NAMES})
+    print(f"{fixture} {tag}: deqzoo vs the upstream code on this machine, max |diff| = {diff:.3e}")
+    assert diff < TOL[dtype]
 
 
 @pytest.mark.parametrize("fmt, fixture, opts", CASES)
