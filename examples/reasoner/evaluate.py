@@ -42,6 +42,13 @@ def solve_rates(model, inputs: np.ndarray, labels: np.ndarray, segments: int, ha
              "segments": round(float(steps_all.float().mean()), 3)}, torch.cat(answers), steps_all)
 
 
+def early_agreement(answers: torch.Tensor, steps: torch.Tensor, budget_answers: torch.Tensor,
+                    budget: int) -> tuple[int, int]:
+    """(puzzles a rule stopped before `budget` segments, how many of those got the budget's answer)."""
+    early = steps < budget
+    return int(early.sum()), int((answers[early] == budget_answers[early]).all(1).sum())
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a folder written by save_pretrained (train.py's <out>/checkpoint)")
@@ -67,11 +74,9 @@ def main(argv=None) -> dict:
             if rule == "budget":
                 budget_answers = answers
             else:  # the puzzles the rule stopped early, and whether their answers are the budget's
-                early = steps < k * trained
-                row["stopped_early"] = round(float(early.float().mean()), 4)
-                row["early_same_as_budget"] = (round(float((answers[early] == budget_answers[early])
-                                                           .all(1).float().mean()), 4)
-                                               if early.any() else None)
+                n_early, n_same = early_agreement(answers, steps, budget_answers, k * trained)
+                row["stopped_early"] = round(n_early / len(inputs), 4)
+                row["early_same_as_budget"] = round(n_same / n_early, 4) if n_early else None
             if rule in args.halting.split(","):
                 rows.append(row)
     report = {"checkpoint": str(args.checkpoint), "heldout": args.heldout, "puzzles": len(inputs),

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from deqzoo.models.reasoner import ReasonerForGridClassification
-from examples.reasoner.evaluate import solve_rates
+from examples.reasoner.evaluate import early_agreement, solve_rates
 from examples.reasoner.puzzles import HELDOUT, load_heldout
 
 SETTINGS = {"stability": ("halt_patience", int), "residual": ("halt_tol", float)}
@@ -56,9 +56,7 @@ def select(model: ReasonerForGridClassification, inputs: np.ndarray, labels: np.
                 rates, answers, steps = solve_rates(model, inputs, labels, k * trained, rule)
             finally:
                 setattr(model.config, key, old)
-            early = steps < k * trained
-            same = int((answers[early] == budget_answers[early]).all(1).sum())
-            n_early = int(early.sum())
+            n_early, same = early_agreement(answers, steps, budget_answers, k * trained)
             rows.append({"multiple": k, "halting": rule, key: value, "candidate": text, **rates,
                          "stopped_early": n_early, "early_same_as_budget": same,
                          "wall_s": round(time.time() - t, 2)})

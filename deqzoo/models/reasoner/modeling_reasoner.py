@@ -463,18 +463,19 @@ class SegmentHalting:
     ||y_new - y_prev|| / ||y_new|| < tol), "stability" (`AnswerStable` on the argmax answer: unchanged for
     `patience` consecutive segments). The segment loop is not a root solve (each segment runs the network a
     fixed number of times and is supervised on its own), so the engine's solvers do not drive it; what this
-    class adds is the `Step` per segment that the rules read (segments run per row as the evaluation count,
-    the answer state's change as the residual). :meth:`update` takes the rows still running and returns which
-    of them halt now.
+    class adds is the `Step` per segment that the rules read (the segments each row has run as its evaluation
+    count, the answer state's change as the residual). :meth:`update` takes the rows still running and
+    returns which of them halt now.
 
     Example:
         >>> import torch
         >>> h = SegmentHalting("stability", batch_size=2, patience=1)
         >>> rows, y = torch.arange(2), torch.zeros(2, 3, 4)
         >>> pred, q = torch.tensor([[1, 2, 0], [3, 4, 0]]), torch.zeros(2)
-        >>> h.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist()  # nothing to compare yet
+        >>> seen = dict(y_prev=y, y_new=y, pred=pred, q_halt_logits=q)
+        >>> h.update(rows, torch.tensor([1, 1]), **seen).tolist()  # first segment: nothing to compare yet
         [False, False]
-        >>> h.update(rows, y_prev=y, y_new=y, pred=pred.clone(), q_halt_logits=q).tolist()
+        >>> h.update(rows, torch.tensor([2, 2]), **seen).tolist()  # the same answer a second time
         [True, True]
     """
 
@@ -487,22 +488,20 @@ class SegmentHalting:
         if rule not in rules:
             raise ValueError(f"unknown halting rule {rule!r}; expected budget, act, residual or stability")
         self.rule, self.rules = rule, rules[rule]()
-        device = torch.device(device)
         for r in self.rules:
-            r.start(batch_size, device)
-        self.segments = torch.zeros(batch_size, dtype=torch.long, device=device)
+            r.start(batch_size, torch.device(device))
 
-    def update(self, rows: torch.Tensor, *, y_prev: torch.Tensor, y_new: torch.Tensor, pred: torch.Tensor,
-               q_halt_logits: torch.Tensor) -> torch.Tensor:
-        """(n,) bool: which of the n running `rows` halt after the segment that took y_prev to y_new."""
+    def update(self, rows: torch.Tensor, segments: torch.Tensor, *, y_prev: torch.Tensor, y_new: torch.Tensor,
+               pred: torch.Tensor, q_halt_logits: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of the n running `rows` halt after the segment that took y_prev to y_new;
+        `segments`: (n,) the segments each has run, this one included."""
         if not self.rules:
             return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        self.segments[rows] += 1
         x, fx = y_prev.detach().flatten(1), y_new.detach().flatten(1)
         abs_r = torch.linalg.vector_norm(fx - x, dim=1, dtype=torch.float64)
         rel_r = abs_r / (torch.linalg.vector_norm(fx, dim=1, dtype=torch.float64) + 1e-12)
         state = SegmentOutputs(y_new, pred, q_halt_logits)
-        step = Step(x, fx, rows, self.segments[rows], abs_r, rel_r, unflatten=lambda _: state)
+        step = Step(x, fx, rows, segments, abs_r, rel_r, unflatten=lambda _: state)
         stop = self.rules[0](step)
         for r in self.rules[1:]:
             stop = stop | r(step)
@@ -593,7 +592,7 @@ class ReasonerForGridClassification(ReasonerPreTrainedModel):
                 logits = seg_logits if every else logits.index_copy(0, rows, seg_logits)
                 q_halt = seg_q if every else q_halt.index_copy(0, rows, seg_q)
             steps[rows] += 1
-            stop = rule.update(rows, y_prev=pick(y), y_new=new.y, pred=seg_logits.argmax(-1),
+            stop = rule.update(rows, steps[rows], y_prev=pick(y), y_new=new.y, pred=seg_logits.argmax(-1),
                                q_halt_logits=seg_q)
             if min_steps is not None:
                 stop = stop & (steps[rows] >= min_steps[rows])

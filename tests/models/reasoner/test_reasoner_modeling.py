@@ -226,21 +226,23 @@ def test_segment_halting_rules():
     rows, q = torch.arange(3), torch.tensor([0.5, -0.1, 2.0])
     y = torch.ones(3, 2, 2)
     pred = torch.tensor([[1], [2], [3]])
+    one = torch.ones(3, dtype=torch.long)  # segments run, this one included
     h = SegmentHalting("residual", 3, tol=0.1)  # relative change of y: 0, 0.05/1.05, 1/2
     y_new = y * torch.tensor([1.0, 1.05, 2.0])[:, None, None]
-    assert h.update(rows, y_prev=y, y_new=y_new, pred=pred, q_halt_logits=q).tolist() == [True, True, False]
+    assert h.update(rows, one, y_prev=y, y_new=y_new, pred=pred, q_halt_logits=q).tolist() == [True, True,
+                                                                                               False]
     a = SegmentHalting("act", 3)
-    assert a.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [True, False, True]
+    assert a.update(rows, one, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [True, False, True]
     s = SegmentHalting("stability", 3, patience=2)
-    for new_pred, expected in ((pred, [False] * 3), (pred, [False] * 3),  # first segment: nothing to compare
-                               (torch.tensor([[1], [0], [3]]), [True, False, True])):
-        assert s.update(rows, y_prev=y, y_new=y, pred=new_pred, q_halt_logits=q).tolist() == expected
+    for k, new_pred, expected in ((1, pred, [False] * 3), (2, pred, [False] * 3),  # first: nothing to compare
+                                  (3, torch.tensor([[1], [0], [3]]), [True, False, True])):
+        assert s.update(rows, k * one, y_prev=y, y_new=y, pred=new_pred, q_halt_logits=q).tolist() == expected
     # rows that left the batch keep their state: row 1 alone, answer unchanged twice more
-    for expected in ([False], [True]):
-        assert s.update(rows[1:2], y_prev=y[1:2], y_new=y[1:2], pred=torch.tensor([[0]]),
+    for k, expected in ((4, [False]), (5, [True])):
+        assert s.update(rows[1:2], torch.tensor([k]), y_prev=y[1:2], y_new=y[1:2], pred=torch.tensor([[0]]),
                         q_halt_logits=q[1:2]).tolist() == expected
     b = SegmentHalting("budget", 3)
-    assert b.update(rows, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [False] * 3
+    assert b.update(rows, one, y_prev=y, y_new=y, pred=pred, q_halt_logits=q).tolist() == [False] * 3
     with pytest.raises(ValueError, match="unknown halting rule"):
         SegmentHalting("sometimes", 3)
     with pytest.raises(ValueError, match="tol > 0"):
