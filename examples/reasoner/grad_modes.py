@@ -22,6 +22,14 @@ seconds used. A small-budget table: it ranks the modes early in training, not at
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/grad_modes.py \\
         --out /work/runs/grad-modes --cpu-seconds 120
+
+``--warm-start-seconds S`` runs the table as DEQs are usually trained (MDEQ and DEQ-Transformer pretrain
+with unrolled iterations before switching to the implicit backward): one shared ``last_cycle`` run for S
+CPU-seconds (scored as the row ``warm-up``), then every mode continues from its weights with a fresh
+optimizer for the remaining ``--cpu-seconds`` minus S, so each row has spent the same CPU time in all.
+``--deq-max-iter N`` lets the "deq" modes' forward solve run up to N cycles (default: ``h_cycles``, the
+other modes' schedule); their rows then also report how many of the scored puzzles' last segments reached
+the solve's tolerance, and the mean f calls of that segment.
 """
 
 from __future__ import annotations
@@ -68,53 +76,108 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-size", type=int, default=500)
-    return p.parse_args(argv)
+    p.add_argument("--warm-start-seconds", type=float, default=0.0,
+                   help="train last_cycle for this many CPU-s first and start every mode from it")
+    p.add_argument("--deq-max-iter", type=int, default=None,
+                   help="the deq modes' forward cycles at most (default: h_cycles)")
+    args = p.parse_args(argv)
+    if not 0 <= args.warm_start_seconds < args.cpu_seconds:
+        p.error(f"--warm-start-seconds must be in [0, --cpu-seconds={args.cpu_seconds:g}), got "
+                f"{args.warm_start_seconds:g}")
+    return args
 
 
-def mode_config(base: dict, mode: str) -> dict:
+def mode_config(base: dict, mode: str, deq_max_iter: int | None = None) -> dict:
     """The preset overrides for one mode of the table."""
     grad_mode, deq = MODES[mode]
     cfg = {**base, "grad_mode": grad_mode}
     if deq is not None:
-        cfg["deq"] = {**deq, "f_max_iter": int(base.get("h_cycles", 3))}
+        cfg["deq"] = {**deq, "f_max_iter": deq_max_iter or int(base.get("h_cycles", 3))}
     return cfg
 
 
-def run_mode(args, mode: str, pool_file: Path | None) -> dict:
-    """Train one mode for the CPU budget (resuming a finished or interrupted run), then score it."""
-    out = Path(args.out) / mode
+def final_record(out: Path) -> dict:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()][-1]
+
+
+def train_run(args, out: Path, cfg: dict, cpu_seconds: float, pool_file: Path,
+              init_from: Path | None = None) -> dict:
+    """train.py for `cpu_seconds` of process CPU time (resuming a finished or interrupted run); its log's
+    final record."""
     out.mkdir(parents=True, exist_ok=True)
-    if pool_file is not None and not (out / pool_file.name).exists():
+    if not (out / pool_file.name).exists():
         shutil.copy(pool_file, out / pool_file.name)  # one generated pool for every mode
-    cfg = mode_config(json.loads(args.config), mode)
     argv = ["--out", str(out), "--task", "sudoku6", "--preset", args.preset, "--config", json.dumps(cfg),
-            "--cpu-hours", str(args.cpu_seconds / 3600), "--threads", "1", "--seed", str(args.seed),
+            "--cpu-hours", str(cpu_seconds / 3600), "--threads", "1", "--seed", str(args.seed),
             "--pool", str(args.pool), "--eval-every", str(10**9), "--checkpoint-every", "200",
             "--no-progress"]
     if (out / "checkpoint").exists():
         argv.append("--resume")
+    elif init_from is not None:
+        argv += ["--init-from", str(init_from)]
     train.main(argv)
-    final = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()][-1]
-    model = ReasonerForGridClassification.from_pretrained(out / "checkpoint")
+    return final_record(out)
+
+
+def score(args, checkpoint: Path) -> dict:
+    """Exact-solve and cell accuracy on the first --eval-size held-out puzzles at the trained budget; for a
+    "deq" mode also the last segment's solve: the share of puzzles at the tolerance and its mean f calls."""
+    model = ReasonerForGridClassification.from_pretrained(checkpoint)
     data = load_heldout("sudoku6_heldout")
+    inputs, labels = data["inputs"][:args.eval_size], data["labels"][:args.eval_size]
     t = time.process_time()
-    rates, _, _ = solve_rates(model, data["inputs"][:args.eval_size], data["labels"][:args.eval_size],
-                              model.config.halt_max_steps, "budget")
-    return {"mode": mode, "grad_mode": cfg["grad_mode"], "deq": cfg.get("deq"), "exact": rates["exact"],
-            "cells": rates["cells"], "steps": final["step"], "cpu_s": round(final["cpu_s"], 1),
-            "wall_s": round(final["wall_s"], 1), "eval_cpu_s": round(time.process_time() - t, 1)}
+    rates, _, _ = solve_rates(model, inputs, labels, model.config.halt_max_steps, "budget")
+    row = {"exact": rates["exact"], "cells": rates["cells"]}
+    if model.config.grad_mode == "deq":
+        model.set_deq(on_nonconvergence="ignore")  # measured here, not warned about
+        with torch.no_grad():
+            stats = model(torch.from_numpy(inputs.astype("int64"))).deq_stats
+        per_sample = stats.nfe_per_sample  # None where the solve keeps no per-sample count (reversible)
+        row.update(converged=round(float(stats.converged.float().mean()), 4),
+                   f_calls=round(float(stats.nfe if per_sample is None else per_sample.float().mean()), 2))
+    return {**row, "eval_cpu_s": round(time.process_time() - t, 1)}
+
+
+def run_mode(args, mode: str, pool_file: Path, warm: dict | None = None) -> dict:
+    """Train one mode for the CPU budget (after the warm-up run `warm`, if any), then score it."""
+    out = Path(args.out) / mode
+    cfg = mode_config(json.loads(args.config), mode, args.deq_max_iter)
+    if warm is None:
+        final = train_run(args, out, cfg, args.cpu_seconds, pool_file)
+        steps, cpu_s, wall_s = final["step"], final["cpu_s"], final["wall_s"]
+    else:
+        final = train_run(args, out, cfg, args.cpu_seconds - args.warm_start_seconds, pool_file,
+                          init_from=Path(args.out) / "warm-up" / "checkpoint")
+        steps, cpu_s, wall_s = (warm["step"] + final["step"], warm["cpu_s"] + final["cpu_s"],
+                                warm["wall_s"] + final["wall_s"])
+    return {"mode": mode, "grad_mode": cfg["grad_mode"], "deq": cfg.get("deq"),
+            **score(args, out / "checkpoint"), "steps": steps, "cpu_s": round(cpu_s, 1),
+            "wall_s": round(wall_s, 1)}
 
 
 def markdown(table: dict) -> str:
     """The table as Markdown (the docs and README paste this)."""
-    lines = [f"Preset `{table['preset']}` with `{table['config']}`, 6×6 Sudoku, {table['cpu_seconds']:.0f} "
-             f"training CPU-s per mode (one thread), scored on the first {table['eval_size']} held-out "
-             f"puzzles at the trained budget (halting off).", "",
-             "| mode | exact-solve % | cell accuracy % | optimizer steps | training CPU-s |",
-             "| --- | --- | --- | --- | --- |"]
+    warm, solved = table.get("warm_start_seconds"), any("converged" in r for r in table["rows"])
+    head = (f"Preset `{table['preset']}` with `{table['config']}`, 6×6 Sudoku, {table['cpu_seconds']:.0f} "
+            f"training CPU-s per mode (one thread)")
+    if warm:
+        head += (f", of which the first {warm:.0f} are one shared `last_cycle` run (row `warm-up`, scored at "
+                 f"its end) that every mode continues with a fresh optimizer")
+    if table.get("deq_max_iter"):
+        head += f"; the deq modes' forward solves run up to {table['deq_max_iter']} cycles"
+    sep = "; " if warm or table.get("deq_max_iter") else ", "
+    lines = [head + f"{sep}scored on the first {table['eval_size']} held-out puzzles at the trained budget "
+             f"(halting off).", "",
+             "| mode | exact-solve % | cell accuracy % | optimizer steps | training CPU-s |"
+             + (" last segment at tolerance % | its f calls |" if solved else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- | --- |" if solved else "")]
     for r in table["rows"]:
-        lines.append(f"| {r['mode']} | {100 * r['exact']:.1f} | {100 * r['cells']:.1f} | {r['steps']} | "
-                     f"{r['cpu_s']:.0f} |")
+        line = (f"| {r['mode']} | {100 * r['exact']:.1f} | {100 * r['cells']:.1f} | {r['steps']} | "
+                f"{r['cpu_s']:.0f} |")
+        if solved:
+            line += (f" {100 * r['converged']:.1f} | {r['f_calls']:.1f} |" if "converged" in r
+                     else " – | – |")
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -131,11 +194,19 @@ def main(argv=None) -> dict:
     pool_args = argparse.Namespace(task="sudoku6", pool=args.pool, seed=args.seed, no_progress=True)
     train.training_pool(pool_args, out)
     pool_file = out / f"pool_sudoku6_{args.pool}_{args.seed}.npz"
-    rows = []
+    rows, warm = [], None
+    if args.warm_start_seconds:
+        cfg = mode_config(json.loads(args.config), "last_cycle")
+        warm = train_run(args, out / "warm-up", cfg, args.warm_start_seconds, pool_file)
+        rows.append({"mode": "warm-up", "grad_mode": "last_cycle", "deq": None,
+                     **score(args, out / "warm-up" / "checkpoint"), "steps": warm["step"],
+                     "cpu_s": round(warm["cpu_s"], 1), "wall_s": round(warm["wall_s"], 1)})
+        print(json.dumps(rows[-1]), flush=True)
     for mode in modes:
-        rows.append(run_mode(args, mode, pool_file))
+        rows.append(run_mode(args, mode, pool_file, warm))
         print(json.dumps(rows[-1]), flush=True)
         table = {"preset": args.preset, "config": args.config, "cpu_seconds": args.cpu_seconds,
+                 "warm_start_seconds": args.warm_start_seconds, "deq_max_iter": args.deq_max_iter,
                  "eval_size": args.eval_size, "seed": args.seed, "rows": rows,
                  "command": None if argv is not None else
                  "PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/grad_modes.py "

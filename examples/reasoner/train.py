@@ -69,7 +69,8 @@ def parse(argv=None) -> argparse.Namespace:
                         "--steps")
     p.add_argument("--init-from", default=None,
                    help="start from these weights (a save_pretrained folder of the same network) with a "
-                        "fresh optimizer: a continuation whose trainer state is gone")
+                        "fresh optimizer: a continuation whose trainer state is gone, or a second stage "
+                        "under another gradient mode or halting rule")
     p.add_argument("--pool", type=int, default=5000, help="puzzles generated for training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -207,6 +208,17 @@ def load_state(out: Path, opt) -> tuple[dict, int, dict]:
     return slots, int(meta["step"]), json.loads(meta["info"])
 
 
+# Config keys that do not describe the network: what save_pretrained adds, and how the network is trained
+# and halted (a second stage may switch gradient mode, as a DEQ warm-started by unrolled training does).
+NOT_THE_NETWORK = frozenset({"dtype", "transformers_version", "_name_or_path", "grad_mode", "deq", "halting",
+                             "halt_tol", "halt_patience"})
+
+
+def network_keys(config) -> dict:
+    """The config's entries that make two checkpoints the same network run on the same schedule."""
+    return {k: v for k, v in config.to_dict().items() if k not in NOT_THE_NETWORK}
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     if args.nice:
@@ -224,10 +236,7 @@ def main(argv=None) -> None:
         model = ReasonerForGridClassification(cfg)
         if args.init_from:
             start = ReasonerForGridClassification.from_pretrained(args.init_from)
-            # keys save_pretrained writes that do not describe the network
-            saved = {"dtype", "transformers_version", "_name_or_path"}
-            if ({k: v for k, v in start.config.to_dict().items() if k not in saved}
-                    != {k: v for k, v in cfg.to_dict().items() if k not in saved}):
+            if network_keys(start.config) != network_keys(cfg):
                 raise SystemExit(f"--init-from {args.init_from}: its config.json is not this run's network")
             model.load_state_dict(start.state_dict())
     model.train()
