@@ -161,7 +161,7 @@ def markdown(table: dict) -> str:
     head = (f"Preset `{table['preset']}` with `{table['config']}`, 6×6 Sudoku, {table['cpu_seconds']:.0f} "
             f"training CPU-s per mode (one thread)")
     if warm:
-        head += (f", of which the first {warm:.0f} are one shared `last_cycle` run (row `warm-up`, scored at "
+        head += (f", of which the first {warm:g} are one shared `last_cycle` run (row `warm-up`, scored at "
                  f"its end) that every mode continues with a fresh optimizer")
     if table.get("deq_max_iter"):
         head += f"; the deq modes' forward solves run up to {table['deq_max_iter']} cycles"

@@ -234,6 +234,33 @@ def test_grad_mode_configs_are_distinct_and_valid():
     assert len(seen) == len(grad_modes.MODES)
 
 
+def test_warm_started_modes_continue_one_shared_run_within_the_same_cpu_budget(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        table = grad_modes.main(["--out", str(tmp_path), "--modes", "ift", "--cpu-seconds", "1.0",
+                                 "--warm-start-seconds", "0.5", "--deq-max-iter", "3", "--pool", "30",
+                                 "--eval-size", "10", "--config", json.dumps(
+                                     {"h_cycles": 2, "l_cycles": 2, "hidden_size": 16, "num_heads": 2})])
+    finally:
+        torch.set_num_threads(threads)
+    warm, ift = table["rows"]
+    assert (warm["mode"], ift["mode"]) == ("warm-up", "ift")
+    run = json.loads((tmp_path / "ift" / "run.json").read_text())
+    assert run["args"]["init_from"] == str(tmp_path / "warm-up" / "checkpoint")
+    assert run["config"]["grad_mode"] == "deq" and run["config"]["deq"]["f_max_iter"] == 3
+    warm_log = grad_modes.final_record(tmp_path / "warm-up")
+    own_log = grad_modes.final_record(tmp_path / "ift")
+    assert warm["steps"] == warm_log["step"] > 0 and ift["steps"] == warm_log["step"] + own_log["step"]
+    assert ift["cpu_s"] == pytest.approx(warm_log["cpu_s"] + own_log["cpu_s"], abs=0.1)
+    assert 1.0 <= ift["f_calls"] <= 3.0 and 0.0 <= ift["converged"] <= 1.0  # the forward cap held
+    assert "converged" not in warm
+    rows = grad_modes.markdown(table).splitlines()
+    assert "the first 0.5 are one shared" in rows[0] and "up to 3 cycles" in rows[0]
+    assert rows[4].startswith("| warm-up |") and rows[4].endswith("| – | – |")
+    with pytest.raises(SystemExit):
+        grad_modes.parse(["--out", "x", "--cpu-seconds", "10", "--warm-start-seconds", "10"])
+
+
 @pytest.mark.parametrize("name", ["examples.reasoner.sudoku", "examples.reasoner.sudoku9"])
 def test_docstring_examples(name):
     import doctest

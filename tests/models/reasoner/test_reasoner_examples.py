@@ -152,6 +152,14 @@ def test_init_from_starts_a_new_run_at_those_weights_and_refuses_another_network
     with pytest.raises(SystemExit, match="is not this run's network"):
         train.main(["--out", str(tmp_path / "c"), "--steps", "1", "--model", "twin",
                     "--init-from", str(tmp_path / "a" / "checkpoint"), *ARGS])
+    # another gradient mode is the same network: a DEQ stage warm-started by unrolled training
+    stage2 = {**json.loads(ARGS[ARGS.index("--config") + 1]), "grad_mode": "deq", "deq": {"f_max_iter": 4}}
+    train.main(["--out", str(tmp_path / "d"), "--steps", "0",
+                "--init-from", str(tmp_path / "a" / "checkpoint"), *ARGS, "--config", json.dumps(stage2)])
+    d = ReasonerForGridClassification.from_pretrained(tmp_path / "d" / "checkpoint")
+    assert d.config.grad_mode == "deq" and d.config.deq["f_max_iter"] == 4
+    for (name, p), q in zip(a.state_dict().items(), d.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("name", ["deqzoo.models.reasoner.configuration_reasoner",
