@@ -384,17 +384,28 @@ def bar(report: dict, twin_report: dict | None, run: Run, twin: Run | None,
     return "\n".join(out)
 
 
-def grad_mode_section(table: dict | None) -> str:
-    if not table:
+def grad_mode_section(tables: list[dict]) -> str:
+    """grad_modes.py's tables as one card section, each said with how its deq modes ran."""
+    if not tables:
         return ""
     from examples.reasoner.grad_modes import markdown
 
-    return (f"## Gradient modes at equal training CPU time ({table['cpu_seconds']:g} CPU-s each)\n\n"
-            "`examples/reasoner/grad_modes.py`: the same preset and data stream trained for the same CPU "
-            "seconds under each gradient mode, one thread. It says which modes train this small reasoner "
-            "within that budget, not which is best at convergence; the \"deq\" modes (IFT, phantom, "
-            "reversible) run 2 forward iterations, so IFT's gradient is taken far from a fixed point.\n\n"
-            + markdown(table) + "\n")
+    out = ["## Gradient modes at equal training CPU time", "",
+           "`examples/reasoner/grad_modes.py`: the same preset and data stream trained for the same CPU "
+           "seconds under each gradient mode, one thread. A table says which modes train this small reasoner "
+           "within its budget, not which is best at convergence.", ""]
+    for table in tables:
+        cycles = table.get("deq_max_iter") or json.loads(table["config"]).get("h_cycles", 3)
+        if table.get("warm_start_seconds"):
+            how = (f"**Warm-started** ({table['cpu_seconds']:g} CPU-s each): every mode continues one shared "
+                   f"`last_cycle` run of {table['warm_start_seconds']:g} CPU-s, as DEQs are usually trained, "
+                   f"the \"deq\" modes solving up to {cycles} cycles forward.")
+        else:
+            how = (f"**From a random start** ({table['cpu_seconds']:g} CPU-s each): the \"deq\" modes (IFT, "
+                   f"phantom, reversible) solve up to {cycles} cycles forward, so IFT's gradient is taken "
+                   f"far from a fixed point.")
+        out += [how, "", markdown(table)]
+    return "\n".join(out) + "\n"
 
 
 # -------------------------------------------------------------------------------------------------- card
@@ -430,7 +441,7 @@ GRAD_MODE_TEXT = {
 
 
 def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other_name: str | None,
-              other_run: Run | None, other_report: dict | None, grad_modes: dict | None,
+              other_run: Run | None, other_report: dict | None, grad_modes: list[dict],
               other_budgets: list[dict] = (), other_twins: list[dict] = (),
               bar_cpu_hours: float = 0.5) -> Path:
     from deqzoo.models.reasoner import ReasonerForGridClassification
@@ -557,7 +568,7 @@ def write_one(dest: Path, *, name: str, run: Run, report: dict, role: str, other
                         f"--heldout {heldout} --multiples {','.join(map(str, MULTIPLES))} "
                         f"--halting {halting} > runs/{short}_eval.json")
     sections += ["```", ""]
-    sections += [grad_mode_section(grad_modes)] if grad_modes else []
+    sections += [grad_mode_section(grad_modes)] if grad_modes else []  # the reasoner's card only
     sections += ["## Published reasoners", "", PAPERS.format(n=n), "",
                  "## Use", "", "```python", "import torch", "import deqzoo",
                  "from examples.reasoner.puzzles import load_heldout", "",
@@ -603,7 +614,8 @@ def main(argv=None) -> list[Path]:
     p.add_argument("--twin-run", default=None)
     p.add_argument("--twin-checkpoint", default=None)
     p.add_argument("--twin-eval", default=None, action="append")
-    p.add_argument("--grad-modes", default=None, help="grad_modes.py's grad_modes.json")
+    p.add_argument("--grad-modes", default=[], action="append", help="grad_modes.py's grad_modes.json "
+                   "(repeatable: one table each)")
     p.add_argument("--other-budget", default=[], action="append", help="evaluate.py's JSON of a reasoner "
                    "trained at another segment budget (repeatable): a table in the reasoner's card")
     p.add_argument("--other-twin", default=[], action="append", help="evaluate.py's JSON of the twin "
@@ -634,7 +646,7 @@ def main(argv=None) -> list[Path]:
     if args.twin_name:
         twin = Run(args.twin_run, args.twin_checkpoint, args.twin_init_log, args.counters_from_log)
         twin_report = load_report(args.twin_eval, twin, allow_subset=args.allow_subset)
-    grad_modes = json.loads(Path(args.grad_modes).read_text()) if args.grad_modes else None
+    grad_modes = [json.loads(Path(g).read_text()) for g in args.grad_modes]
     written = [write_one(dests[0], name=args.name, run=run, report=report, role="reasoner",
                          other_name=args.twin_name, other_run=twin, other_report=twin_report,
                          grad_modes=grad_modes,
@@ -644,7 +656,7 @@ def main(argv=None) -> list[Path]:
     if twin is not None:
         written.append(write_one(dests[1], name=args.twin_name, run=twin, report=twin_report, role="twin",
                                  other_name=args.name, other_run=run, other_report=report,
-                                 grad_modes=None))
+                                 grad_modes=[]))
     for path in written:
         print(f"wrote {path.parent}")
     return written
