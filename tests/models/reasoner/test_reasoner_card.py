@@ -266,13 +266,15 @@ def test_the_published_card_gives_the_committed_gradient_mode_tables_as_the_writ
 
     root = Path(__file__).resolve().parents[3]
     tables = [json.loads((root / "examples/reasoner/results" / f"{n}.json").read_text())
-              for n in ("grad_modes_300s", "grad_modes_warm_300s")]
+              for n in ("grad_modes_300s", "grad_modes_warm_300s", "grad_modes_warm32_300s")]
     section = write_card.grad_mode_section(tables)
     card = (root / "model_cards/trm-sudoku6/README.md").read_text()
     assert section in card
     assert "**From a random start** (300 CPU-s each)" in section and "up to 2 cycles" in section
     assert "run of 150 CPU-s" in section and "up to 8 cycles forward" in section
     assert "| ift | 85.8 | 95.6 | 1521 | 300 | 74.6 | 2.8 |" in section  # from the warm JSON's row
+    assert "up to 32 cycles forward" in section
+    assert "| ift | 83.8 | 96.6 | 1399 | 301 | 85.4 | 5.5 |" in section
     assert write_card.grad_mode_section([]) == ""
 
 
