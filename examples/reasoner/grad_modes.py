@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a file: the clone's root first, so `exam
 
 import torch
 
+from deqzoo.core.solvers import SOLVERS
 from deqzoo.models.reasoner import ReasonerForGridClassification
 from examples.reasoner import train
 from examples.reasoner.evaluate import solve_rates
@@ -80,19 +81,30 @@ def parse(argv=None) -> argparse.Namespace:
                    help="train last_cycle for this many CPU-s first and start every mode from it")
     p.add_argument("--deq-max-iter", type=int, default=None,
                    help="the deq modes' forward cycles at most (default: h_cycles)")
+    p.add_argument("--ift-adjoint", default=None, metavar="SOLVER:MAX_ITER",
+                   help="IFT's adjoint solve (default: fixed_point:8, to 1e-4)")
     args = p.parse_args(argv)
+    if args.ift_adjoint is not None:
+        solver, _, max_iter = args.ift_adjoint.partition(":")
+        if solver not in SOLVERS or not max_iter.isdigit() or int(max_iter) < 1:
+            p.error(f"--ift-adjoint: expected SOLVER:MAX_ITER, SOLVER one of {', '.join(sorted(SOLVERS))} "
+                    f"and MAX_ITER >= 1, got {args.ift_adjoint!r}")
     if not 0 <= args.warm_start_seconds < args.cpu_seconds:
         p.error(f"--warm-start-seconds must be in [0, --cpu-seconds={args.cpu_seconds:g}), got "
                 f"{args.warm_start_seconds:g}")
     return args
 
 
-def mode_config(base: dict, mode: str, deq_max_iter: int | None = None) -> dict:
+def mode_config(base: dict, mode: str, deq_max_iter: int | None = None,
+                ift_adjoint: str | None = None) -> dict:
     """The preset overrides for one mode of the table."""
     grad_mode, deq = MODES[mode]
     cfg = {**base, "grad_mode": grad_mode}
     if deq is not None:
         cfg["deq"] = {**deq, "f_max_iter": deq_max_iter or int(base.get("h_cycles", 3))}
+    if mode == "ift" and ift_adjoint:
+        solver, _, max_iter = ift_adjoint.partition(":")
+        cfg["deq"].update(b_solver=solver, b_max_iter=int(max_iter))
     return cfg
 
 
@@ -141,7 +153,7 @@ def score(args, checkpoint: Path) -> dict:
 def run_mode(args, mode: str, pool_file: Path, warm: dict | None = None) -> dict:
     """Train one mode for the CPU budget (after the warm-up run `warm`, if any), then score it."""
     out = Path(args.out) / mode
-    cfg = mode_config(json.loads(args.config), mode, args.deq_max_iter)
+    cfg = mode_config(json.loads(args.config), mode, args.deq_max_iter, args.ift_adjoint)
     if warm is None:
         final = train_run(args, out, cfg, args.cpu_seconds, pool_file)
         steps, cpu_s, wall_s = final["step"], final["cpu_s"], final["wall_s"]
@@ -165,7 +177,10 @@ def markdown(table: dict) -> str:
                  f"its end) that every mode continues with a fresh optimizer")
     if table.get("deq_max_iter"):
         head += f"; the deq modes' forward solves run up to {table['deq_max_iter']} cycles"
-    sep = "; " if warm or table.get("deq_max_iter") else ", "
+    if table.get("ift_adjoint"):
+        solver, _, max_iter = table["ift_adjoint"].partition(":")
+        head += f"; IFT's adjoint solve runs up to {max_iter} {solver} steps"
+    sep = "; " if warm or table.get("deq_max_iter") or table.get("ift_adjoint") else ", "
     lines = [head + f"{sep}scored on the first {table['eval_size']} held-out puzzles at the trained budget "
              f"(halting off).", "",
              "| mode | exact-solve % | cell accuracy % | optimizer steps | training CPU-s |"
@@ -207,6 +222,7 @@ def main(argv=None) -> dict:
         print(json.dumps(rows[-1]), flush=True)
         table = {"preset": args.preset, "config": args.config, "cpu_seconds": args.cpu_seconds,
                  "warm_start_seconds": args.warm_start_seconds, "deq_max_iter": args.deq_max_iter,
+                 "ift_adjoint": args.ift_adjoint,
                  "eval_size": args.eval_size, "seed": args.seed, "rows": rows,
                  "command": None if argv is not None else
                  "PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 19 python examples/reasoner/grad_modes.py "
