@@ -399,7 +399,9 @@ def grad_mode_section(tables: list[dict]) -> str:
         if table.get("warm_start_seconds"):
             how = (f"**Warm-started** ({table['cpu_seconds']:g} CPU-s each): every mode continues one shared "
                    f"`last_cycle` run of {table['warm_start_seconds']:g} CPU-s, as DEQs are usually trained, "
-                   f"the \"deq\" modes solving up to {cycles} cycles forward.")
+                   f"the \"deq\" modes solving up to {cycles} cycles forward"
+                   + (f", IFT's adjoint by {table['ift_adjoint'].replace(':', ' in up to ')} steps."
+                      if table.get("ift_adjoint") else "."))
         else:
             how = (f"**From a random start** ({table['cpu_seconds']:g} CPU-s each): the \"deq\" modes (IFT, "
                    f"phantom, reversible) solve up to {cycles} cycles forward, so IFT's gradient is taken "

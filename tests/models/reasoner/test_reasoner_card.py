@@ -234,6 +234,24 @@ def test_grad_mode_configs_are_distinct_and_valid():
     assert len(seen) == len(grad_modes.MODES)
 
 
+def test_ift_adjoint_option_sets_the_ift_rows_backward_solve_only():
+    base = {"h_cycles": 2, "l_cycles": 2}
+    ift = grad_modes.mode_config(base, "ift", 32, "anderson:64")["deq"]
+    assert (ift["b_solver"], ift["b_max_iter"], ift["f_max_iter"]) == ("anderson", 64, 32)
+    assert ift["b_mode"] == "ift"
+    assert grad_modes.mode_config(base, "phantom", 32, "anderson:64")["deq"] == \
+        grad_modes.mode_config(base, "phantom", 32)["deq"]
+    assert grad_modes.mode_config(base, "ift")["deq"]["b_max_iter"] == 8  # the tables' default adjoint
+    for bad in ("newton:5", "anderson", "anderson:0"):
+        with pytest.raises(SystemExit):
+            grad_modes.parse(["--out", "x", "--ift-adjoint", bad])
+    table = {"preset": "p", "config": "{}", "cpu_seconds": 300, "eval_size": 5, "warm_start_seconds": 150,
+             "deq_max_iter": 32, "ift_adjoint": "anderson:64",
+             "rows": [{"mode": "ift", "exact": 0.5, "cells": 0.9, "steps": 3, "cpu_s": 300.0}]}
+    assert "IFT's adjoint solve runs up to 64 anderson steps" in grad_modes.markdown(table)
+    assert "IFT's adjoint by anderson in up to 64 steps." in write_card.grad_mode_section([table])
+
+
 def test_warm_started_modes_continue_one_shared_run_within_the_same_cpu_budget(tmp_path):
     threads = torch.get_num_threads()
     try:
