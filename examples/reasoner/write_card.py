@@ -396,16 +396,17 @@ def grad_mode_section(tables: list[dict]) -> str:
            "within its budget, not which is best at convergence.", ""]
     for table in tables:
         cycles = table.get("deq_max_iter") or json.loads(table["config"]).get("h_cycles", 3)
+        ift = next((r["deq"] for r in table["rows"] if r["mode"] == "ift"), None)
+        adjoint = (f"; IFT's adjoint solve: up to {ift['b_max_iter']} {ift['b_solver']} steps to "
+                   f"{ift['b_tol']:g}" if ift else "")
         if table.get("warm_start_seconds"):
             how = (f"**Warm-started** ({table['cpu_seconds']:g} CPU-s each): every mode continues one shared "
                    f"`last_cycle` run of {table['warm_start_seconds']:g} CPU-s, as DEQs are usually trained, "
-                   f"the \"deq\" modes solving up to {cycles} cycles forward"
-                   + (f", IFT's adjoint by {table['ift_adjoint'].replace(':', ' in up to ')} steps."
-                      if table.get("ift_adjoint") else "."))
+                   f"the \"deq\" modes solving up to {cycles} cycles forward{adjoint}.")
         else:
             how = (f"**From a random start** ({table['cpu_seconds']:g} CPU-s each): the \"deq\" modes (IFT, "
                    f"phantom, reversible) solve up to {cycles} cycles forward, so IFT's gradient is taken "
-                   f"far from a fixed point.")
+                   f"far from a fixed point{adjoint}.")
         out += [how, "", markdown(table)]
     return "\n".join(out) + "\n"
 

@@ -247,9 +247,10 @@ def test_ift_adjoint_option_sets_the_ift_rows_backward_solve_only():
             grad_modes.parse(["--out", "x", "--ift-adjoint", bad])
     table = {"preset": "p", "config": "{}", "cpu_seconds": 300, "eval_size": 5, "warm_start_seconds": 150,
              "deq_max_iter": 32, "ift_adjoint": "anderson:64",
-             "rows": [{"mode": "ift", "exact": 0.5, "cells": 0.9, "steps": 3, "cpu_s": 300.0}]}
+             "rows": [{"mode": "ift", "exact": 0.5, "cells": 0.9, "steps": 3, "cpu_s": 300.0,
+                       "deq": grad_modes.mode_config(base, "ift", 32, "anderson:64")["deq"]}]}
     assert "IFT's adjoint solve runs up to 64 anderson steps" in grad_modes.markdown(table)
-    assert "IFT's adjoint by anderson in up to 64 steps." in write_card.grad_mode_section([table])
+    assert "IFT's adjoint solve: up to 64 anderson steps to 0.0001." in write_card.grad_mode_section([table])
 
 
 def test_warm_started_modes_continue_one_shared_run_within_the_same_cpu_budget(tmp_path):
@@ -284,7 +285,8 @@ def test_the_published_card_gives_the_committed_gradient_mode_tables_as_the_writ
 
     root = Path(__file__).resolve().parents[3]
     tables = [json.loads((root / "examples/reasoner/results" / f"{n}.json").read_text())
-              for n in ("grad_modes_300s", "grad_modes_warm_300s", "grad_modes_warm32_300s")]
+              for n in ("grad_modes_300s", "grad_modes_warm_300s", "grad_modes_warm32_300s",
+                        "grad_modes_warm32_adjoint_300s")]
     section = write_card.grad_mode_section(tables)
     card = (root / "model_cards/trm-sudoku6/README.md").read_text()
     assert section in card
@@ -293,6 +295,9 @@ def test_the_published_card_gives_the_committed_gradient_mode_tables_as_the_writ
     assert "| ift | 85.8 | 95.6 | 1521 | 300 | 74.6 | 2.8 |" in section  # from the warm JSON's row
     assert "up to 32 cycles forward" in section
     assert "| ift | 83.8 | 96.6 | 1399 | 301 | 85.4 | 5.5 |" in section
+    assert section.count("IFT's adjoint solve: up to 8 fixed_point steps to 0.0001") == 3
+    assert "IFT's adjoint solve: up to 64 anderson steps to 0.0001." in section
+    assert "| ift | 95.0 | 98.3 | 1324 | 302 | 95.2 | 2.5 |" in section
     assert write_card.grad_mode_section([]) == ""
 
 
