@@ -23,15 +23,18 @@ from examples.reasoner.puzzles import HELDOUT, load_heldout
 
 @torch.no_grad()
 def solve_rates(model, inputs: np.ndarray, labels: np.ndarray, segments: int, halting: str,
-                batch: int = 250) -> tuple[dict, torch.Tensor, torch.Tensor]:
+                batch: int = 250, solves: list | None = None) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """({"exact", "cells", "segments"}, answers, segments run per puzzle) over the set at a budget of
-    `segments` with the rule `halting`."""
+    `segments` with the rule `halting`; `solves`, if given, receives each batch's last-segment solve
+    statistics (``deq_stats``, grad_mode "deq")."""
     model.eval()
     solved, cells, steps, answers = [], [], [], []
     for i in range(0, len(inputs), batch):
         x = torch.from_numpy(inputs[i:i + batch].astype(np.int64))
         y = torch.from_numpy(labels[i:i + batch].astype(np.int64))
         out = model(x, num_segments=segments, halting=halting)
+        if solves is not None:
+            solves.append(out.deq_stats)
         solved.append(exact_solved(out.logits, y))
         cells.append((out.logits.argmax(-1) == y).float().mean(1))
         steps.append(out.steps)

@@ -85,14 +85,23 @@ def parse(argv=None) -> argparse.Namespace:
                    help="IFT's adjoint solve (default: fixed_point:8, to 1e-4)")
     args = p.parse_args(argv)
     if args.ift_adjoint is not None:
-        solver, _, max_iter = args.ift_adjoint.partition(":")
-        if solver not in SOLVERS or not max_iter.isdigit() or int(max_iter) < 1:
-            p.error(f"--ift-adjoint: expected SOLVER:MAX_ITER, SOLVER one of {', '.join(sorted(SOLVERS))} "
-                    f"and MAX_ITER >= 1, got {args.ift_adjoint!r}")
+        try:
+            adjoint_solve(args.ift_adjoint)
+        except ValueError as e:
+            p.error(f"--ift-adjoint: {e}")
     if not 0 <= args.warm_start_seconds < args.cpu_seconds:
         p.error(f"--warm-start-seconds must be in [0, --cpu-seconds={args.cpu_seconds:g}), got "
                 f"{args.warm_start_seconds:g}")
     return args
+
+
+def adjoint_solve(spec: str) -> tuple[str, int]:
+    """"SOLVER:MAX_ITER" (``--ift-adjoint``) as (solver, max_iter), the solver one the engine registers."""
+    solver, _, max_iter = spec.partition(":")
+    if solver not in SOLVERS or not max_iter.isdigit() or int(max_iter) < 1:
+        raise ValueError(f"expected SOLVER:MAX_ITER, SOLVER one of {', '.join(sorted(SOLVERS))} and "
+                         f"MAX_ITER >= 1, got {spec!r}")
+    return solver, int(max_iter)
 
 
 def mode_config(base: dict, mode: str, deq_max_iter: int | None = None,
@@ -103,8 +112,8 @@ def mode_config(base: dict, mode: str, deq_max_iter: int | None = None,
     if deq is not None:
         cfg["deq"] = {**deq, "f_max_iter": deq_max_iter or int(base.get("h_cycles", 3))}
     if mode == "ift" and ift_adjoint:
-        solver, _, max_iter = ift_adjoint.partition(":")
-        cfg["deq"].update(b_solver=solver, b_max_iter=int(max_iter))
+        solver, max_iter = adjoint_solve(ift_adjoint)
+        cfg["deq"].update(b_solver=solver, b_max_iter=max_iter)
     return cfg
 
 
@@ -137,16 +146,17 @@ def score(args, checkpoint: Path) -> dict:
     model = ReasonerForGridClassification.from_pretrained(checkpoint)
     data = load_heldout("sudoku6_heldout")
     inputs, labels = data["inputs"][:args.eval_size], data["labels"][:args.eval_size]
-    t = time.process_time()
-    rates, _, _ = solve_rates(model, inputs, labels, model.config.halt_max_steps, "budget")
-    row = {"exact": rates["exact"], "cells": rates["cells"]}
-    if model.config.grad_mode == "deq":
+    deq = model.config.grad_mode == "deq"
+    if deq:
         model.set_deq(on_nonconvergence="ignore")  # measured here, not warned about
-        with torch.no_grad():
-            stats = model(torch.from_numpy(inputs.astype("int64"))).deq_stats
-        per_sample = stats.nfe_per_sample  # None where the solve keeps no per-sample count (reversible)
-        row.update(converged=round(float(stats.converged.float().mean()), 4),
-                   f_calls=round(float(stats.nfe if per_sample is None else per_sample.float().mean()), 2))
+    t, solves = time.process_time(), []
+    rates, _, _ = solve_rates(model, inputs, labels, model.config.halt_max_steps, "budget", solves=solves)
+    row = {"exact": rates["exact"], "cells": rates["cells"]}
+    if deq:  # per batch; nfe_per_sample is None where a solve keeps no per-sample count (reversible)
+        calls = [s.nfe_per_sample.float() if s.nfe_per_sample is not None
+                 else torch.full(s.converged.shape, float(s.nfe)) for s in solves]
+        row.update(converged=round(float(torch.cat([s.converged for s in solves]).float().mean()), 4),
+                   f_calls=round(float(torch.cat(calls).mean()), 2))
     return {**row, "eval_cpu_s": round(time.process_time() - t, 1)}
 
 
@@ -178,7 +188,7 @@ def markdown(table: dict) -> str:
     if table.get("deq_max_iter"):
         head += f"; the deq modes' forward solves run up to {table['deq_max_iter']} cycles"
     if table.get("ift_adjoint"):
-        solver, _, max_iter = table["ift_adjoint"].partition(":")
+        solver, max_iter = adjoint_solve(table["ift_adjoint"])
         head += f"; IFT's adjoint solve runs up to {max_iter} {solver} steps"
     sep = "; " if warm or table.get("deq_max_iter") or table.get("ift_adjoint") else ", "
     lines = [head + f"{sep}scored on the first {table['eval_size']} held-out puzzles at the trained budget "

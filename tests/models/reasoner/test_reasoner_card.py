@@ -272,6 +272,17 @@ def test_warm_started_modes_continue_one_shared_run_within_the_same_cpu_budget(t
     assert warm["steps"] == warm_log["step"] > 0 and ift["steps"] == warm_log["step"] + own_log["step"]
     assert ift["cpu_s"] == pytest.approx(warm_log["cpu_s"] + own_log["cpu_s"], abs=0.1)
     assert 1.0 <= ift["f_calls"] <= 3.0 and 0.0 <= ift["converged"] <= 1.0  # the forward cap held
+    # the row's solve figures are those of one direct call on the scored puzzles
+    from deqzoo.models.reasoner import ReasonerForGridClassification
+    from examples.reasoner.puzzles import load_heldout
+
+    model = ReasonerForGridClassification.from_pretrained(tmp_path / "ift" / "checkpoint").eval()
+    model.set_deq(on_nonconvergence="ignore")
+    scored = torch.from_numpy(load_heldout("sudoku6_heldout")["inputs"][:10].astype("int64"))
+    with torch.no_grad():
+        stats = model(scored).deq_stats
+    assert ift["converged"] == round(float(stats.converged.float().mean()), 4)
+    assert ift["f_calls"] == round(float(stats.nfe_per_sample.float().mean()), 2)
     assert "converged" not in warm
     rows = grad_modes.markdown(table).splitlines()
     assert "the first 0.5 are one shared" in rows[0] and "up to 3 cycles" in rows[0]
